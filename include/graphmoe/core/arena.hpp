@@ -1,0 +1,90 @@
+// graphmoe/core/arena.hpp: all parameters of a model in one buffer, all gradients in another.
+//
+// Two phases. First, layers declare their parameters with add(name, shape). Then allocate()
+// makes one zero-filled buffer for the values and one for the gradients, and value(name) /
+// grad(name) return named views into them. One flat buffer makes the optimizer step, gradient
+// clipping, zero_grad and checkpointing single loops over contiguous memory (llm.c's layout).
+// Every parameter starts at a multiple of kAlign elements, so each view is SIMD-aligned.
+#pragma once
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+struct ParameterInfo {
+  std::string name;
+  Shape shape;
+  index_t offset = 0;  // in elements, from the start of the buffer
+};
+
+template <class T, class B = cpu>
+class ParameterArena {
+ public:
+  static constexpr index_t kAlign = 16;
+
+  // Declares a parameter; returns its index. Names must be unique.
+  index_t add(const std::string& name, const Shape& shape) {
+    GRAPHMOE_CHECK(!allocated(), "ParameterArena::add", "cannot add '", name,
+                   "' after allocate()");
+    GRAPHMOE_CHECK(!name.empty(), "ParameterArena::add", "parameter name is empty");
+    GRAPHMOE_CHECK(index_.find(name) == index_.end(), "ParameterArena::add",
+                   "duplicate parameter name '", name, "'");
+    const index_t id = static_cast<index_t>(params_.size());
+    params_.push_back({name, shape, size_});
+    size_ += (shape.numel() + kAlign - 1) / kAlign * kAlign;
+    index_[name] = id;
+    return id;
+  }
+
+  void allocate() {
+    GRAPHMOE_CHECK(!allocated(), "ParameterArena::allocate", "already allocated");
+    values_ = Tensor<T, B>(Shape{size_});
+    grads_ = Tensor<T, B>(Shape{size_});
+  }
+  bool allocated() const { return !values_.empty(); }
+
+  index_t size() const { return static_cast<index_t>(params_.size()); }
+  // Number of scalar parameters (without the alignment padding).
+  index_t numel() const {
+    index_t n = 0;
+    for (const auto& p : params_) n += p.shape.numel();
+    return n;
+  }
+  const std::vector<ParameterInfo>& params() const { return params_; }
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  index_t find(const std::string& name) const {
+    auto it = index_.find(name);
+    GRAPHMOE_CHECK(it != index_.end(), "ParameterArena::find", "no parameter named '", name, "'");
+    return it->second;
+  }
+
+  Tensor<T, B> value(index_t id) const { return view_of(values_, id, "value"); }
+  Tensor<T, B> grad(index_t id) const { return view_of(grads_, id, "grad"); }
+  Tensor<T, B> value(const std::string& name) const { return value(find(name)); }
+  Tensor<T, B> grad(const std::string& name) const { return grad(find(name)); }
+
+  // The whole buffers, padding included (padding stays zero).
+  const Tensor<T, B>& values() const { return values_; }
+  const Tensor<T, B>& grads() const { return grads_; }
+  void zero_grad() { grads_.zero(); }
+
+ private:
+  Tensor<T, B> view_of(const Tensor<T, B>& buffer, index_t id, const char* what) const {
+    GRAPHMOE_CHECK(allocated(), "ParameterArena", "call allocate() before taking a ", what);
+    GRAPHMOE_CHECK(0 <= id && id < size(), "ParameterArena", "parameter index ", id,
+                   " out of range (", size(), " parameters)");
+    const ParameterInfo& p = params_[static_cast<std::size_t>(id)];
+    return buffer.slice(p.offset, p.offset + p.shape.numel()).view(p.shape);
+  }
+
+  std::vector<ParameterInfo> params_;
+  std::unordered_map<std::string, index_t> index_;
+  index_t size_ = 0;
+  Tensor<T, B> values_, grads_;
+};
+
+}  // namespace graphmoe

@@ -1,0 +1,207 @@
+// graphmoe/core/tensor.hpp: Tensor<T, Backend>, a contiguous row-major array with a shape.
+//
+// A Tensor is a handle: copying it shares the storage (as torch.Tensor and std::shared_ptr do);
+// clone() makes a deep copy. view() and slice() return handles onto the same storage. There are no
+// strides: every tensor is contiguous, which is all the library's ops need and keeps every kernel
+// a plain loop or a GEMM.
+//
+// Storage comes from backend_allocator<Backend>: 64-byte aligned host memory for graphmoe::cpu.
+#pragma once
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "graphmoe/config.hpp"
+#include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/shape.hpp"
+
+namespace graphmoe {
+
+template <class B>
+struct backend_allocator;
+
+template <>
+struct backend_allocator<cpu> {
+  static constexpr std::size_t kAlignment = 64;
+  static void* allocate(std::size_t bytes) {
+    std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+    if (p == nullptr) throw std::bad_alloc();
+    return p;
+  }
+  static void deallocate(void* p) noexcept { std::free(p); }
+  static void zero(void* p, std::size_t bytes) { std::memset(p, 0, bytes); }
+  static void copy(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+};
+
+template <class T, class B = cpu>
+class Tensor {
+  static_assert(std::is_trivially_copyable_v<T>, "graphmoe::Tensor: T must be trivially copyable");
+
+ public:
+  using value_type = T;
+  using backend_type = B;
+  using Alloc = backend_allocator<B>;
+
+  Tensor() = default;
+  // Allocates and zero-fills.
+  explicit Tensor(const Shape& shape) : shape_(shape) {
+    const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * sizeof(T);
+    T* p = static_cast<T*>(Alloc::allocate(bytes));
+    storage_ = std::shared_ptr<T>(p, [](T* q) { Alloc::deallocate(q); });
+    data_ = p;
+    Alloc::zero(p, bytes);
+  }
+  // A non-owning view onto memory that the caller keeps alive (e.g. an Eigen matrix).
+  static Tensor borrow(T* data, const Shape& shape) {
+    Tensor t;
+    t.data_ = data;
+    t.shape_ = shape;
+    return t;
+  }
+
+  static Tensor zeros(const Shape& shape) { return Tensor(shape); }
+  static Tensor full(const Shape& shape, T value)
+    requires std::same_as<B, cpu>
+  {
+    Tensor t(shape);
+    t.fill(value);
+    return t;
+  }
+  static Tensor from(const Shape& shape, const std::vector<T>& values)
+    requires std::same_as<B, cpu>
+  {
+    GRAPHMOE_CHECK(static_cast<index_t>(values.size()) == shape.numel(), "Tensor::from",
+                   values.size(), " values given for shape ", shape, " (", shape.numel(),
+                   " elements)");
+    Tensor t(shape);
+    std::copy(values.begin(), values.end(), t.data());
+    return t;
+  }
+
+  const Shape& shape() const { return shape_; }
+  int rank() const { return shape_.rank(); }
+  index_t dim(int i) const { return shape_.dim(i); }
+  index_t numel() const { return shape_.numel(); }
+  index_t rows() const { return shape_.rows(); }
+  index_t cols() const { return shape_.cols(); }
+  bool empty() const { return data_ == nullptr; }
+  std::size_t bytes() const { return static_cast<std::size_t>(numel()) * sizeof(T); }
+  T* data() const { return data_; }
+
+  // Same storage, new shape with the same number of elements.
+  Tensor view(const Shape& shape) const {
+    GRAPHMOE_CHECK(shape.numel() == numel(), "Tensor::view", "cannot view a tensor of shape ",
+                   shape_, " as ", shape);
+    Tensor t = *this;
+    t.shape_ = shape;
+    return t;
+  }
+  // Rows [begin, end) along dimension 0, sharing storage.
+  Tensor slice(index_t begin, index_t end) const {
+    GRAPHMOE_CHECK(rank() >= 1, "Tensor::slice", "cannot slice a scalar");
+    GRAPHMOE_CHECK(0 <= begin && begin <= end && end <= shape_[0], "Tensor::slice", "range [",
+                   begin, ", ", end, ") out of bounds for shape ", shape_);
+    Tensor t = *this;
+    const index_t inner = shape_[0] == 0 ? 0 : numel() / shape_[0];
+    t.data_ = data_ + begin * inner;
+    std::vector<index_t> dims(shape_.begin(), shape_.end());
+    dims[0] = end - begin;
+    t.shape_ = Shape::from_range(dims.begin(), dims.end());
+    return t;
+  }
+  // Entry i along dimension 0, with that dimension dropped.
+  Tensor operator[](index_t i) const {
+    Tensor t = slice(i, i + 1);
+    t.shape_ = Shape::from_range(shape_.begin() + 1, shape_.end());
+    return t;
+  }
+
+  Tensor clone() const {
+    if (empty()) return Tensor();
+    Tensor t(shape_);
+    Alloc::copy(t.data_, data_, bytes());
+    return t;
+  }
+  void copy_from(const Tensor& other) {
+    GRAPHMOE_CHECK(other.shape() == shape_, "Tensor::copy_from", "shape ", other.shape(),
+                   " does not match ", shape_);
+    Alloc::copy(data_, other.data_, bytes());
+  }
+  void zero() {
+    if (!empty()) Alloc::zero(data_, bytes());
+  }
+  void fill(T value)
+    requires std::same_as<B, cpu>
+  {
+    std::fill(data_, data_ + numel(), value);
+  }
+
+  // Element access on the host (CPU tensors only). Bounds are checked in debug builds only; use
+  // at() for a checked access.
+  template <class... I>
+  T& operator()(I... idx) const
+    requires std::same_as<B, cpu>
+  {
+    return data_[flat_index(idx...)];
+  }
+  template <class... I>
+  T& at(I... idx) const
+    requires std::same_as<B, cpu>
+  {
+    const index_t ii[] = {static_cast<index_t>(idx)...};
+    GRAPHMOE_CHECK(static_cast<int>(sizeof...(I)) == rank(), "Tensor::at", sizeof...(I),
+                   " indices given for shape ", shape_);
+    for (int d = 0; d < rank(); ++d)
+      GRAPHMOE_CHECK(0 <= ii[d] && ii[d] < shape_[d], "Tensor::at", "index ", ii[d],
+                     " out of range in dimension ", d, " of shape ", shape_);
+    return data_[flat_index(idx...)];
+  }
+  std::vector<T> to_vector() const
+    requires std::same_as<B, cpu>
+  {
+    return std::vector<T>(data_, data_ + numel());
+  }
+
+ private:
+  template <class... I>
+  index_t flat_index(I... idx) const {
+    const index_t ii[] = {static_cast<index_t>(idx)...};
+    index_t f = 0;
+    for (std::size_t d = 0; d < sizeof...(I); ++d) f = f * shape_[static_cast<int>(d)] + ii[d];
+    return f;
+  }
+
+  std::shared_ptr<T> storage_;
+  T* data_ = nullptr;
+  Shape shape_;
+};
+
+// Throws unless t has exactly the expected shape; `what` names the argument in the message.
+template <class T, class B>
+void check_shape(const char* op, const char* what, const Tensor<T, B>& t, const Shape& expected) {
+  GRAPHMOE_CHECK(!t.empty() || expected.numel() == 0, op, what, " is empty, expected shape ",
+                 expected);
+  GRAPHMOE_CHECK(t.shape() == expected, op, what, " has shape ", t.shape(), ", expected ",
+                 expected);
+}
+
+// Output convention of every op: an empty output tensor is allocated with the expected shape; a
+// non-empty one must already have exactly that shape (it may be a view into an arena) and is
+// overwritten.
+template <class T, class B>
+void prepare_output(const char* op, const char* what, Tensor<T, B>& out, const Shape& expected) {
+  if (out.empty()) {
+    out = Tensor<T, B>(expected);
+    return;
+  }
+  GRAPHMOE_CHECK(out.shape() == expected, op, "output ", what, " has shape ", out.shape(),
+                 ", expected ", expected);
+}
+
+}  // namespace graphmoe

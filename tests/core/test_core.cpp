@@ -1,0 +1,134 @@
+// Core: Shape, Tensor, ParameterArena, Rng, thread setting, error messages.
+#include <doctest/doctest.h>
+
+#include <set>
+#include <string>
+
+#include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/rng.hpp"
+#include "graphmoe/core/tensor.hpp"
+#include "graphmoe/core/threads.hpp"
+
+using namespace graphmoe;
+
+TEST_CASE("shape: numel, rows, cols and printing") {
+  Shape s{2, 3, 4};
+  CHECK(s.rank() == 3);
+  CHECK(s.numel() == 24);
+  CHECK(s.rows() == 6);
+  CHECK(s.cols() == 4);
+  CHECK(s.dim(-1) == 4);
+  CHECK(s.str() == "(2, 3, 4)");
+  CHECK(Shape{}.numel() == 1);
+}
+
+TEST_CASE("shape: bad input throws naming the problem") {
+  CHECK_THROWS_WITH_AS(Shape({2, -1}), doctest::Contains("negative size -1"), Error);
+  CHECK_THROWS_WITH_AS(Shape({1, 2, 3, 4, 5, 6, 7}), doctest::Contains("exceeds the maximum rank"),
+                       Error);
+  CHECK_THROWS_WITH_AS(Shape({2, 3}).dim(2), doctest::Contains("out of range"), Error);
+}
+
+TEST_CASE("tensor: views share storage, clone does not") {
+  auto t = Tensor<float>::from({2, 3}, {1, 2, 3, 4, 5, 6});
+  auto v = t.view({3, 2});
+  v(2, 1) = 60;
+  CHECK(t(1, 2) == 60);
+  auto row = t[1];
+  CHECK(row.shape() == Shape{3});
+  CHECK(row(0) == 4);
+  auto s = t.slice(1, 2);
+  CHECK(s.shape() == Shape{1, 3});
+  CHECK(s.data() == t.data() + 3);
+  auto c = t.clone();
+  c(0, 0) = -1;
+  CHECK(t(0, 0) == 1);
+  CHECK(reinterpret_cast<std::uintptr_t>(Tensor<float>({5}).data()) % 64 == 0);
+}
+
+TEST_CASE("tensor: bad views, slices, indices and copies throw") {
+  Tensor<double> t({2, 3});
+  CHECK_THROWS_WITH_AS(t.view({4, 2}), doctest::Contains("cannot view a tensor of shape (2, 3) as (4, 2)"), Error);
+  CHECK_THROWS_WITH_AS(t.slice(1, 3), doctest::Contains("out of bounds"), Error);
+  CHECK_THROWS_WITH_AS(t.at(2, 0), doctest::Contains("index 2 out of range"), Error);
+  CHECK_THROWS_WITH_AS(t.at(0), doctest::Contains("1 indices given"), Error);
+  Tensor<double> u({3, 2});
+  CHECK_THROWS_WITH_AS(t.copy_from(u), doctest::Contains("does not match"), Error);
+  CHECK_THROWS_WITH_AS(Tensor<float>::from({2, 2}, {1, 2, 3}), doctest::Contains("3 values given"), Error);
+}
+
+TEST_CASE("arena: one buffer, aligned named views, zero_grad") {
+  ParameterArena<float> arena;
+  arena.add("w", {3, 5});
+  arena.add("b", {5});
+  CHECK_THROWS_WITH_AS(arena.add("w", {1}), doctest::Contains("duplicate parameter name 'w'"), Error);
+  CHECK_THROWS_WITH_AS(arena.value("w"), doctest::Contains("call allocate()"), Error);
+  arena.allocate();
+  CHECK_THROWS_WITH_AS(arena.add("c", {1}), doctest::Contains("after allocate()"), Error);
+  auto w = arena.value("w");
+  auto b = arena.value("b");
+  CHECK(w.shape() == Shape{3, 5});
+  CHECK(b.data() == arena.values().data() + 16);
+  CHECK(arena.numel() == 20);
+  w(2, 4) = 7;
+  CHECK(arena.values().data()[14] == 7);
+  arena.grad("b")(1) = 3;
+  CHECK(arena.grads().data()[17] == 3);
+  arena.zero_grad();
+  CHECK(arena.grad("b")(1) == 0);
+  CHECK_THROWS_WITH_AS(arena.value("nope"), doctest::Contains("no parameter named 'nope'"), Error);
+}
+
+TEST_CASE("rng: Philox4x32-10 matches the Random123 known-answer vectors") {
+  auto a = philox4x32_10(std::array<std::uint32_t, 4>{0, 0, 0, 0}, std::array<std::uint32_t, 2>{0, 0});
+  CHECK(a == std::array<std::uint32_t, 4>{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u});
+  auto b = philox4x32_10(std::array<std::uint32_t, 4>{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu},
+                         std::array<std::uint32_t, 2>{0xffffffffu, 0xffffffffu});
+  CHECK(b == std::array<std::uint32_t, 4>{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu});
+  auto c = philox4x32_10(std::array<std::uint32_t, 4>{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u},
+                         std::array<std::uint32_t, 2>{0xa4093822u, 0x299f31d0u});
+  CHECK(c == std::array<std::uint32_t, 4>{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u});
+}
+
+TEST_CASE("rng: sequential stream equals random access, and resumes from a position") {
+  Rng r(1234);
+  std::vector<std::uint32_t> words;
+  for (int i = 0; i < 11; ++i) words.push_back(r.next_u32());
+  for (int i = 0; i < 11; ++i) CHECK(words[i] == philox_word(1234, i));
+  Rng s(1234, 7);
+  CHECK(s.next_u32() == words[7]);
+  CHECK(Rng(1).next_u32() != Rng(2).next_u32());
+}
+
+TEST_CASE("rng: uniform and normal moments") {
+  Rng r(42);
+  const int n = 200000;
+  double su = 0, sz = 0, sz2 = 0;
+  std::set<std::uint32_t> ints;
+  for (int i = 0; i < n; ++i) {
+    const float u = r.uniform();
+    REQUIRE(u >= 0.0f);
+    REQUIRE(u < 1.0f);
+    su += u;
+    const double z = r.normal();
+    sz += z;
+    sz2 += z * z;
+  }
+  for (int i = 0; i < 1000; ++i) ints.insert(r.uniform_int(7));
+  CHECK(su / n == doctest::Approx(0.5).epsilon(0.01));
+  CHECK(sz / n == doctest::Approx(0.0).epsilon(0.01));
+  CHECK(sz2 / n == doctest::Approx(1.0).epsilon(0.01));
+  CHECK(ints.size() == 7);
+  CHECK(*ints.rbegin() == 6);
+}
+
+TEST_CASE("threads: setting is honoured and validated") {
+  set_num_threads(2);
+  CHECK(num_threads() == 2);
+  std::vector<int> hit(1000, 0);
+  parallel_for(0, 1000, [&](index_t i) { hit[static_cast<std::size_t>(i)] += 1; });
+  for (int h : hit) REQUIRE(h == 1);
+  set_num_threads(1);
+  CHECK(num_threads() == 1);
+  CHECK_THROWS_WITH_AS(set_num_threads(0), doctest::Contains("must be >= 1"), Error);
+}
