@@ -18,7 +18,9 @@ namespace graphmoe {
 struct ParameterInfo {
   std::string name;
   Shape shape;
-  index_t offset = 0;  // in elements, from the start of the buffer
+  index_t offset = 0;     // in elements, from the start of the buffer
+  bool trainable = true;  // false: a fixed buffer (e.g. SMoE-Dropout's frozen router) that
+                          // optimizers skip; it is still saved in checkpoints
 };
 
 template <class T, class B = cpu>
@@ -27,14 +29,14 @@ class ParameterArena {
   static constexpr index_t kAlign = 16;
 
   // Declares a parameter; returns its index. Names must be unique.
-  index_t add(const std::string& name, const Shape& shape) {
+  index_t add(const std::string& name, const Shape& shape, bool trainable = true) {
     GRAPHMOE_CHECK(!allocated(), "ParameterArena::add", "cannot add '", name,
                    "' after allocate()");
     GRAPHMOE_CHECK(!name.empty(), "ParameterArena::add", "parameter name is empty");
     GRAPHMOE_CHECK(index_.find(name) == index_.end(), "ParameterArena::add",
                    "duplicate parameter name '", name, "'");
     const index_t id = static_cast<index_t>(params_.size());
-    params_.push_back({name, shape, size_});
+    params_.push_back({name, shape, size_, trainable});
     size_ += (shape.numel() + kAlign - 1) / kAlign * kAlign;
     index_[name] = id;
     return id;

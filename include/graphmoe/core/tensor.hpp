@@ -191,6 +191,21 @@ void check_shape(const char* op, const char* what, const Tensor<T, B>& t, const 
                  expected);
 }
 
+// Throws naming the first NaN or Inf entry of a CPU tensor. Used at API boundaries (model inputs,
+// router inputs, losses), not inside every op.
+template <class T>
+void check_finite(const char* op, const char* what, const Tensor<T, cpu>& t) {
+  if constexpr (std::is_floating_point_v<T>) {
+    const T* p = t.data();
+    for (index_t i = 0; i < t.numel(); ++i) {
+      if (!(p[i] - p[i] == T(0))) {  // false for NaN and +-Inf
+        GRAPHMOE_CHECK(false, op, what, " of shape ", t.shape(), " holds ", p[i],
+                       " at flat index ", i);
+      }
+    }
+  }
+}
+
 // Output convention of every op: an empty output tensor is allocated with the expected shape; a
 // non-empty one must already have exactly that shape (it may be a view into an arena) and is
 // overwritten.

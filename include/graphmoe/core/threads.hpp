@@ -1,9 +1,10 @@
 // graphmoe/core/threads.hpp: the thread-count setting every CPU op honours.
 //
-// set_num_threads(n) sets the count used by graphmoe's own parallel loops (OpenMP when the
-// library is built with it), by Eigen's GEMM, and by OpenBLAS when GRAPHMOE_USE_BLAS is on.
-// The default is 1 thread: results are then independent of the machine, and the caller opts in
-// to parallelism.
+// set_num_threads(n) sets the count used by graphmoe's parallel loops. There is one threading
+// runtime, OpenMP: Eigen's and OpenBLAS's own threads are kept at 1, and gemm() splits a large
+// product over the threads itself (each part a single-threaded BLAS call). Two runtimes that both
+// spin-wait on 2 cores (OpenBLAS's pthreads and OpenMP's workers) were measured 2-8x slower than
+// one thread; see docs/benchmarks.md. The default is 1 thread: the caller opts in to parallelism.
 #pragma once
 
 #include <atomic>
@@ -35,9 +36,18 @@ inline int num_threads() { return detail::thread_count().load(std::memory_order_
 inline void set_num_threads(int n) {
   GRAPHMOE_CHECK(n >= 1, "set_num_threads", "thread count must be >= 1, got ", n);
   detail::thread_count().store(n, std::memory_order_relaxed);
-  Eigen::setNbThreads(n);
+  Eigen::setNbThreads(1);
 #if defined(GRAPHMOE_USE_BLAS)
-  openblas_set_num_threads(n);
+  openblas_set_num_threads(1);
+#endif
+}
+
+// True inside a parallel region (where nested parallel loops run serially).
+inline bool in_parallel_region() {
+#if defined(_OPENMP)
+  return omp_in_parallel() != 0;
+#else
+  return false;
 #endif
 }
 
@@ -49,13 +59,33 @@ void parallel_for(index_t begin, index_t end, Fn&& fn, index_t grain = 1) {
   if (n <= 0) return;
 #if defined(_OPENMP)
   const int threads = num_threads();
-  if (threads > 1 && n >= 2 * grain) {
+  if (threads > 1 && n >= 2 * grain && !in_parallel_region()) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (index_t i = begin; i < end; ++i) fn(i);
     return;
   }
+#else
+  (void)grain;
 #endif
   for (index_t i = begin; i < end; ++i) fn(i);
+}
+
+// Runs fn(i) for the independent work items i in [0, n) spread over the threads (dynamic
+// schedule: items may differ in size, as experts do), each item's GEMMs single-threaded. This is
+// the right split when items are many and each GEMM is small (experts, sequences); with one
+// thread, or n == 1, the items run in order and each GEMM may use the threads. fn must not throw.
+template <class Fn>
+void parallel_items(index_t n, Fn&& fn) {
+  if (num_threads() <= 1 || n <= 1 || in_parallel_region()) {
+    for (index_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(num_threads()) schedule(dynamic, 1)
+  for (index_t i = 0; i < n; ++i) fn(i);
+#else
+  for (index_t i = 0; i < n; ++i) fn(i);
+#endif
 }
 
 }  // namespace graphmoe

@@ -14,18 +14,53 @@ namespace graphmoe {
 enum class Trans { N, T };
 
 namespace detail {
+// C (rows [r0, r0 + m) and columns [c0, c0 + n) of it) = alpha op(A) op(B) + beta C, single-threaded.
 template <class T>
-void gemm_matrix(Trans ta, Trans tb, T alpha, const MatrixMap<T>& A, const MatrixMap<T>& B,
-                 T beta, MatrixMap<T>& C) {
+void gemm_part(Trans ta, Trans tb, T alpha, const MatrixMap<T>& A, const MatrixMap<T>& B, T beta,
+               MatrixMap<T>& Cfull, index_t r0, index_t m, index_t c0, index_t n) {
+  auto C = Cfull.block(r0, c0, m, n);
   if (beta == T(0)) {
     C.setZero();  // beta == 0 means C's old contents (even NaN) are ignored, as in BLAS
   } else if (beta != T(1)) {
     C *= beta;
   }
-  if (ta == Trans::N && tb == Trans::N) C.noalias() += alpha * A * B;
-  if (ta == Trans::N && tb == Trans::T) C.noalias() += alpha * A * B.transpose();
-  if (ta == Trans::T && tb == Trans::N) C.noalias() += alpha * A.transpose() * B;
-  if (ta == Trans::T && tb == Trans::T) C.noalias() += alpha * A.transpose() * B.transpose();
+  const index_t k = ta == Trans::N ? A.cols() : A.rows();
+  if (ta == Trans::N && tb == Trans::N)
+    C.noalias() += alpha * A.block(r0, 0, m, k) * B.block(0, c0, k, n);
+  if (ta == Trans::N && tb == Trans::T)
+    C.noalias() += alpha * A.block(r0, 0, m, k) * B.block(c0, 0, n, k).transpose();
+  if (ta == Trans::T && tb == Trans::N)
+    C.noalias() += alpha * A.block(0, r0, k, m).transpose() * B.block(0, c0, k, n);
+  if (ta == Trans::T && tb == Trans::T)
+    C.noalias() += alpha * A.block(0, r0, k, m).transpose() * B.block(c0, 0, n, k).transpose();
+}
+
+// Splits C into num_threads() row (or column) panels, one single-threaded product each, when the
+// product is large enough to pay for it (and we are not already inside a parallel region).
+template <class T>
+void gemm_matrix(Trans ta, Trans tb, T alpha, const MatrixMap<T>& A, const MatrixMap<T>& B,
+                 T beta, MatrixMap<T>& C) {
+  const index_t m = C.rows(), n = C.cols(), k = ta == Trans::N ? A.cols() : A.rows();
+  const int threads = num_threads();
+  constexpr double kMinFlopsPerThread = 4e6;
+  if (threads > 1 && !in_parallel_region() &&
+      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >=
+          kMinFlopsPerThread * threads) {
+    const bool by_rows = m >= n;
+    const index_t extent = by_rows ? m : n;
+    const index_t parts = std::min<index_t>(threads, std::max<index_t>(1, extent / 16));
+    parallel_for(0, parts, [&](index_t p) {
+      // panel boundaries on multiples of 16 rows/columns
+      const index_t lo = extent * p / parts / 16 * 16, hi = p + 1 == parts ? extent : extent * (p + 1) / parts / 16 * 16;
+      if (hi <= lo) return;
+      if (by_rows)
+        gemm_part(ta, tb, alpha, A, B, beta, C, lo, hi - lo, 0, n);
+      else
+        gemm_part(ta, tb, alpha, A, B, beta, C, 0, m, lo, hi - lo);
+    });
+    return;
+  }
+  gemm_part(ta, tb, alpha, A, B, beta, C, 0, m, 0, n);
 }
 }  // namespace detail
 

@@ -1,0 +1,188 @@
+// graphmoe/backend/cpu/attention.hpp: multi-head scaled dot-product attention that keeps the
+// per-head probabilities, and its backward.
+//
+// q, k, v: (B, T, H dh). Head h reads columns [h dh, (h + 1) dh) of each. For every (b, h):
+//
+//   S = Q_h K_h^T / sqrt(dh)                         (T, T)
+//   S[i, j] = -inf for j > i                         when causal
+//   P = softmax over each row of S                   probs[b, h]: (T, T), kept
+//   O_h = P V_h                                      out[b, :, h dh : (h + 1) dh]
+//
+// The probabilities are an output, not a hidden intermediate: the attention-aware router reads
+// them (its token graph is A^p of one head) and sends a gradient back into them. The backward
+// pass therefore takes an optional dprobs_extra (B, H, T, T), added to dL/dP before the softmax
+// backward:
+//
+//   dP  = dO_h V_h^T + dprobs_extra[b, h]
+//   dV_h = P^T dO_h
+//   dS  = P * (dP - rowsum(P * dP)) / sqrt(dh)       (* elementwise)
+//   dQ_h = dS K_h,   dK_h = dS^T Q_h                 (all gradients assigned)
+//
+// Causal rows hold exact zeros above the diagonal. The causal products skip the masked half:
+// rows are taken in blocks of kAttentionBlock, and row block [r0, r1) only multiplies against keys
+// [0, r1) (and, in the backward, column block [c0, c1) only against rows [c0, T)), so every
+// product is still one ordinary GEMM on strided Eigen maps into q, k, v, without copies, doing
+// about (1 + kAttentionBlock / T) / 2 of the dense work.
+//
+// Threads: the (b, h) pairs run in parallel (parallel_items: each pair's GEMMs single-threaded,
+// OpenBLAS included), so results do not depend on the thread count. A schedule that instead gave
+// the threads to each pair's GEMMs and split the softmax rows over OpenMP was tried: on a loaded
+// machine, OpenMP's spinning workers and OpenBLAS's threads fought over the cores (up to 10x
+// slower than one thread).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "graphmoe/core/eigen.hpp"
+#include "graphmoe/core/threads.hpp"
+
+namespace graphmoe {
+
+namespace detail {
+// Row-block size of the causal products.
+inline constexpr index_t kAttentionBlock = 64;
+
+template <class T>
+using HeadMap = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <class T>
+using ConstHeadMap = Eigen::Map<const RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+struct AttentionDims {
+  index_t batch = 0, seq = 0, width = 0, heads = 0, head_dim = 0;
+  index_t pairs() const { return batch * heads; }
+  Shape probs_shape() const { return Shape{batch, heads, seq, seq}; }
+  // Offset of head h of batch b in a (B, T, H dh) tensor.
+  index_t head_offset(index_t pair) const {
+    return (pair / heads) * seq * width + (pair % heads) * head_dim;
+  }
+};
+
+template <class T>
+AttentionDims attention_dims(const char* op, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
+                             const Tensor<T, cpu>& v, index_t num_heads) {
+  GRAPHMOE_CHECK(!q.empty() && q.rank() == 3, op, "q must be (B, T, H*dh), got ",
+                 (q.empty() ? "an empty tensor" : q.shape().str()));
+  check_shape(op, "k", k, q.shape());
+  check_shape(op, "v", v, q.shape());
+  AttentionDims d;
+  d.batch = q.dim(0);
+  d.seq = q.dim(1);
+  d.width = q.dim(2);
+  GRAPHMOE_CHECK(num_heads >= 1 && d.width > 0 && d.width % num_heads == 0, op, "num_heads = ",
+                 num_heads, " does not divide the width ", d.width, " of q ", q.shape());
+  d.heads = num_heads;
+  d.head_dim = d.width / num_heads;
+  return d;
+}
+}  // namespace detail
+
+// probs (B, H, T, T) and out (B, T, H dh); empty outputs are allocated.
+template <class T>
+void attention_forward(const Tensor<T, cpu>& q, const Tensor<T, cpu>& k, const Tensor<T, cpu>& v,
+                       index_t num_heads, bool causal, Tensor<T, cpu>& probs, Tensor<T, cpu>& out) {
+  constexpr const char* op = "attention_forward";
+  const detail::AttentionDims dims = detail::attention_dims(op, q, k, v, num_heads);
+  prepare_output(op, "probs", probs, dims.probs_shape());
+  prepare_output(op, "out", out, q.shape());
+  const index_t n = dims.seq, dh = dims.head_dim;
+  const index_t block = causal ? detail::kAttentionBlock : std::max<index_t>(n, 1);
+  const T scale = T(1) / std::sqrt(static_cast<T>(dh));
+  parallel_items(dims.pairs(), [&](index_t pair) {
+    const index_t off = dims.head_offset(pair);
+    const Eigen::OuterStride<> stride(dims.width);
+    detail::ConstHeadMap<T> Q(q.data() + off, n, dh, stride);
+    detail::ConstHeadMap<T> K(k.data() + off, n, dh, stride);
+    detail::ConstHeadMap<T> V(v.data() + off, n, dh, stride);
+    detail::HeadMap<T> O(out.data() + off, n, dh, stride);
+    MatrixMap<T> P(probs.data() + pair * n * n, n, n);
+    // Raw scores Q K^T; row block [r0, r1) needs keys [0, r1) when causal. The scale is applied
+    // inside the softmax.
+    for (index_t r0 = 0; r0 < n; r0 += block) {
+      const index_t r1 = std::min(n, r0 + block), keys = causal ? r1 : n;
+      P.block(r0, 0, r1 - r0, keys).noalias() =
+          Q.middleRows(r0, r1 - r0) * K.topRows(keys).transpose();
+    }
+    for (index_t i = 0; i < n; ++i) {
+      const index_t len = causal ? i + 1 : n;
+      auto row = P.row(i).head(len).array();
+      const T m = row.maxCoeff();
+      row = ((row - m) * scale).exp();
+      row *= T(1) / row.sum();
+      if (len < n) P.row(i).tail(n - len).setZero();
+    }
+    for (index_t r0 = 0; r0 < n; r0 += block) {
+      const index_t r1 = std::min(n, r0 + block), keys = causal ? r1 : n;
+      O.middleRows(r0, r1 - r0).noalias() = P.block(r0, 0, r1 - r0, keys) * V.topRows(keys);
+    }
+  });
+}
+
+// dq, dk, dv (B, T, H dh), assigned; empty outputs are allocated. probs is the forward's output;
+// dprobs_extra is empty or (B, H, T, T) (when causal, its entries above the diagonal are ignored:
+// those probabilities are constant zeros).
+template <class T>
+void attention_backward(const Tensor<T, cpu>& q, const Tensor<T, cpu>& k, const Tensor<T, cpu>& v,
+                        index_t num_heads, bool causal, const Tensor<T, cpu>& probs,
+                        const Tensor<T, cpu>& dout, const Tensor<T, cpu>& dprobs_extra,
+                        Tensor<T, cpu>& dq, Tensor<T, cpu>& dk, Tensor<T, cpu>& dv) {
+  constexpr const char* op = "attention_backward";
+  const detail::AttentionDims dims = detail::attention_dims(op, q, k, v, num_heads);
+  check_shape(op, "probs", probs, dims.probs_shape());
+  check_shape(op, "dout", dout, q.shape());
+  const bool extra = !dprobs_extra.empty();
+  if (extra) check_shape(op, "dprobs_extra", dprobs_extra, dims.probs_shape());
+  prepare_output(op, "dq", dq, q.shape());
+  prepare_output(op, "dk", dk, q.shape());
+  prepare_output(op, "dv", dv, q.shape());
+  const index_t n = dims.seq, dh = dims.head_dim;
+  const index_t block = causal ? detail::kAttentionBlock : std::max<index_t>(n, 1);
+  const T scale = T(1) / std::sqrt(static_cast<T>(dh));
+  parallel_items(dims.pairs(), [&](index_t pair) {
+    const index_t off = dims.head_offset(pair);
+    const Eigen::OuterStride<> stride(dims.width);
+    detail::ConstHeadMap<T> Q(q.data() + off, n, dh, stride);
+    detail::ConstHeadMap<T> K(k.data() + off, n, dh, stride);
+    detail::ConstHeadMap<T> V(v.data() + off, n, dh, stride);
+    detail::ConstHeadMap<T> dO(dout.data() + off, n, dh, stride);
+    detail::HeadMap<T> dQ(dq.data() + off, n, dh, stride);
+    detail::HeadMap<T> dK(dk.data() + off, n, dh, stride);
+    detail::HeadMap<T> dV(dv.data() + off, n, dh, stride);
+    Eigen::Map<const RowMatrix<T>> P(probs.data() + pair * n * n, n, n);
+    // dP = dO V^T, then dS in place. When causal only the blocks on or below the diagonal are
+    // computed, and the part above the diagonal inside them is zeroed: the products below read
+    // exactly those blocks.
+    RowMatrix<T> dS(n, n);
+    for (index_t r0 = 0; r0 < n; r0 += block) {
+      const index_t r1 = std::min(n, r0 + block), keys = causal ? r1 : n;
+      dS.block(r0, 0, r1 - r0, keys).noalias() =
+          dO.middleRows(r0, r1 - r0) * V.topRows(keys).transpose();
+    }
+    for (index_t i = 0; i < n; ++i) {
+      const index_t len = causal ? i + 1 : n;
+      auto drow = dS.row(i).head(len).array();
+      if (extra)
+        drow += Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>(
+            dprobs_extra.data() + (pair * n + i) * n, len);
+      const auto prow = P.row(i).head(len).array();
+      const T dot = (prow * drow).sum();
+      drow = scale * prow * (drow - dot);
+      const index_t block_end = std::min(n, (i / block + 1) * block);
+      if (len < block_end) dS.row(i).segment(len, block_end - len).setZero();
+    }
+    // dQ = dS K by row blocks; dV = P^T dO and dK = dS^T Q by column blocks, where column block
+    // [c0, c1) has nonzeros only in rows [c0, T) when causal.
+    for (index_t r0 = 0; r0 < n; r0 += block) {
+      const index_t r1 = std::min(n, r0 + block), keys = causal ? r1 : n;
+      dQ.middleRows(r0, r1 - r0).noalias() = dS.block(r0, 0, r1 - r0, keys) * K.topRows(keys);
+    }
+    for (index_t c0 = 0; c0 < n; c0 += block) {
+      const index_t c1 = std::min(n, c0 + block), first = causal ? c0 : 0;
+      dV.middleRows(c0, c1 - c0).noalias() =
+          P.block(first, c0, n - first, c1 - c0).transpose() * dO.bottomRows(n - first);
+      dK.middleRows(c0, c1 - c0).noalias() =
+          dS.block(first, c0, n - first, c1 - c0).transpose() * Q.bottomRows(n - first);
+    }
+  });
+}
+}  // namespace graphmoe

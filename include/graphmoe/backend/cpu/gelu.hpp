@@ -1,0 +1,104 @@
+// graphmoe/backend/cpu/gelu.hpp: the GELU activation, elementwise, in its two usual forms.
+//
+//   Erf  (exact):  y = x Phi(x) = 0.5 x (1 + erf(x / sqrt(2)))
+//                  dy/dx = Phi(x) + x phi(x),   phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+//   Tanh (GPT-2):  y = 0.5 x (1 + tanh(u)),   u = sqrt(2 / pi) (x + 0.044715 x^3)
+//                  dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) du/dx,
+//                  du/dx = sqrt(2 / pi) (1 + 3 * 0.044715 x^2)
+//
+// Evaluated in forms without cancellation for large negative x: Phi(x) = 0.5 erfc(-x / sqrt(2))
+// and 0.5 (1 + tanh u) = sigmoid(2u), 0.5 (1 - tanh^2 u) = 2 sigmoid(2u) (1 - sigmoid(2u)).
+// Gradients stay finite for every finite x (the derivative's x^3 factor is never multiplied by an
+// underflowed zero).
+//
+// Any shape; elements are split over set_num_threads() threads in fixed chunks. Outputs follow
+// prepare_output (empty: allocated; otherwise the shape must match) and may alias the inputs.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "graphmoe/core/tensor.hpp"
+#include "graphmoe/core/threads.hpp"
+
+namespace graphmoe {
+
+enum class GeluForm { Tanh, Erf };
+
+namespace detail {
+
+inline constexpr double kGeluSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
+inline constexpr double kGeluInvSqrt2 = 0.70710678118654752440;     // 1 / sqrt(2)
+inline constexpr double kGeluInvSqrt2Pi = 0.39894228040143267794;   // 1 / sqrt(2 pi)
+inline constexpr double kGeluCubic = 0.044715;
+inline constexpr index_t kGeluChunk = 4096;
+
+template <class T>
+T gelu_value(GeluForm form, T x) {
+  if (form == GeluForm::Erf) return x * (T(0.5) * std::erfc(-x * T(kGeluInvSqrt2)));
+  const T u = T(kGeluSqrt2OverPi) * (x + T(kGeluCubic) * x * x * x);
+  return x / (T(1) + std::exp(T(-2) * u));
+}
+
+template <class T>
+T gelu_derivative(GeluForm form, T x) {
+  if (form == GeluForm::Erf) {
+    const T cdf = T(0.5) * std::erfc(-x * T(kGeluInvSqrt2));
+    const T pdf = T(kGeluInvSqrt2Pi) * std::exp(T(-0.5) * x * x);
+    return pdf == T(0) ? cdf : cdf + x * pdf;
+  }
+  const T u = T(kGeluSqrt2OverPi) * (x + T(kGeluCubic) * x * x * x);
+  const T s = T(1) / (T(1) + std::exp(T(-2) * u));  // 0.5 (1 + tanh u)
+  const T sech2_quarter = s * (T(1) - s);              // 0.25 (1 - tanh^2 u)
+  if (sech2_quarter == T(0)) return s;
+  const T du = T(kGeluSqrt2OverPi) * (T(1) + T(3 * kGeluCubic) * x * x);
+  return s + T(2) * x * sech2_quarter * du;
+}
+
+// Calls fn(i) for every i in [0, n), in chunks of kGeluChunk elements over the threads.
+template <class Fn>
+void gelu_for_each(index_t n, Fn&& fn) {
+  const index_t chunks = (n + kGeluChunk - 1) / kGeluChunk;
+  parallel_for(
+      0, chunks,
+      [&](index_t c) {
+        const index_t end = std::min(n, (c + 1) * kGeluChunk);
+        for (index_t i = c * kGeluChunk; i < end; ++i) fn(i);
+      },
+      4);
+}
+
+}  // namespace detail
+
+// y = gelu(x), elementwise.
+template <class T>
+void gelu_forward(GeluForm form, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+  constexpr const char* op = "gelu_forward";
+  GRAPHMOE_CHECK(form == GeluForm::Tanh || form == GeluForm::Erf, op, "unknown GeluForm ",
+                 static_cast<int>(form));
+  GRAPHMOE_CHECK(!x.empty(), op, "x is empty");
+  prepare_output(op, "y", y, x.shape());
+  const T* xs = x.data();
+  T* ys = y.data();
+  detail::gelu_for_each(x.numel(), [&](index_t i) { ys[i] = detail::gelu_value(form, xs[i]); });
+}
+
+// dx = dy * gelu'(x), elementwise, from the forward input x. dx is assigned.
+template <class T>
+void gelu_backward(GeluForm form, const Tensor<T, cpu>& x, const Tensor<T, cpu>& dy,
+                   Tensor<T, cpu>& dx) {
+  constexpr const char* op = "gelu_backward";
+  GRAPHMOE_CHECK(form == GeluForm::Tanh || form == GeluForm::Erf, op, "unknown GeluForm ",
+                 static_cast<int>(form));
+  GRAPHMOE_CHECK(!x.empty() && !dy.empty(), op, "x or dy is empty");
+  GRAPHMOE_CHECK(dy.shape() == x.shape(), op, "dy has shape ", dy.shape(), ", expected x's shape ",
+                 x.shape());
+  prepare_output(op, "dx", dx, x.shape());
+  const T* xs = x.data();
+  const T* dys = dy.data();
+  T* dxs = dx.data();
+  detail::gelu_for_each(x.numel(),
+                        [&](index_t i) { dxs[i] = dys[i] * detail::gelu_derivative(form, xs[i]); });
+}
+
+}  // namespace graphmoe

@@ -1,0 +1,158 @@
+// graphmoe/backend/cpu/layernorm.hpp: layer normalisation over the last dimension.
+//
+//   mean_i = (1/D) sum_j x_ij        rstd_i = 1 / sqrt((1/D) sum_j (x_ij - mean_i)^2 + eps)
+//   xhat_ij = (x_ij - mean_i) rstd_i          y_ij = xhat_ij gamma_j + beta_j
+//
+// Backward, with g_ij = dy_ij gamma_j:
+//   dx_ij     = rstd_i (g_ij - (1/D) sum_k g_ik - xhat_ij (1/D) sum_k g_ik xhat_ik)   (assigned)
+//   dgamma_j += sum_i dy_ij xhat_ij                                                   (accumulated)
+//   dbeta_j  += sum_i dy_ij                                                           (accumulated)
+//
+// x is read as (N, D): all dimensions but the last are the N rows; gamma and beta are (D); the
+// cached mean and rstd are (N) (flat, whatever x's rank). Rows are split over set_num_threads()
+// threads. The mean and variance are computed in two passes in double (no E[x^2] - E[x]^2
+// cancellation). The parameter gradients are reduced from per-block partial sums over fixed blocks
+// of rows, in block order, so dgamma and dbeta are free of data races and bit-identical for every
+// thread count.
+//
+// Outputs follow prepare_output (empty: allocated; otherwise the shape must match). y may alias x
+// and dx may alias dy or x.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "graphmoe/backend/cpu/detail/reduce.hpp"
+#include "graphmoe/core/tensor.hpp"
+#include "graphmoe/core/threads.hpp"
+
+namespace graphmoe {
+
+namespace detail {
+// Rows per block of the parameter-gradient partial sums. Fixed (not derived from the thread
+// count) so that the summation order, hence the result, does not depend on the thread count.
+inline constexpr index_t kLayernormBlockRows = 64;
+}  // namespace detail
+
+// y = layernorm(x) * gamma + beta; fills the cache mean and rstd (N) for backward. eps > 0.
+template <class T>
+void layernorm_forward(const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
+                       const Tensor<T, cpu>& beta, T eps, Tensor<T, cpu>& y, Tensor<T, cpu>& mean,
+                       Tensor<T, cpu>& rstd) {
+  constexpr const char* op = "layernorm_forward";
+  GRAPHMOE_CHECK(!x.empty() && x.rank() >= 1, op, "x must be a non-empty tensor of rank >= 1, got ",
+                 (x.empty() ? "an empty tensor" : x.shape().str()));
+  const index_t n = x.rows(), d = x.cols();
+  GRAPHMOE_CHECK(d >= 1, op, "x has shape ", x.shape(), ": the normalised dimension is empty");
+  check_shape(op, "gamma", gamma, Shape{d});
+  check_shape(op, "beta", beta, Shape{d});
+  GRAPHMOE_CHECK(eps > T(0) && std::isfinite(eps), op, "eps must be positive and finite, got ",
+                 eps);
+  prepare_output(op, "y", y, x.shape());
+  prepare_output(op, "mean", mean, Shape{n});
+  prepare_output(op, "rstd", rstd, Shape{n});
+  const T* xs = x.data();
+  const T* g = gamma.data();
+  const T* b = beta.data();
+  T* ys = y.data();
+  T* ms = mean.data();
+  T* rs = rstd.data();
+  parallel_for(
+      0, n,
+      [&](index_t i) {
+        const T* xr = xs + i * d;
+        T* yr = ys + i * d;
+        const double mu =
+            detail::accumulate_double(d, [&](index_t j) { return xr[j]; }) / static_cast<double>(d);
+        const auto squared_deviation = [&](index_t j) {
+          const double c = static_cast<double>(xr[j]) - mu;
+          return c * c;
+        };
+        const double var = detail::accumulate_double(d, squared_deviation) / static_cast<double>(d);
+        const T m = static_cast<T>(mu);
+        const T r = static_cast<T>(1.0 / std::sqrt(var + static_cast<double>(eps)));
+        ms[i] = m;
+        rs[i] = r;
+        for (index_t j = 0; j < d; ++j) yr[j] = (xr[j] - m) * r * g[j] + b[j];
+      },
+      std::max<index_t>(1, 8192 / d));
+}
+
+// From the forward's inputs and cache and the output gradient dy: assigns dx, adds to dgamma and
+// dbeta (allocated as zeros when empty).
+template <class T>
+void layernorm_backward(const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
+                        const Tensor<T, cpu>& mean, const Tensor<T, cpu>& rstd,
+                        const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx, Tensor<T, cpu>& dgamma,
+                        Tensor<T, cpu>& dbeta) {
+  constexpr const char* op = "layernorm_backward";
+  GRAPHMOE_CHECK(!x.empty() && x.rank() >= 1, op, "x must be a non-empty tensor of rank >= 1, got ",
+                 (x.empty() ? "an empty tensor" : x.shape().str()));
+  const index_t n = x.rows(), d = x.cols();
+  GRAPHMOE_CHECK(d >= 1, op, "x has shape ", x.shape(), ": the normalised dimension is empty");
+  check_shape(op, "gamma", gamma, Shape{d});
+  check_shape(op, "mean", mean, Shape{n});
+  check_shape(op, "rstd", rstd, Shape{n});
+  check_shape(op, "dy", dy, x.shape());
+  prepare_output(op, "dx", dx, x.shape());
+  prepare_output(op, "dgamma", dgamma, Shape{d});
+  prepare_output(op, "dbeta", dbeta, Shape{d});
+
+  const index_t block = detail::kLayernormBlockRows;
+  const index_t blocks = (n + block - 1) / block;
+  // partial[bk] holds block bk's sum_i dy_ij xhat_ij in [0, d) and sum_i dy_ij in [d, 2d).
+  std::vector<double> partial(static_cast<std::size_t>(blocks * 2 * d), 0.0);
+  const T* xs = x.data();
+  const T* g = gamma.data();
+  const T* ms = mean.data();
+  const T* rs = rstd.data();
+  const T* dys = dy.data();
+  T* dxs = dx.data();
+  const double inv_d = 1.0 / static_cast<double>(d);
+  parallel_for(
+      0, blocks,
+      [&](index_t bk) {
+        double* pg = partial.data() + bk * 2 * d;
+        double* pb = pg + d;
+        const index_t end = std::min(n, (bk + 1) * block);
+        for (index_t i = bk * block; i < end; ++i) {
+          const T* xr = xs + i * d;
+          const T* dyr = dys + i * d;
+          T* dxr = dxs + i * d;
+          const T m = ms[i], r = rs[i];
+          for (index_t j = 0; j < d; ++j) {
+            const T xhat = (xr[j] - m) * r;
+            pg[j] += static_cast<double>(dyr[j]) * static_cast<double>(xhat);
+            pb[j] += static_cast<double>(dyr[j]);
+          }
+          const double sum_g =
+              detail::accumulate_double(d, [&](index_t j) { return dyr[j] * g[j]; });
+          const double sum_gx = detail::accumulate_double(d, [&](index_t j) {
+            return static_cast<double>(dyr[j] * g[j]) * static_cast<double>((xr[j] - m) * r);
+          });
+          const T mean_g = static_cast<T>(sum_g * inv_d);
+          const T mean_gx = static_cast<T>(sum_gx * inv_d);
+          for (index_t j = 0; j < d; ++j) {
+            const T xhat = (xr[j] - m) * r;
+            dxr[j] = r * (dyr[j] * g[j] - mean_g - xhat * mean_gx);
+          }
+        }
+      },
+      std::max<index_t>(1, 16384 / (block * d)));
+
+  // Reduce the blocks' partials in block order, then add to the parameter gradients.
+  std::vector<double> total(static_cast<std::size_t>(2 * d), 0.0);
+  for (index_t bk = 0; bk < blocks; ++bk) {
+    const double* p = partial.data() + bk * 2 * d;
+    for (index_t j = 0; j < 2 * d; ++j) total[static_cast<std::size_t>(j)] += p[j];
+  }
+  T* dg = dgamma.data();
+  T* db = dbeta.data();
+  for (index_t j = 0; j < d; ++j) {
+    dg[j] += static_cast<T>(total[static_cast<std::size_t>(j)]);
+    db[j] += static_cast<T>(total[static_cast<std::size_t>(d + j)]);
+  }
+}
+
+}  // namespace graphmoe

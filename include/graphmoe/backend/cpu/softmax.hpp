@@ -1,0 +1,173 @@
+// graphmoe/backend/cpu/softmax.hpp: softmax and log-softmax over the last dimension.
+//
+//   softmax:      y_j = exp(x_j - m) / sum_k exp(x_k - m),        m = max_k x_k
+//                 dx_j = y_j * (dy_j - sum_k dy_k y_k)
+//   log_softmax:  y_j = x_j - m - log(sum_k exp(x_k - m))
+//                 dx_j = dy_j - exp(y_j) * sum_k dy_k
+//
+// Every tensor is read as a (rows, cols) matrix, all dimensions but the last flattened into rows;
+// rows are independent and split over set_num_threads() threads. Subtracting the row maximum keeps
+// exp() in range for any finite logits; row sums are accumulated in double. -inf entries (masked
+// positions) are fine as long as the row has a finite entry: their probability is exactly 0.
+//
+// A row whose maximum is not finite (every entry -inf, or an entry +inf) has no defined softmax,
+// and a row holding a NaN would be NaN throughout: the forward functions throw graphmoe::Error
+// naming the first such row and the cause instead of writing NaN (as topk does for NaN).
+// Such a row is left untouched in y; other rows of y may already be written when it throws.
+//
+// Outputs follow prepare_output (empty: allocated; otherwise the shape must match) and may alias
+// their inputs: y may be x, dx may be dy.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+
+#include "graphmoe/backend/cpu/detail/reduce.hpp"
+#include "graphmoe/core/tensor.hpp"
+#include "graphmoe/core/threads.hpp"
+
+namespace graphmoe {
+
+namespace detail {
+
+// Rows per thread below which a row-wise op over rows of `cols` entries runs serially.
+inline index_t softmax_row_grain(index_t cols) {
+  return std::max<index_t>(1, 8192 / std::max<index_t>(1, cols));
+}
+
+// Lowers `first` to `row` if row is smaller (a lock-free atomic minimum).
+inline void softmax_note_bad_row(std::atomic<index_t>& first, index_t row) {
+  index_t cur = first.load(std::memory_order_relaxed);
+  while (row < cur && !first.compare_exchange_weak(cur, row, std::memory_order_relaxed)) {
+  }
+}
+
+// Throws describing why row `row` of x has no finite maximum.
+template <class T>
+[[noreturn]] void softmax_throw_bad_row(const char* op, const char* what, const Tensor<T, cpu>& x,
+                                        index_t row) {
+  const index_t cols = x.cols();
+  const T* p = x.data() + row * cols;
+  index_t pos_inf = 0, nan = 0;
+  for (index_t j = 0; j < cols; ++j) {
+    if (std::isnan(p[j])) ++nan;
+    if (p[j] == std::numeric_limits<T>::infinity()) ++pos_inf;
+  }
+  if (nan > 0)
+    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains NaN (", nan,
+                " entries)");
+  if (pos_inf > 0)
+    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains +inf (", pos_inf,
+                " entries): the softmax of that row is undefined");
+  throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(),
+              ") is entirely -inf (fully masked): the softmax of that row is undefined");
+}
+
+// Shared forward of softmax (log = false) and log_softmax (log = true); `what` names x.
+template <class T>
+void softmax_forward_impl(const char* op, const char* what, bool log, const Tensor<T, cpu>& x,
+                          Tensor<T, cpu>& y) {
+  GRAPHMOE_CHECK(!x.empty(), op, what, " is empty");
+  prepare_output(op, "y", y, x.shape());
+  const index_t rows = x.rows(), cols = x.cols();
+  const T* xs = x.data();
+  T* ys = y.data();
+  std::atomic<index_t> first_bad{rows};
+  parallel_for(
+      0, rows,
+      [&](index_t r) {
+        const T* xr = xs + r * cols;
+        T* yr = ys + r * cols;
+        const T m = max_or_nan(xr, cols);
+        if (!std::isfinite(m)) {
+          softmax_note_bad_row(first_bad, r);
+          return;
+        }
+        if (log) {
+          const double sum =
+              accumulate_double(cols, [&](index_t j) { return std::exp(xr[j] - m); });
+          // (x - m) is exact near the maximum; subtracting m + log(sum) at once would round the
+          // small log(sum) to the precision of a large m.
+          const T lse = static_cast<T>(std::log(sum));
+          for (index_t j = 0; j < cols; ++j) yr[j] = (xr[j] - m) - lse;
+        } else {
+          for (index_t j = 0; j < cols; ++j) yr[j] = std::exp(xr[j] - m);
+          const double sum = accumulate_double(cols, [&](index_t j) { return yr[j]; });
+          const T inv = static_cast<T>(1.0 / sum);
+          for (index_t j = 0; j < cols; ++j) yr[j] *= inv;
+        }
+      },
+      softmax_row_grain(cols));
+  const index_t bad = first_bad.load();
+  if (bad < rows) softmax_throw_bad_row(op, what, x, bad);
+}
+
+template <class T>
+void softmax_check_backward(const char* op, const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy,
+                            Tensor<T, cpu>& dx) {
+  GRAPHMOE_CHECK(!y.empty() && !dy.empty(), op, "y or dy is empty");
+  GRAPHMOE_CHECK(dy.shape() == y.shape(), op, "dy has shape ", dy.shape(), ", expected y's shape ",
+                 y.shape());
+  prepare_output(op, "dx", dx, y.shape());
+}
+
+}  // namespace detail
+
+// y = softmax(x) over the last dimension. Throws for a row without a finite maximum.
+template <class T>
+void softmax_forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+  detail::softmax_forward_impl("softmax_forward", "x", false, x, y);
+}
+
+// dx = y * (dy - sum(dy * y)) per row, from the forward output y. dx is assigned.
+template <class T>
+void softmax_backward(const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
+  detail::softmax_check_backward("softmax_backward", y, dy, dx);
+  const index_t rows = y.rows(), cols = y.cols();
+  const T* ys = y.data();
+  const T* dys = dy.data();
+  T* dxs = dx.data();
+  parallel_for(
+      0, rows,
+      [&](index_t r) {
+        const T* yr = ys + r * cols;
+        const T* dyr = dys + r * cols;
+        T* dxr = dxs + r * cols;
+        const T d = static_cast<T>(detail::accumulate_double(cols, [&](index_t j) {
+          return static_cast<double>(dyr[j]) * static_cast<double>(yr[j]);
+        }));
+        for (index_t j = 0; j < cols; ++j) dxr[j] = yr[j] * (dyr[j] - d);
+      },
+      detail::softmax_row_grain(cols));
+}
+
+// y = log_softmax(x) over the last dimension. Throws for a row without a finite maximum.
+template <class T>
+void log_softmax_forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+  detail::softmax_forward_impl("log_softmax_forward", "x", true, x, y);
+}
+
+// dx = dy - exp(y) * sum(dy) per row, from the forward output y. dx is assigned.
+template <class T>
+void log_softmax_backward(const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
+  detail::softmax_check_backward("log_softmax_backward", y, dy, dx);
+  const index_t rows = y.rows(), cols = y.cols();
+  const T* ys = y.data();
+  const T* dys = dy.data();
+  T* dxs = dx.data();
+  parallel_for(
+      0, rows,
+      [&](index_t r) {
+        const T* yr = ys + r * cols;
+        const T* dyr = dys + r * cols;
+        T* dxr = dxs + r * cols;
+        const T s =
+            static_cast<T>(detail::accumulate_double(cols, [&](index_t j) { return dyr[j]; }));
+        for (index_t j = 0; j < cols; ++j) dxr[j] = dyr[j] - std::exp(yr[j]) * s;
+      },
+      detail::softmax_row_grain(cols));
+}
+
+}  // namespace graphmoe

@@ -1,0 +1,30 @@
+// graphmoe/routing/attention_cache.hpp: what the Attention token graph reads from the attention
+// layer before the MoE, and the gradients it sends back.
+//
+// In a pre-norm block  x = LN1(h),  a = MHA(x) = concat_h(A_h V_h) W_o^T + b_o,  h' = h + a,
+// u = LN2(h'),  MoE(u). The Attention graph (Lemma 1) needs, for the sequence's head h*:
+//   A_h     the attention probabilities                         probs (B, H, T, T)
+//   W_h x_j the mean of u_i given z_i = j, h_i = h              from v (B, T, D) and w_o, b_o
+//   u_i     the variable that Gaussian describes                out = a (B, T, D)
+// See docs/routers.md for why these tensors play those roles.
+#pragma once
+
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+template <class T, class B = cpu>
+struct AttentionCache {
+  index_t num_heads = 0;
+  Tensor<T, B> probs;  // (B, H, T, T)  softmax(q k^T / sqrt(dh)) per head, masked entries 0
+  Tensor<T, B> v;      // (B, T, D)     values (bias included); head h: columns [h dh, (h+1) dh)
+  Tensor<T, B> w_o;    // (D, D)        output projection, a = o w_o^T + b_o
+  Tensor<T, B> b_o;    // (D) or empty  output bias
+  Tensor<T, B> out;    // (B, T, D)     the attention sublayer output a
+
+  // Gradients the Attention graph ACCUMULATES into during backward (allocated by the attention
+  // layer with the shapes above; empty ones are skipped, e.g. when the graph is detached).
+  Tensor<T, B> dprobs, dv, dw_o, db_o, dout;
+};
+
+}  // namespace graphmoe

@@ -1,0 +1,147 @@
+// graphmoe/routing/policies.hpp: the router's policy tags and their options.
+//
+// A router is Scorer x TokenGraph x Selector, chosen at compile time:
+//
+//   Scorer      u (N, D)  -> affinity logits gamma (N, E), expert scores r = softmax(gamma)
+//   TokenGraph  r (N, E)  -> p = G r, per sequence (G depends on the tokens)
+//   Selector    p (N, E)  -> k experts per token and their gates (renormalised to sum to 1)
+//
+// The tags below name the parts; their numerical options live in RouterConfig (one struct, so that
+// a command line or a checkpoint maps onto it directly). The implementations are in scorers.hpp,
+// token_graphs.hpp and selectors.hpp.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "graphmoe/config.hpp"
+#include "graphmoe/core/shape.hpp"
+
+namespace graphmoe {
+
+// ---- scorers --------------------------------------------------------------------------------
+// r = softmax(W u + b)                                        (Switch / GShard / the paper's SMoE)
+struct LinearScorer {
+  static constexpr const char* name = "linear";
+};
+// X-MoE (Chi et al. 2022): gamma_e = <normalize(P u), normalize(e_e)> / temperature
+struct CosineScorer {
+  static constexpr const char* name = "cosine";
+};
+// SMoE-Dropout (Chen et al. 2023): r = softmax(W u), W ~ N(0, 0.02^2), never updated
+struct FrozenRandomScorer {
+  static constexpr const char* name = "frozen-random";
+};
+
+// ---- token graphs -----------------------------------------------------------------------------
+// p = r
+struct Independent {
+  static constexpr const char* name = "independent";
+};
+// p_i = sum_j S[i,j] r_j, S = softmax(U U^T / tau) row-wise within each sequence
+struct Similarity {
+  static constexpr const char* name = "similarity";
+};
+// p_i = sum_j A^p_{h*}[i,j] r_j, A^p the attention posterior of Lemma 1
+struct Attention {
+  static constexpr const char* name = "attention";
+};
+
+// ---- selectors --------------------------------------------------------------------------------
+// top-k of p, renormalised (Appendix C.3)
+struct TopK {
+  static constexpr const char* name = "topk";
+};
+// SMoE-Dropout: k rises linearly from k_min to k_max over `schedule_steps` steps
+struct ScheduledTopK {
+  static constexpr const char* name = "scheduled-topk";
+};
+
+template <class P>
+inline constexpr bool is_scorer_policy_v =
+    std::is_same_v<P, LinearScorer> || std::is_same_v<P, CosineScorer> ||
+    std::is_same_v<P, FrozenRandomScorer>;
+template <class P>
+inline constexpr bool is_graph_policy_v =
+    std::is_same_v<P, Independent> || std::is_same_v<P, Similarity> || std::is_same_v<P, Attention>;
+template <class P>
+inline constexpr bool is_selector_policy_v =
+    std::is_same_v<P, TopK> || std::is_same_v<P, ScheduledTopK>;
+
+// How tau of the Similarity graph is set.
+enum class TauMode {
+  Fixed,        // tau = similarity_tau (the paper: 1)
+  ScaledSqrtD,  // tau = similarity_tau * sqrt(D), as attention scales its logits
+};
+
+// How h* of the Attention graph is chosen (the paper: lowest mean attention entropy over tokens).
+enum class HeadChoice {
+  PerSequence,        // h* = argmin_h mean_i H(A_h[i,:]) over the whole sequence
+  PerSequenceCausal,  // h*_i = argmin_h mean_{i' <= i} H(A_h[i',:]): no dependence on later tokens
+};
+
+struct RouterConfig {
+  index_t num_experts = 16;  // E
+  index_t k = 2;             // experts per token (TopK); ScheduledTopK uses k_min..k_max
+
+  // LinearScorer / FrozenRandomScorer
+  bool scorer_bias = true;     // LinearScorer only; FrozenRandomScorer has none (as SMoE-Dropout)
+  double init_std = 0.02;      // N(0, init_std^2) for W (SMoE-Dropout: 0.02)
+
+  // CosineScorer (X-MoE). Defaults: projection 16 and expert-side + token-side L2 normalisation as
+  // in the X-MoE paper and torchscale's projection size; temperature 0.3 as LibMoE's fixed value
+  // (the X-MoE paper's learnable temperature has no published initial value); learnable off.
+  index_t cosine_dim = 16;
+  double cosine_temperature = 0.3;
+  bool cosine_learnable_temperature = false;
+
+  // Similarity graph
+  double similarity_tau = 1.0;  // the paper's tau = 1
+  TauMode tau_mode = TauMode::Fixed;
+  bool causal = false;          // mask j > i (on by default in the LM, off in ViT / classifiers)
+  // false: keep S (N x seq_len values) from forward for backward; true: keep O(N) and recompute
+  // S block by block in backward (one more U U^T GEMM).
+  bool similarity_recompute = false;
+
+  // Attention graph
+  double attention_sigma = 1.0;  // the paper's sigma = 1
+  HeadChoice head_choice = HeadChoice::PerSequence;
+
+  // Either graph: no gradient through S or A^p (r still gets its gradient through p = G r).
+  bool detach_graph = false;
+
+  // ScheduledTopK (SMoE-Dropout): k(t) = clamp(round((k_max - k_min) t / T) + k_min)
+  index_t k_min = 1;
+  index_t k_max = 2;
+  std::int64_t schedule_steps = 1000;
+
+  // Capacity: each expert takes at most ceil(capacity_factor * N * k / E) token slots, in token
+  // order; overflowing assignments are dropped (their gate is zero and the token's other experts
+  // keep their gates). capacity_factor <= 0 means dropless (the default).
+  double capacity_factor = 0.0;
+
+  // Auxiliary losses (0 = off): Switch load balancing and ST-MoE router z-loss.
+  double load_balance_coef = 0.0;
+  double z_loss_coef = 0.0;
+
+  void validate() const {
+    GRAPHMOE_CHECK(num_experts >= 1, "RouterConfig", "num_experts must be >= 1, got ", num_experts);
+    GRAPHMOE_CHECK(k >= 1 && k <= num_experts, "RouterConfig", "k = ", k,
+                   " must be in [1, num_experts = ", num_experts, "]");
+    GRAPHMOE_CHECK(similarity_tau > 0, "RouterConfig", "tau must be > 0, got ", similarity_tau);
+    GRAPHMOE_CHECK(attention_sigma > 0, "RouterConfig", "sigma must be > 0, got ", attention_sigma);
+    GRAPHMOE_CHECK(cosine_dim >= 1, "RouterConfig", "cosine_dim must be >= 1, got ", cosine_dim);
+    GRAPHMOE_CHECK(cosine_temperature > 0, "RouterConfig", "cosine temperature must be > 0, got ",
+                   cosine_temperature);
+    GRAPHMOE_CHECK(init_std >= 0, "RouterConfig", "init_std must be >= 0, got ", init_std);
+    GRAPHMOE_CHECK(k_min >= 1 && k_min <= k_max && k_max <= num_experts, "RouterConfig",
+                   "need 1 <= k_min <= k_max <= num_experts, got k_min = ", k_min, ", k_max = ",
+                   k_max, ", num_experts = ", num_experts);
+    GRAPHMOE_CHECK(schedule_steps >= 1, "RouterConfig", "schedule_steps must be >= 1, got ",
+                   schedule_steps);
+    GRAPHMOE_CHECK(load_balance_coef >= 0 && z_loss_coef >= 0, "RouterConfig",
+                   "auxiliary loss coefficients must be >= 0");
+  }
+};
+
+}  // namespace graphmoe

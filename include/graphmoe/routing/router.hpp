@@ -1,0 +1,136 @@
+// graphmoe/routing/router.hpp: Router<Scorer, TokenGraph, Selector> and the named routers.
+//
+//   gamma = Scorer(u)            (N, E)  affinity logits
+//   r     = softmax(gamma)       (N, E)  expert scores
+//   p     = TokenGraph(r; u)     (N, E)  graph-aware scores
+//   (indices, gates) = Selector(p)       k experts per token, gates renormalised
+//
+// RouterImpl<Router<...>, T, B> holds the parts; forward fills a RouterOutput (which the MoE layer
+// returns for metrics) and backward takes dgates and accumulates du (+=).
+#pragma once
+
+#include <string>
+
+#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/core/arena.hpp"
+#include "graphmoe/routing/aux_losses.hpp"
+#include "graphmoe/routing/scorers.hpp"
+#include "graphmoe/routing/selectors.hpp"
+#include "graphmoe/routing/token_graphs.hpp"
+
+namespace graphmoe {
+
+// The router policy: three tags. Wrong arguments fail here with a message naming the valid ones.
+template <class Scorer, class Graph, class Selector>
+struct Router {
+  static_assert(is_scorer_policy_v<Scorer>,
+                "graphmoe::Router<Scorer, Graph, Selector>: the first argument must be a scorer "
+                "(LinearScorer, CosineScorer or FrozenRandomScorer)");
+  static_assert(is_graph_policy_v<Graph>,
+                "graphmoe::Router<Scorer, Graph, Selector>: the second argument must be a token "
+                "graph (Independent, Similarity or Attention)");
+  static_assert(is_selector_policy_v<Selector>,
+                "graphmoe::Router<Scorer, Graph, Selector>: the third argument must be a selector "
+                "(TopK or ScheduledTopK)");
+  using scorer = Scorer;
+  using graph = Graph;
+  using selector = Selector;
+  // True when the router needs the attention layer's cache.
+  static constexpr bool needs_attention = std::is_same_v<Graph, Attention>;
+  static std::string name() {
+    return std::string(Scorer::name) + "/" + Graph::name + "/" + Selector::name;
+  }
+};
+
+// The paper's rows (Table 1 and its plug-in variants).
+using SoftmaxRouter = Router<LinearScorer, Independent, TopK>;            // SMoE (Switch)
+using SimilarityRouter = Router<LinearScorer, Similarity, TopK>;          // Similarity-Aware SMoE
+using AttentionRouter = Router<LinearScorer, Attention, TopK>;            // Attention-Aware SMoE
+using XMoERouter = Router<CosineScorer, Independent, TopK>;               // X-MoE
+using SimilarityXMoERouter = Router<CosineScorer, Similarity, TopK>;      // Similarity-Aware X-MoE
+using AttentionXMoERouter = Router<CosineScorer, Attention, TopK>;        // Attention-Aware X-MoE
+using SMoEDropoutRouter = Router<FrozenRandomScorer, Independent, ScheduledTopK>;
+using SimilaritySMoEDropoutRouter = Router<FrozenRandomScorer, Similarity, ScheduledTopK>;
+using AttentionSMoEDropoutRouter = Router<FrozenRandomScorer, Attention, ScheduledTopK>;
+
+template <class T, class B = cpu>
+struct RouterOutput {
+  Tensor<T, B> gamma;        // (N, E) scorer logits
+  Tensor<T, B> r;            // (N, E) softmax(gamma)
+  Tensor<T, B> p;            // (N, E) after the token graph
+  Selection<T, B> selection;  // indices, gates, keep (N, k)
+  double load_balance_loss = 0;  // unscaled values (computed when their coefficient is > 0)
+  double z_loss = 0;
+  double graph_entropy = 0;  // mean row entropy of the token graph (0 for Independent)
+};
+
+template <class Policy, class T, class B = cpu>
+class RouterImpl;
+
+template <class Scorer, class Graph, class Selector, class T>
+class RouterImpl<Router<Scorer, Graph, Selector>, T, cpu> {
+ public:
+  using policy = Router<Scorer, Graph, Selector>;
+
+  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+               const RouterConfig& cfg) {
+    cfg.validate();
+    cfg_ = cfg;
+    d_model_ = d_model;
+    scorer_.declare(arena, prefix, d_model, cfg);
+    graph_.configure(d_model, cfg);
+    selector_.configure(cfg);
+  }
+  void bind(const ParameterArena<T, cpu>& arena) { scorer_.bind(arena); }
+  void init(Rng& rng) { scorer_.init(rng); }
+
+  const RouterConfig& config() const { return cfg_; }
+  ScorerImpl<Scorer, T, cpu>& scorer() { return scorer_; }
+  GraphImpl<Graph, T, cpu>& graph() { return graph_; }
+  SelectorImpl<Selector, T, cpu>& selector() { return selector_; }
+  index_t current_k() const { return selector_.current_k(); }
+  void set_step(std::int64_t step) { selector_.set_step(step); }
+
+  // u: (N, D) tokens, N a multiple of ctx.seq_len.
+  void forward(const Tensor<T, cpu>& u, const GraphContext<T, cpu>& ctx, RouterOutput<T, cpu>& out) {
+    GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == d_model_, "Router", "u has shape ", u.shape(),
+                   ", expected (N, ", d_model_, ")");
+    check_finite("Router", "u", u);
+    out.gamma = Tensor<T, cpu>();
+    out.r = Tensor<T, cpu>();
+    out.p = Tensor<T, cpu>();
+    scorer_.forward(u, out.gamma);
+    softmax_forward(out.gamma, out.r);
+    graph_.forward(u, out.r, ctx, out.p);
+    selector_.select(out.p, selector_.current_k(), out.selection);
+    out.graph_entropy = graph_.mean_entropy();
+    out.load_balance_loss = cfg_.load_balance_coef > 0
+                                ? load_balance_loss<T>(out.p, out.selection.indices, 0.0, nullptr)
+                                : 0.0;
+    out.z_loss = cfg_.z_loss_coef > 0 ? z_loss<T>(out.gamma, 0.0, nullptr) : 0.0;
+  }
+
+  // dgates: (N, k). du accumulated (+=). The auxiliary losses' gradients (coefficient times
+  // gradient) are added here.
+  void backward(const Tensor<T, cpu>& u, const GraphContext<T, cpu>& ctx,
+                const RouterOutput<T, cpu>& out, const Tensor<T, cpu>& dgates, Tensor<T, cpu>& du) {
+    check_shape("Router::backward", "du", du, u.shape());
+    Tensor<T, cpu> dp, dr, dgamma;
+    selector_.backward(out.p, out.selection, dgates, dp);
+    if (cfg_.load_balance_coef > 0)
+      load_balance_loss<T>(out.p, out.selection.indices, cfg_.load_balance_coef, &dp);
+    graph_.backward(u, out.r, out.p, dp, ctx, dr, du);
+    softmax_backward(out.r, dr, dgamma);
+    if (cfg_.z_loss_coef > 0) z_loss<T>(out.gamma, cfg_.z_loss_coef, &dgamma);
+    scorer_.backward(u, dgamma, du);
+  }
+
+ private:
+  RouterConfig cfg_;
+  index_t d_model_ = 0;
+  ScorerImpl<Scorer, T, cpu> scorer_;
+  GraphImpl<Graph, T, cpu> graph_;
+  SelectorImpl<Selector, T, cpu> selector_;
+};
+
+}  // namespace graphmoe

@@ -1,0 +1,235 @@
+// The MoE layer: finite-difference gradient check with every router (with and without detaching
+// the token graph), causality of the causal similarity graph, grouped dispatch, capacity drops.
+#include <doctest/doctest.h>
+
+#include "graphmoe/layers/moe.hpp"
+#include "routing/router_fixtures.hpp"
+
+using namespace graphmoe;
+using namespace graphmoe::test;
+
+namespace {
+
+template <class Policy, class T = double>
+struct Fixture {
+  MoEConfig cfg;
+  ParameterArena<T> arena;
+  MoELayer<Policy, T> layer;
+
+  explicit Fixture(index_t d = 4, index_t f = 3, index_t e = 4, index_t k = 2) {
+    cfg.d_model = d;
+    cfg.d_ff = f;
+    cfg.router.num_experts = e;
+    cfg.router.k = k;
+    cfg.router.k_min = 1;
+    cfg.router.k_max = k;
+    cfg.router.schedule_steps = 1;
+    cfg.router.cosine_dim = 3;
+    cfg.router.init_std = 0.5;
+    cfg.init_std = 0.5;
+  }
+  void build(std::uint64_t seed) {
+    layer.declare(arena, "moe.", cfg);
+    arena.allocate();
+    layer.bind(arena);
+    Rng rng(seed);
+    layer.init(rng);
+    layer.router().set_step(1);
+  }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("MoE layer gradient check with every router, graph attached and detached", Policy,
+                   SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
+                   SimilarityXMoERouter, AttentionXMoERouter, SMoEDropoutRouter,
+                   SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter) {
+  for (bool detach : {false, true}) {
+    if (detach && std::is_same_v<typename Policy::graph, Independent>) continue;
+    CAPTURE(detach);
+    Fixture<Policy> fx;
+    fx.cfg.router.detach_graph = detach;
+    fx.cfg.router.causal = true;
+    fx.cfg.router.load_balance_coef = 0.05;
+    fx.build(31);
+    Rng rng(32);
+    const index_t nb = 2, len = 4, d = fx.cfg.d_model;
+    auto cache = random_attention_cache<double>(nb, len, 2, d, true, rng);
+    GraphContext<double> ctx{len, Policy::needs_attention ? &cache : nullptr};
+    auto u = random_normal<double>({nb * len, d}, rng);
+    auto w = random_normal<double>({nb * len, d}, rng);
+    auto loss = [&] {
+      Tensor<double> y;
+      fx.layer.forward(u, ctx, y);
+      return weighted_sum(y, w) + 0.05 * fx.layer.routing().load_balance_loss;
+    };
+    Tensor<double> y, du;
+    fx.layer.forward(u, ctx, y);
+    fx.arena.zero_grad();
+    zero_sinks(cache);
+    fx.layer.backward(w, du);
+    if (!(detach && std::is_same_v<typename Policy::graph, Similarity>)) check_gradient("du", u, du, loss);
+    for (const auto& info : fx.arena.params()) {
+      if (!info.trainable) continue;
+      Tensor<double> v = fx.arena.value(info.name);
+      check_gradient(info.name, v, fx.arena.grad(info.name), loss);
+    }
+    if (Policy::needs_attention && !detach) {
+      check_gradient("attention dv", cache.v, cache.dv, loss);
+      check_gradient("attention dw_o", cache.w_o, cache.dw_o, loss);
+      check_gradient("attention dout", cache.out, cache.dout, loss);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("MoE layer: causal graph, perturbing token j > i leaves output i unchanged", Policy,
+                   SimilarityRouter, SimilarityXMoERouter) {
+  Fixture<Policy> fx(6, 5, 4, 2);
+  fx.cfg.router.causal = true;
+  fx.build(41);
+  Rng rng(42);
+  const index_t len = 9, d = fx.cfg.d_model;
+  auto u = random_normal<double>({2 * len, d}, rng);
+  Tensor<double> y0;
+  fx.layer.forward(u, {len, nullptr}, y0);
+  const auto p0 = fx.layer.routing().p.clone();
+  for (index_t j : {3, 8}) {
+    auto v = u.clone();
+    for (index_t c = 0; c < d; ++c) v(j, c) += 5.0;
+    Tensor<double> y1;
+    fx.layer.forward(v, {len, nullptr}, y1);
+    // The routing scores of earlier tokens are bitwise unchanged. Their outputs agree to rounding:
+    // the perturbed token may move to other experts, which changes the row blocks the expert
+    // GEMMs see and so the BLAS kernel's blocking, not the arithmetic of any row.
+    const auto& p1 = fx.layer.routing().p;
+    for (index_t i = 0; i < j; ++i)
+      for (index_t c = 0; c < p1.cols(); ++c) REQUIRE(p1(i, c) == p0(i, c));
+    CHECK(max_rel_diff(y1.slice(0, j), y0.slice(0, j)) < 1e-13);
+    bool changed = false;
+    for (index_t c = 0; c < d; ++c) changed |= y1(j, c) != y0(j, c);
+    CHECK(changed);
+    // the second sequence (rows 9..17) is independent of the first
+    CHECK(max_rel_diff(y1.slice(len, 2 * len), y0.slice(len, 2 * len)) < 1e-13);
+  }
+  // Without the mask, a later token does change earlier outputs.
+  Fixture<Policy> fx2(6, 5, 4, 2);
+  fx2.cfg.router.causal = false;
+  fx2.cfg.router.similarity_tau = 5.0;
+  fx2.build(41);
+  Tensor<double> z0, z1;
+  fx2.layer.forward(u, {len, nullptr}, z0);
+  auto v = u.clone();
+  for (index_t c = 0; c < d; ++c) v(8, c) += 5.0;
+  fx2.layer.forward(v, {len, nullptr}, z1);
+  CHECK(max_rel_diff(z1.slice(0, 8), z0.slice(0, 8)) > 1e-6);
+}
+
+TEST_CASE("MoE layer: tokens are grouped by expert and the output is the gated sum of their experts") {
+  Fixture<SoftmaxRouter> fx(5, 4, 3, 2);
+  fx.build(51);
+  Rng rng(52);
+  const index_t n = 12, d = 5;
+  auto u = random_normal<double>({n, d}, rng);
+  Tensor<double> y;
+  fx.layer.forward(u, {n, nullptr}, y);
+  const auto& plan = fx.layer.plan();
+  const auto& sel = fx.layer.routing().selection;
+  CHECK(plan.num_slots() == n * 2);
+  // naive: y_i = sum_j g_ij FFN_{e_ij}(u_i), the FFN evaluated densely for the check only
+  auto w1 = fx.arena.value("moe.experts.w1"), b1 = fx.arena.value("moe.experts.b1");
+  auto w2 = fx.arena.value("moe.experts.w2"), b2 = fx.arena.value("moe.experts.b2");
+  for (index_t i = 0; i < n; ++i) {
+    std::vector<double> ref(static_cast<std::size_t>(d), 0.0);
+    for (index_t j = 0; j < 2; ++j) {
+      const index_t e = sel.indices(i, j);
+      std::vector<double> hid(4);
+      for (index_t f = 0; f < 4; ++f) {
+        double s = b1(e, f);
+        for (index_t c = 0; c < d; ++c) s += w1(e, f, c) * u(i, c);
+        hid[static_cast<std::size_t>(f)] = 0.5 * s * (1 + std::tanh(std::sqrt(2 / M_PI) * (s + 0.044715 * s * s * s)));
+      }
+      for (index_t c = 0; c < d; ++c) {
+        double s = b2(e, c);
+        for (index_t f = 0; f < 4; ++f) s += w2(e, c, f) * hid[static_cast<std::size_t>(f)];
+        ref[static_cast<std::size_t>(c)] += sel.gates(i, j) * s;
+      }
+    }
+    for (index_t c = 0; c < d; ++c) CHECK(y(i, c) == doctest::Approx(ref[static_cast<std::size_t>(c)]).epsilon(1e-12));
+  }
+  for (index_t e = 0; e < 3; ++e)
+    for (index_t s = plan.offset(e); s < plan.offset(e + 1); ++s) {
+      const index_t a = plan.slot_source.data()[s];
+      CHECK(sel.indices.data()[a] == e);
+    }
+}
+
+TEST_CASE("MoE layer: capacity factor drops overflow assignments, which then contribute nothing") {
+  Fixture<SoftmaxRouter> fx(4, 3, 4, 2);
+  fx.cfg.router.capacity_factor = 0.5;
+  fx.build(61);
+  Rng rng(62);
+  const index_t n = 16, d = 4;
+  auto u = random_normal<double>({n, d}, rng);
+  Tensor<double> y;
+  fx.layer.forward(u, {n, nullptr}, y);
+  const auto& sel = fx.layer.routing().selection;
+  REQUIRE(sel.dropped > 0);
+  // A token whose every assignment was dropped gets zero output.
+  for (index_t i = 0; i < n; ++i) {
+    if (!sel.keep(i, 0) && !sel.keep(i, 1))
+      for (index_t c = 0; c < d; ++c) CHECK(y(i, c) == 0.0);
+  }
+  // Capacity holds per expert.
+  for (index_t e = 0; e < 4; ++e) CHECK(fx.layer.plan().count(e) <= 4);  // ceil(0.5 * 32 / 4)
+}
+
+TEST_CASE("MoE layer: bad input") {
+  Fixture<SimilarityRouter, float> fx;
+  fx.build(71);
+  Rng rng(72);
+  auto u = random_normal<float>({8, 5}, rng);
+  Tensor<float> y;
+  CHECK_THROWS_WITH_AS(fx.layer.forward(u, {4, nullptr}, y), doctest::Contains("u has shape (8, 5), expected (N, 4)"), Error);
+  auto v = random_normal<float>({8, 4}, rng);
+  fx.layer.forward(v, {4, nullptr}, y);
+  Tensor<float> dy({7, 4}), du;
+  CHECK_THROWS_WITH_AS(fx.layer.backward(dy, du), doctest::Contains("dy has shape (7, 4)"), Error);
+  Fixture<AttentionRouter, float> fa;
+  fa.build(73);
+  CHECK_THROWS_WITH_AS(fa.layer.forward(v, {4, nullptr}, y), doctest::Contains("needs the attention layer's cache"), Error);
+}
+
+TEST_CASE_TEMPLATE("MoE layer: 2 threads (both parallelisations) agree with 1 thread, forward and backward",
+                   Policy, SimilarityRouter, AttentionRouter) {
+  Rng rng(81);
+  const index_t nb = 3, len = 20, d = 8;
+  auto u = random_normal<double>({nb * len, d}, rng);
+  auto dy = random_normal<double>({nb * len, d}, rng);
+  auto cache = random_attention_cache<double>(nb, len, 2, d, true, rng);
+  GraphContext<double> ctx{len, Policy::needs_attention ? &cache : nullptr};
+  Tensor<double> ref_y, ref_du, ref_grads, ref_dv;
+  for (int run = 0; run < 3; ++run) {
+    set_num_threads(run == 0 ? 1 : 2);
+    Fixture<Policy> fx(d, 6, 4, 2);
+    fx.cfg.router.causal = true;
+    fx.cfg.parallelism = run == 2 ? ExpertParallelism::AcrossExperts : ExpertParallelism::WithinGemm;
+    fx.build(82);
+    Tensor<double> y, du;
+    zero_sinks(cache);
+    fx.layer.forward(u, ctx, y);
+    fx.layer.backward(dy, du);
+    if (run == 0) {
+      ref_y = y;
+      ref_du = du;
+      ref_grads = fx.arena.grads().clone();
+      ref_dv = cache.dv.clone();
+    } else {
+      CAPTURE(run);
+      CHECK(max_rel_diff(y, ref_y) < 1e-12);
+      CHECK(max_rel_diff(du, ref_du) < 1e-12);
+      CHECK(max_rel_diff(fx.arena.grads(), ref_grads) < 1e-12);
+      CHECK(max_rel_diff(cache.dv, ref_dv) < 1e-12);
+    }
+  }
+  set_num_threads(1);
+}

@@ -1,0 +1,414 @@
+// The routers against direct, loop-by-loop evaluations of the paper's formulas, and the
+// properties the paper states (Proposition 1, Appendix C.3, tau -> 0), plus bad input.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <vector>
+
+#include "graphmoe/routing/router.hpp"
+#include "routing/router_fixtures.hpp"
+
+using namespace graphmoe;
+using namespace graphmoe::test;
+
+namespace {
+
+// Definition 2: S[i,j] = exp(u_i . u_j / tau) / sum_j' exp(u_i . u_j' / tau) within a sequence
+// (j, j' <= i when causal);  p_i = sum_j S[i,j] r_j.
+std::vector<std::vector<double>> naive_similarity(const Tensor<double>& u, const Tensor<double>& r,
+                                                  index_t len, double tau, bool causal,
+                                                  std::vector<double>* entropy = nullptr) {
+  const index_t n = u.rows(), d = u.cols(), e = r.cols();
+  std::vector<std::vector<double>> p(static_cast<std::size_t>(n), std::vector<double>(static_cast<std::size_t>(e), 0.0));
+  for (index_t i = 0; i < n; ++i) {
+    const index_t s0 = i / len * len;
+    const index_t jend = causal ? i + 1 : s0 + len;
+    std::vector<long double> w;
+    long double z = 0;
+    for (index_t j = s0; j < jend; ++j) {
+      long double dot = 0;
+      for (index_t c = 0; c < d; ++c) dot += static_cast<long double>(u(i, c)) * u(j, c);
+      w.push_back(std::exp(dot / tau));
+      z += w.back();
+    }
+    double h = 0;
+    for (index_t j = s0; j < jend; ++j) {
+      const long double s = w[static_cast<std::size_t>(j - s0)] / z;
+      if (s > 0) h -= static_cast<double>(s * std::log(s));
+      for (index_t c = 0; c < e; ++c) p[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)] += static_cast<double>(s * r(j, c));
+    }
+    if (entropy) entropy->push_back(h);
+  }
+  return p;
+}
+
+// Lemma 1 with H^p one-hot at head h: A^p[i,j] = A_h[i,j] N(a_i | m_hj, sigma^2 I) / sum_j', with
+// the full Gaussian density (normalising constant and |a_i|^2 included) in long double, and
+// m_hj = H W_o,h v_hj + b_o.
+std::vector<std::vector<long double>> naive_posterior(const AttentionCache<double>& c, index_t b,
+                                                      index_t h, index_t len, double sigma) {
+  const index_t nh = c.num_heads, dm = c.out.cols(), dh = c.v.cols() / nh;
+  std::vector<std::vector<long double>> m(static_cast<std::size_t>(len), std::vector<long double>(static_cast<std::size_t>(dm)));
+  for (index_t j = 0; j < len; ++j)
+    for (index_t o = 0; o < dm; ++o) {
+      long double s = c.b_o(o);
+      for (index_t q = 0; q < dh; ++q) s += static_cast<long double>(nh) * c.w_o(o, h * dh + q) * c.v(b * len + j, h * dh + q);
+      m[static_cast<std::size_t>(j)][static_cast<std::size_t>(o)] = s;
+    }
+  std::vector<std::vector<long double>> post(static_cast<std::size_t>(len), std::vector<long double>(static_cast<std::size_t>(len), 0.0L));
+  const long double norm = std::pow(2.0L * 3.14159265358979323846L * sigma * sigma, -0.5L * dm);
+  for (index_t i = 0; i < len; ++i) {
+    std::vector<long double> logw(static_cast<std::size_t>(len));
+    long double mx = -INFINITY;
+    for (index_t j = 0; j < len; ++j) {
+      long double d2 = 0;
+      for (index_t o = 0; o < dm; ++o) {
+        const long double diff = c.out(b * len + i, o) - m[static_cast<std::size_t>(j)][static_cast<std::size_t>(o)];
+        d2 += diff * diff;
+      }
+      const long double a = c.probs(b, h, i, j);
+      // log(A * N(.)) = log A + log(norm) - d2 / (2 sigma^2)
+      logw[static_cast<std::size_t>(j)] = a > 0 ? std::log(a) + std::log(norm) - d2 / (2.0L * sigma * sigma) : -INFINITY;
+      mx = std::max(mx, logw[static_cast<std::size_t>(j)]);
+    }
+    long double z = 0;
+    for (index_t j = 0; j < len; ++j) z += std::exp(logw[static_cast<std::size_t>(j)] - mx);
+    for (index_t j = 0; j < len; ++j) post[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)] = std::exp(logw[static_cast<std::size_t>(j)] - mx) / z;
+  }
+  return post;
+}
+
+// Eq. 12: h* = argmin_h mean_i H(A_h[i,:]) over rows [0, upto].
+int naive_best_head(const AttentionCache<double>& c, index_t b, index_t len, index_t upto) {
+  int best = 0;
+  double best_v = 1e300;
+  for (index_t h = 0; h < c.num_heads; ++h) {
+    double s = 0;
+    for (index_t i = 0; i <= upto; ++i) s += entropy_of(&c.probs(b, h, i, 0), len);
+    if (s / static_cast<double>(upto + 1) < best_v) {
+      best_v = s / static_cast<double>(upto + 1);
+      best = static_cast<int>(h);
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+TEST_CASE("similarity graph: matches Definition 2 evaluated loop by loop") {
+  Rng rng(11);
+  for (bool causal : {false, true}) {
+    for (index_t len : {7, 150}) {  // 150 spans three row blocks of 64
+      CAPTURE(causal);
+      CAPTURE(len);
+      const index_t nb = 2, d = 5, e = 4;
+      auto u = random_normal<double>({nb * len, d}, rng, 0.7);
+      auto r = random_probs<double>(nb * len, e, rng);
+      RouterConfig cfg;
+      cfg.num_experts = e;
+      cfg.similarity_tau = 1.3;
+      cfg.causal = causal;
+      cfg.similarity_recompute = len > 100;
+      GraphImpl<Similarity, double> g;
+      g.configure(d, cfg);
+      Tensor<double> p;
+      g.forward(u, r, {len, nullptr}, p);
+      std::vector<double> ent;
+      auto ref = naive_similarity(u, r, len, 1.3, causal, &ent);
+      double worst = 0, ent_mean = 0;
+      for (index_t i = 0; i < nb * len; ++i) {
+        ent_mean += ent[static_cast<std::size_t>(i)] / static_cast<double>(nb * len);
+        for (index_t c = 0; c < e; ++c)
+          worst = std::max(worst, std::abs(p(i, c) - ref[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)]));
+      }
+      CHECK(worst < 1e-12);
+      CHECK(g.mean_entropy() == doctest::Approx(ent_mean).epsilon(1e-10));
+    }
+  }
+}
+
+TEST_CASE("similarity graph: tau scaled with the width uses tau * sqrt(D)") {
+  Rng rng(12);
+  const index_t len = 6, d = 9, e = 3;
+  auto u = random_normal<double>({len, d}, rng);
+  auto r = random_probs<double>(len, e, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.similarity_tau = 0.5;
+  cfg.tau_mode = TauMode::ScaledSqrtD;
+  GraphImpl<Similarity, double> g;
+  g.configure(d, cfg);
+  CHECK(g.tau() == doctest::Approx(1.5));
+  Tensor<double> p;
+  g.forward(u, r, {len, nullptr}, p);
+  auto ref = naive_similarity(u, r, len, 1.5, false);
+  for (index_t i = 0; i < len; ++i)
+    for (index_t c = 0; c < e; ++c) CHECK(p(i, c) == doctest::Approx(ref[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)]).epsilon(1e-12));
+}
+
+TEST_CASE("attention graph: matches Lemma 1 / Eq. 13 with the full Gaussian likelihood") {
+  Rng rng(13);
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    const index_t nb = 2, len = 6, heads = 3, d = 6, e = 4;
+    const double sigma = 2.5;
+    auto cache = random_attention_cache<double>(nb, len, heads, d, causal, rng);
+    auto u = random_normal<double>({nb * len, d}, rng);
+    auto r = random_probs<double>(nb * len, e, rng);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.attention_sigma = sigma;
+    GraphImpl<Attention, double> g;
+    g.configure(d, cfg);
+    Tensor<double> p;
+    g.forward(u, r, {len, &cache}, p);
+    for (index_t b = 0; b < nb; ++b) {
+      const int hstar = naive_best_head(cache, b, len, len - 1);
+      auto post = naive_posterior(cache, b, hstar, len, sigma);
+      for (index_t i = 0; i < len; ++i) {
+        CHECK(g.heads()[static_cast<std::size_t>(b * len + i)] == hstar);
+        for (index_t c = 0; c < e; ++c) {
+          long double ref = 0;
+          for (index_t j = 0; j < len; ++j) ref += post[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)] * r(b * len + j, c);
+          CHECK(p(b * len + i, c) == doctest::Approx(static_cast<double>(ref)).epsilon(1e-9));
+        }
+        if (causal)
+          for (index_t j = i + 1; j < len; ++j) CHECK(g.posterior()(b * len + i, j) == 0.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("attention graph: h* is the head of lowest mean attention entropy (Eq. 12), per sequence or causal prefix") {
+  Rng rng(14);
+  const index_t nb = 3, len = 8, heads = 4, d = 4, e = 3;
+  // Heads with very different sharpness so that the choice differs between sequences.
+  auto cache = random_attention_cache<double>(nb, len, heads, d, true, rng, 3.0);
+  auto u = random_normal<double>({nb * len, d}, rng);
+  auto r = random_probs<double>(nb * len, e, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  std::set<int> chosen;
+  for (HeadChoice hc : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
+    cfg.head_choice = hc;
+    GraphImpl<Attention, double> g;
+    g.configure(d, cfg);
+    Tensor<double> p;
+    g.forward(u, r, {len, &cache}, p);
+    for (index_t b = 0; b < nb; ++b)
+      for (index_t i = 0; i < len; ++i) {
+        const int want = naive_best_head(cache, b, len, hc == HeadChoice::PerSequence ? len - 1 : i);
+        CHECK(g.heads()[static_cast<std::size_t>(b * len + i)] == want);
+        chosen.insert(want);
+      }
+  }
+  CHECK(chosen.size() >= 2);  // the test data exercises more than one head
+}
+
+TEST_CASE("Appendix C.3: Renormalize(TopK0(r)) equals Softmax(TopKinf(gamma))") {
+  Rng rng(15);
+  const index_t n = 20, e = 8, k = 3;
+  auto gamma = random_normal<double>({n, e}, rng, 2.0);
+  Tensor<double> r;
+  softmax_forward(gamma, r);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.k = k;
+  SelectorImpl<TopK, double> sel;
+  sel.configure(cfg);
+  Selection<double> s;
+  sel.select(r, k, s);
+  for (index_t i = 0; i < n; ++i) {
+    // TopK^inf: -inf outside the k largest gamma, then softmax
+    std::vector<index_t> order(static_cast<std::size_t>(e));
+    for (index_t c = 0; c < e; ++c) order[static_cast<std::size_t>(c)] = c;
+    std::stable_sort(order.begin(), order.end(), [&](index_t a, index_t b) { return gamma(i, a) > gamma(i, b); });
+    double z = 0;
+    for (index_t j = 0; j < k; ++j) z += std::exp(gamma(i, order[static_cast<std::size_t>(j)]));
+    for (index_t j = 0; j < k; ++j) {
+      CHECK(s.indices(i, j) == order[static_cast<std::size_t>(j)]);
+      CHECK(s.gates(i, j) == doctest::Approx(std::exp(gamma(i, order[static_cast<std::size_t>(j)])) / z).epsilon(1e-12));
+    }
+  }
+}
+
+TEST_CASE("selector: gates sum to 1 over k distinct experts; capacity drops overflow in token order") {
+  Rng rng(16);
+  const index_t n = 40, e = 6, k = 2;
+  auto p = random_probs<double>(n, e, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.k = k;
+  SelectorImpl<TopK, double> sel;
+  sel.configure(cfg);
+  Selection<double> s;
+  sel.select(p, k, s);
+  CHECK(s.dropped == 0);
+  for (index_t i = 0; i < n; ++i) {
+    CHECK(s.indices(i, 0) != s.indices(i, 1));
+    CHECK(s.gates(i, 0) + s.gates(i, 1) == doctest::Approx(1.0));
+    CHECK(s.values(i, 0) >= s.values(i, 1));
+  }
+  cfg.capacity_factor = 0.5;  // capacity ceil(0.5 * 80 / 6) = 7 slots per expert
+  sel.configure(cfg);
+  sel.select(p, k, s);
+  std::vector<int> load(static_cast<std::size_t>(e), 0);
+  index_t dropped = 0;
+  for (index_t i = 0; i < n * k; ++i) {
+    const int x = s.indices.data()[i];
+    if (s.keep.data()[i]) {
+      ++load[static_cast<std::size_t>(x)];
+      CHECK(load[static_cast<std::size_t>(x)] <= 7);
+    } else {
+      ++dropped;
+      CHECK(load[static_cast<std::size_t>(x)] == 7);  // dropped only once the expert is full
+      CHECK(s.gates.data()[i] == 0.0);
+    }
+  }
+  CHECK(dropped == s.dropped);
+  index_t kept = 0;
+  for (int l : load) kept += l;
+  CHECK(dropped == n * k - kept);
+  CHECK(dropped > 0);
+}
+
+TEST_CASE("ScheduledTopK: linear k schedule from k_min to k_max, and the dense override") {
+  RouterConfig cfg;
+  cfg.num_experts = 16;
+  cfg.k_min = 2;
+  cfg.k_max = 8;
+  cfg.schedule_steps = 60;
+  using S = SelectorImpl<ScheduledTopK, float>;
+  CHECK(S::k_at(cfg, 0) == 2);
+  CHECK(S::k_at(cfg, 5) == 2);    // 6 * 5 / 60 = 0.5 rounds half to even (Python's round) -> 0
+  CHECK(S::k_at(cfg, 15) == 4);   // 1.5 -> 2
+  CHECK(S::k_at(cfg, 30) == 5);
+  CHECK(S::k_at(cfg, 60) == 8);
+  CHECK(S::k_at(cfg, 1000) == 8);
+  S s;
+  s.configure(cfg);
+  s.set_step(30);
+  CHECK(s.current_k() == 5);
+  s.set_k_override(16);
+  CHECK(s.current_k() == 16);
+  s.set_k_override(0);
+  CHECK(s.current_k() == 5);
+}
+
+// The paper's claim (Appendix E.5) holds when all tokens have the same norm, as after a layer norm:
+// then u_i . u_j < |u_i|^2 for j != i (Cauchy-Schwarz). With unequal norms S tends to the one-hot
+// of argmax_j u_i . u_j instead, which need not be i; the second half checks that.
+TEST_CASE("tau -> 0: S becomes the identity and the Similarity router equals the softmax router") {
+  Rng rng(17);
+  const index_t nb = 2, len = 10, d = 8, e = 6;
+  auto u = random_normal<double>({nb * len, d}, rng);
+  for (index_t i = 0; i < u.rows(); ++i) {  // rows of norm sqrt(d), as layer-normed tokens
+    double nrm = 0;
+    for (index_t c = 0; c < d; ++c) nrm += u(i, c) * u(i, c);
+    for (index_t c = 0; c < d; ++c) u(i, c) *= std::sqrt(static_cast<double>(d) / nrm);
+  }
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.k = 2;
+  cfg.similarity_tau = 1e-3;
+  ParameterArena<double> arena;
+  RouterImpl<SoftmaxRouter, double> soft;
+  RouterImpl<SimilarityRouter, double> sim;
+  soft.declare(arena, "a.", d, cfg);
+  sim.declare(arena, "b.", d, cfg);
+  arena.allocate();
+  soft.bind(arena);
+  sim.bind(arena);
+  Rng init(5);
+  soft.init(init);
+  arena.value("b.weight").copy_from(arena.value("a.weight"));
+  arena.value("b.bias").copy_from(arena.value("a.bias"));
+  RouterOutput<double> o1, o2;
+  soft.forward(u, {len, nullptr}, o1);
+  sim.forward(u, {len, nullptr}, o2);
+  CHECK(max_rel_diff(o2.r, o1.r) < 1e-15);
+  CHECK(max_rel_diff(o2.p, o1.p) < 1e-12);
+  CHECK(o2.graph_entropy < 1e-12);
+  for (index_t i = 0; i < o1.selection.indices.numel(); ++i)
+    CHECK(o1.selection.indices.data()[i] == o2.selection.indices.data()[i]);
+
+  // Unequal norms: a token with a much larger norm along u_0 captures row 0.
+  auto v = u.clone();
+  for (index_t c = 0; c < d; ++c) v(1, c) = 3.0 * v(0, c);
+  RouterOutput<double> o3;
+  sim.forward(v, {len, nullptr}, o3);
+  for (index_t c = 0; c < e; ++c) CHECK(o3.p(0, c) == doctest::Approx(o3.r(1, c)).epsilon(1e-9));
+}
+
+TEST_CASE("Proposition 1: H(p_i) <= sum_j s_ij H(r_j) + H(s_i) on random inputs") {
+  Rng rng(18);
+  for (int trial = 0; trial < 5; ++trial) {
+    const index_t len = 12, d = 4, e = 8;
+    auto u = random_normal<double>({len, d}, rng, 0.8);
+    auto r = random_probs<double>(len, e, rng, 1.0 + trial);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    GraphImpl<Similarity, double> g;
+    g.configure(d, cfg);
+    Tensor<double> p;
+    g.forward(u, r, {len, nullptr}, p);
+    // S rows recomputed from Definition 2 to form the bound.
+    for (index_t i = 0; i < len; ++i) {
+      std::vector<double> s(static_cast<std::size_t>(len));
+      double z = 0;
+      for (index_t j = 0; j < len; ++j) {
+        double dot = 0;
+        for (index_t c = 0; c < d; ++c) dot += u(i, c) * u(j, c);
+        s[static_cast<std::size_t>(j)] = std::exp(dot);
+        z += s[static_cast<std::size_t>(j)];
+      }
+      double bound = 0;
+      for (index_t j = 0; j < len; ++j) {
+        s[static_cast<std::size_t>(j)] /= z;
+        bound += s[static_cast<std::size_t>(j)] * entropy_of(&r(j, 0), e);
+      }
+      bound += entropy_of(s.data(), len);
+      CHECK(entropy_of(&p(i, 0), e) <= bound + 1e-12);
+    }
+  }
+}
+
+TEST_CASE("router: bad input") {
+  RouterConfig cfg;
+  cfg.num_experts = 4;
+  cfg.k = 5;
+  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("k = 5 must be in [1, num_experts = 4]"), Error);
+  cfg.k = 2;
+  cfg.similarity_tau = 0;
+  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("tau must be > 0"), Error);
+  cfg.similarity_tau = 1;
+  cfg.attention_sigma = -1;
+  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("sigma must be > 0"), Error);
+  cfg.attention_sigma = 1;
+
+  ParameterArena<float> arena;
+  RouterImpl<SimilarityRouter, float> sim;
+  RouterImpl<AttentionRouter, float> att;
+  sim.declare(arena, "s.", 3, cfg);
+  att.declare(arena, "a.", 3, cfg);
+  arena.allocate();
+  sim.bind(arena);
+  att.bind(arena);
+  Rng rng(1);
+  sim.init(rng);
+  att.init(rng);
+  auto u = random_normal<float>({4, 3}, rng);
+  RouterOutput<float> out;
+  u(2, 1) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(sim.forward(u, {4, nullptr}, out), doctest::Contains("u of shape (4, 3) holds nan"), Error);
+  u(2, 1) = 0;
+  CHECK_THROWS_WITH_AS(att.forward(u, {4, nullptr}, out), doctest::Contains("needs the attention layer's cache"), Error);
+  CHECK_THROWS_WITH_AS(sim.forward(u, {3, nullptr}, out), doctest::Contains("seq_len = 3 does not divide"), Error);
+  auto wrong = random_normal<float>({4, 5}, rng);
+  CHECK_THROWS_WITH_AS(sim.forward(wrong, {4, nullptr}, out), doctest::Contains("expected (N, 3)"), Error);
+  AttentionCache<float> bad = random_attention_cache<float>(1, 4, 2, 3, false, rng);
+  bad.probs = Tensor<float>({1, 2, 4, 3});
+  CHECK_THROWS_WITH_AS(att.forward(u, {4, &bad}, out), doctest::Contains("attention probs have shape (1, 2, 4, 3)"), Error);
+}

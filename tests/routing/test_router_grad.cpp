@@ -1,0 +1,277 @@
+// Finite-difference gradient checks (double) of every scorer, token graph, selector, auxiliary
+// loss and whole router, with and without the detach option.
+#include <doctest/doctest.h>
+
+#include "graphmoe/routing/router.hpp"
+#include "routing/router_fixtures.hpp"
+
+using namespace graphmoe;
+using namespace graphmoe::test;
+
+namespace {
+
+// Checks d loss / d (every trainable parameter of the arena) against the arena's gradients, after
+// `run_backward` has filled them (from zero).
+void check_arena(ParameterArena<double>& arena, const std::function<double()>& loss) {
+  for (const auto& info : arena.params()) {
+    if (!info.trainable) continue;
+    Tensor<double> v = arena.value(info.name);
+    check_gradient(info.name, v, arena.grad(info.name), loss);
+  }
+}
+
+template <class Policy>
+RouterConfig small_config(index_t e, index_t k) {
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.k = k;
+  cfg.k_min = 1;
+  cfg.k_max = k;
+  cfg.schedule_steps = 10;
+  cfg.init_std = 0.5;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("scorer gradient check", Policy, LinearScorer, CosineScorer, FrozenRandomScorer) {
+  for (bool learnable : {false, true}) {
+    if (learnable && !std::is_same_v<Policy, CosineScorer>) continue;
+    CAPTURE(learnable);
+    Rng rng(21);
+    const index_t n = 6, d = 5, e = 4;
+    RouterConfig cfg = small_config<Policy>(e, 2);
+    cfg.cosine_dim = 3;
+    cfg.cosine_learnable_temperature = learnable;
+    ParameterArena<double> arena;
+    ScorerImpl<Policy, double> sc;
+    sc.declare(arena, "s.", d, cfg);
+    arena.allocate();
+    sc.bind(arena);
+    sc.init(rng);
+    auto u = random_normal<double>({n, d}, rng);
+    auto w = random_normal<double>({n, e}, rng);
+    auto loss = [&] {
+      Tensor<double> g;
+      sc.forward(u, g);
+      return weighted_sum(g, w);
+    };
+    Tensor<double> g;
+    sc.forward(u, g);
+    Tensor<double> du(u.shape());
+    sc.backward(u, w, du);
+    check_gradient("du", u, du, loss);
+    check_arena(arena, loss);
+    if (std::is_same_v<Policy, FrozenRandomScorer>) {
+      CHECK(!arena.params()[0].trainable);
+      CHECK(as_vector(arena.grads()).cwiseAbs().maxCoeff() == 0.0);  // never updated
+    }
+  }
+}
+
+TEST_CASE("similarity graph gradient check: causal, non-causal, across row blocks, detached") {
+  struct Case { index_t len, d; bool causal, detach, recompute; };
+  for (Case cs : {Case{6, 4, false, false, false}, Case{6, 4, true, false, false},
+                  Case{135, 2, true, false, false}, Case{135, 2, false, false, true},
+                  Case{70, 2, true, false, true}, Case{6, 4, false, true, false},
+                  Case{6, 4, true, true, true}}) {
+    CAPTURE(cs.recompute);
+    CAPTURE(cs.len);
+    CAPTURE(cs.causal);
+    CAPTURE(cs.detach);
+    Rng rng(22);
+    const index_t nb = 2, e = 3;
+    auto u = random_normal<double>({nb * cs.len, cs.d}, rng, 0.8);
+    auto r = random_probs<double>(nb * cs.len, e, rng);
+    auto w = random_normal<double>({nb * cs.len, e}, rng);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.similarity_tau = 0.7;
+    cfg.causal = cs.causal;
+    cfg.detach_graph = cs.detach;
+    cfg.similarity_recompute = cs.recompute;
+    GraphImpl<Similarity, double> g;
+    g.configure(cs.d, cfg);
+    GraphContext<double> ctx{cs.len, nullptr};
+    auto loss = [&] {
+      Tensor<double> p;
+      g.forward(u, r, ctx, p);
+      return weighted_sum(p, w);
+    };
+    Tensor<double> p, dr, du(u.shape());
+    g.forward(u, r, ctx, p);
+    g.backward(u, r, p, w, ctx, dr, du);
+    check_gradient("dr", r, dr, loss);
+    if (cs.detach) {
+      CHECK(as_vector(du).cwiseAbs().maxCoeff() == 0.0);
+    } else {
+      check_gradient("du", u, du, loss);
+    }
+  }
+}
+
+TEST_CASE("attention graph gradient check: into r, the attention probabilities, values, output map and output") {
+  for (bool causal : {false, true}) {
+    for (HeadChoice hc : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
+      for (bool detach : {false, true}) {
+        CAPTURE(causal);
+        CAPTURE(detach);
+        Rng rng(23);
+        const index_t nb = 2, len = 5, heads = 2, d = 4, e = 3;
+        auto cache = random_attention_cache<double>(nb, len, heads, d, causal, rng);
+        auto u = random_normal<double>({nb * len, d}, rng);
+        auto r = random_probs<double>(nb * len, e, rng);
+        auto w = random_normal<double>({nb * len, e}, rng);
+        RouterConfig cfg;
+        cfg.num_experts = e;
+        cfg.attention_sigma = 1.7;
+        cfg.head_choice = hc;
+        cfg.detach_graph = detach;
+        GraphImpl<Attention, double> g;
+        g.configure(d, cfg);
+        GraphContext<double> ctx{len, &cache};
+        auto loss = [&] {
+          Tensor<double> p;
+          g.forward(u, r, ctx, p);
+          return weighted_sum(p, w);
+        };
+        Tensor<double> p, dr, du(u.shape());
+        g.forward(u, r, ctx, p);
+        zero_sinks(cache);
+        g.backward(u, r, p, w, ctx, dr, du);
+        check_gradient("dr", r, dr, loss);
+        CHECK(as_vector(du).cwiseAbs().maxCoeff() == 0.0);  // u enters only through r
+        if (detach) {
+          CHECK(as_vector(cache.dprobs).cwiseAbs().maxCoeff() == 0.0);
+          CHECK(as_vector(cache.dv).cwiseAbs().maxCoeff() == 0.0);
+          continue;
+        }
+        // Masked (zero) probabilities are outside the domain of log A: their analytic gradient is
+        // 0 and they are not perturbed; every positive entry is checked.
+        Tensor<double> probs = cache.probs;
+        auto dprobs = cache.dprobs.clone();
+        const Tensor<double> mask = probs.clone();
+        for (index_t i = 0; i < probs.numel(); ++i)
+          if (mask.data()[i] == 0.0) CHECK(dprobs.data()[i] == 0.0);
+        GradcheckOptions opt;
+        opt.h = 1e-7;  // some probabilities are small: a smaller step keeps log A smooth
+        opt.skip = [&](index_t i) { return mask.data()[i] == 0.0; };
+        check_gradient("dprobs", probs, dprobs, loss, opt);
+        check_gradient("dv", cache.v, cache.dv, loss);
+        check_gradient("dw_o", cache.w_o, cache.dw_o, loss);
+        check_gradient("db_o", cache.b_o, cache.db_o, loss);
+        check_gradient("dout", cache.out, cache.dout, loss);
+      }
+    }
+  }
+}
+
+TEST_CASE("selector gradient check: renormalised top-k, with and without capacity drops") {
+  for (double cf : {0.0, 0.4}) {
+    CAPTURE(cf);
+    Rng rng(24);
+    const index_t n = 10, e = 5, k = 2;
+    auto p = random_probs<double>(n, e, rng);
+    auto w = random_normal<double>({n, k}, rng);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.k = k;
+    cfg.capacity_factor = cf;
+    SelectorImpl<TopK, double> sel;
+    sel.configure(cfg);
+    Selection<double> s;
+    sel.select(p, k, s);
+    if (cf > 0) CHECK(s.dropped > 0);
+    auto loss = [&] {
+      Selection<double> t;
+      sel.select(p, k, t);
+      return weighted_sum(t.gates, w);
+    };
+    Tensor<double> dp;
+    sel.backward(p, s, w, dp);
+    check_gradient("dp", p, dp, loss);
+  }
+}
+
+TEST_CASE("auxiliary losses gradient check: load balancing on p, z-loss on gamma") {
+  Rng rng(25);
+  const index_t n = 8, e = 4, k = 2;
+  auto p = random_probs<double>(n, e, rng);
+  Tensor<std::int32_t> idx({n, k});
+  for (index_t i = 0; i < n * k; ++i) idx.data()[i] = static_cast<std::int32_t>(rng.uniform_int(e));
+  Tensor<double> dp(p.shape());
+  const double lb = load_balance_loss<double>(p, idx, 0.3, &dp);
+  // naive: E * sum_e f_e P_e
+  double ref = 0;
+  for (index_t x = 0; x < e; ++x) {
+    double f = 0, pm = 0;
+    for (index_t s = 0; s < n * k; ++s) f += idx.data()[s] == x ? 1.0 / static_cast<double>(n * k) : 0.0;
+    for (index_t i = 0; i < n; ++i) pm += p(i, x) / static_cast<double>(n);
+    ref += f * pm;
+  }
+  CHECK(lb == doctest::Approx(static_cast<double>(e) * ref).epsilon(1e-12));
+  check_gradient("load balance dp", p, dp, [&] { return 0.3 * load_balance_loss<double>(p, idx, 0, nullptr); });
+
+  auto gamma = random_normal<double>({n, e}, rng, 2.0);
+  Tensor<double> dg(gamma.shape());
+  const double z = z_loss<double>(gamma, 0.7, &dg);
+  double zref = 0;
+  for (index_t i = 0; i < n; ++i) {
+    double s = 0;
+    for (index_t x = 0; x < e; ++x) s += std::exp(gamma(i, x));
+    zref += std::log(s) * std::log(s) / static_cast<double>(n);
+  }
+  CHECK(z == doctest::Approx(zref).epsilon(1e-12));
+  check_gradient("z-loss dgamma", gamma, dg, [&] { return 0.7 * z_loss<double>(gamma, 0, nullptr); });
+}
+
+TEST_CASE_TEMPLATE("whole router gradient check (gates + load balancing + z-loss)", Policy, SoftmaxRouter,
+                   SimilarityRouter, AttentionRouter, XMoERouter, SimilarityXMoERouter,
+                   SMoEDropoutRouter, AttentionSMoEDropoutRouter) {
+  for (bool detach : {false, true}) {
+    if (detach && std::is_same_v<typename Policy::graph, Independent>) continue;
+    CAPTURE(detach);
+    Rng rng(26);
+    const index_t nb = 2, len = 5, d = 4, e = 4, k = 2;
+    RouterConfig cfg = small_config<Policy>(e, k);
+    cfg.cosine_dim = 3;
+    cfg.causal = true;
+    cfg.detach_graph = detach;
+    cfg.load_balance_coef = 0.1;
+    cfg.z_loss_coef = 0.01;
+    ParameterArena<double> arena;
+    RouterImpl<Policy, double> router;
+    router.declare(arena, "router.", d, cfg);
+    arena.allocate();
+    router.bind(arena);
+    router.init(rng);
+    router.set_step(10);  // ScheduledTopK: k = k_max = 2
+    auto cache = random_attention_cache<double>(nb, len, 2, d, true, rng);
+    GraphContext<double> ctx{len, Policy::needs_attention ? &cache : nullptr};
+    auto u = random_normal<double>({nb * len, d}, rng);
+    auto w = random_normal<double>({nb * len, k}, rng);
+    auto loss = [&] {
+      RouterOutput<double> o;
+      router.forward(u, ctx, o);
+      return weighted_sum(o.selection.gates, w) + cfg.load_balance_coef * o.load_balance_loss +
+             cfg.z_loss_coef * o.z_loss;
+    };
+    RouterOutput<double> out;
+    router.forward(u, ctx, out);
+    CHECK(out.load_balance_loss > 0);
+    CHECK(out.z_loss > 0);
+    Tensor<double> du(u.shape());
+    arena.zero_grad();
+    zero_sinks(cache);
+    router.backward(u, ctx, out, w, du);
+    REQUIRE(router.current_k() == k);
+    // A detached similarity graph drops the path u -> S on purpose, so finite differences in u
+    // (which see it) differ; the parameters never reach S, so their gradients stay exact.
+    if (!(detach && std::is_same_v<typename Policy::graph, Similarity>)) check_gradient("du", u, du, loss);
+    check_arena(arena, loss);
+    if (Policy::needs_attention && !detach) {
+      check_gradient("dv", cache.v, cache.dv, loss);
+      check_gradient("dout", cache.out, cache.dout, loss);
+    }
+  }
+}
