@@ -1,0 +1,123 @@
+// graphmoe/layers/block.hpp: the pre-norm transformer block, with a dense FFN or an MoE layer.
+//
+//   x = LN1(h);  a = MHA(x);  h1 = h + a;  u = LN2(h1);  f = FFN(u) or MoE(u);  out = h1 + f
+//
+// With an Attention-graph router, the MoE layer reads this block's attention cache (probs,
+// values, output map and output) and its backward sends gradients into them, which the attention
+// backward folds in. Layer contract in linear.hpp; the residual stream's gradient is the sum of
+// the skip path and the branch.
+#pragma once
+
+#include <string>
+
+#include "graphmoe/layers/attention.hpp"
+#include "graphmoe/layers/ffn.hpp"
+#include "graphmoe/layers/moe.hpp"
+#include "graphmoe/layers/norm.hpp"
+
+namespace graphmoe {
+
+struct BlockConfig {
+  index_t d_model = 128;
+  index_t num_heads = 4;
+  index_t d_ff = 512;
+  bool causal = true;   // attention mask (the Similarity graph follows RouterConfig::causal)
+  bool moe = true;      // MoE FFN (else dense)
+  MoEConfig moe_config; // d_model / d_ff are taken from the fields above
+  double init_std = 0.02;
+  double out_scale = 1.0;  // output projections' init scale (GPT-2: 1 / sqrt(2 layers))
+};
+
+template <class RouterPolicy, class T, class B = cpu>
+class TransformerBlock;
+
+template <class RouterPolicy, class T>
+class TransformerBlock<RouterPolicy, T, cpu> {
+ public:
+  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, const BlockConfig& cfg) {
+    cfg_ = cfg;
+    cfg_.moe_config.d_model = cfg.d_model;
+    cfg_.moe_config.d_ff = cfg.d_ff;
+    ln1_.declare(arena, prefix + "ln1.", cfg.d_model);
+    attn_.declare(arena, prefix + "attn.", cfg.d_model, cfg.num_heads, cfg.causal);
+    ln2_.declare(arena, prefix + "ln2.", cfg.d_model);
+    if (cfg.moe)
+      moe_.declare(arena, prefix + "moe.", cfg_.moe_config);
+    else
+      ffn_.declare(arena, prefix + "ffn.", cfg.d_model, cfg.d_ff, cfg_.moe_config.gelu);
+  }
+  void bind(const ParameterArena<T, cpu>& arena) {
+    ln1_.bind(arena);
+    attn_.bind(arena);
+    ln2_.bind(arena);
+    if (cfg_.moe) moe_.bind(arena); else ffn_.bind(arena);
+  }
+  void init(Rng& rng) {
+    ln1_.init();
+    ln2_.init();
+    attn_.init(rng, cfg_.init_std, cfg_.out_scale);
+    if (cfg_.moe) {
+      cfg_.moe_config.init_std = cfg_.init_std;
+      moe_.init(rng);
+    } else {
+      ffn_.init(rng, cfg_.init_std, cfg_.out_scale);
+    }
+  }
+
+  // h (B, T, D) -> out (B, T, D)
+  void forward(const Tensor<T, cpu>& h, Tensor<T, cpu>& out) {
+    const Shape s = h.shape();
+    const index_t n = s[0] * s[1];
+    Tensor<T, cpu> x, a;
+    ln1_.forward(h, x);
+    attn_.forward(x, a);
+    h1_ = h.clone();
+    as_matrix(h1_) += as_matrix(a);
+    u_ = Tensor<T, cpu>();
+    ln2_.forward(h1_, u_);
+    Tensor<T, cpu> f(Shape{n, cfg_.d_model});
+    if (cfg_.moe) {
+      GraphContext<T, cpu> ctx{s[1], nullptr};
+      if constexpr (RouterPolicy::needs_attention) {
+        attn_.enable_graph_gradients();
+        ctx.attention = &attn_.cache();
+      }
+      moe_.forward(u_.view(Shape{n, cfg_.d_model}), ctx, f);
+    } else {
+      ffn_.forward(u_.view(Shape{n, cfg_.d_model}), f);
+    }
+    prepare_output("TransformerBlock", "out", out, s);
+    as_matrix(out) = as_matrix(h1_) + as_matrix(f);
+  }
+
+  // dout (B, T, D) -> dh (B, T, D) assigned.
+  void backward(const Tensor<T, cpu>& dout, Tensor<T, cpu>& dh) {
+    const Shape s = dout.shape();
+    const index_t n = s[0] * s[1];
+    Tensor<T, cpu> du;
+    Tensor<T, cpu> dflat = dout.view(Shape{n, cfg_.d_model});
+    if (cfg_.moe) moe_.backward(dflat, du); else ffn_.backward(dflat, du);
+    Tensor<T, cpu> dh1;
+    ln2_.backward(du.view(s), dh1);
+    as_matrix(dh1) += as_matrix(dout);  // skip path
+    Tensor<T, cpu> dx;
+    attn_.backward(dh1, dx);
+    ln1_.backward(dx, dh);
+    as_matrix(dh) += as_matrix(dh1);    // skip path
+  }
+
+  bool is_moe() const { return cfg_.moe; }
+  MoELayer<RouterPolicy, T, cpu>& moe() { return moe_; }
+  const MoELayer<RouterPolicy, T, cpu>& moe() const { return moe_; }
+  MultiHeadAttention<T, cpu>& attention() { return attn_; }
+
+ private:
+  BlockConfig cfg_;
+  LayerNorm<T, cpu> ln1_, ln2_;
+  MultiHeadAttention<T, cpu> attn_;
+  FeedForward<T, cpu> ffn_;
+  MoELayer<RouterPolicy, T, cpu> moe_;
+  Tensor<T, cpu> h1_, u_;
+};
+
+}  // namespace graphmoe

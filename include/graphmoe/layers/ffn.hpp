@@ -1,0 +1,54 @@
+// graphmoe/layers/ffn.hpp: the dense feed-forward block, D -> d_ff -> D with GELU (layer contract
+// in linear.hpp).
+#pragma once
+
+#include <string>
+
+#include "graphmoe/backend/cpu/gelu.hpp"
+#include "graphmoe/layers/linear.hpp"
+
+namespace graphmoe {
+
+template <class T, class B = cpu>
+class FeedForward;
+
+template <class T>
+class FeedForward<T, cpu> {
+ public:
+  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+               index_t d_ff, GeluForm gelu = GeluForm::Tanh) {
+    gelu_ = gelu;
+    fc1_.declare(arena, prefix + "fc1.", d_model, d_ff);
+    fc2_.declare(arena, prefix + "fc2.", d_ff, d_model);
+  }
+  void bind(const ParameterArena<T, cpu>& arena) {
+    fc1_.bind(arena);
+    fc2_.bind(arena);
+  }
+  void init(Rng& rng, double stddev, double out_scale = 1.0) {
+    fc1_.init(rng, stddev);
+    fc2_.init(rng, stddev * out_scale);
+  }
+  // x (N, D) -> y (N, D)
+  void forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+    h_ = Tensor<T, cpu>();
+    a_ = Tensor<T, cpu>();
+    fc1_.forward(x, h_);
+    gelu_forward(gelu_, h_, a_);
+    fc2_.forward(a_, y);
+  }
+  void backward(const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
+    Tensor<T, cpu> da(a_.shape());
+    fc2_.backward(dy, &da);
+    gelu_backward(gelu_, h_, da, da);
+    prepare_output("FeedForward::backward", "dx", dx, Shape{h_.rows(), fc1_.in()});
+    fc1_.backward(da, &dx);
+  }
+
+ private:
+  GeluForm gelu_ = GeluForm::Tanh;
+  Linear<T, cpu> fc1_, fc2_;
+  Tensor<T, cpu> h_, a_;
+};
+
+}  // namespace graphmoe

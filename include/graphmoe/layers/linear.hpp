@@ -1,0 +1,81 @@
+// graphmoe/layers/linear.hpp: y = x W^T + b (PyTorch nn.Linear layout: W (out, in), b (out)).
+//
+// Layer contract (every layer in layers/): declare(arena, prefix, ...) registers parameters,
+// bind(arena) takes views of values and gradients, init(rng) sets initial values; forward(x, y)
+// caches what backward needs; backward(dy, dx) ASSIGNS dx (skipped when dx is nullptr) and
+// ACCUMULATES (+=) the parameter gradients.
+#pragma once
+
+#include <string>
+
+#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/rng.hpp"
+
+namespace graphmoe {
+
+template <class T>
+void fill_normal(const Tensor<T, cpu>& t, Rng& rng, double stddev) {
+  for (index_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<T>(rng.normal(0.0, stddev));
+}
+
+template <class T, class B = cpu>
+class Linear;
+
+template <class T>
+class Linear<T, cpu> {
+ public:
+  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t in, index_t out,
+               bool bias = true) {
+    GRAPHMOE_CHECK(in >= 1 && out >= 1, "Linear", "sizes must be >= 1, got in = ", in,
+                   ", out = ", out);
+    in_ = in;
+    out_ = out;
+    bias_ = bias;
+    id_w_ = arena.add(prefix + "weight", Shape{out, in});
+    if (bias) id_b_ = arena.add(prefix + "bias", Shape{out});
+  }
+  void bind(const ParameterArena<T, cpu>& arena) {
+    w_ = arena.value(id_w_);
+    dw_ = arena.grad(id_w_);
+    if (bias_) {
+      b_ = arena.value(id_b_);
+      db_ = arena.grad(id_b_);
+    }
+  }
+  void init(Rng& rng, double stddev) {
+    fill_normal(w_, rng, stddev);
+    if (bias_) b_.zero();
+  }
+  // x (..., in) -> y (..., out)
+  void forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+    GRAPHMOE_CHECK(x.cols() == in_, "Linear", "input has shape ", x.shape(), ", expected last dim ",
+                   in_);
+    x_ = x;
+    std::vector<index_t> dims(x.shape().begin(), x.shape().end());
+    dims.back() = out_;
+    prepare_output("Linear", "y", y, Shape::from_range(dims.begin(), dims.end()));
+    gemm(Trans::N, Trans::T, T(1), x, w_, T(0), y);
+    if (bias_) as_matrix(y).rowwise() += as_vector(b_).transpose();
+  }
+  void backward(const Tensor<T, cpu>& dy, Tensor<T, cpu>* dx) {
+    Tensor<T, cpu> none;
+    gemm_backward(Trans::N, Trans::T, T(1), x_, w_, dy, T(0), dx ? *dx : none, T(1), dw_);
+    if (bias_) as_vector(db_) += as_matrix(dy).colwise().sum().transpose();
+  }
+  const Tensor<T, cpu>& weight() const { return w_; }
+  const Tensor<T, cpu>& bias() const { return b_; }
+  const Tensor<T, cpu>& dweight() const { return dw_; }
+  const Tensor<T, cpu>& dbias() const { return db_; }
+  index_t in() const { return in_; }
+  index_t out() const { return out_; }
+
+ private:
+  index_t in_ = 0, out_ = 0;
+  bool bias_ = true;
+  index_t id_w_ = -1, id_b_ = -1;
+  Tensor<T, cpu> w_, dw_, b_, db_;
+  Tensor<T, cpu> x_;
+};
+
+}  // namespace graphmoe

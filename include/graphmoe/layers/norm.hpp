@@ -1,0 +1,53 @@
+// graphmoe/layers/norm.hpp: layer normalisation with a learned gain and bias (layer contract in
+// linear.hpp).
+#pragma once
+
+#include <string>
+
+#include "graphmoe/backend/cpu/layernorm.hpp"
+#include "graphmoe/core/arena.hpp"
+
+namespace graphmoe {
+
+template <class T, class B = cpu>
+class LayerNorm;
+
+template <class T>
+class LayerNorm<T, cpu> {
+ public:
+  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t dim,
+               double eps = 1e-5) {
+    dim_ = dim;
+    eps_ = eps;
+    id_g_ = arena.add(prefix + "weight", Shape{dim});
+    id_b_ = arena.add(prefix + "bias", Shape{dim});
+  }
+  void bind(const ParameterArena<T, cpu>& arena) {
+    g_ = arena.value(id_g_);
+    dg_ = arena.grad(id_g_);
+    b_ = arena.value(id_b_);
+    db_ = arena.grad(id_b_);
+  }
+  void init() {
+    g_.fill(T(1));
+    b_.zero();
+  }
+  void forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+    x_ = x;
+    mean_ = Tensor<T, cpu>();
+    rstd_ = Tensor<T, cpu>();
+    layernorm_forward(x, g_, b_, static_cast<T>(eps_), y, mean_, rstd_);
+  }
+  void backward(const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
+    layernorm_backward(x_, g_, mean_, rstd_, dy, dx, dg_, db_);
+  }
+
+ private:
+  index_t dim_ = 0;
+  double eps_ = 1e-5;
+  index_t id_g_ = -1, id_b_ = -1;
+  Tensor<T, cpu> g_, dg_, b_, db_;
+  Tensor<T, cpu> x_, mean_, rstd_;
+};
+
+}  // namespace graphmoe

@@ -1,0 +1,222 @@
+// graphmoe/models/transformer_lm.hpp: decoder-only transformer LM with MoE FFNs.
+//
+//   h0 = tok_emb[ids] + pos_emb[t]                      (B, T, D)
+//   h_l = Block_l(h_{l-1})  (MoE FFN per the layout)    Switch: every block; GLaM: every other
+//   logits = LN_f(h_L) W^T                              W = tok_emb (tied) or lm_head
+//   loss = mean cross-entropy over targets != ignore_index
+//
+// Plain struct in llm.c's style: forward calls the blocks in order, backward in reverse. All
+// parameters live in one ParameterArena (`arena`), named as a PyTorch user would expect
+// ("blocks.3.moe.router.weight"). In a causal LM the routers' token graphs are causal: the
+// Similarity graph masks later tokens and the Attention graph chooses h* from the prefix
+// (HeadChoice::PerSequenceCausal), so no logit at position i depends on a token after i.
+#pragma once
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "graphmoe/backend/cpu/cross_entropy.hpp"
+#include "graphmoe/backend/cpu/embedding.hpp"
+#include "graphmoe/layers/block.hpp"
+
+namespace graphmoe {
+
+enum class MoELayout {
+  Switch,  // every FFN is MoE
+  GLaM,    // every other FFN is MoE: block i is MoE iff (i + 1) % 2 == 0 (torchscale, Megatron)
+  Dense,   // no MoE (a dense baseline)
+};
+
+struct TransformerLMConfig {
+  index_t vocab_size = 10000;
+  index_t max_seq_len = 128;
+  index_t d_model = 128;
+  index_t num_layers = 6;
+  index_t num_heads = 4;
+  index_t d_ff = 512;
+  MoELayout layout = MoELayout::Switch;
+  bool tie_embeddings = true;
+  RouterConfig router;  // num_experts, k, graph options; causal is forced on
+  GeluForm gelu = GeluForm::Tanh;
+  double init_std = 0.02;
+
+  // The paper's medium WikiText-103 model (Table 6): 6 layers, D = 352, 8 heads, d_ff = 352,
+  // E = 16, top-2, sequence 512.
+  static TransformerLMConfig paper_medium(index_t vocab) {
+    TransformerLMConfig c;
+    c.vocab_size = vocab;
+    c.max_seq_len = 512;
+    c.d_model = 352;
+    c.num_layers = 6;
+    c.num_heads = 8;
+    c.d_ff = 352;
+    c.router.num_experts = 16;
+    c.router.k = 2;
+    return c;
+  }
+
+  bool is_moe_layer(index_t i) const {
+    switch (layout) {
+      case MoELayout::Switch: return true;
+      case MoELayout::GLaM: return (i + 1) % 2 == 0;
+      case MoELayout::Dense: return false;
+    }
+    return false;
+  }
+
+  void validate() const {
+    GRAPHMOE_CHECK(vocab_size >= 2 && max_seq_len >= 1 && d_model >= 1 && num_layers >= 1 &&
+                       d_ff >= 1,
+                   "TransformerLMConfig", "sizes must be positive (vocab >= 2), got vocab ",
+                   vocab_size, ", max_seq_len ", max_seq_len, ", d_model ", d_model, ", layers ",
+                   num_layers, ", d_ff ", d_ff);
+    GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "TransformerLMConfig",
+                   "num_heads = ", num_heads, " must divide d_model = ", d_model);
+    router.validate();
+  }
+};
+
+template <class RouterPolicy, class T, class B = cpu>
+class TransformerLM;
+
+template <class RouterPolicy, class T>
+class TransformerLM<RouterPolicy, T, cpu> {
+ public:
+  using router_policy = RouterPolicy;
+  static constexpr std::int32_t kIgnoreIndex = -100;
+
+  explicit TransformerLM(const TransformerLMConfig& cfg, std::uint64_t seed = 0) : cfg_(cfg) {
+    cfg_.router.causal = true;
+    cfg_.router.head_choice = HeadChoice::PerSequenceCausal;
+    cfg_.validate();
+    id_tok_ = arena.add("tok_emb.weight", Shape{cfg_.vocab_size, cfg_.d_model});
+    id_pos_ = arena.add("pos_emb.weight", Shape{cfg_.max_seq_len, cfg_.d_model});
+    blocks_.resize(static_cast<std::size_t>(cfg_.num_layers));
+    for (index_t i = 0; i < cfg_.num_layers; ++i) {
+      BlockConfig bc;
+      bc.d_model = cfg_.d_model;
+      bc.num_heads = cfg_.num_heads;
+      bc.d_ff = cfg_.d_ff;
+      bc.causal = true;
+      bc.moe = cfg_.is_moe_layer(i);
+      bc.moe_config.router = cfg_.router;
+      bc.moe_config.gelu = cfg_.gelu;
+      bc.init_std = cfg_.init_std;
+      bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
+      blocks_[static_cast<std::size_t>(i)].declare(arena, "blocks." + std::to_string(i) + ".", bc);
+    }
+    ln_f_.declare(arena, "ln_f.", cfg_.d_model);
+    if (!cfg_.tie_embeddings) id_head_ = arena.add("lm_head.weight", Shape{cfg_.vocab_size, cfg_.d_model});
+    arena.allocate();
+    bind();
+    Rng rng(seed);
+    fill_normal(arena.value(id_tok_), rng, cfg_.init_std);
+    fill_normal(arena.value(id_pos_), rng, cfg_.init_std);
+    for (auto& b : blocks_) b.init(rng);
+    ln_f_.init();
+    if (id_head_ >= 0) fill_normal(arena.value(id_head_), rng, cfg_.init_std);
+  }
+  TransformerLM(const TransformerLM&) = delete;
+  TransformerLM& operator=(const TransformerLM&) = delete;
+
+  // ids, targets: (B, T) with T <= max_seq_len; targets may be empty (no loss, logits only).
+  // Returns the mean cross-entropy over targets != kIgnoreIndex.
+  T forward(const Tensor<std::int32_t, cpu>& ids, const Tensor<std::int32_t, cpu>& targets) {
+    GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM", "ids must be (B, T), got ", ids.shape());
+    const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
+    GRAPHMOE_CHECK(t >= 1 && t <= cfg_.max_seq_len, "TransformerLM", "sequence length ", t,
+                   " out of [1, max_seq_len = ", cfg_.max_seq_len, "]");
+    if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
+    ids_ = ids;
+    targets_ = targets;
+    // embeddings
+    Tensor<T, cpu> h;
+    embedding_forward(ids, tok_, h);  // (B, T, D)
+    auto pos = as_matrix(pos_).topRows(t);
+    for (index_t i = 0; i < b; ++i) as_matrix(h[i]) += pos;
+    acts_.assign(blocks_.size() + 1, Tensor<T, cpu>());
+    acts_[0] = h;
+    for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
+    xf_ = Tensor<T, cpu>();
+    ln_f_.forward(acts_.back(), xf_);
+    logits_ = Tensor<T, cpu>();
+    gemm(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), T(0), logits_);
+    logits_ = logits_.view(Shape{b, t, cfg_.vocab_size});
+    if (targets.empty()) return T(0);
+    log_probs_ = Tensor<T, cpu>();
+    return cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex);
+  }
+
+  // Gradients of (mean cross-entropy + the routers' auxiliary losses) into arena.grads(),
+  // accumulated: call arena.zero_grad() first.
+  void backward() {
+    GRAPHMOE_CHECK(!log_probs_.empty(), "TransformerLM::backward",
+                   "call forward with targets first");
+    const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
+    Tensor<T, cpu> dlogits;
+    cross_entropy_backward(log_probs_, targets_, T(1), dlogits, kIgnoreIndex);
+    Tensor<T, cpu> dlf = dlogits.view(Shape{b * t, cfg_.vocab_size});
+    Tensor<T, cpu> dxf(Shape{b * t, d});
+    Tensor<T, cpu> dhead = head_grad();
+    gemm_backward(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), dlf, T(0),
+                  dxf, T(1), dhead);
+    Tensor<T, cpu> dh;
+    ln_f_.backward(dxf.view(Shape{b, t, d}), dh);
+    for (std::size_t l = blocks_.size(); l-- > 0;) {
+      Tensor<T, cpu> dprev;
+      blocks_[l].backward(dh, dprev);
+      dh = dprev;
+    }
+    embedding_backward(ids_, dh, dtok_);
+    auto dpos = as_matrix(dpos_).topRows(t);
+    for (index_t i = 0; i < b; ++i) dpos += as_matrix(dh[i]);
+  }
+
+  // Sum over MoE layers of coef * (load-balancing, z) losses of the last forward.
+  double aux_loss() const {
+    double s = 0;
+    for (const auto& blk : blocks_) {
+      if (!blk.is_moe()) continue;
+      const auto& r = blk.moe().routing();
+      s += cfg_.router.load_balance_coef * r.load_balance_loss + cfg_.router.z_loss_coef * r.z_loss;
+    }
+    return s;
+  }
+
+  const TransformerLMConfig& config() const { return cfg_; }
+  const Tensor<T, cpu>& logits() const { return logits_; }  // (B, T, V) of the last forward
+  index_t num_layers() const { return cfg_.num_layers; }
+  TransformerBlock<RouterPolicy, T, cpu>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
+  // Sets the training step of every router (ScheduledTopK's k schedule).
+  void set_step(std::int64_t step) {
+    for (auto& blk : blocks_)
+      if (blk.is_moe()) blk.moe().router().set_step(step);
+  }
+
+  ParameterArena<T, cpu> arena;
+
+ private:
+  void bind() {
+    tok_ = arena.value(id_tok_);
+    dtok_ = arena.grad(id_tok_);
+    pos_ = arena.value(id_pos_);
+    dpos_ = arena.grad(id_pos_);
+    for (auto& b : blocks_) b.bind(arena);
+    ln_f_.bind(arena);
+  }
+  Tensor<T, cpu> head_weight() const { return id_head_ >= 0 ? arena.value(id_head_) : tok_; }
+  Tensor<T, cpu> head_grad() const { return id_head_ >= 0 ? arena.grad(id_head_) : dtok_; }
+
+  TransformerLMConfig cfg_;
+  index_t id_tok_ = -1, id_pos_ = -1, id_head_ = -1;
+  Tensor<T, cpu> tok_, dtok_, pos_, dpos_;
+  std::vector<TransformerBlock<RouterPolicy, T, cpu>> blocks_;
+  LayerNorm<T, cpu> ln_f_;
+  // forward cache
+  Tensor<std::int32_t, cpu> ids_, targets_;
+  std::vector<Tensor<T, cpu>> acts_;
+  Tensor<T, cpu> xf_, logits_, log_probs_;
+};
+
+}  // namespace graphmoe

@@ -1,0 +1,141 @@
+// TransformerLM: whole-model gradient check (2 layers, each router), causality of the logits with
+// every router, layouts, bad input.
+#include <doctest/doctest.h>
+
+#include "graphmoe/models/transformer_lm.hpp"
+#include "support/gradcheck.hpp"
+
+using namespace graphmoe;
+using namespace graphmoe::test;
+
+namespace {
+TransformerLMConfig tiny_config() {
+  TransformerLMConfig c;
+  c.vocab_size = 7;
+  c.max_seq_len = 6;
+  c.d_model = 4;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.d_ff = 3;
+  c.router.num_experts = 3;
+  c.router.k = 2;
+  c.router.k_min = 1;
+  c.router.k_max = 2;
+  c.router.schedule_steps = 1;
+  c.router.cosine_dim = 3;
+  c.router.init_std = 0.5;
+  c.router.load_balance_coef = 0.05;
+  c.router.z_loss_coef = 0.01;
+  c.router.similarity_tau = 2.0;
+  c.init_std = 0.4;
+  return c;
+}
+
+Tensor<std::int32_t> random_ids(index_t b, index_t t, index_t vocab, Rng& rng) {
+  Tensor<std::int32_t> x({b, t});
+  for (index_t i = 0; i < x.numel(); ++i) x.data()[i] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(vocab)));
+  return x;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("TransformerLM gradient check of the whole tiny model (2 layers)", Policy, SoftmaxRouter,
+                   SimilarityRouter, AttentionRouter, XMoERouter, SMoEDropoutRouter,
+                   AttentionXMoERouter) {
+  for (bool tied : {true, false}) {
+    CAPTURE(tied);
+    auto cfg = tiny_config();
+    cfg.tie_embeddings = tied;
+    cfg.layout = tied ? MoELayout::Switch : MoELayout::GLaM;
+    TransformerLM<Policy, double> lm(cfg, 3);
+    lm.set_step(1);
+    Rng rng(4);
+    auto ids = random_ids(2, 5, cfg.vocab_size, rng);
+    auto targets = random_ids(2, 5, cfg.vocab_size, rng);
+    targets(1, 2) = TransformerLM<Policy, double>::kIgnoreIndex;
+    auto loss = [&] { return static_cast<double>(lm.forward(ids, targets)) + lm.aux_loss(); };
+    const double l0 = loss();
+    CHECK(std::isfinite(l0));
+    lm.arena.zero_grad();
+    lm.backward();
+    for (const auto& info : lm.arena.params()) {
+      if (!info.trainable) continue;
+      Tensor<double> v = lm.arena.value(info.name);
+      check_gradient(info.name, v, lm.arena.grad(info.name), loss);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("TransformerLM causality: changing token j > i changes no logit at position i", Policy,
+                   SoftmaxRouter, SimilarityRouter, AttentionRouter, SimilarityXMoERouter,
+                   AttentionSMoEDropoutRouter) {
+  auto cfg = tiny_config();
+  cfg.vocab_size = 11;
+  cfg.max_seq_len = 9;
+  cfg.d_model = 8;
+  cfg.router.num_experts = 4;
+  TransformerLM<Policy, double> lm(cfg, 5);
+  Rng rng(6);
+  auto ids = random_ids(2, 9, cfg.vocab_size, rng);
+  Tensor<std::int32_t> none;
+  lm.forward(ids, none);
+  const auto base = lm.logits().clone();
+  for (index_t j : {2, 5, 8}) {
+    auto changed = ids.clone();
+    changed(0, j) = (changed(0, j) + 3) % static_cast<std::int32_t>(cfg.vocab_size);
+    lm.forward(changed, none);
+    const auto& lg = lm.logits();
+    double before = 0, at = 0;
+    for (index_t i = 0; i < 9; ++i)
+      for (index_t v = 0; v < cfg.vocab_size; ++v) {
+        const double diff = std::abs(lg(0, i, v) - base(0, i, v));
+        if (i < j) before = std::max(before, diff);
+        if (i == j) at = std::max(at, diff);
+      }
+    CHECK(before < 1e-12);
+    CHECK(at > 1e-6);  // the test can fail: position j itself does change
+    // the other sequence in the batch is untouched
+    CHECK(max_rel_diff(lg[1], base[1]) < 1e-12);
+  }
+}
+
+TEST_CASE("TransformerLM layouts and the paper's medium configuration") {
+  auto m = TransformerLMConfig::paper_medium(1000);
+  CHECK(m.d_model == 352);
+  CHECK(m.num_heads == 8);
+  CHECK(m.router.num_experts == 16);
+  CHECK(m.max_seq_len == 512);
+  m.validate();
+  m.layout = MoELayout::GLaM;
+  CHECK(!m.is_moe_layer(0));
+  CHECK(m.is_moe_layer(1));
+  CHECK(!m.is_moe_layer(4));
+  CHECK(m.is_moe_layer(5));
+  m.layout = MoELayout::Switch;
+  for (index_t i = 0; i < 6; ++i) CHECK(m.is_moe_layer(i));
+  auto cfg = tiny_config();
+  cfg.layout = MoELayout::GLaM;
+  TransformerLM<SimilarityRouter, float> lm(cfg);
+  CHECK(lm.arena.contains("blocks.1.moe.router.weight"));
+  CHECK(lm.arena.contains("blocks.0.ffn.fc1.weight"));
+  CHECK(!lm.arena.contains("blocks.0.moe.router.weight"));
+  CHECK(!lm.arena.contains("lm_head.weight"));
+}
+
+TEST_CASE("TransformerLM bad input") {
+  auto cfg = tiny_config();
+  TransformerLM<SoftmaxRouter, float> lm(cfg);
+  Rng rng(1);
+  auto long_ids = random_ids(1, 7, cfg.vocab_size, rng);
+  Tensor<std::int32_t> none;
+  CHECK_THROWS_WITH_AS(lm.forward(long_ids, none), doctest::Contains("sequence length 7 out of [1, max_seq_len = 6]"), Error);
+  auto ids = random_ids(1, 4, cfg.vocab_size, rng);
+  ids(0, 2) = 99;
+  CHECK_THROWS_WITH_AS(lm.forward(ids, none), doctest::Contains("99"), Error);
+  CHECK_THROWS_WITH_AS(lm.backward(), doctest::Contains("call forward with targets first"), Error);
+  auto bad = tiny_config();
+  bad.num_heads = 3;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, float>(bad)), doctest::Contains("num_heads = 3 must divide d_model = 4"), Error);
+  bad = tiny_config();
+  bad.router.k = 4;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, float>(bad)), doctest::Contains("k = 4"), Error);
+}
