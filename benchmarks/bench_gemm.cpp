@@ -6,6 +6,9 @@
 //   2048 x 352 x 1408   FFN up-projection        (tokens, d_model) x (d_model, d_ff)
 //   2048 x 1408 x 352   FFN down-projection      (tokens, d_ff) x (d_ff, d_model)
 //    256 x 352 x 352    one expert's share of the tokens through a square projection
+// Threads: graphmoe::set_num_threads(t) for graphmoe::gemm, which splits C into t panels over
+// OpenMP with a single-threaded OpenBLAS (or Eigen) product each; openblas_set_num_threads(t)
+// for cblas_sgemm, i.e. OpenBLAS's own pthreads.
 // Counters: FLOPS = 2 M N K per iteration as a rate; bytes_per_second counts reading A and B
 // and writing C once ((M K + K N + M N) * 4 bytes), a lower bound on the memory traffic.
 // Wall-clock time (UseRealTime), because both libraries run worker threads.
@@ -89,7 +92,7 @@ BENCHMARK(BM_graphmoe_gemm)->Apply(gemm_shapes);
 #if defined(GRAPHMOE_BENCH_HAVE_CBLAS)
 void BM_cblas_sgemm(benchmark::State& state) {
   GemmCase g(state);
-  graphmoe::set_num_threads(g.threads);  // also openblas_set_num_threads (GRAPHMOE_USE_BLAS)
+  openblas_set_num_threads(g.threads);  // graphmoe::set_num_threads keeps OpenBLAS at 1 thread
   const int m = static_cast<int>(g.m), k = static_cast<int>(g.k), n = static_cast<int>(g.n);
   for (auto _ : state) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, g.a.data(), k,
@@ -99,7 +102,7 @@ void BM_cblas_sgemm(benchmark::State& state) {
   }
   g.set_counters(state);
   state.SetLabel("OpenBLAS");
-  graphmoe::set_num_threads(1);
+  openblas_set_num_threads(1);
 }
 BENCHMARK(BM_cblas_sgemm)->Apply(gemm_shapes);
 #endif

@@ -13,6 +13,7 @@ apt_packages=(
   libopenblas-dev
   nlohmann-json3-dev libcli11-dev
   python3 python3-numpy
+  zlib1g-dev dataset-fashion-mnist
 )
 
 missing=()
@@ -25,6 +26,25 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -y
   $SUDO apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+
+# PyPI packages for /usr/bin/python3 (the interpreter tests/CMakeLists.txt tries first): the real
+# safetensors library and numpy, used by the checkpoint interop test. Debian 12's pip refuses to
+# touch the system Python without --break-system-packages (PEP 668). Skipped when already importable.
+if [ "${GRAPHMOE_SKIP_PIP:-0}" != "1" ]; then
+  if ! /usr/bin/python3 -c "import safetensors, numpy" >/dev/null 2>&1; then
+    if ! /usr/bin/python3 -m pip --version >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      $SUDO apt-get update -y
+      $SUDO apt-get install -y --no-install-recommends python3-pip
+    fi
+    pip_flags=(--quiet --disable-pip-version-check --no-input)
+    if /usr/bin/python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
+      pip_flags+=(--break-system-packages)
+    fi
+    $SUDO env PIP_ROOT_USER_ACTION=ignore /usr/bin/python3 -m pip install "${pip_flags[@]}" safetensors numpy
+    /usr/bin/python3 -c "import safetensors, numpy"
+  fi
 fi
 
 echo "install-deps: done"

@@ -103,15 +103,15 @@ def run_case(binary, name, args):
         print(f"  {name}: other processes used {100 * load:.0f}% of the CPUs, rerunning",
               file=sys.stderr)
     report = json.loads(out)
-    gflops = None
+    gflops, label = None, ""
     for b in report["benchmarks"]:
         wanted = (b.get("aggregate_name") == "median" if args.repetitions > 1
                   else b.get("run_type", "iteration") == "iteration")
         if wanted and "FLOPS" in b:
-            gflops = b["FLOPS"] / 1e9
+            gflops, label = b["FLOPS"] / 1e9, b.get("label", "")
     print(f"  {name}: {gflops:.1f} GFLOP/s" + ("" if load is None else f", other load {100 * load:.0f}%"),
           file=sys.stderr)
-    return gflops, load, report.get("context", {})
+    return gflops, label, load, report.get("context", {})
 
 
 def case_order(case):
@@ -137,10 +137,10 @@ def main():
     args = ap.parse_args()
 
     bench_dir = os.path.join(args.build_dir, "benchmarks")
-    # (binary, column of its graphmoe results, header of that column)
-    binaries = [("bench_gemm", "ours", "graphmoe GFLOP/s"),
-                ("bench_gemm_eigen", "eigen", "Eigen kernel GFLOP/s"),
-                ("bench_gemm_eigen_native", "native", "Eigen kernel -march=native GFLOP/s")]
+    # (binary, column of its graphmoe results); the Eigen columns are titled by the binaries'
+    # labels ("Eigen kernel" or "Eigen kernel, -march=native", see benchmarks/CMakeLists.txt)
+    binaries = [("bench_gemm", "ours"), ("bench_gemm_eigen", "eigen"),
+                ("bench_gemm_eigen_native", "native")]
     if not os.access(os.path.join(bench_dir, "bench_gemm"), os.X_OK):
         sys.exit(f"gemm_report: {bench_dir}/bench_gemm not found; build it with\n  cmake --build "
                  f"{args.build_dir} --target bench_gemm bench_gemm_eigen bench_gemm_eigen_native")
@@ -149,7 +149,7 @@ def main():
     # Collect every run first, then run them case by case, so that the libraries compared in
     # one row run back to back under the same machine conditions.
     runs, blas_core = [], ""
-    for binary_name, ours_column, _ in binaries:
+    for binary_name, ours_column in binaries:
         binary = os.path.join(bench_dir, binary_name)
         names, core = list_cases(binary)
         if binary_name == "bench_gemm":
@@ -160,10 +160,11 @@ def main():
             runs.append((case, "blas" if fn == "BM_cblas_sgemm" else ours_column, binary, name))
     runs.sort(key=lambda r: case_order(r[0]))  # stable: keeps the column order within a case
 
-    results, loads, context = {}, {}, {}
+    results, labels, loads, context = {}, {}, {}, {}
     for case, column, binary, name in runs:
-        gflops, load, ctx = run_case(binary, name, args)
+        gflops, label, load, ctx = run_case(binary, name, args)
         results[(column, case)] = gflops
+        labels.setdefault(column, label)
         if load is not None:
             loads[case] = max(loads.get(case, 0.0), load)
         context = context or ctx
@@ -179,7 +180,8 @@ def main():
         print("note: bench_gemm was built without cblas (OpenBLAS not found); no OpenBLAS column")
     print()
     header = ["shape (M x K x N)", "threads", "graphmoe GFLOP/s", "OpenBLAS GFLOP/s", "ratio"]
-    extra_columns = [(col, title) for name, col, title in binaries if col != "ours"]
+    extra_columns = [(col, f"{labels.get(col) or col} GFLOP/s")
+                     for _, col in binaries if col != "ours"]
     header += [title for _, title in extra_columns]
     if loads:
         header.append("max other load")

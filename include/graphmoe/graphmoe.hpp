@@ -26,3 +26,35 @@
 #include "graphmoe/backend/cpu/layernorm.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/backend/cpu/topk.hpp"
+
+// routing: Router<Scorer, TokenGraph, Selector>, named routers, auxiliary losses
+#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/routing/aux_losses.hpp"
+#include "graphmoe/routing/policies.hpp"
+#include "graphmoe/routing/registry.hpp"
+#include "graphmoe/routing/router.hpp"
+#include "graphmoe/routing/scorers.hpp"
+#include "graphmoe/routing/selectors.hpp"
+#include "graphmoe/routing/token_graphs.hpp"
+
+// layers: linear, layer norm, attention, FFN, expert bank, MoE layer, transformer block
+#include "graphmoe/layers/attention.hpp"
+#include "graphmoe/layers/block.hpp"
+#include "graphmoe/layers/expert_bank.hpp"
+#include "graphmoe/layers/ffn.hpp"
+#include "graphmoe/layers/linear.hpp"
+#include "graphmoe/layers/moe.hpp"
+#include "graphmoe/layers/norm.hpp"
+
+// models
+#include "graphmoe/models/transformer_lm.hpp"
+
+// train: optimizers, schedules, checkpoints, data, metrics, progress
+#include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/datasets.hpp"
+#include "graphmoe/train/lm_batcher.hpp"
+#include "graphmoe/train/metrics.hpp"
+#include "graphmoe/train/optim.hpp"
+#include "graphmoe/train/progress.hpp"
+#include "graphmoe/train/schedule.hpp"
+#include "graphmoe/train/tokenizers.hpp"

@@ -1,0 +1,115 @@
+// train_lm: train a decoder-only MoE transformer LM with any router on a word-level
+// (WikiText format) or character-level corpus.
+//
+//   train_lm --train wiki.valid.tokens --test wiki.test.tokens --router similarity --steps 2000
+//
+// See `train_lm --help`. Metrics go to <out>/metrics.csv, the checkpoint (model + AdamW state,
+// safetensors) to <out>/checkpoint.safetensors; --resume continues from it.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/files.hpp"
+#include "train_lm/options.hpp"
+
+using namespace graphmoe;
+
+int main(int argc, char** argv) {
+  train_lm::Options opt;
+  auto& m = opt.model;
+  m.max_seq_len = 128;
+  m.d_model = 128;
+  m.num_layers = 6;
+  m.num_heads = 4;
+  m.d_ff = 512;
+  m.router.num_experts = 8;
+  m.router.k = 2;
+  const std::string wt2 = data_dir() + "/wikitext-2/";
+  opt.train_path = wt2 + "wiki.valid.tokens";
+  opt.test_path = wt2 + "wiki.test.tokens";
+
+  CLI::App app{"Train a graph-routed MoE transformer language model (graphmoe)"};
+  std::string routers;
+  for (const auto& n : router_names()) routers += (routers.empty() ? "" : ", ") + n;
+  std::string layout = "switch", tau_mode = "fixed";
+  app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
+  app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
+  app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
+  app.add_option("--valid-fraction", opt.valid_fraction, "share of the training stream held out when no --valid")->check(CLI::Range(0.001, 0.5));
+  app.add_flag("--char", opt.char_level, "character-level tokens instead of words");
+  app.add_option("--max-vocab", opt.max_vocab, "word level: keep the most frequent words (0 = all)");
+  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
+  app.add_option("--layout", layout, "MoE layout: switch (every FFN), glam (every other), dense")->check(CLI::IsMember({"switch", "glam", "dense"}));
+  app.add_option("--layers", m.num_layers, "transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--d-model", m.d_model, "model width D")->check(CLI::PositiveNumber);
+  app.add_option("--heads", m.num_heads, "attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--d-ff", m.d_ff, "expert / FFN hidden size")->check(CLI::PositiveNumber);
+  app.add_option("--experts", m.router.num_experts, "experts per MoE layer E")->check(CLI::PositiveNumber);
+  app.add_option("--top-k", m.router.k, "experts per token k")->check(CLI::PositiveNumber);
+  app.add_option("--seq", m.max_seq_len, "sequence length")->check(CLI::PositiveNumber);
+  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature (paper: 1)")->check(CLI::PositiveNumber);
+  app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D)")->check(CLI::IsMember({"fixed", "scaled"}));
+  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma (paper: 1)")->check(CLI::PositiveNumber);
+  app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(CLI::NonNegativeNumber);
+  app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(CLI::NonNegativeNumber);
+  app.add_option("--k-min", m.router.k_min, "SMoE-Dropout: first k of the schedule");
+  app.add_option("--k-max", m.router.k_max, "SMoE-Dropout: last k of the schedule");
+  app.add_option("--steps", opt.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--batch", opt.batch, "sequences per batch")->check(CLI::PositiveNumber);
+  app.add_option("--lr", opt.lr, "peak learning rate (AdamW)")->check(CLI::PositiveNumber);
+  app.add_option("--min-lr", opt.min_lr, "final learning rate of the cosine schedule")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", opt.warmup, "linear warmup steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--weight-decay", opt.weight_decay, "AdamW decoupled weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--clip", opt.clip, "global gradient-norm clip (0 = off)")->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = only at the end)");
+  app.add_option("--eval-batches", opt.eval_batches, "validation batches per periodic evaluation (0 = all)");
+  app.add_option("--checkpoint-every", opt.checkpoint_every, "checkpoint every N steps (0 = at the end)");
+  app.add_option("--seed", opt.seed, "random seed (initialisation and data order)");
+  app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
+  app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
+  CLI11_PARSE(app, argc, argv);
+
+  m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
+  m.router.tau_mode = tau_mode == "scaled" ? TauMode::ScaledSqrtD : TauMode::Fixed;
+  if (opt.router.rfind("smoe-dropout", 0) == 0) {
+    m.router.k_max = std::max(m.router.k_max, m.router.k);
+    m.router.schedule_steps = opt.steps;
+  }
+  try {
+    train_lm::Data data;
+    std::vector<std::int32_t> stream;
+    auto split_valid = [&] {
+      if (!opt.valid_path.empty()) return;
+      const std::size_t cut = static_cast<std::size_t>(static_cast<double>(data.train.size()) * (1.0 - opt.valid_fraction));
+      data.valid.assign(data.train.begin() + static_cast<std::ptrdiff_t>(cut), data.train.end());
+      data.train.resize(cut);
+    };
+    if (opt.char_level) {
+      const CharTokenizer tok = CharTokenizer::build(opt.train_path);
+      data.train = tok.encode_file(opt.train_path);
+      if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
+      if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
+      data.vocab_size = tok.size();
+      std::filesystem::create_directories(opt.out_dir);
+      tok.save(opt.out_dir + "/vocab.txt");
+    } else {
+      const WordTokenizer tok = WordTokenizer::build(opt.train_path, opt.max_vocab);
+      data.train = tok.encode_file(opt.train_path);
+      if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
+      if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
+      data.vocab_size = tok.size();
+      std::filesystem::create_directories(opt.out_dir);
+      tok.save(opt.out_dir + "/vocab.txt");
+    }
+    split_valid();
+    std::fprintf(stderr, "train_lm: router %s, %zu train / %zu valid / %zu test tokens, vocabulary %zu\n",
+                 opt.router.c_str(), data.train.size(), data.valid.size(), data.test.size(), data.vocab_size);
+    return with_router(opt.router, [&]<class Policy>() { return train_lm::run<Policy>(opt, data); });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
+    return 1;
+  }
+}

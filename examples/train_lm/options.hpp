@@ -1,0 +1,45 @@
+// train_lm: options and data shared by main.cpp and the per-router training loops.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "graphmoe/models/transformer_lm.hpp"
+#include "graphmoe/train/tokenizers.hpp"
+
+namespace train_lm {
+
+struct Options {
+  // data
+  std::string train_path, valid_path, test_path;
+  double valid_fraction = 0.05;  // held out from the end of the training stream when no --valid
+  bool char_level = false;
+  std::size_t max_vocab = 0;     // word level: keep the most frequent words (0 = all)
+  // model
+  std::string router = "softmax";
+  graphmoe::TransformerLMConfig model;
+  // training
+  std::int64_t steps = 1000;
+  graphmoe::index_t batch = 8;
+  double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.01, clip = 1.0;
+  std::int64_t warmup = 100;
+  std::int64_t eval_every = 200;
+  graphmoe::index_t eval_batches = 0;  // 0 = the whole validation stream
+  std::int64_t checkpoint_every = 0;   // 0 = only at the end
+  std::uint64_t seed = 1;
+  int threads = 2;
+  std::string out_dir = "runs/lm";
+  bool resume = false;
+};
+
+struct Data {
+  std::vector<std::int32_t> train, valid, test;
+  std::size_t vocab_size = 0;
+};
+
+// The training loop for one router policy (instantiated per router in its own translation unit).
+template <class Policy>
+int run(const Options& opt, const Data& data);
+
+}  // namespace train_lm

@@ -1,0 +1,180 @@
+// train_lm: the reference training loop (one function template, instantiated per router).
+//
+// forward -> zero_grad -> backward -> clip -> AdamW step, with a warmup + cosine learning rate,
+// periodic evaluation (perplexity and routing metrics to metrics.csv), atomic checkpoints with the
+// optimizer state, and --resume that continues bit for bit.
+#pragma once
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/lm_batcher.hpp"
+#include "graphmoe/train/metrics.hpp"
+#include "graphmoe/train/optim.hpp"
+#include "graphmoe/train/progress.hpp"
+#include "graphmoe/train/schedule.hpp"
+#include "train_lm/options.hpp"
+
+namespace train_lm {
+
+using namespace graphmoe;
+using Scalar = float;
+
+inline nlohmann::json config_json(const Options& opt) {
+  const auto& m = opt.model;
+  const auto& r = m.router;
+  return {{"vocab_size", m.vocab_size}, {"max_seq_len", m.max_seq_len}, {"d_model", m.d_model},
+          {"num_layers", m.num_layers}, {"num_heads", m.num_heads}, {"d_ff", m.d_ff},
+          {"layout", static_cast<int>(m.layout)}, {"tie_embeddings", m.tie_embeddings},
+          {"router", opt.router}, {"num_experts", r.num_experts}, {"k", r.k},
+          {"tau", r.similarity_tau}, {"tau_mode", static_cast<int>(r.tau_mode)},
+          {"sigma", r.attention_sigma}, {"load_balance_coef", r.load_balance_coef},
+          {"z_loss_coef", r.z_loss_coef}, {"batch", opt.batch}, {"seed", opt.seed},
+          {"char_level", opt.char_level}};
+}
+
+// Mean cross-entropy over the first `max_batches` (0 = all) batches of a stream.
+template <class Model>
+double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches) {
+  const index_t nb = max_batches > 0 ? std::min(max_batches, batches.num_batches()) : batches.num_batches();
+  double sum = 0;
+  for (index_t i = 0; i < nb; ++i) {
+    const LMBatch b = batches.batch(i);
+    sum += static_cast<double>(lm.forward(b.inputs, b.targets));
+  }
+  return nb > 0 ? sum / static_cast<double>(nb) : std::nan("");
+}
+
+template <class Policy>
+int run(const Options& opt, const Data& data) {
+  namespace fs = std::filesystem;
+  set_num_threads(opt.threads);
+  TransformerLMConfig mc = opt.model;
+  mc.vocab_size = static_cast<index_t>(data.vocab_size);
+  TransformerLM<Policy, Scalar> lm(mc, opt.seed);
+  const index_t seq = mc.max_seq_len;
+  LMBatcher train(data.train, opt.batch, seq);
+  LMBatcher valid(data.valid, opt.batch, seq);
+  GRAPHMOE_CHECK(train.num_batches() >= 1 && valid.num_batches() >= 1, "train_lm",
+                 "the training or validation stream is shorter than one batch of ", opt.batch,
+                 " x ", seq + 1, " tokens");
+
+  AdamWConfig acfg;
+  acfg.lr = opt.lr;
+  acfg.weight_decay = opt.weight_decay;
+  AdamW<Scalar> adam(lm.arena, acfg);
+  LRSchedule sched{opt.lr, opt.min_lr, std::min(opt.warmup, opt.steps), opt.steps};
+  sched.validate();
+
+  fs::create_directories(opt.out_dir);
+  const std::string ckpt = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
+  std::int64_t step = 0;
+  if (opt.resume && fs::exists(ckpt)) {
+    const SafetensorsFile f = load_safetensors(ckpt);
+    const auto saved = nlohmann::json::parse(f.metadata.at("config"));
+    GRAPHMOE_CHECK(saved == config_json(opt), "train_lm --resume",
+                   "the checkpoint's configuration differs from this run's: ", saved.dump(),
+                   " vs ", config_json(opt).dump());
+    load_arena(f, lm.arena, "model.");
+    for (auto& [name, view] : adam.state(lm.arena)) {
+      const Tensor<Scalar, cpu> t = f.at(name).template to_tensor<Scalar>();
+      view.copy_from(t.view(view.shape()));
+    }
+    step = std::stoll(f.metadata.at("step"));
+    adam.set_steps(std::stoll(f.metadata.at("optimizer_steps")));
+    std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
+  }
+  auto save = [&](std::int64_t at_step) {
+    std::vector<TensorRef> refs;
+    append_arena(refs, lm.arena, "model.");
+    const auto state = adam.state(lm.arena);
+    for (const auto& [name, view] : state) refs.push_back({name, dtype_of<Scalar>(), view.shape(), view.data()});
+    save_safetensors(ckpt, refs,
+                     {{"config", config_json(opt).dump()}, {"step", std::to_string(at_step)},
+                      {"optimizer_steps", std::to_string(adam.steps())}, {"format", "graphmoe-lm-1"}});
+  };
+
+  // metrics.csv: one row per evaluation; routing metrics per MoE layer on a fixed probe batch
+  std::vector<std::string> cols = {"step", "train_loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_s"};
+  std::vector<index_t> moe_layers;
+  for (index_t l = 0; l < mc.num_layers; ++l)
+    if (mc.is_moe_layer(l)) moe_layers.push_back(l);
+  for (index_t l : moe_layers)
+    for (const char* m : {"entropy_r", "entropy_p", "graph_entropy", "fluctuation", "max_load_share"})
+      cols.push_back("layer" + std::to_string(l) + "_" + m);
+  CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(), cols, opt.resume && step > 0);
+  std::vector<Tensor<std::int32_t, cpu>> prev_probe(moe_layers.size());
+  const LMBatch probe = valid.batch(0);
+
+  auto order_for_epoch = [&](std::int64_t epoch) {
+    Rng rng(opt.seed * 1000003ull + static_cast<std::uint64_t>(epoch));
+    return train.order(rng);
+  };
+  const index_t nb = train.num_batches();
+  std::vector<index_t> order = order_for_epoch(step / nb);
+  ProgressBar bar(opt.steps, "train " + opt.router, step);
+  const std::int64_t first_step = step;
+  double loss_ema = 0, last_norm = 0, last_loss = 0;
+  const double tokens_per_step = static_cast<double>(opt.batch * seq);
+  for (; step < opt.steps; ++step) {
+    if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
+    const LMBatch b = train.batch(order[static_cast<std::size_t>(step % nb)]);
+    lm.set_step(step);
+    const double loss = static_cast<double>(lm.forward(b.inputs, b.targets)) + lm.aux_loss();
+    GRAPHMOE_CHECK(std::isfinite(loss), "train_lm", "loss is ", loss, " at step ", step);
+    lm.arena.zero_grad();
+    lm.backward();
+    last_norm = clip_grad_norm(lm.arena, opt.clip);
+    const double lr = sched.at(step);
+    adam.step(lm.arena, lr);
+    last_loss = loss;
+    loss_ema = step == 0 ? loss : 0.98 * loss_ema + 0.02 * loss;
+    const double tps = tokens_per_step * static_cast<double>(step + 1 - first_step) /
+                       std::max(1e-9, bar.elapsed_seconds());
+    char stats[128];
+    std::snprintf(stats, sizeof stats, "loss %.3f | %s tok/s", loss_ema, ProgressBar::si(tps).c_str());
+    bar.update(step + 1, stats);
+
+    const bool last = step + 1 == opt.steps;
+    if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || last) {
+      const double vloss = evaluate(lm, valid, opt.eval_batches);
+      std::vector<double> row = {static_cast<double>(step + 1), last_loss, vloss, std::exp(vloss),
+                                 lr, last_norm, tps};
+      lm.forward(probe.inputs, probe.targets);
+      for (std::size_t i = 0; i < moe_layers.size(); ++i) {
+        const auto& r = lm.block(moe_layers[i]).moe().routing();
+        const auto load = expert_load(r.selection.indices, mc.router.num_experts);
+        index_t mx = 0, tot = 0;
+        for (index_t c : load) { mx = std::max(mx, c); tot += c; }
+        double fl = std::nan("");
+        if (!prev_probe[i].empty() && prev_probe[i].shape() == r.selection.indices.shape())
+          fl = routing_fluctuation(prev_probe[i], r.selection.indices).changed_tokens;
+        prev_probe[i] = r.selection.indices.clone();
+        row.insert(row.end(), {mean_entropy(r.r), mean_entropy(r.p), r.graph_entropy, fl,
+                               tot > 0 ? static_cast<double>(mx) / static_cast<double>(tot) : 0.0});
+      }
+      csv.row(row);
+      bar.finish();
+      std::fprintf(stderr, "step %lld  train loss %.4f  val loss %.4f  val ppl %.2f\n",
+                   static_cast<long long>(step + 1), loss_ema, vloss, std::exp(vloss));
+    }
+    if ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last) save(step + 1);
+  }
+  bar.finish();
+  const double vloss = evaluate(lm, valid, 0);
+  std::printf("router=%s val_ppl=%.3f", opt.router.c_str(), std::exp(vloss));
+  if (!data.test.empty()) {
+    LMBatcher test(data.test, opt.batch, seq);
+    if (test.num_batches() > 0) std::printf(" test_ppl=%.3f", std::exp(evaluate(lm, test, 0)));
+  }
+  std::printf("\n");
+  return 0;
+}
+
+}  // namespace train_lm
