@@ -14,6 +14,7 @@ apt_packages=(
   nlohmann-json3-dev libcli11-dev
   python3 python3-numpy
   zlib1g-dev dataset-fashion-mnist
+  bible-kjv bible-kjv-text
 )
 
 missing=()

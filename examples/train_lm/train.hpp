@@ -19,6 +19,7 @@
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
+#include "common/lm_config.hpp"
 #include "train_lm/options.hpp"
 
 namespace train_lm {
@@ -26,17 +27,12 @@ namespace train_lm {
 using namespace graphmoe;
 using Scalar = float;
 
-inline nlohmann::json config_json(const Options& opt) {
-  const auto& m = opt.model;
-  const auto& r = m.router;
-  return {{"vocab_size", m.vocab_size}, {"max_seq_len", m.max_seq_len}, {"d_model", m.d_model},
-          {"num_layers", m.num_layers}, {"num_heads", m.num_heads}, {"d_ff", m.d_ff},
-          {"layout", static_cast<int>(m.layout)}, {"tie_embeddings", m.tie_embeddings},
-          {"router", opt.router}, {"num_experts", r.num_experts}, {"k", r.k},
-          {"tau", r.similarity_tau}, {"tau_mode", static_cast<int>(r.tau_mode)},
-          {"sigma", r.attention_sigma}, {"load_balance_coef", r.load_balance_coef},
-          {"z_loss_coef", r.z_loss_coef}, {"batch", opt.batch}, {"seed", opt.seed},
-          {"char_level", opt.char_level}};
+// The checkpoint's configuration: the model (as finetune_classifier reads it) and the run.
+inline nlohmann::json config_json(const Options& opt, const TransformerLMConfig& model) {
+  nlohmann::json j = examples::lm_config_json(model, opt.router, opt.char_level);
+  j["batch"] = opt.batch;
+  j["seed"] = opt.seed;
+  return j;
 }
 
 // Mean cross-entropy over the first `max_batches` (0 = all) batches of a stream.
@@ -78,9 +74,9 @@ int run(const Options& opt, const Data& data) {
   if (opt.resume && fs::exists(ckpt)) {
     const SafetensorsFile f = load_safetensors(ckpt);
     const auto saved = nlohmann::json::parse(f.metadata.at("config"));
-    GRAPHMOE_CHECK(saved == config_json(opt), "train_lm --resume",
+    GRAPHMOE_CHECK(saved == config_json(opt, mc), "train_lm --resume",
                    "the checkpoint's configuration differs from this run's: ", saved.dump(),
-                   " vs ", config_json(opt).dump());
+                   " vs ", config_json(opt, mc).dump());
     load_arena(f, lm.arena, "model.");
     for (auto& [name, view] : adam.state(lm.arena)) {
       const Tensor<Scalar, cpu> t = f.at(name).template to_tensor<Scalar>();
@@ -96,7 +92,7 @@ int run(const Options& opt, const Data& data) {
     const auto state = adam.state(lm.arena);
     for (const auto& [name, view] : state) refs.push_back({name, dtype_of<Scalar>(), view.shape(), view.data()});
     save_safetensors(ckpt, refs,
-                     {{"config", config_json(opt).dump()}, {"step", std::to_string(at_step)},
+                     {{"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
                       {"optimizer_steps", std::to_string(adam.steps())}, {"format", "graphmoe-lm-1"}});
   };
 
@@ -168,7 +164,13 @@ int run(const Options& opt, const Data& data) {
   }
   bar.finish();
   const double vloss = evaluate(lm, valid, 0);
-  std::printf("router=%s val_ppl=%.3f", opt.router.c_str(), std::exp(vloss));
+  // mean over MoE layers of the token graph's row entropy on the probe batch (0: no graph, or a
+  // degenerate identity graph)
+  lm.forward(probe.inputs, probe.targets);
+  double graph_entropy = 0;
+  for (index_t l : moe_layers) graph_entropy += lm.block(l).moe().routing().graph_entropy;
+  if (!moe_layers.empty()) graph_entropy /= static_cast<double>(moe_layers.size());
+  std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f", opt.router.c_str(), std::exp(vloss), graph_entropy);
   if (!data.test.empty()) {
     LMBatcher test(data.test, opt.batch, seq);
     if (test.num_batches() > 0) std::printf(" test_ppl=%.3f", std::exp(evaluate(lm, test, 0)));

@@ -40,6 +40,9 @@ struct TransformerLMConfig {
   RouterConfig router;  // num_experts, k, graph options; causal is forced on
   GeluForm gelu = GeluForm::Tanh;
   double init_std = 0.02;
+  // > 0: add a sequence-classification head ("cls_head", mean pooling over each sequence's
+  // tokens) used by forward_classify; the LM head stays for forward.
+  index_t num_classes = 0;
 
   // The paper's medium WikiText-103 model (Table 6): 6 layers, D = 352, 8 heads, d_ff = 352,
   // E = 16, top-2, sequence 512.
@@ -73,6 +76,7 @@ struct TransformerLMConfig {
                    num_layers, ", d_ff ", d_ff);
     GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "TransformerLMConfig",
                    "num_heads = ", num_heads, " must divide d_model = ", d_model);
+    GRAPHMOE_CHECK(num_classes >= 0, "TransformerLMConfig", "num_classes must be >= 0, got ", num_classes);
     router.validate();
   }
 };
@@ -108,6 +112,7 @@ class TransformerLM<RouterPolicy, T, cpu> {
     }
     ln_f_.declare(arena, "ln_f.", cfg_.d_model);
     if (!cfg_.tie_embeddings) id_head_ = arena.add("lm_head.weight", Shape{cfg_.vocab_size, cfg_.d_model});
+    if (cfg_.num_classes > 0) cls_head_.declare(arena, "cls_head.", cfg_.d_model, cfg_.num_classes);
     arena.allocate();
     bind();
     Rng rng(seed);
@@ -116,6 +121,7 @@ class TransformerLM<RouterPolicy, T, cpu> {
     for (auto& b : blocks_) b.init(rng);
     ln_f_.init();
     if (id_head_ >= 0) fill_normal(arena.value(id_head_), rng, cfg_.init_std);
+    if (cfg_.num_classes > 0) cls_head_.init(rng, cfg_.init_std);
   }
   TransformerLM(const TransformerLM&) = delete;
   TransformerLM& operator=(const TransformerLM&) = delete;
@@ -123,28 +129,15 @@ class TransformerLM<RouterPolicy, T, cpu> {
   // ids, targets: (B, T) with T <= max_seq_len; targets may be empty (no loss, logits only).
   // Returns the mean cross-entropy over targets != kIgnoreIndex.
   T forward(const Tensor<std::int32_t, cpu>& ids, const Tensor<std::int32_t, cpu>& targets) {
-    GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM", "ids must be (B, T), got ", ids.shape());
-    const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
-    GRAPHMOE_CHECK(t >= 1 && t <= cfg_.max_seq_len, "TransformerLM", "sequence length ", t,
-                   " out of [1, max_seq_len = ", cfg_.max_seq_len, "]");
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
-    ids_ = ids;
+    trunk_forward(ids);
+    const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
     targets_ = targets;
-    // embeddings
-    Tensor<T, cpu> h;
-    embedding_forward(ids, tok_, h);  // (B, T, D)
-    auto pos = as_matrix(pos_).topRows(t);
-    for (index_t i = 0; i < b; ++i) as_matrix(h[i]) += pos;
-    acts_.assign(blocks_.size() + 1, Tensor<T, cpu>());
-    acts_[0] = h;
-    for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
-    xf_ = Tensor<T, cpu>();
-    ln_f_.forward(acts_.back(), xf_);
     logits_ = Tensor<T, cpu>();
     gemm(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), T(0), logits_);
     logits_ = logits_.view(Shape{b, t, cfg_.vocab_size});
-    if (targets.empty()) return T(0);
     log_probs_ = Tensor<T, cpu>();
+    if (targets.empty()) return T(0);
     return cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex);
   }
 
@@ -161,17 +154,52 @@ class TransformerLM<RouterPolicy, T, cpu> {
     Tensor<T, cpu> dhead = head_grad();
     gemm_backward(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), dlf, T(0),
                   dxf, T(1), dhead);
-    Tensor<T, cpu> dh;
-    ln_f_.backward(dxf.view(Shape{b, t, d}), dh);
-    for (std::size_t l = blocks_.size(); l-- > 0;) {
-      Tensor<T, cpu> dprev;
-      blocks_[l].backward(dh, dprev);
-      dh = dprev;
-    }
-    embedding_backward(ids_, dh, dtok_);
-    auto dpos = as_matrix(dpos_).topRows(t);
-    for (index_t i = 0; i < b; ++i) dpos += as_matrix(dh[i]);
+    trunk_backward(dxf.view(Shape{b, t, d}));
   }
+
+  // Sequence classification (needs num_classes > 0): ids (B, T) right-padded, lengths (B) the
+  // number of real tokens of each sequence (1..T), labels (B) or empty. The causal trunk means
+  // that padding after a sequence's last token never influences its tokens; the classifier reads
+  // the mean of LN_f(h) over the real tokens. Returns the mean cross-entropy (0 without labels);
+  // class_logits() holds (B, classes).
+  T forward_classify(const Tensor<std::int32_t, cpu>& ids, const Tensor<std::int32_t, cpu>& lengths,
+                     const Tensor<std::int32_t, cpu>& labels) {
+    GRAPHMOE_CHECK(cfg_.num_classes > 0, "TransformerLM::forward_classify",
+                   "the model has no classification head (num_classes = 0)");
+    GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM::forward_classify", "ids must be (B, T), got ", ids.shape());
+    const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
+    check_shape("TransformerLM::forward_classify", "lengths", lengths, Shape{b});
+    for (index_t i = 0; i < b; ++i)
+      GRAPHMOE_CHECK(lengths.data()[i] >= 1 && lengths.data()[i] <= t, "TransformerLM::forward_classify",
+                     "length ", lengths.data()[i], " of sequence ", i, " out of [1, ", t, "]");
+    if (!labels.empty()) check_shape("TransformerLM::forward_classify", "labels", labels, Shape{b});
+    trunk_forward(ids);
+    lengths_ = lengths;
+    labels_ = labels;
+    Tensor<T, cpu> pooled(Shape{b, d});
+    for (index_t i = 0; i < b; ++i)
+      as_matrix(pooled).row(i) = as_matrix(xf_[i]).topRows(lengths.data()[i]).colwise().mean();
+    class_logits_ = Tensor<T, cpu>();
+    cls_head_.forward(pooled, class_logits_);
+    class_log_probs_ = Tensor<T, cpu>();
+    if (labels.empty()) return T(0);
+    return cross_entropy_forward(class_logits_, labels, class_log_probs_);
+  }
+  void backward_classify() {
+    GRAPHMOE_CHECK(!class_log_probs_.empty(), "TransformerLM::backward_classify",
+                   "call forward_classify with labels first");
+    const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
+    Tensor<T, cpu> dlogits, dpooled(Shape{b, d});
+    cross_entropy_backward(class_log_probs_, labels_, T(1), dlogits);
+    cls_head_.backward(dlogits, &dpooled);
+    Tensor<T, cpu> dxf(Shape{b, t, d});
+    for (index_t i = 0; i < b; ++i) {
+      const index_t len = lengths_.data()[i];
+      as_matrix(dxf[i]).topRows(len).rowwise() = as_matrix(dpooled).row(i) / static_cast<T>(len);
+    }
+    trunk_backward(dxf);
+  }
+  const Tensor<T, cpu>& class_logits() const { return class_logits_; }
 
   // Sum over MoE layers of coef * (load-balancing, z) losses of the last forward.
   double aux_loss() const {
@@ -197,6 +225,38 @@ class TransformerLM<RouterPolicy, T, cpu> {
   ParameterArena<T, cpu> arena;
 
  private:
+  // embeddings -> blocks -> LN_f into xf_ (B, T, D)
+  void trunk_forward(const Tensor<std::int32_t, cpu>& ids) {
+    GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM", "ids must be (B, T), got ", ids.shape());
+    const index_t b = ids.dim(0), t = ids.dim(1);
+    GRAPHMOE_CHECK(t >= 1 && t <= cfg_.max_seq_len, "TransformerLM", "sequence length ", t,
+                   " out of [1, max_seq_len = ", cfg_.max_seq_len, "]");
+    ids_ = ids;
+    Tensor<T, cpu> h;
+    embedding_forward(ids, tok_, h);  // (B, T, D)
+    auto pos = as_matrix(pos_).topRows(t);
+    for (index_t i = 0; i < b; ++i) as_matrix(h[i]) += pos;
+    acts_.assign(blocks_.size() + 1, Tensor<T, cpu>());
+    acts_[0] = h;
+    for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
+    xf_ = Tensor<T, cpu>();
+    ln_f_.forward(acts_.back(), xf_);
+  }
+  // dxf (B, T, D) -> parameter gradients of LN_f, the blocks and the embeddings
+  void trunk_backward(const Tensor<T, cpu>& dxf) {
+    const index_t b = ids_.dim(0), t = ids_.dim(1);
+    Tensor<T, cpu> dh;
+    ln_f_.backward(dxf, dh);
+    for (std::size_t l = blocks_.size(); l-- > 0;) {
+      Tensor<T, cpu> dprev;
+      blocks_[l].backward(dh, dprev);
+      dh = dprev;
+    }
+    embedding_backward(ids_, dh, dtok_);
+    auto dpos = as_matrix(dpos_).topRows(t);
+    for (index_t i = 0; i < b; ++i) dpos += as_matrix(dh[i]);
+  }
+
   void bind() {
     tok_ = arena.value(id_tok_);
     dtok_ = arena.grad(id_tok_);
@@ -204,6 +264,7 @@ class TransformerLM<RouterPolicy, T, cpu> {
     dpos_ = arena.grad(id_pos_);
     for (auto& b : blocks_) b.bind(arena);
     ln_f_.bind(arena);
+    if (cfg_.num_classes > 0) cls_head_.bind(arena);
   }
   Tensor<T, cpu> head_weight() const { return id_head_ >= 0 ? arena.value(id_head_) : tok_; }
   Tensor<T, cpu> head_grad() const { return id_head_ >= 0 ? arena.grad(id_head_) : dtok_; }
@@ -213,10 +274,11 @@ class TransformerLM<RouterPolicy, T, cpu> {
   Tensor<T, cpu> tok_, dtok_, pos_, dpos_;
   std::vector<TransformerBlock<RouterPolicy, T, cpu>> blocks_;
   LayerNorm<T, cpu> ln_f_;
+  Linear<T, cpu> cls_head_;
   // forward cache
-  Tensor<std::int32_t, cpu> ids_, targets_;
+  Tensor<std::int32_t, cpu> ids_, targets_, lengths_, labels_;
   std::vector<Tensor<T, cpu>> acts_;
-  Tensor<T, cpu> xf_, logits_, log_probs_;
+  Tensor<T, cpu> xf_, logits_, log_probs_, class_logits_, class_log_probs_;
 };
 
 }  // namespace graphmoe

@@ -1,0 +1,90 @@
+// finetune_classifier: fine-tune an LM checkpoint written by train_lm as a sequence classifier
+// on SST-2, SST-5 or Banking-77 (the paper's downstream tasks).
+//
+//   finetune_classifier --checkpoint runs/lm/checkpoint.safetensors --vocab runs/lm/vocab.txt --task sst2
+//
+// The router and the model shape come from the checkpoint; the classification head is new.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "common/lm_config.hpp"
+#include "finetune_classifier/options.hpp"
+#include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/files.hpp"
+#include "graphmoe/train/text_datasets.hpp"
+#include "graphmoe/train/tokenizers.hpp"
+
+using namespace graphmoe;
+
+int main(int argc, char** argv) {
+  finetune_classifier::Options opt;
+  std::string vocab, task = "sst2", dir = data_dir();
+  graphmoe::index_t train_limit = 0, max_len = 0;
+  CLI::App app{"Fine-tune a graphmoe LM checkpoint as a sequence classifier"};
+  app.add_option("--checkpoint", opt.checkpoint, "LM checkpoint (train_lm's checkpoint.safetensors)")->required()->check(CLI::ExistingFile);
+  app.add_option("--vocab", vocab, "the LM's vocabulary (train_lm's vocab.txt)")->required()->check(CLI::ExistingFile);
+  app.add_option("--task", task, "sst2, sst5 or banking77")->check(CLI::IsMember({"sst2", "sst5", "banking77"}));
+  app.add_option("--data-dir", dir, "folder holding sst2/, sst5/, banking77/ (default: $GRAPHMOE_DATA_DIR or ../shared/data)");
+  app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::PositiveNumber);
+  app.add_option("--batch", opt.batch, "examples per batch (paper: 16)")->check(CLI::PositiveNumber);
+  app.add_option("--lr", opt.lr, "learning rate (paper: 1e-3 SST, 1e-5 Banking-77)")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", opt.warmup, "warmup steps (paper: 0)");
+  app.add_option("--train-limit", train_limit, "use the first N training examples (0 = all)");
+  app.add_option("--max-len", max_len, "truncate examples to N tokens (0 = the LM's sequence length)");
+  app.add_option("--seed", opt.seed, "random seed");
+  app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--out", opt.out_dir, "output directory (metrics.csv)");
+  app.add_flag("--from-scratch", opt.from_scratch, "do not load the checkpoint's weights (baseline)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const SafetensorsFile ckpt = load_safetensors(opt.checkpoint);
+    GRAPHMOE_CHECK(ckpt.metadata.count("config"), "finetune_classifier", "'", opt.checkpoint,
+                   "' has no config in its metadata (not a train_lm checkpoint)");
+    const auto cfg = nlohmann::json::parse(ckpt.metadata.at("config"));
+    opt.model = examples::lm_config_from_json(cfg);
+    opt.router = cfg.at("router");
+    GRAPHMOE_CHECK(!cfg.at("char_level").get<bool>(), "finetune_classifier",
+                   "character-level LMs are not supported here; train a word-level LM");
+    const WordTokenizer tok = WordTokenizer::load(vocab);
+    GRAPHMOE_CHECK(static_cast<index_t>(tok.size()) == opt.model.vocab_size, "finetune_classifier",
+                   "the vocabulary has ", tok.size(), " words, the checkpoint's LM ", opt.model.vocab_size);
+    const index_t limit = max_len > 0 ? std::min(max_len, opt.model.max_seq_len) : opt.model.max_seq_len;
+    std::vector<TextExample> train, test;
+    std::vector<std::string> names;
+    if (task == "sst2") {
+      train = read_sst2_tsv(dir + "/sst2/train.tsv");
+      test = read_sst2_tsv(dir + "/sst2/dev.tsv");
+      opt.num_classes = 2;
+    } else if (task == "sst5") {
+      train = read_sst5_trees(dir + "/sst5/train.txt");
+      test = read_sst5_trees(dir + "/sst5/test.txt");
+      opt.num_classes = 5;
+    } else {
+      names = read_banking77_categories(dir + "/banking77/categories.json");
+      train = read_banking77_csv(dir + "/banking77/train.csv", names);
+      test = read_banking77_csv(dir + "/banking77/test.csv", names);
+      opt.num_classes = static_cast<index_t>(names.size());
+    }
+    if (train_limit > 0 && static_cast<std::size_t>(train_limit) < train.size()) train.resize(static_cast<std::size_t>(train_limit));
+    auto encode = [&](const std::vector<TextExample>& xs, finetune_classifier::Encoded& out) {
+      for (const auto& x : xs) {
+        auto ids = tok.encode_line(x.text);
+        if (ids.empty()) ids.push_back(tok.unk());
+        if (static_cast<index_t>(ids.size()) > limit) ids.resize(static_cast<std::size_t>(limit));
+        out.ids.push_back(std::move(ids));
+        out.labels.push_back(x.label);
+      }
+    };
+    finetune_classifier::Data data;
+    encode(train, data.train);
+    encode(test, data.test);
+    std::fprintf(stderr, "finetune_classifier: %s, %zu train / %zu test examples, %lld classes, router %s\n",
+                 task.c_str(), data.train.labels.size(), data.test.labels.size(),
+                 static_cast<long long>(opt.num_classes), opt.router.c_str());
+    return with_router(opt.router, [&]<class Policy>() { return finetune_classifier::run<Policy>(opt, data); });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "finetune_classifier: error: %s\n", e.what());
+    return 1;
+  }
+}

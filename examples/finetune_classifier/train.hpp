@@ -1,0 +1,120 @@
+// finetune_classifier: the reference fine-tuning loop (instantiated per router): a
+// SequenceClassifier initialised from an LM checkpoint, AdamW, accuracy on the test split.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+
+#include "finetune_classifier/options.hpp"
+#include "graphmoe/train/metrics.hpp"
+#include "graphmoe/train/optim.hpp"
+#include "graphmoe/train/progress.hpp"
+#include "graphmoe/train/schedule.hpp"
+
+namespace finetune_classifier {
+
+using namespace graphmoe;
+using Scalar = float;
+
+// Examples order[first .. first + n) as right-padded ids (n, T), lengths and labels.
+inline void make_batch(const Encoded& d, const std::vector<index_t>& order, index_t first, index_t n,
+                       Tensor<std::int32_t, cpu>& ids, Tensor<std::int32_t, cpu>& lengths,
+                       Tensor<std::int32_t, cpu>& labels) {
+  index_t t = 1;
+  for (index_t i = 0; i < n; ++i)
+    t = std::max<index_t>(t, static_cast<index_t>(d.ids[static_cast<std::size_t>(order[static_cast<std::size_t>(first + i)])].size()));
+  ids = Tensor<std::int32_t, cpu>(Shape{n, t});
+  lengths = Tensor<std::int32_t, cpu>(Shape{n});
+  labels = Tensor<std::int32_t, cpu>(Shape{n});
+  for (index_t i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(order[static_cast<std::size_t>(first + i)]);
+    const auto& x = d.ids[k];
+    std::copy(x.begin(), x.end(), ids.data() + i * t);
+    lengths.data()[i] = static_cast<std::int32_t>(x.size());
+    labels.data()[i] = d.labels[k];
+  }
+}
+
+template <class Model>
+double accuracy(Model& m, const Encoded& d, index_t batch) {
+  const index_t n = static_cast<index_t>(d.labels.size());
+  std::vector<index_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), index_t{0});
+  index_t correct = 0;
+  Tensor<std::int32_t, cpu> none;
+  for (index_t s = 0; s < n; s += batch) {
+    const index_t b = std::min(batch, n - s);
+    Tensor<std::int32_t, cpu> ids, len, y;
+    make_batch(d, order, s, b, ids, len, y);
+    m.forward(ids, len, none);
+    const auto L = as_matrix(m.logits());
+    for (index_t i = 0; i < b; ++i) {
+      Eigen::Index arg;
+      L.row(i).maxCoeff(&arg);
+      correct += arg == y.data()[i];
+    }
+  }
+  return static_cast<double>(correct) / static_cast<double>(n);
+}
+
+template <class Policy>
+int run(const Options& opt, const Data& data) {
+  namespace fs = std::filesystem;
+  set_num_threads(opt.threads);
+  SequenceClassifier<Policy, Scalar> model(opt.model, opt.num_classes, opt.seed);
+  if (!opt.from_scratch) model.load_pretrained(load_safetensors(opt.checkpoint), "model.");
+  const index_t n = static_cast<index_t>(data.train.labels.size());
+  const index_t steps_per_epoch = n / opt.batch;
+  GRAPHMOE_CHECK(steps_per_epoch >= 1, "finetune_classifier", "fewer training examples (", n,
+                 ") than one batch (", opt.batch, ")");
+  const std::int64_t total = steps_per_epoch * opt.epochs;
+  AdamWConfig ac;
+  ac.lr = opt.lr;
+  ac.weight_decay = opt.weight_decay;
+  AdamW<Scalar> adam(model.arena(), ac);
+  LRSchedule sched{opt.lr, 0.0, std::min<std::int64_t>(opt.warmup, total), total};
+  fs::create_directories(opt.out_dir);
+  CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(), {"step", "epoch", "train_loss", "test_accuracy"});
+  std::printf("router=%s initial_test_accuracy=%.4f\n", opt.router.c_str(), accuracy(model, data.test, 64));
+  std::fflush(stdout);
+  ProgressBar bar(total, "finetune " + opt.router);
+  double ema = 0;
+  std::vector<index_t> order(static_cast<std::size_t>(n));
+  for (std::int64_t step = 0; step < total; ++step) {
+    if (step % steps_per_epoch == 0) {
+      std::iota(order.begin(), order.end(), index_t{0});
+      Rng rng(opt.seed * 31337ull + static_cast<std::uint64_t>(step / steps_per_epoch));
+      for (std::size_t i = order.size(); i > 1; --i)
+        std::swap(order[i - 1], order[rng.uniform_int(static_cast<std::uint32_t>(i))]);
+    }
+    Tensor<std::int32_t, cpu> ids, len, y;
+    make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, ids, len, y);
+    model.set_step(step);
+    const double loss = static_cast<double>(model.forward(ids, len, y)) + model.aux_loss();
+    GRAPHMOE_CHECK(std::isfinite(loss), "finetune_classifier", "loss is ", loss, " at step ", step);
+    model.arena().zero_grad();
+    model.backward();
+    clip_grad_norm(model.arena(), opt.clip);
+    adam.step(model.arena(), sched.at(step));
+    ema = step == 0 ? loss : 0.98 * ema + 0.02 * loss;
+    const double eps = static_cast<double>((step + 1) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());
+    char stats[96];
+    std::snprintf(stats, sizeof stats, "loss %.3f | %s ex/s", ema, ProgressBar::si(eps).c_str());
+    bar.update(step + 1, stats);
+    if ((step + 1) % steps_per_epoch == 0) {
+      const double acc = accuracy(model, data.test, 64);
+      bar.finish();
+      std::fprintf(stderr, "epoch %lld  train loss %.4f  test accuracy %.4f\n",
+                   static_cast<long long>((step + 1) / steps_per_epoch), ema, acc);
+      csv.row({static_cast<double>(step + 1), static_cast<double>((step + 1) / steps_per_epoch), ema, acc});
+    }
+  }
+  bar.finish();
+  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy(model, data.test, 64));
+  return 0;
+}
+
+}  // namespace finetune_classifier

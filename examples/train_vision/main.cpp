@@ -1,0 +1,85 @@
+// train_vision: train a ViT with MoE FFNs (V-MoE layout) on Fashion-MNIST (Debian's
+// dataset-fashion-mnist) or the 8x8 digits, with any router.
+//
+//   train_vision --router similarity --epochs 2
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/files.hpp"
+#include "train_vision/options.hpp"
+
+using namespace graphmoe;
+
+int main(int argc, char** argv) {
+  train_vision::Options opt;
+  auto& m = opt.model;
+  m.patch = 7;
+  m.d_model = 64;
+  m.num_layers = 4;
+  m.num_heads = 4;
+  m.d_ff = 128;
+  m.moe_last = 2;
+  m.router.num_experts = 8;
+  m.router.k = 2;
+  std::string dataset = "fashion-mnist", dir = "/usr/share/datasets/fashion-mnist", layout = "last";
+  CLI::App app{"Train a vision MoE transformer (graphmoe)"};
+  std::string routers;
+  for (const auto& n : router_names()) routers += (routers.empty() ? "" : ", ") + n;
+  app.add_option("--dataset", dataset, "fashion-mnist or digits")->check(CLI::IsMember({"fashion-mnist", "digits"}));
+  app.add_option("--data-dir", dir, "directory of the Fashion-MNIST idx files");
+  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
+  app.add_option("--layout", layout, "MoE blocks: last (the last --moe-last blocks) or alternating")->check(CLI::IsMember({"last", "alternating"}));
+  app.add_option("--moe-last", m.moe_last, "number of final blocks with MoE (layout last)");
+  app.add_option("--patch", m.patch, "patch size")->check(CLI::PositiveNumber);
+  app.add_option("--layers", m.num_layers, "transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--d-model", m.d_model, "model width")->check(CLI::PositiveNumber);
+  app.add_option("--heads", m.num_heads, "attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--d-ff", m.d_ff, "expert hidden size")->check(CLI::PositiveNumber);
+  app.add_option("--experts", m.router.num_experts, "experts per MoE layer")->check(CLI::PositiveNumber);
+  app.add_option("--top-k", m.router.k, "experts per token")->check(CLI::PositiveNumber);
+  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature")->check(CLI::PositiveNumber);
+  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma")->check(CLI::PositiveNumber);
+  app.add_option("--load-balance", m.router.load_balance_coef, "load-balancing loss coefficient");
+  app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::PositiveNumber);
+  app.add_option("--batch", opt.batch, "images per batch")->check(CLI::PositiveNumber);
+  app.add_option("--train-limit", opt.train_limit, "use only the first N training images (0 = all)");
+  app.add_option("--lr", opt.lr, "peak learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", opt.warmup, "warmup steps");
+  app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = each epoch)");
+  app.add_option("--seed", opt.seed, "random seed");
+  app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--out", opt.out_dir, "output directory");
+  app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors");
+  CLI11_PARSE(app, argc, argv);
+  m.layout = layout == "alternating" ? VisionLayout::Alternating : VisionLayout::Last;
+  if (opt.router.rfind("smoe-dropout", 0) == 0) m.router.k_max = std::max(m.router.k_max, m.router.k);
+  try {
+    train_vision::Data data;
+    if (dataset == "digits") {
+      const ImageDataset all = read_digits_csv(data_dir() + "/digits/digits.csv.gz");
+      // first 1500 images train, the rest test
+      const index_t ntr = 1500, per = all.rows * all.cols;
+      for (auto* ds : {&data.train, &data.test}) { ds->rows = all.rows; ds->cols = all.cols; }
+      data.train.count = ntr;
+      data.test.count = all.count - ntr;
+      data.train.pixels.assign(all.pixels.begin(), all.pixels.begin() + ntr * per);
+      data.test.pixels.assign(all.pixels.begin() + ntr * per, all.pixels.end());
+      data.train.labels.assign(all.labels.begin(), all.labels.begin() + ntr);
+      data.test.labels.assign(all.labels.begin() + ntr, all.labels.end());
+      if (m.patch == 7) m.patch = 2;
+    } else {
+      data.train = read_idx_images(dir + "/train-images-idx3-ubyte.gz", dir + "/train-labels-idx1-ubyte.gz");
+      data.test = read_idx_images(dir + "/t10k-images-idx3-ubyte.gz", dir + "/t10k-labels-idx1-ubyte.gz");
+    }
+    m.channels = 1;
+    std::fprintf(stderr, "train_vision: %s, %lld train / %lld test images of %lldx%lld, router %s\n",
+                 dataset.c_str(), static_cast<long long>(data.train.count), static_cast<long long>(data.test.count),
+                 static_cast<long long>(data.train.rows), static_cast<long long>(data.train.cols), opt.router.c_str());
+    return with_router(opt.router, [&]<class Policy>() { return train_vision::run<Policy>(opt, data); });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_vision: error: %s\n", e.what());
+    return 1;
+  }
+}

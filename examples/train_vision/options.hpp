@@ -1,0 +1,33 @@
+// train_vision: options and data shared by main.cpp and the per-router training loops.
+#pragma once
+
+#include <string>
+
+#include "graphmoe/models/vision_moe.hpp"
+#include "graphmoe/train/image_datasets.hpp"
+
+namespace train_vision {
+
+struct Options {
+  std::string router = "softmax";
+  graphmoe::VisionMoEConfig model;
+  int epochs = 2;
+  graphmoe::index_t batch = 64;
+  graphmoe::index_t train_limit = 0;  // use the first N training images (0 = all)
+  double lr = 2e-3, min_lr = 1e-4, weight_decay = 0.05, clip = 1.0;
+  std::int64_t warmup = 100;
+  std::int64_t eval_every = 0;  // steps; 0 = once per epoch
+  std::uint64_t seed = 1;
+  int threads = 2;
+  std::string out_dir = "runs/vision";
+  bool resume = false;
+};
+
+struct Data {
+  graphmoe::ImageDataset train, test;
+};
+
+template <class Policy>
+int run(const Options& opt, const Data& data);
+
+}  // namespace train_vision

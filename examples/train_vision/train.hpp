@@ -1,0 +1,153 @@
+// train_vision: the reference training loop for VisionMoE (instantiated per router).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/metrics.hpp"
+#include "graphmoe/train/optim.hpp"
+#include "graphmoe/train/progress.hpp"
+#include "graphmoe/train/schedule.hpp"
+#include "train_vision/options.hpp"
+
+namespace train_vision {
+
+using namespace graphmoe;
+using Scalar = float;
+
+// Images [first, first + n) of `order` as a (n, H, W, C) tensor and their labels.
+inline void make_batch(const ImageDataset& ds, const std::vector<index_t>& order, index_t first,
+                       index_t n, index_t channels, Tensor<Scalar, cpu>& x,
+                       Tensor<std::int32_t, cpu>& y) {
+  const index_t per = ds.rows * ds.cols;
+  x = Tensor<Scalar, cpu>(Shape{n, ds.rows, ds.cols, channels});
+  y = Tensor<std::int32_t, cpu>(Shape{n});
+  for (index_t i = 0; i < n; ++i) {
+    const index_t src = order[static_cast<std::size_t>(first + i)];
+    std::copy_n(ds.pixels.data() + src * per, per, x.data() + i * per);
+    y.data()[i] = ds.labels[static_cast<std::size_t>(src)];
+  }
+}
+
+template <class Model>
+double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channels) {
+  std::vector<index_t> order(static_cast<std::size_t>(ds.count));
+  std::iota(order.begin(), order.end(), index_t{0});
+  index_t correct = 0;
+  Tensor<std::int32_t, cpu> none;
+  for (index_t s = 0; s < ds.count; s += batch) {
+    const index_t n = std::min(batch, ds.count - s);
+    Tensor<Scalar, cpu> x;
+    Tensor<std::int32_t, cpu> y;
+    make_batch(ds, order, s, n, channels, x, y);
+    m.forward(x, none);
+    const auto L = as_matrix(m.logits());
+    for (index_t i = 0; i < n; ++i) {
+      Eigen::Index arg;
+      L.row(i).maxCoeff(&arg);
+      correct += arg == y.data()[i];
+    }
+  }
+  return static_cast<double>(correct) / static_cast<double>(ds.count);
+}
+
+template <class Policy>
+int run(const Options& opt, const Data& data) {
+  namespace fs = std::filesystem;
+  set_num_threads(opt.threads);
+  VisionMoEConfig mc = opt.model;
+  mc.image_height = data.train.rows;
+  mc.image_width = data.train.cols;
+  VisionMoE<Policy, Scalar> model(mc, opt.seed);
+  const index_t n_train = opt.train_limit > 0 ? std::min(opt.train_limit, data.train.count) : data.train.count;
+  const index_t steps_per_epoch = n_train / opt.batch;
+  GRAPHMOE_CHECK(steps_per_epoch >= 1, "train_vision", "fewer training images (", n_train,
+                 ") than one batch (", opt.batch, ")");
+  const std::int64_t total = steps_per_epoch * opt.epochs;
+  AdamWConfig ac;
+  ac.lr = opt.lr;
+  ac.weight_decay = opt.weight_decay;
+  AdamW<Scalar> adam(model.arena, ac);
+  LRSchedule sched{opt.lr, opt.min_lr, std::min<std::int64_t>(opt.warmup, total), total};
+  sched.validate();
+
+  fs::create_directories(opt.out_dir);
+  const std::string ckpt = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
+  const nlohmann::json config = {{"router", opt.router}, {"d_model", mc.d_model}, {"layers", mc.num_layers},
+                                 {"heads", mc.num_heads}, {"d_ff", mc.d_ff}, {"experts", mc.router.num_experts},
+                                 {"k", mc.router.k}, {"patch", mc.patch}, {"batch", opt.batch}, {"seed", opt.seed}};
+  std::int64_t step = 0;
+  if (opt.resume && fs::exists(ckpt)) {
+    const SafetensorsFile f = load_safetensors(ckpt);
+    GRAPHMOE_CHECK(nlohmann::json::parse(f.metadata.at("config")) == config, "train_vision --resume",
+                   "the checkpoint's configuration differs from this run's");
+    load_arena(f, model.arena, "model.");
+    for (auto& [name, view] : adam.state(model.arena))
+      view.copy_from(f.at(name).template to_tensor<Scalar>().view(view.shape()));
+    step = std::stoll(f.metadata.at("step"));
+    adam.set_steps(std::stoll(f.metadata.at("optimizer_steps")));
+    std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
+  }
+  auto save = [&](std::int64_t at) {
+    std::vector<TensorRef> refs;
+    append_arena(refs, model.arena, "model.");
+    const auto state = adam.state(model.arena);
+    for (const auto& [name, view] : state) refs.push_back({name, dtype_of<Scalar>(), view.shape(), view.data()});
+    save_safetensors(ckpt, refs, {{"config", config.dump()}, {"step", std::to_string(at)},
+                                  {"optimizer_steps", std::to_string(adam.steps())}});
+  };
+  CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(),
+             {"step", "epoch", "train_loss", "test_accuracy", "lr", "grad_norm"}, opt.resume && step > 0);
+
+  auto epoch_order = [&](std::int64_t epoch) {
+    std::vector<index_t> order(static_cast<std::size_t>(data.train.count));
+    std::iota(order.begin(), order.end(), index_t{0});
+    order.resize(static_cast<std::size_t>(n_train));
+    Rng rng(opt.seed * 7919ull + static_cast<std::uint64_t>(epoch));
+    for (std::size_t i = order.size(); i > 1; --i)
+      std::swap(order[i - 1], order[rng.uniform_int(static_cast<std::uint32_t>(i))]);
+    return order;
+  };
+  std::vector<index_t> order = epoch_order(step / steps_per_epoch);
+  ProgressBar bar(total, "train " + opt.router, step);
+  const std::int64_t first = step;
+  double ema = 0, norm = 0;
+  for (; step < total; ++step) {
+    if (step % steps_per_epoch == 0) order = epoch_order(step / steps_per_epoch);
+    Tensor<Scalar, cpu> x;
+    Tensor<std::int32_t, cpu> y;
+    make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, mc.channels, x, y);
+    model.set_step(step);
+    const double loss = static_cast<double>(model.forward(x, y)) + model.aux_loss();
+    GRAPHMOE_CHECK(std::isfinite(loss), "train_vision", "loss is ", loss, " at step ", step);
+    model.arena.zero_grad();
+    model.backward();
+    norm = clip_grad_norm(model.arena, opt.clip);
+    adam.step(model.arena, sched.at(step));
+    ema = step == first ? loss : 0.98 * ema + 0.02 * loss;
+    const double ips = static_cast<double>((step + 1 - first) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());
+    char stats[96];
+    std::snprintf(stats, sizeof stats, "loss %.3f | %s img/s", ema, ProgressBar::si(ips).c_str());
+    bar.update(step + 1, stats);
+    const bool end_of_epoch = (step + 1) % steps_per_epoch == 0;
+    if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || (opt.eval_every == 0 && end_of_epoch)) {
+      const double acc = accuracy(model, data.test, 256, mc.channels);
+      csv.row({static_cast<double>(step + 1), static_cast<double>((step + 1) / steps_per_epoch), ema, acc,
+               sched.at(step), norm});
+      bar.finish();
+      std::fprintf(stderr, "step %lld  train loss %.4f  test accuracy %.4f\n", static_cast<long long>(step + 1), ema, acc);
+      save(step + 1);
+    }
+  }
+  bar.finish();
+  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy(model, data.test, 256, mc.channels));
+  return 0;
+}
+
+}  // namespace train_vision

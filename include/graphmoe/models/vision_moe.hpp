@@ -1,0 +1,216 @@
+// graphmoe/models/vision_moe.hpp: a ViT with MoE FFNs (V-MoE, Riquelme et al. 2021) for image
+// classification.
+//
+//   patches = the image cut into P x P patches, flattened              (B, Np, P P C)
+//   h0 = [cls; patches W_p^T + b_p] + pos                              (B, Np + 1, D)
+//   h_l = Block_l(h_{l-1})   full (non-causal) attention; MoE per the layout
+//   logits = head(LN_f(h_L)[:, 0])                                     (B, classes)
+//   loss = mean cross-entropy
+//
+// Layouts (google-research/vmoe): MoE in the last `moe_last` blocks, or in every other block.
+// Token graphs are non-causal here (every patch may look at every other); the Attention graph
+// chooses h* per image.
+#pragma once
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "graphmoe/backend/cpu/cross_entropy.hpp"
+#include "graphmoe/layers/block.hpp"
+
+namespace graphmoe {
+
+enum class VisionLayout {
+  Last,         // MoE in the last `moe_last` blocks (V-MoE)
+  Alternating,  // MoE in every other block, starting with the second
+};
+
+struct VisionMoEConfig {
+  index_t image_height = 28, image_width = 28, channels = 1;
+  index_t patch = 7;
+  index_t num_classes = 10;
+  index_t d_model = 64;
+  index_t num_layers = 4;
+  index_t num_heads = 4;
+  index_t d_ff = 128;
+  VisionLayout layout = VisionLayout::Last;
+  index_t moe_last = 2;
+  RouterConfig router;
+  GeluForm gelu = GeluForm::Tanh;
+  double init_std = 0.02;
+
+  index_t num_patches() const { return (image_height / patch) * (image_width / patch); }
+  index_t patch_dim() const { return patch * patch * channels; }
+  bool is_moe_layer(index_t i) const {
+    return layout == VisionLayout::Last ? i >= num_layers - moe_last : (i + 1) % 2 == 0;
+  }
+  void validate() const {
+    GRAPHMOE_CHECK(patch >= 1 && image_height % patch == 0 && image_width % patch == 0,
+                   "VisionMoEConfig", "patch ", patch, " must divide the image size ",
+                   image_height, " x ", image_width);
+    GRAPHMOE_CHECK(channels >= 1 && num_classes >= 2 && d_model >= 1 && num_layers >= 1 &&
+                       d_ff >= 1 && moe_last >= 0 && moe_last <= num_layers,
+                   "VisionMoEConfig", "bad sizes: channels ", channels, ", classes ",
+                   num_classes, ", d_model ", d_model, ", layers ", num_layers, ", moe_last ",
+                   moe_last);
+    GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "VisionMoEConfig",
+                   "num_heads = ", num_heads, " must divide d_model = ", d_model);
+    router.validate();
+  }
+};
+
+template <class RouterPolicy, class T, class B = cpu>
+class VisionMoE;
+
+template <class RouterPolicy, class T>
+class VisionMoE<RouterPolicy, T, cpu> {
+ public:
+  explicit VisionMoE(const VisionMoEConfig& cfg, std::uint64_t seed = 0) : cfg_(cfg) {
+    cfg_.router.causal = false;
+    cfg_.router.head_choice = HeadChoice::PerSequence;
+    cfg_.validate();
+    const index_t d = cfg_.d_model;
+    patch_.declare(arena, "patch_embed.", cfg_.patch_dim(), d);
+    id_cls_ = arena.add("cls_token", Shape{d});
+    id_pos_ = arena.add("pos_emb.weight", Shape{cfg_.num_patches() + 1, d});
+    blocks_.resize(static_cast<std::size_t>(cfg_.num_layers));
+    for (index_t i = 0; i < cfg_.num_layers; ++i) {
+      BlockConfig bc;
+      bc.d_model = d;
+      bc.num_heads = cfg_.num_heads;
+      bc.d_ff = cfg_.d_ff;
+      bc.causal = false;
+      bc.moe = cfg_.is_moe_layer(i);
+      bc.moe_config.router = cfg_.router;
+      bc.moe_config.gelu = cfg_.gelu;
+      bc.init_std = cfg_.init_std;
+      bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
+      blocks_[static_cast<std::size_t>(i)].declare(arena, "blocks." + std::to_string(i) + ".", bc);
+    }
+    ln_f_.declare(arena, "ln_f.", d);
+    head_.declare(arena, "head.", d, cfg_.num_classes);
+    arena.allocate();
+    patch_.bind(arena);
+    for (auto& b : blocks_) b.bind(arena);
+    ln_f_.bind(arena);
+    head_.bind(arena);
+    Rng rng(seed);
+    patch_.init(rng, cfg_.init_std);
+    fill_normal(arena.value(id_cls_), rng, cfg_.init_std);
+    fill_normal(arena.value(id_pos_), rng, cfg_.init_std);
+    for (auto& b : blocks_) b.init(rng);
+    ln_f_.init();
+    head_.init(rng, cfg_.init_std);
+  }
+  VisionMoE(const VisionMoE&) = delete;
+  VisionMoE& operator=(const VisionMoE&) = delete;
+
+  // images: (B, H, W, C) or (B, H, W) for C = 1, values as given (e.g. [0, 1]); labels (B) or
+  // empty. Returns the mean cross-entropy (0 without labels); logits() holds (B, classes).
+  T forward(const Tensor<T, cpu>& images, const Tensor<std::int32_t, cpu>& labels) {
+    const index_t b = images.rank() >= 1 ? images.dim(0) : 0;
+    const index_t per_image = cfg_.image_height * cfg_.image_width * cfg_.channels;
+    GRAPHMOE_CHECK(images.rank() >= 2 && b >= 1 && images.numel() == b * per_image, "VisionMoE",
+                   "images have shape ", images.shape(), ", expected (B, ", cfg_.image_height,
+                   ", ", cfg_.image_width, (cfg_.channels > 1 ? ", C)" : ")"));
+    check_finite("VisionMoE", "images", images);
+    if (!labels.empty()) check_shape("VisionMoE", "labels", labels, Shape{b});
+    const index_t np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model, pd = cfg_.patch_dim();
+    const index_t P = cfg_.patch, W = cfg_.image_width, C = cfg_.channels, pw = W / P;
+    // patchify: patch (py, px) of image i, row-major within the patch, channels innermost
+    Tensor<T, cpu> patches(Shape{b * np, pd});
+    for (index_t i = 0; i < b; ++i)
+      for (index_t p = 0; p < np; ++p) {
+        const index_t py = p / pw, px = p % pw;
+        T* dst = patches.data() + (i * np + p) * pd;
+        for (index_t y = 0; y < P; ++y)
+          for (index_t x = 0; x < P; ++x)
+            for (index_t c = 0; c < C; ++c)
+              *dst++ = images.data()[i * per_image + ((py * P + y) * W + (px * P + x)) * C + c];
+      }
+    Tensor<T, cpu> emb;
+    patch_.forward(patches, emb);  // (B Np, D)
+    Tensor<T, cpu> h(Shape{b, t, d});
+    auto pos = as_matrix(arena.value(id_pos_));
+    auto cls = as_vector(arena.value(id_cls_));
+    for (index_t i = 0; i < b; ++i) {
+      auto hi = as_matrix(h[i]);
+      hi.row(0) = cls.transpose() + pos.row(0);
+      hi.bottomRows(np) = as_matrix(emb).middleRows(i * np, np) + pos.bottomRows(np);
+    }
+    acts_.assign(blocks_.size() + 1, Tensor<T, cpu>());
+    acts_[0] = h;
+    for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
+    xf_ = Tensor<T, cpu>();
+    ln_f_.forward(acts_.back(), xf_);
+    Tensor<T, cpu> cls_out(Shape{b, d});
+    for (index_t i = 0; i < b; ++i) as_matrix(cls_out).row(i) = as_matrix(xf_[i]).row(0);
+    logits_ = Tensor<T, cpu>();
+    head_.forward(cls_out, logits_);
+    labels_ = labels;
+    if (labels.empty()) return T(0);
+    log_probs_ = Tensor<T, cpu>();
+    return cross_entropy_forward(logits_, labels, log_probs_);
+  }
+
+  // Gradients of (mean cross-entropy + the routers' auxiliary losses), accumulated.
+  void backward() {
+    GRAPHMOE_CHECK(!log_probs_.empty(), "VisionMoE::backward", "call forward with labels first");
+    const index_t b = logits_.dim(0), np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model;
+    Tensor<T, cpu> dlogits, dcls(Shape{b, d});
+    cross_entropy_backward(log_probs_, labels_, T(1), dlogits);
+    head_.backward(dlogits, &dcls);
+    Tensor<T, cpu> dxf(Shape{b, t, d});
+    for (index_t i = 0; i < b; ++i) as_matrix(dxf[i]).row(0) = as_matrix(dcls).row(i);
+    Tensor<T, cpu> dh;
+    ln_f_.backward(dxf, dh);
+    for (std::size_t l = blocks_.size(); l-- > 0;) {
+      Tensor<T, cpu> dprev;
+      blocks_[l].backward(dh, dprev);
+      dh = dprev;
+    }
+    auto dpos = as_matrix(arena.grad(id_pos_));
+    auto dclsv = as_vector(arena.grad(id_cls_));
+    Tensor<T, cpu> demb(Shape{b * np, d});
+    for (index_t i = 0; i < b; ++i) {
+      auto dhi = as_matrix(dh[i]);
+      dpos += dhi;
+      dclsv += dhi.row(0).transpose();
+      as_matrix(demb).middleRows(i * np, np) = dhi.bottomRows(np);
+    }
+    patch_.backward(demb, nullptr);
+  }
+
+  double aux_loss() const {
+    double s = 0;
+    for (const auto& blk : blocks_) {
+      if (!blk.is_moe()) continue;
+      const auto& r = blk.moe().routing();
+      s += cfg_.router.load_balance_coef * r.load_balance_loss + cfg_.router.z_loss_coef * r.z_loss;
+    }
+    return s;
+  }
+
+  const VisionMoEConfig& config() const { return cfg_; }
+  const Tensor<T, cpu>& logits() const { return logits_; }
+  TransformerBlock<RouterPolicy, T, cpu>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
+  void set_step(std::int64_t step) {
+    for (auto& blk : blocks_)
+      if (blk.is_moe()) blk.moe().router().set_step(step);
+  }
+
+  ParameterArena<T, cpu> arena;
+
+ private:
+  VisionMoEConfig cfg_;
+  Linear<T, cpu> patch_, head_;
+  index_t id_cls_ = -1, id_pos_ = -1;
+  std::vector<TransformerBlock<RouterPolicy, T, cpu>> blocks_;
+  LayerNorm<T, cpu> ln_f_;
+  std::vector<Tensor<T, cpu>> acts_;
+  Tensor<T, cpu> xf_, logits_, log_probs_;
+  Tensor<std::int32_t, cpu> labels_;
+};
+
+}  // namespace graphmoe

@@ -1,0 +1,91 @@
+// SequenceClassifier: gradient check, padding invariance, initialisation from an LM checkpoint,
+// bad input.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <unistd.h>
+
+#include "graphmoe/models/sequence_classifier.hpp"
+#include "support/gradcheck.hpp"
+
+using namespace graphmoe;
+using namespace graphmoe::test;
+
+namespace {
+TransformerLMConfig tiny() {
+  TransformerLMConfig c;
+  c.vocab_size = 9;
+  c.max_seq_len = 6;
+  c.d_model = 4;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.d_ff = 3;
+  c.router.num_experts = 3;
+  c.router.k = 2;
+  c.router.init_std = 0.5;
+  c.router.similarity_tau = 2.0;
+  c.init_std = 0.4;
+  return c;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("SequenceClassifier gradient check (mean pooling over real tokens)", Policy,
+                   SoftmaxRouter, SimilarityRouter, AttentionRouter) {
+  SequenceClassifier<Policy, double> m(tiny(), 3, 1);
+  auto ids = Tensor<std::int32_t>::from({2, 5}, {1, 4, 2, 0, 0, 3, 3, 8, 7, 1});
+  auto lengths = Tensor<std::int32_t>::from({2}, {3, 5});
+  auto labels = Tensor<std::int32_t>::from({2}, {2, 0});
+  auto loss = [&] { return static_cast<double>(m.forward(ids, lengths, labels)) + m.aux_loss(); };
+  loss();
+  m.arena().zero_grad();
+  m.backward();
+  for (const auto& info : m.arena().params()) {
+    if (!info.trainable) continue;
+    Tensor<double> v = m.arena().value(info.name);
+    check_gradient(info.name, v, m.arena().grad(info.name), loss);
+  }
+}
+
+TEST_CASE("SequenceClassifier: padding after a sequence does not change its prediction") {
+  SequenceClassifier<SimilarityRouter, double> m(tiny(), 2, 2);
+  auto a = Tensor<std::int32_t>::from({1, 6}, {5, 2, 7, 0, 0, 0});
+  auto b = Tensor<std::int32_t>::from({1, 6}, {5, 2, 7, 8, 1, 3});
+  auto len = Tensor<std::int32_t>::from({1}, {3});
+  Tensor<std::int32_t> none;
+  m.forward(a, len, none);
+  const auto la = m.logits().clone();
+  m.forward(b, len, none);
+  CHECK(max_rel_diff(m.logits(), la) < 1e-12);
+}
+
+TEST_CASE("SequenceClassifier initialised from a saved LM checkpoint") {
+  TransformerLM<AttentionRouter, float> lm(tiny(), 7);
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("graphmoe_cls_" + std::to_string(getpid()) + ".safetensors")).string();
+  std::vector<TensorRef> refs;
+  append_arena(refs, lm.arena, "model.");
+  save_safetensors(path, refs, {});
+  SequenceClassifier<AttentionRouter, float> cls(tiny(), 4, 99);
+  const auto f = load_safetensors(path);
+  cls.load_pretrained(f, "model.");
+  for (const auto& info : lm.arena.params())
+    CHECK(max_rel_diff(cls.arena().value(info.name), lm.arena.value(info.name)) == 0.0);
+  CHECK(cls.arena().contains("cls_head.weight"));
+  // a checkpoint of another shape is refused by name
+  auto other = tiny();
+  other.d_ff = 5;
+  SequenceClassifier<AttentionRouter, float> wrong(other, 4);
+  CHECK_THROWS_WITH_AS(wrong.load_pretrained(f, "model."), doctest::Contains("has shape"), Error);
+  CHECK_THROWS_WITH_AS(cls.load_pretrained(f, "nope."), doctest::Contains("has no tensor 'nope."), Error);
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("SequenceClassifier bad input") {
+  CHECK_THROWS_WITH_AS((SequenceClassifier<SoftmaxRouter, float>(tiny(), 1)), doctest::Contains("num_classes must be >= 2"), Error);
+  SequenceClassifier<SoftmaxRouter, float> m(tiny(), 2);
+  auto ids = Tensor<std::int32_t>::from({1, 3}, {1, 2, 3});
+  Tensor<std::int32_t> none;
+  CHECK_THROWS_WITH_AS(m.forward(ids, Tensor<std::int32_t>::from({1}, {4}), none), doctest::Contains("length 4 of sequence 0 out of [1, 3]"), Error);
+  CHECK_THROWS_WITH_AS(m.forward(ids, Tensor<std::int32_t>::from({2}, {1, 1}), none), doctest::Contains("lengths"), Error);
+  CHECK_THROWS_WITH_AS(m.backward(), doctest::Contains("call forward_classify with labels first"), Error);
+}

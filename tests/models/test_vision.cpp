@@ -1,0 +1,90 @@
+// VisionMoE: whole-model gradient check (each graph), layouts, patch order, bad input.
+#include <doctest/doctest.h>
+
+#include "graphmoe/models/vision_moe.hpp"
+#include "support/gradcheck.hpp"
+
+using namespace graphmoe;
+using namespace graphmoe::test;
+
+namespace {
+VisionMoEConfig tiny() {
+  VisionMoEConfig c;
+  c.image_height = 4;
+  c.image_width = 6;
+  c.channels = 2;
+  c.patch = 2;
+  c.num_classes = 3;
+  c.d_model = 4;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.d_ff = 3;
+  c.moe_last = 1;
+  c.router.num_experts = 3;
+  c.router.k = 2;
+  c.router.init_std = 0.5;
+  c.router.similarity_tau = 2.0;
+  c.router.load_balance_coef = 0.05;
+  c.init_std = 0.4;
+  return c;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("VisionMoE gradient check of the whole tiny model", Policy, SoftmaxRouter,
+                   SimilarityRouter, AttentionRouter, XMoERouter) {
+  for (VisionLayout layout : {VisionLayout::Last, VisionLayout::Alternating}) {
+    auto cfg = tiny();
+    cfg.layout = layout;
+    VisionMoE<Policy, double> m(cfg, 2);
+    Rng rng(3);
+    auto images = random_tensor<double>({2, 4, 6, 2}, rng, 0.0, 1.0);
+    Tensor<std::int32_t> labels = Tensor<std::int32_t>::from({2}, {2, 0});
+    auto loss = [&] { return static_cast<double>(m.forward(images, labels)) + m.aux_loss(); };
+    loss();
+    m.arena.zero_grad();
+    m.backward();
+    for (const auto& info : m.arena.params()) {
+      if (!info.trainable) continue;
+      Tensor<double> v = m.arena.value(info.name);
+      check_gradient(info.name, v, m.arena.grad(info.name), loss);
+    }
+  }
+}
+
+TEST_CASE("VisionMoE layouts, and the prediction does not depend on the other images in the batch") {
+  auto cfg = tiny();
+  cfg.num_layers = 4;
+  cfg.moe_last = 2;
+  CHECK(!cfg.is_moe_layer(1));
+  CHECK(cfg.is_moe_layer(2));
+  CHECK(cfg.is_moe_layer(3));
+  cfg.layout = VisionLayout::Alternating;
+  CHECK(!cfg.is_moe_layer(0));
+  CHECK(cfg.is_moe_layer(1));
+  CHECK(!cfg.is_moe_layer(2));
+  VisionMoE<AttentionRouter, double> m(cfg, 4);
+  Rng rng(5);
+  auto images = random_tensor<double>({3, 4, 6, 2}, rng, 0.0, 1.0);
+  Tensor<std::int32_t> none;
+  m.forward(images, none);
+  const auto all = m.logits().clone();
+  m.forward(images.slice(1, 2).clone(), none);
+  CHECK(max_rel_diff(m.logits(), all.slice(1, 2).clone()) < 1e-12);
+}
+
+TEST_CASE("VisionMoE bad input") {
+  auto cfg = tiny();
+  VisionMoE<SoftmaxRouter, float> m(cfg);
+  Tensor<std::int32_t> none;
+  Tensor<float> wrong({2, 5, 6, 2});
+  CHECK_THROWS_WITH_AS(m.forward(wrong, none), doctest::Contains("images have shape (2, 5, 6, 2)"), Error);
+  Tensor<float> nan_img({1, 4, 6, 2});
+  nan_img.data()[7] = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(m.forward(nan_img, none), doctest::Contains("holds nan"), Error);
+  Tensor<float> ok({2, 4, 6, 2});
+  auto bad_labels = Tensor<std::int32_t>::from({2}, {0, 3});
+  CHECK_THROWS_AS(m.forward(ok, bad_labels), Error);
+  auto bad = tiny();
+  bad.patch = 4;
+  CHECK_THROWS_WITH_AS((VisionMoE<SoftmaxRouter, float>(bad)), doctest::Contains("must divide the image size"), Error);
+}
