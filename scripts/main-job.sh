@@ -6,7 +6,10 @@
 #   STEPS=1200 scripts/main-job.sh      (override the number of training steps)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=${STEPS:-700}
+steps=${STEPS:-1500}
+# Let OpenBLAS pick its kernels for this CPU: a forced OPENBLAS_CORETYPE=Haswell (set in some of
+# our sandboxes) halves GEMM speed on AVX-512 machines (docs/benchmarks.md).
+unset OPENBLAS_CORETYPE
 
 bash scripts/install-deps.sh
 cmake -S . -B build-main -DCMAKE_BUILD_TYPE=Release -DGRAPHMOE_NATIVE=ON \
