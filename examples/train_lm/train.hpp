@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/training_state.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
@@ -77,23 +77,13 @@ int run(const Options& opt, const Data& data) {
     GRAPHMOE_CHECK(saved == config_json(opt, mc), "train_lm --resume",
                    "the checkpoint's configuration differs from this run's: ", saved.dump(),
                    " vs ", config_json(opt, mc).dump());
-    load_arena(f, lm.arena, "model.");
-    for (auto& [name, view] : adam.state(lm.arena)) {
-      const Tensor<Scalar, cpu> t = f.at(name).template to_tensor<Scalar>();
-      view.copy_from(t.view(view.shape()));
-    }
-    step = std::stoll(f.metadata.at("step"));
-    adam.set_steps(std::stoll(f.metadata.at("optimizer_steps")));
+    step = std::stoll(load_training_state(f, lm.arena, adam).at("step"));
     std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
   auto save = [&](std::int64_t at_step) {
-    std::vector<TensorRef> refs;
-    append_arena(refs, lm.arena, "model.");
-    const auto state = adam.state(lm.arena);
-    for (const auto& [name, view] : state) refs.push_back({name, dtype_of<Scalar>(), view.shape(), view.data()});
-    save_safetensors(ckpt, refs,
-                     {{"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
-                      {"optimizer_steps", std::to_string(adam.steps())}, {"format", "graphmoe-lm-1"}});
+    save_training_state(ckpt, lm.arena, adam,
+                        {{"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
+                         {"format", "graphmoe-lm-1"}});
   };
 
   // metrics.csv: one row per evaluation; routing metrics per MoE layer on a fixed probe batch

@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/training_state.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
@@ -87,20 +87,11 @@ int run(const Options& opt, const Data& data) {
     const SafetensorsFile f = load_safetensors(ckpt);
     GRAPHMOE_CHECK(nlohmann::json::parse(f.metadata.at("config")) == config, "train_vision --resume",
                    "the checkpoint's configuration differs from this run's");
-    load_arena(f, model.arena, "model.");
-    for (auto& [name, view] : adam.state(model.arena))
-      view.copy_from(f.at(name).template to_tensor<Scalar>().view(view.shape()));
-    step = std::stoll(f.metadata.at("step"));
-    adam.set_steps(std::stoll(f.metadata.at("optimizer_steps")));
+    step = std::stoll(load_training_state(f, model.arena, adam).at("step"));
     std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
   auto save = [&](std::int64_t at) {
-    std::vector<TensorRef> refs;
-    append_arena(refs, model.arena, "model.");
-    const auto state = adam.state(model.arena);
-    for (const auto& [name, view] : state) refs.push_back({name, dtype_of<Scalar>(), view.shape(), view.data()});
-    save_safetensors(ckpt, refs, {{"config", config.dump()}, {"step", std::to_string(at)},
-                                  {"optimizer_steps", std::to_string(adam.steps())}});
+    save_training_state(ckpt, model.arena, adam, {{"config", config.dump()}, {"step", std::to_string(at)}});
   };
   CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(),
              {"step", "epoch", "train_loss", "test_accuracy", "lr", "grad_norm"}, opt.resume && step > 0);

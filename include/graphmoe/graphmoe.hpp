@@ -47,7 +47,9 @@
 #include "graphmoe/layers/norm.hpp"
 
 // models
+#include "graphmoe/models/sequence_classifier.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
+#include "graphmoe/models/vision_moe.hpp"
 
 // train: optimizers, schedules, checkpoints, data, metrics, progress
 #include "graphmoe/train/checkpoint.hpp"
@@ -58,3 +60,4 @@
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
 #include "graphmoe/train/tokenizers.hpp"
+#include "graphmoe/train/training_state.hpp"

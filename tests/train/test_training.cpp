@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "graphmoe/models/transformer_lm.hpp"
-#include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/training_state.hpp"
 #include "graphmoe/train/files.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/optim.hpp"
@@ -131,19 +131,12 @@ TEST_CASE("training: a checkpoint with the AdamW state resumes bit for bit") {
     TransformerLM<AttentionRouter, float> b(small_lm(c.vocab), 5);
     AdamW<float> ob(b.arena, AdamWConfig{});
     train_steps(b, ob, data, 0, 25, sched);
-    std::vector<TensorRef> refs;
-    append_arena(refs, b.arena, "model.");
-    const auto state = ob.state(b.arena);
-    for (const auto& [name, view] : state) refs.push_back({name, DType::F32, view.shape(), view.data()});
-    save_safetensors(path, refs, {{"optimizer_steps", std::to_string(ob.steps())}});
+    save_training_state(path, b.arena, ob, {});
   }
   {
     TransformerLM<AttentionRouter, float> c2(small_lm(c.vocab), 999);  // different init, overwritten
     AdamW<float> oc(c2.arena, AdamWConfig{});
-    const SafetensorsFile f = load_safetensors(path);
-    load_arena(f, c2.arena, "model.");
-    for (auto& [name, view] : oc.state(c2.arena)) view.copy_from(f.at(name).to_tensor<float>().view(view.shape()));
-    oc.set_steps(std::stoll(f.metadata.at("optimizer_steps")));
+    load_training_state(load_safetensors(path), c2.arena, oc);
     resumed = train_steps(c2, oc, data, 25, 40, sched);
   }
   std::filesystem::remove(path);

@@ -120,4 +120,22 @@ class TransformerBlock<RouterPolicy, T, cpu> {
   Tensor<T, cpu> h1_, u_;
 };
 
+// Over a model's blocks: the sum of coef x (load-balancing, z) losses of the MoE blocks' last
+// forward, and the training step every router sees (ScheduledTopK's k schedule).
+template <class Blocks>
+double moe_aux_loss(const Blocks& blocks, const RouterConfig& cfg) {
+  double s = 0;
+  for (const auto& blk : blocks) {
+    if (!blk.is_moe()) continue;
+    const auto& r = blk.moe().routing();
+    s += cfg.load_balance_coef * r.load_balance_loss + cfg.z_loss_coef * r.z_loss;
+  }
+  return s;
+}
+template <class Blocks>
+void set_router_step(Blocks& blocks, std::int64_t step) {
+  for (auto& blk : blocks)
+    if (blk.is_moe()) blk.moe().router().set_step(step);
+}
+
 }  // namespace graphmoe

@@ -182,23 +182,12 @@ class VisionMoE<RouterPolicy, T, cpu> {
     patch_.backward(demb, nullptr);
   }
 
-  double aux_loss() const {
-    double s = 0;
-    for (const auto& blk : blocks_) {
-      if (!blk.is_moe()) continue;
-      const auto& r = blk.moe().routing();
-      s += cfg_.router.load_balance_coef * r.load_balance_loss + cfg_.router.z_loss_coef * r.z_loss;
-    }
-    return s;
-  }
+  double aux_loss() const { return moe_aux_loss(blocks_, cfg_.router); }
 
   const VisionMoEConfig& config() const { return cfg_; }
   const Tensor<T, cpu>& logits() const { return logits_; }
   TransformerBlock<RouterPolicy, T, cpu>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
-  void set_step(std::int64_t step) {
-    for (auto& blk : blocks_)
-      if (blk.is_moe()) blk.moe().router().set_step(step);
-  }
+  void set_step(std::int64_t step) { set_router_step(blocks_, step); }
 
   ParameterArena<T, cpu> arena;
 

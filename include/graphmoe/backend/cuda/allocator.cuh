@@ -1,0 +1,191 @@
+// graphmoe/backend/cuda/allocator.cuh: device memory for Tensor<T, cuda>.
+//
+// backend_allocator<cuda> draws from one process-wide caching allocator over cudaMalloc/cudaFree
+// (no managed memory). Training allocates the same activation and gradient shapes every step, and
+// cudaMalloc/cudaFree are slow and synchronise the device, so freed blocks are kept in free lists
+// and handed out again:
+//
+//   - sizes are rounded up to a size class: 512 bytes minimum, then four classes per power of two
+//     (5/4, 6/4, 7/4 and 2 times 2^n), so a block wastes less than 25 %;
+//   - one free list per (device, size class); a request takes a cached block of exactly its class
+//     or calls cudaMalloc;
+//   - when cudaMalloc runs out of memory, every cached block of that device is released and the
+//     call is retried once before graphmoe::Error is thrown;
+//   - cuda_empty_cache() releases all cached blocks, cuda_memory_stats() reports the counters.
+//
+// Reuse is safe because the backend issues all work on one stream, cuda_stream() (device.cuh):
+// a block freed while a kernel still reads it is only written by work queued after that kernel.
+// The allocator is thread-safe (one mutex) and deliberately never destroyed, so tensors that
+// outlive main() (statics) can still be freed. Errors are graphmoe::Error naming the CUDA call.
+//
+// zero() and copy() are stream-ordered (cudaMemsetAsync, cudaMemcpyAsync device to device on the
+// backend's stream), like the kernels.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <bit>
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "graphmoe/backend/cuda/detail/error.cuh"
+#include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+struct CudaMemoryStats {
+  std::size_t bytes_in_use = 0;     // size classes of the live blocks
+  std::size_t bytes_cached = 0;     // held in free lists
+  std::size_t peak_bytes_in_use = 0;
+  std::size_t cuda_malloc_calls = 0;
+  std::size_t cache_hits = 0;       // allocations served from a free list
+};
+
+namespace detail {
+
+class CudaCachingAllocator {
+ public:
+  static constexpr std::size_t kMinBlock = 512;
+
+  static CudaCachingAllocator& instance() {
+    static CudaCachingAllocator* a = new CudaCachingAllocator();  // never destroyed, see above
+    return *a;
+  }
+
+  // The size class of a request of `bytes`.
+  static std::size_t size_class(std::size_t bytes) {
+    if (bytes <= kMinBlock) return kMinBlock;
+    const int e = static_cast<int>(std::bit_width(bytes - 1)) - 1;  // 2^e < bytes <= 2^(e + 1)
+    const std::size_t step = (std::size_t(1) << e) / 4;
+    return (bytes + step - 1) / step * step;
+  }
+
+  void* allocate(std::size_t bytes) {
+    int device = 0;
+    GRAPHMOE_CUDA_CHECK(cudaGetDevice(&device));
+    const std::size_t size = size_class(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& list = free_[{device, size}];
+    void* p = nullptr;
+    if (!list.empty()) {
+      p = list.back();
+      list.pop_back();
+      stats_.bytes_cached -= size;
+      ++stats_.cache_hits;
+    } else {
+      cudaError_t err = cudaMalloc(&p, size);
+      if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        release_locked(device);
+        err = cudaMalloc(&p, size);
+      }
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        throw_error("cudaMalloc", cudaGetErrorName(err), ": ", cudaGetErrorString(err),
+                    " allocating ", bytes, " bytes (size class ", size, ") on device ", device,
+                    "; graphmoe holds ", stats_.bytes_in_use, " bytes in use");
+      }
+      ++stats_.cuda_malloc_calls;
+    }
+    live_[p] = Block{size, device};
+    stats_.bytes_in_use += size;
+    if (stats_.bytes_in_use > stats_.peak_bytes_in_use) stats_.peak_bytes_in_use = stats_.bytes_in_use;
+    return p;
+  }
+
+  void deallocate(void* p) noexcept {
+    if (p == nullptr) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(p);
+    if (it == live_.end()) {  // not ours: hand it back to CUDA rather than leak it
+      (void)cudaFree(p);
+      return;
+    }
+    const Block b = it->second;
+    live_.erase(it);
+    stats_.bytes_in_use -= b.size;
+    stats_.bytes_cached += b.size;
+    free_[{b.device, b.size}].push_back(p);
+  }
+
+  // cudaFree every cached block (of all devices).
+  void release_cached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    release_locked(-1);
+  }
+
+  CudaMemoryStats stats() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  struct Block {
+    std::size_t size;
+    int device;
+  };
+
+  CudaCachingAllocator() = default;
+
+  // Frees the cached blocks of `device` (all devices for -1). Called with mu_ held.
+  void release_locked(int device) {
+    int current = 0;
+    const bool switch_device = cudaGetDevice(&current) == cudaSuccess;
+    for (auto& [key, list] : free_) {
+      if (device >= 0 && key.first != device) continue;
+      if (switch_device && key.first != current) (void)cudaSetDevice(key.first);
+      for (void* p : list) (void)cudaFree(p);
+      stats_.bytes_cached -= key.second * list.size();
+      list.clear();
+    }
+    if (switch_device) (void)cudaSetDevice(current);
+  }
+
+  mutable std::mutex mu_;
+  std::unordered_map<void*, Block> live_;
+  std::map<std::pair<int, std::size_t>, std::vector<void*>> free_;  // (device, size class)
+  CudaMemoryStats stats_;
+};
+
+// A Thrust allocator (thrust::cuda::par(alloc)) so that the temporary storage of Thrust's sorts
+// and scans comes from the caching allocator too.
+struct CudaThrustAllocator {
+  using value_type = char;
+  char* allocate(std::ptrdiff_t n) {
+    return static_cast<char*>(CudaCachingAllocator::instance().allocate(static_cast<std::size_t>(n)));
+  }
+  void deallocate(char* p, std::size_t) noexcept { CudaCachingAllocator::instance().deallocate(p); }
+};
+
+}  // namespace detail
+
+template <>
+struct backend_allocator<cuda> {
+  static void* allocate(std::size_t bytes) {
+    return detail::CudaCachingAllocator::instance().allocate(bytes);
+  }
+  static void deallocate(void* p) noexcept { detail::CudaCachingAllocator::instance().deallocate(p); }
+  static void zero(void* p, std::size_t bytes) {
+    if (bytes > 0) GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, cuda_stream()));
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes > 0 && dst != src)
+      GRAPHMOE_CUDA_CHECK(
+          cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda_stream()));
+  }
+};
+
+// Counters of the caching allocator (all devices).
+inline CudaMemoryStats cuda_memory_stats() {
+  return detail::CudaCachingAllocator::instance().stats();
+}
+
+// Returns every cached (free) block to CUDA; live tensors are untouched.
+inline void cuda_empty_cache() { detail::CudaCachingAllocator::instance().release_cached(); }
+
+}  // namespace graphmoe

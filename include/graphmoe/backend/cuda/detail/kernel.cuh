@@ -1,0 +1,119 @@
+// graphmoe/backend/cuda/detail/kernel.cuh: launch shapes, reductions and device-side error flags
+// shared by the kernels of the CUDA backend (internal).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "graphmoe/backend/cuda/allocator.cuh"
+#include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/core/tensor.hpp"
+
+#if !defined(__CUDACC__)
+#error "graphmoe/backend/cuda/*.cuh kernels must be compiled by nvcc (a .cu translation unit)"
+#endif
+
+namespace graphmoe::detail {
+
+// The type row sums and dot products are accumulated in: T itself for float and double (so float
+// rows accumulate in fp32, as cuBLAS does); a wider type for half precision once it is added.
+template <class T>
+struct accumulate_type {
+  using type = T;
+};
+template <class T>
+using acc_t = typename accumulate_type<T>::type;
+
+constexpr int kThreads = 256;  // threads per block of the element-wise and row kernels
+
+// Blocks for a grid-stride loop over n items, kThreads per block (at least 1 block).
+inline unsigned grid_for(index_t n, int threads = kThreads) {
+  const index_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned>(std::clamp<index_t>(blocks, 1, index_t(1) << 20));
+}
+
+// Threads for a kernel with one block per row of `cols` entries: a multiple of the warp size,
+// at most kThreads, so that short rows (a router's E = 8 to 64 experts) do not idle 256 threads.
+inline int threads_for_row(index_t cols) {
+  return static_cast<int>(std::clamp<index_t>((cols + 31) / 32 * 32, 32, kThreads));
+}
+
+// Blocks for one block per row, grid-striding beyond 2^20 rows.
+inline unsigned grid_for_rows(index_t rows) {
+  return static_cast<unsigned>(std::clamp<index_t>(rows, 1, index_t(1) << 20));
+}
+
+// for (index_t i = first thread's index; i < n; i += all threads of the grid)
+#define GRAPHMOE_CUDA_GRID_STRIDE(i, n)                                                      \
+  for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
+       i += static_cast<index_t>(gridDim.x) * blockDim.x)
+
+struct SumOp {
+  template <class T>
+  __device__ T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+
+// max that propagates NaN: the result is NaN if either argument is.
+struct MaxNanOp {
+  template <class T>
+  __device__ T operator()(T a, T b) const {
+    if (a != a) return a;
+    if (b != b) return b;
+    return a < b ? b : a;
+  }
+};
+
+template <class T, class Op>
+__device__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Reduces v over the block (blockDim.x a multiple of 32) and returns the result to every thread.
+// Every thread of the block must call it (it synchronises); `identity` fills the unused lanes.
+template <class T, class Op>
+__device__ T block_reduce(T v, Op op, T identity) {
+  __shared__ T partial[32];
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int warps = static_cast<int>(blockDim.x) >> 5;
+  v = warp_reduce(v, op);
+  __syncthreads();  // a previous call may still be reading partial
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  v = lane < warps ? partial[lane] : identity;
+  return warp_reduce(v, op);  // every warp reduces the partials: no third barrier needed
+}
+
+// A device-side "first bad index" for kernels that must report bad input (NaN, out-of-range ids)
+// the way the CPU ops throw: a kernel records the smallest offending index with flag(), the host
+// reads it back after the launch (one 8-byte copy, which synchronises the stream).
+class FirstIndexFlag {
+ public:
+  static constexpr unsigned long long kNone = ~0ull;
+
+  FirstIndexFlag() : value_(Shape{1}) {
+    GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(value_.data(), 0xFF, sizeof(unsigned long long), cuda_stream()));
+  }
+  unsigned long long* get() const { return value_.data(); }
+  // The smallest flagged index, or -1 when no thread flagged one.
+  index_t read() const {
+    const unsigned long long v = read_device_value(value_.data());
+    return v == kNone ? index_t(-1) : static_cast<index_t>(v);
+  }
+
+ private:
+  Tensor<unsigned long long, cuda> value_;
+};
+
+__device__ inline void flag_index(unsigned long long* flag, index_t i) {
+  atomicMin(flag, static_cast<unsigned long long>(i));
+}
+
+}  // namespace graphmoe::detail

@@ -1,0 +1,280 @@
+// graphmoe/backend/cuda/dispatch.cuh: grouping tokens by expert (dispatch) and gathering the
+// experts' outputs back per token (combine), on the GPU.
+//
+// The same functions and contract as backend/cpu/dispatch.hpp, on Tensor<T, cuda> and a
+// CudaDispatchPlan (the CPU's DispatchPlan with device arrays; see below):
+//
+//   dispatch:  xs[s] = x[slot_token[s]]                                  x (N, D) -> xs (N k, D)
+//   combine:   y[t]  = sum_j gates[t, j] * ys[source_slot[t k + j]]      ys (N k, D) -> y (N, D)
+//
+// Backwards (all gradients assigned):
+//   dispatch:  dx[t] = sum_j dxs[source_slot[t k + j]]
+//   combine:   dys[source_slot[t k + j]] = gates[t, j] * dy[t]
+//              dgates[t, j] = <dy[t], ys[source_slot[t k + j]]>
+//
+// make_dispatch_plan sorts the N k assignments by expert with Thrust (a stable radix sort, then
+// a scatter for the inverse permutation and a vectorised lower_bound for the expert offsets):
+// detail/dispatch_plan_thrust.hpp, which g++ also compiles against Thrust's CPU backends so that
+// the plan is tested without a GPU. The plan equals the CPU plan entry for entry. It copies the
+// E + 1 expert offsets to the host (one synchronising copy): the expert FFN bank launches one
+// GEMM per expert from the host, and the copy doubles as the check of the expert ids.
+//
+// The gathers run one thread per output element (coalesced over D); dgates runs one warp per
+// (token, choice) dot product. Sums over j run in the CPU's order; the dgates dot product is a
+// tree sum, so combine_backward agrees with the CPU to rounding.
+#pragma once
+
+#include <thrust/system/cuda/execution_policy.h>
+
+#include <concepts>
+#include <cstdint>
+#include <limits>
+
+#include "graphmoe/backend/cuda/detail/dispatch_plan_thrust.hpp"
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+// The plan of backend/cpu/dispatch.hpp with its arrays on the device, plus the expert offsets on
+// the host and the expert of every slot.
+struct CudaDispatchPlan {
+  index_t num_tokens = 0, k = 0, num_experts = 0;
+  Tensor<std::int32_t, cuda> expert_offsets;  // (E + 1): slots of expert e are [offsets[e], offsets[e + 1])
+  Tensor<std::int32_t, cuda> slot_token;      // (N k): the token row held by sorted slot s
+  Tensor<std::int32_t, cuda> slot_source;     // (N k): the assignment (t k + j) held by slot s
+  Tensor<std::int32_t, cuda> source_slot;     // (N k): inverse of slot_source
+  Tensor<std::int32_t, cuda> slot_expert;     // (N k): the expert of slot s (the sorted ids)
+  Tensor<std::int32_t, cpu> host_offsets;     // (E + 1): expert_offsets on the host
+
+  index_t num_slots() const { return num_tokens * k; }
+  // Number of assignments routed to expert e.
+  index_t count(index_t e) const {
+    GRAPHMOE_CHECK(e >= 0 && e < num_experts, "CudaDispatchPlan::count", "expert ", e,
+                   " is out of range [0, ", num_experts, ")");
+    return host_offsets.data()[e + 1] - host_offsets.data()[e];
+  }
+  // First slot of expert e (the row of xs where its block starts).
+  index_t offset(index_t e) const {
+    GRAPHMOE_CHECK(e >= 0 && e <= num_experts, "CudaDispatchPlan::offset", "expert ", e,
+                   " is out of range [0, ", num_experts, "]");
+    return host_offsets.data()[e];
+  }
+};
+
+namespace detail {
+
+template <class B>
+void plan_tensor(Tensor<std::int32_t, B>& t, const Shape& shape) {
+  if (t.empty() || t.shape() != shape) t = Tensor<std::int32_t, B>(shape);
+}
+
+inline void check_plan(const char* op, const CudaDispatchPlan& plan) {
+  const index_t slots = plan.num_slots();
+  GRAPHMOE_CHECK(plan.k >= 1 && plan.num_experts >= 1 && !plan.expert_offsets.empty() &&
+                     plan.expert_offsets.numel() == plan.num_experts + 1 &&
+                     !plan.slot_token.empty() && plan.slot_token.numel() == slots &&
+                     !plan.slot_source.empty() && plan.slot_source.numel() == slots &&
+                     !plan.source_slot.empty() && plan.source_slot.numel() == slots,
+                 op, "the plan was not built by make_dispatch_plan (N = ", plan.num_tokens,
+                 ", k = ", plan.k, ", E = ", plan.num_experts, ")");
+}
+
+template <class T>
+void check_matrix(const char* op, const char* what, const Tensor<T, cuda>& m, index_t rows,
+                  index_t cols) {
+  GRAPHMOE_CHECK(!m.empty(), op, what, " is empty, expected (", rows, ", ", cols, ")");
+  GRAPHMOE_CHECK(m.rank() >= 1 && m.rows() == rows && m.cols() == cols, op, what,
+                 " has shape ", m.shape(), ", expected (", rows, ", ", cols, ")");
+}
+
+template <class T>
+__global__ void dispatch_forward_kernel(const std::int32_t* slot_token, const T* x, T* xs,
+                                        index_t slots, index_t d) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, slots * d) {
+    const index_t s = i / d, c = i - s * d;
+    xs[i] = x[static_cast<index_t>(slot_token[s]) * d + c];
+  }
+}
+
+template <class T>
+__global__ void dispatch_backward_kernel(const std::int32_t* source_slot, const T* dxs, T* dx,
+                                         index_t n, index_t k, index_t d) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n * d) {
+    const index_t t = i / d, c = i - t * d;
+    T out = dxs[static_cast<index_t>(source_slot[t * k]) * d + c];
+    for (index_t j = 1; j < k; ++j) out += dxs[static_cast<index_t>(source_slot[t * k + j]) * d + c];
+    dx[i] = out;
+  }
+}
+
+template <class T>
+__global__ void combine_forward_kernel(const std::int32_t* source_slot, const T* ys,
+                                       const T* gates, T* y, index_t n, index_t k, index_t d) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n * d) {
+    const index_t t = i / d, c = i - t * d;
+    T out = gates[t * k] * ys[static_cast<index_t>(source_slot[t * k]) * d + c];
+    for (index_t j = 1; j < k; ++j)
+      out += gates[t * k + j] * ys[static_cast<index_t>(source_slot[t * k + j]) * d + c];
+    y[i] = out;
+  }
+}
+
+template <class T>
+__global__ void combine_backward_dys_kernel(const std::int32_t* source_slot, const T* gates,
+                                            const T* dy, T* dys, index_t n, index_t k, index_t d) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n * k * d) {
+    const index_t a = i / d, c = i - a * d, t = a / k;
+    dys[static_cast<index_t>(source_slot[a]) * d + c] = gates[a] * dy[t * d + c];
+  }
+}
+
+// One warp per assignment a = t k + j: dgates[a] = <dy[t], ys[source_slot[a]]>.
+template <class T>
+__global__ void combine_backward_dgates_kernel(const std::int32_t* source_slot, const T* ys,
+                                               const T* dy, T* dgates, index_t n, index_t k,
+                                               index_t d) {
+  using A = acc_t<T>;
+  const index_t lane = threadIdx.x & 31;
+  const index_t warps = static_cast<index_t>(gridDim.x) * (blockDim.x / 32);
+  for (index_t a = (static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; a < n * k;
+       a += warps) {
+    const T* g = dy + (a / k) * d;
+    const T* v = ys + static_cast<index_t>(source_slot[a]) * d;
+    A dot = A(0);
+    for (index_t c = lane; c < d; c += 32) dot += static_cast<A>(g[c]) * static_cast<A>(v[c]);
+    dot = warp_reduce(dot, SumOp{});
+    if (lane == 0) dgates[a] = static_cast<T>(dot);
+  }
+}
+
+}  // namespace detail
+
+// Builds the plan for indices (N, k) of expert ids in [0, num_experts), on the device. A template
+// only so that Thrust's sort kernels are compiled in the translation units that build plans;
+// indices are std::int32_t as on the CPU. On bad input it throws the CPU op's message and leaves
+// the plan invalid (k = 0), to be rebuilt.
+template <class I>
+  requires std::same_as<I, std::int32_t>
+void make_dispatch_plan(const Tensor<I, cuda>& indices, index_t num_experts, CudaDispatchPlan& plan) {
+  constexpr const char* op = "make_dispatch_plan";
+  GRAPHMOE_CHECK(!indices.empty() && indices.rank() == 2, op,
+                 "indices must be an (N, k) matrix of expert ids, got ",
+                 (indices.empty() ? "an empty tensor" : indices.shape().str()));
+  GRAPHMOE_CHECK(num_experts >= 1, op, "num_experts = ", num_experts, " must be >= 1");
+  const index_t n = indices.dim(0), k = indices.dim(1), slots = n * k;
+  GRAPHMOE_CHECK(k >= 1, op, "indices ", indices.shape(), " select no expert per token (k = 0)");
+  GRAPHMOE_CHECK(slots <= std::numeric_limits<std::int32_t>::max() &&
+                     num_experts < std::numeric_limits<std::int32_t>::max(),
+                 op, "N * k = ", slots, " or E = ", num_experts, " exceeds the int32 range");
+  plan.num_tokens = n;
+  plan.k = k;
+  plan.num_experts = num_experts;
+  detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
+  detail::plan_tensor(plan.slot_token, Shape{slots});
+  detail::plan_tensor(plan.slot_source, Shape{slots});
+  detail::plan_tensor(plan.source_slot, Shape{slots});
+  detail::plan_tensor(plan.slot_expert, Shape{slots});
+  detail::plan_tensor(plan.host_offsets, Shape{num_experts + 1});
+
+  detail::CudaThrustAllocator alloc;
+  const auto policy = thrust::cuda::par_nosync(alloc).on(cuda_stream());
+  // slot_expert doubles as the sort's unsigned keys (the same values for ids in range)
+  detail::build_dispatch_plan(policy, indices.data(), slots, static_cast<std::int32_t>(k),
+                              static_cast<std::int32_t>(num_experts),
+                              reinterpret_cast<std::uint32_t*>(plan.slot_expert.data()),
+                              plan.expert_offsets.data(), plan.slot_token.data(),
+                              plan.slot_source.data(), plan.source_slot.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  to_host(plan.expert_offsets, plan.host_offsets);  // synchronises
+  const std::int32_t* off = plan.host_offsets.data();
+  if (off[num_experts] != slots) {
+    plan.k = 0;  // invalid: check_plan rejects it
+    const std::int64_t a = detail::first_invalid_expert_id(
+        thrust::cuda::par(alloc).on(cuda_stream()), indices.data(), slots,
+        static_cast<std::int32_t>(num_experts));
+    const std::int32_t id = a >= 0 ? detail::read_device_value(indices.data() + a) : -1;
+    GRAPHMOE_CHECK(false, op, "expert id ", id, " of token ", a / k, ", choice ", a % k,
+                   " is out of range [0, ", num_experts, ")");
+  }
+}
+
+// xs[s] = x[slot_token[s]]: x (N, D) -> xs (N k, D). An empty xs is allocated.
+template <class T>
+void dispatch_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& x, Tensor<T, cuda>& xs) {
+  constexpr const char* op = "dispatch_forward";
+  detail::check_plan(op, plan);
+  GRAPHMOE_CHECK(!x.empty() && x.rank() >= 1, op, "x is empty");
+  const index_t d = x.cols();
+  detail::check_matrix(op, "x", x, plan.num_tokens, d);
+  prepare_output(op, "xs", xs, Shape{plan.num_slots(), d});
+  const index_t total = plan.num_slots() * d;
+  if (total == 0) return;
+  detail::dispatch_forward_kernel<T><<<detail::grid_for(total), detail::kThreads, 0, cuda_stream()>>>(
+      plan.slot_token.data(), x.data(), xs.data(), plan.num_slots(), d);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// dx[t] = sum_j dxs[source_slot[t k + j]]: dxs (N k, D) -> dx (N, D), assigned.
+template <class T>
+void dispatch_backward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& dxs,
+                       Tensor<T, cuda>& dx) {
+  constexpr const char* op = "dispatch_backward";
+  detail::check_plan(op, plan);
+  GRAPHMOE_CHECK(!dxs.empty() && dxs.rank() >= 1, op, "dxs is empty");
+  const index_t d = dxs.cols();
+  detail::check_matrix(op, "dxs", dxs, plan.num_slots(), d);
+  prepare_output(op, "dx", dx, Shape{plan.num_tokens, d});
+  const index_t total = plan.num_tokens * d;
+  if (total == 0) return;
+  detail::dispatch_backward_kernel<T><<<detail::grid_for(total), detail::kThreads, 0, cuda_stream()>>>(
+      plan.source_slot.data(), dxs.data(), dx.data(), plan.num_tokens, plan.k, d);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// y[t] = sum_j gates[t, j] * ys[source_slot[t k + j]]: ys (N k, D), gates (N, k) -> y (N, D).
+template <class T>
+void combine_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& ys,
+                     const Tensor<T, cuda>& gates, Tensor<T, cuda>& y) {
+  constexpr const char* op = "combine_forward";
+  detail::check_plan(op, plan);
+  GRAPHMOE_CHECK(!ys.empty() && ys.rank() >= 1, op, "ys is empty");
+  const index_t d = ys.cols(), k = plan.k;
+  detail::check_matrix(op, "ys", ys, plan.num_slots(), d);
+  detail::check_matrix(op, "gates", gates, plan.num_tokens, k);
+  prepare_output(op, "y", y, Shape{plan.num_tokens, d});
+  const index_t total = plan.num_tokens * d;
+  if (total == 0) return;
+  detail::combine_forward_kernel<T><<<detail::grid_for(total), detail::kThreads, 0, cuda_stream()>>>(
+      plan.source_slot.data(), ys.data(), gates.data(), y.data(), plan.num_tokens, k, d);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// Backward of combine_forward: dys (N k, D) and dgates (N, k), both assigned.
+template <class T>
+void combine_backward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& ys,
+                      const Tensor<T, cuda>& gates, const Tensor<T, cuda>& dy,
+                      Tensor<T, cuda>& dys, Tensor<T, cuda>& dgates) {
+  constexpr const char* op = "combine_backward";
+  detail::check_plan(op, plan);
+  GRAPHMOE_CHECK(!ys.empty() && ys.rank() >= 1, op, "ys is empty");
+  const index_t d = ys.cols(), k = plan.k, n = plan.num_tokens;
+  detail::check_matrix(op, "ys", ys, plan.num_slots(), d);
+  detail::check_matrix(op, "gates", gates, n, k);
+  detail::check_matrix(op, "dy", dy, n, d);
+  prepare_output(op, "dys", dys, Shape{plan.num_slots(), d});
+  prepare_output(op, "dgates", dgates, Shape{n, k});
+  if (n == 0) return;
+  if (d > 0) {
+    detail::combine_backward_dys_kernel<T>
+        <<<detail::grid_for(n * k * d), detail::kThreads, 0, cuda_stream()>>>(
+            plan.source_slot.data(), gates.data(), dy.data(), dys.data(), n, k, d);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  detail::combine_backward_dgates_kernel<T>
+      <<<detail::grid_for(n * k * 32), detail::kThreads, 0, cuda_stream()>>>(
+          plan.source_slot.data(), ys.data(), dy.data(), dgates.data(), n, k, d);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace graphmoe

@@ -1,0 +1,141 @@
+// graphmoe/backend/cuda/topk.cuh: the k largest entries of each row, and the backward scatter, on
+// the GPU.
+//
+// The same functions and contract as backend/cpu/topk.hpp, on Tensor<T, cuda>:
+//
+//   forward:   values[r, :] = the k largest entries of x[r, :] in descending order   x (N, E)
+//              indices[r, j] = their column in x                                  both (N, k)
+//   backward:  dx[r, indices[r, j]] = dvalues[r, j], zero elsewhere               (assigned)
+//
+// Ties: among equal values the LOWER column index wins and comes first. -inf and +inf are ordinary
+// values; a NaN in x throws, naming its row and column. Since the selection only compares and
+// copies, the CUDA result equals the CPU result exactly.
+//
+// One thread per row runs the CPU op's insertion into a sorted list of length k (O(E k)): for the
+// router (E = 8 to 64 experts, k = 1 or 2, many tokens) rows are short and plentiful. Long rows
+// (E in the thousands, k large) would want one warp or block per row; not needed yet.
+//
+// Both functions check their input on the device and read one flag back (they synchronise the
+// stream). topk_backward reports an out-of-range index after the kernel has run, so dx may be
+// partly written when it throws (the CPU op checks first).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+namespace detail {
+
+template <class T>
+__global__ void topk_forward_kernel(const T* x, index_t n, index_t e, index_t k, T* values,
+                                    std::int32_t* indices, unsigned long long* bad_row) {
+  GRAPHMOE_CUDA_GRID_STRIDE(r, n) {
+    const T* row = x + r * e;
+    T* val = values + r * k;
+    std::int32_t* idx = indices + r * k;
+    index_t filled = 0;
+    for (index_t c = 0; c < e; ++c) {
+      const T v = row[c];
+      if (v != v) {  // NaN
+        flag_index(bad_row, r);
+        break;
+      }
+      // Strictly greater: an equal value seen later (higher index) never displaces or passes an
+      // earlier one.
+      if (filled == k && !(v > val[k - 1])) continue;
+      index_t p = filled < k ? filled++ : k - 1;
+      for (; p > 0 && v > val[p - 1]; --p) {
+        val[p] = val[p - 1];
+        idx[p] = idx[p - 1];
+      }
+      val[p] = v;
+      idx[p] = static_cast<std::int32_t>(c);
+    }
+  }
+}
+
+template <class T>
+__global__ void topk_backward_kernel(const std::int32_t* indices, const T* dvalues, index_t n,
+                                     index_t k, index_t e, T* dx, unsigned long long* bad_entry) {
+  GRAPHMOE_CUDA_GRID_STRIDE(r, n) {
+    T* row = dx + r * e;
+    for (index_t c = 0; c < e; ++c) row[c] = T(0);
+    for (index_t j = 0; j < k; ++j) {  // in order, so repeated indices sum as on the CPU
+      const std::int32_t c = indices[r * k + j];
+      if (c < 0 || c >= e) {
+        flag_index(bad_entry, r * k + j);
+        continue;
+      }
+      row[c] += dvalues[r * k + j];
+    }
+  }
+}
+
+}  // namespace detail
+
+// values, indices = top-k of each row of x (N, E); 1 <= k <= E. Empty outputs are allocated.
+template <class T>
+void topk_forward(const Tensor<T, cuda>& x, index_t k, Tensor<T, cuda>& values,
+                  Tensor<std::int32_t, cuda>& indices) {
+  constexpr const char* op = "topk_forward";
+  GRAPHMOE_CHECK(!x.empty() && x.rank() == 2, op, "x must be an (N, E) matrix, got ",
+                 (x.empty() ? "an empty tensor" : x.shape().str()));
+  const index_t n = x.dim(0), e = x.dim(1);
+  GRAPHMOE_CHECK(e <= std::numeric_limits<std::int32_t>::max(), op, "E = ", e,
+                 " does not fit the int32 indices");
+  GRAPHMOE_CHECK(k >= 1 && k <= e, op, "k = ", k, " is out of range [1, E = ", e, "] for x ",
+                 x.shape());
+  prepare_output(op, "values", values, Shape{n, k});
+  prepare_output(op, "indices", indices, Shape{n, k});
+  if (n == 0) return;
+  detail::FirstIndexFlag bad;
+  detail::topk_forward_kernel<T><<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
+      x.data(), n, e, k, values.data(), indices.data(), bad.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const index_t r = bad.read();
+  if (r >= 0) {
+    std::vector<T> row(static_cast<std::size_t>(e));
+    GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(row.data(), x.data() + r * e, sizeof(T) * row.size(),
+                                        cudaMemcpyDeviceToHost, cuda_stream()));
+    cuda_stream_synchronize();
+    index_t c = 0;
+    while (!(row[static_cast<std::size_t>(c)] != row[static_cast<std::size_t>(c)])) ++c;
+    GRAPHMOE_CHECK(false, op, "x ", x.shape(), " holds NaN at row ", r, ", column ", c);
+  }
+}
+
+// dx = 0 except dx[r, indices[r, j]] = dvalues[r, j] (summed if an index repeats in a row).
+// dx (N, E) must be allocated, since E cannot be inferred from the indices; it is overwritten.
+template <class T>
+void topk_backward(const Tensor<std::int32_t, cuda>& indices, const Tensor<T, cuda>& dvalues,
+                   Tensor<T, cuda>& dx) {
+  constexpr const char* op = "topk_backward";
+  GRAPHMOE_CHECK(!indices.empty() && indices.rank() == 2, op,
+                 "indices must be an (N, k) matrix, got ",
+                 (indices.empty() ? "an empty tensor" : indices.shape().str()));
+  check_shape(op, "dvalues", dvalues, indices.shape());
+  GRAPHMOE_CHECK(!dx.empty() && dx.rank() == 2, op,
+                 "dx must be an allocated (N, E) matrix, got ",
+                 (dx.empty() ? "an empty tensor" : dx.shape().str()));
+  const index_t n = indices.dim(0), k = indices.dim(1), e = dx.dim(1);
+  GRAPHMOE_CHECK(dx.dim(0) == n, op, "dx has shape ", dx.shape(), " but indices ",
+                 indices.shape(), " have ", n, " rows");
+  if (n == 0) return;
+  detail::FirstIndexFlag bad;
+  detail::topk_backward_kernel<T><<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
+      indices.data(), dvalues.data(), n, k, e, dx.data(), bad.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const index_t i = bad.read();
+  if (i >= 0) {
+    const std::int32_t v = detail::read_device_value(indices.data() + i);
+    GRAPHMOE_CHECK(false, op, "index ", v, " at row ", i / k, ", slot ", i % k,
+                   " is out of range [0, E = ", e, ")");
+  }
+}
+
+}  // namespace graphmoe
