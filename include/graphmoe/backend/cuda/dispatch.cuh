@@ -25,6 +25,7 @@
 #pragma once
 
 #include <thrust/system/cuda/execution_policy.h>
+#include <thrust/system_error.h>
 
 #include <concepts>
 #include <cstdint>
@@ -178,23 +179,29 @@ void make_dispatch_plan(const Tensor<I, cuda>& indices, index_t num_experts, Cud
   detail::plan_tensor(plan.host_offsets, Shape{num_experts + 1});
 
   detail::CudaThrustAllocator alloc;
-  const auto policy = thrust::cuda::par_nosync(alloc).on(cuda_stream());
-  // slot_expert doubles as the sort's unsigned keys (the same values for ids in range)
-  detail::build_dispatch_plan(policy, indices.data(), slots, static_cast<std::int32_t>(k),
-                              static_cast<std::int32_t>(num_experts),
-                              reinterpret_cast<std::uint32_t*>(plan.slot_expert.data()),
-                              plan.expert_offsets.data(), plan.slot_token.data(),
-                              plan.slot_source.data(), plan.source_slot.data());
-  GRAPHMOE_CUDA_CHECK_LAUNCH();
-  to_host(plan.expert_offsets, plan.host_offsets);  // synchronises
-  const std::int32_t* off = plan.host_offsets.data();
-  if (off[num_experts] != slots) {
+  std::int64_t bad = -1;
+  try {
+    // slot_expert doubles as the sort's unsigned keys (the same values for ids in range)
+    detail::build_dispatch_plan(thrust::cuda::par_nosync(alloc).on(cuda_stream()), indices.data(),
+                                slots, static_cast<std::int32_t>(k),
+                                static_cast<std::int32_t>(num_experts),
+                                reinterpret_cast<std::uint32_t*>(plan.slot_expert.data()),
+                                plan.expert_offsets.data(), plan.slot_token.data(),
+                                plan.slot_source.data(), plan.source_slot.data());
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+    to_host(plan.expert_offsets, plan.host_offsets);  // synchronises
+    if (plan.host_offsets.data()[num_experts] != slots)
+      bad = detail::first_invalid_expert_id(thrust::cuda::par(alloc).on(cuda_stream()),
+                                            indices.data(), slots,
+                                            static_cast<std::int32_t>(num_experts));
+  } catch (const thrust::system_error& e) {  // Thrust reports CUDA errors its own way
+    plan.k = 0;
+    detail::throw_error(op, "Thrust: ", e.what());
+  }
+  if (bad >= 0) {
     plan.k = 0;  // invalid: check_plan rejects it
-    const std::int64_t a = detail::first_invalid_expert_id(
-        thrust::cuda::par(alloc).on(cuda_stream()), indices.data(), slots,
-        static_cast<std::int32_t>(num_experts));
-    const std::int32_t id = a >= 0 ? detail::read_device_value(indices.data() + a) : -1;
-    GRAPHMOE_CHECK(false, op, "expert id ", id, " of token ", a / k, ", choice ", a % k,
+    const std::int32_t id = detail::read_device_value(indices.data() + bad);
+    GRAPHMOE_CHECK(false, op, "expert id ", id, " of token ", bad / k, ", choice ", bad % k,
                    " is out of range [0, ", num_experts, ")");
   }
 }

@@ -46,13 +46,13 @@ __global__ void softmax_forward_kernel(const T* x, T* y, index_t rows, index_t c
     }
     A s = A(0);
     if (Log) {
-      for (index_t j = threadIdx.x; j < cols; j += blockDim.x) s += static_cast<A>(exp(xr[j] - m));
+      for (index_t j = threadIdx.x; j < cols; j += blockDim.x) s += static_cast<A>(exp_t(xr[j] - m));
       s = block_reduce(s, SumOp{}, A(0));
-      const T lse = static_cast<T>(log(s));
+      const T lse = static_cast<T>(log_t(s));
       for (index_t j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (xr[j] - m) - lse;
     } else {
       for (index_t j = threadIdx.x; j < cols; j += blockDim.x) {
-        const T e = exp(xr[j] - m);
+        const T e = exp_t(xr[j] - m);
         yr[j] = e;
         s += static_cast<A>(e);
       }
@@ -76,7 +76,7 @@ __global__ void softmax_backward_kernel(const T* y, const T* dy, T* dx, index_t 
       s += Log ? static_cast<A>(dyr[j]) : static_cast<A>(dyr[j]) * static_cast<A>(yr[j]);
     const T d = static_cast<T>(block_reduce(s, SumOp{}, A(0)));
     for (index_t j = threadIdx.x; j < cols; j += blockDim.x)
-      dxr[j] = Log ? dyr[j] - exp(yr[j]) * d : yr[j] * (dyr[j] - d);
+      dxr[j] = Log ? dyr[j] - exp_t(yr[j]) * d : yr[j] * (dyr[j] - d);
   }
 }
 

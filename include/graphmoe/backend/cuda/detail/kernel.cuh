@@ -47,6 +47,12 @@ inline unsigned grid_for_rows(index_t rows) {
   return static_cast<unsigned>(std::clamp<index_t>(rows, 1, index_t(1) << 20));
 }
 
+// exp and log in T's precision (expf / logf for float), never a silent promotion to double.
+__device__ inline float exp_t(float x) { return expf(x); }
+__device__ inline double exp_t(double x) { return ::exp(x); }
+__device__ inline float log_t(float x) { return logf(x); }
+__device__ inline double log_t(double x) { return ::log(x); }
+
 // for (index_t i = first thread's index; i < n; i += all threads of the grid)
 #define GRAPHMOE_CUDA_GRID_STRIDE(i, n)                                                      \
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \

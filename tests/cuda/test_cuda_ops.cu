@@ -1,0 +1,517 @@
+// Cross-backend tests of the CUDA backend (ggml's test-backend-ops, Eigen's
+// run_and_compare_to_gpu): every op runs on random inputs on the CPU backend, the reference, and
+// on the CUDA backend, and the results are compared with a stated tolerance per type.
+//
+//   error metric   err = max_i |cuda_i - cpu_i| / max_i |cpu_i|     (normwise, L-infinity)
+//   tolerance      float 1e-5, double 1e-12
+//                  exact equality where the op only compares and copies (topk, the dispatch plan,
+//                  dispatch_forward) or sums in the same order (topk_backward)
+//   error messages the CUDA op throws the CPU op's message, compared as strings
+//
+// Without a CUDA device (cudaGetDeviceCount finds none) every case prints "skipped: no CUDA
+// device" and passes: the file is compiled by nvcc in CI and runs in full on a GPU machine
+// (scripts/gpu-check.sh).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/backend/cpu/topk.hpp"
+#include "graphmoe/backend/cuda/allocator.cuh"
+#include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/backend/cuda/dispatch.cuh"
+#include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/backend/cuda/softmax.cuh"
+#include "graphmoe/backend/cuda/topk.cuh"
+#include "support/gradcheck.hpp"
+
+// Everything lives in namespace graphmoe: with `using namespace graphmoe;` at global scope the
+// backend tag `cuda` would be ambiguous with CCCL's `namespace cuda` (libcu++).
+namespace graphmoe {
+using graphmoe::test::random_tensor;
+
+namespace {
+
+bool have_device() {
+  static const bool ok = cuda_device_count() > 0;
+  return ok;
+}
+
+#define SKIP_WITHOUT_CUDA_DEVICE()              \
+  do {                                          \
+    if (!have_device()) {                       \
+      MESSAGE("skipped: no CUDA device");       \
+      return;                                   \
+    }                                           \
+  } while (0)
+
+template <class T>
+double tolerance() {
+  return std::is_same_v<T, float> ? 1e-5 : 1e-12;
+}
+
+template <class T>
+const char* type_name() {
+  return std::is_same_v<T, float> ? "float" : "double";
+}
+
+// max |got - ref| / max |ref| (0 / 0 counts as 0). NaN anywhere gives +inf.
+template <class T>
+double normwise_error(const Tensor<T, cpu>& ref, const Tensor<T, cpu>& got) {
+  double diff = 0, scale = 0;
+  for (index_t i = 0; i < ref.numel(); ++i) {
+    const double r = static_cast<double>(ref.data()[i]), g = static_cast<double>(got.data()[i]);
+    if (std::isnan(r) != std::isnan(g)) return std::numeric_limits<double>::infinity();
+    if (std::isinf(r) || std::isinf(g)) {
+      if (r != g) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    diff = std::max(diff, std::abs(g - r));
+    scale = std::max(scale, std::abs(r));
+  }
+  return diff == 0 ? 0.0 : diff / scale;
+}
+
+// GRAPHMOE_CUDA_TEST_VERBOSE=1 prints every comparison's error (scripts/gpu-check.sh keeps them).
+bool verbose() {
+  static const bool v = [] {
+    const char* e = std::getenv("GRAPHMOE_CUDA_TEST_VERBOSE");
+    return e != nullptr && e[0] == '1';
+  }();
+  return v;
+}
+
+template <class T>
+void check_close(const std::string& what, const Tensor<T, cpu>& ref, const Tensor<T, cuda>& got,
+                 double tol = tolerance<T>()) {
+  const Tensor<T, cpu> h = to_host(got);
+  REQUIRE_MESSAGE(h.shape() == ref.shape(), what, ": shape ", h.shape().str(), " vs ",
+                  ref.shape().str());
+  const double err = normwise_error(ref, h);
+  if (verbose())
+    std::printf("  %-36s %-6s shape %-14s error %.3e (tolerance %.0e)\n", what.c_str(),
+                type_name<T>(), ref.shape().str().c_str(), err, tol);
+  CHECK_MESSAGE(err <= tol, what, " (", type_name<T>(), "): error ", err, " > tolerance ", tol);
+}
+
+template <class T>
+void check_equal(const std::string& what, const Tensor<T, cpu>& ref, const Tensor<T, cuda>& got) {
+  const Tensor<T, cpu> h = to_host(got);
+  REQUIRE_MESSAGE(h.shape() == ref.shape(), what, ": shape ", h.shape().str(), " vs ",
+                  ref.shape().str());
+  index_t bad = 0, first = -1;
+  for (index_t i = 0; i < ref.numel(); ++i) {
+    // bitwise-equal values (so that -inf == -inf and 0 == 0 count, NaN never occurs here)
+    if (!(h.data()[i] == ref.data()[i])) {
+      if (first < 0) first = i;
+      ++bad;
+    }
+  }
+  CHECK_MESSAGE(bad == 0, what, ": ", bad, " of ", ref.numel(), " entries differ, first at ", first);
+}
+
+// The message of the graphmoe::Error that f throws ("" if none).
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+template <class T>
+Tensor<T, cpu> scaled(Tensor<T, cpu> x, double s) {
+  for (index_t i = 0; i < x.numel(); ++i) x.data()[i] = static_cast<T>(x.data()[i] * s);
+  return x;
+}
+
+Tensor<std::int32_t> random_ids(index_t n, index_t k, index_t used, Rng& rng) {
+  Tensor<std::int32_t> idx({n, k});
+  for (index_t i = 0; i < idx.numel(); ++i)
+    idx.data()[i] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(used)));
+  return idx;
+}
+
+__global__ void philox_kernel(std::uint64_t seed, std::uint64_t first, std::uint32_t* words,
+                              index_t n) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    words[i] = philox_word(seed, first + static_cast<std::uint64_t>(i));
+  }
+}
+
+const Trans kTrans[] = {Trans::N, Trans::T};
+const char* tname(Trans t) { return t == Trans::N ? "N" : "T"; }
+
+}  // namespace
+
+// ---- device basics ------------------------------------------------------------------------------
+
+TEST_CASE("cuda: device tensors, copies and the caching allocator") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  MESSAGE("device: ", cuda_device_name());
+  Rng rng(1);
+  auto h = random_tensor<float>({13, 7}, rng);
+  Tensor<float, cuda> d = to_device(h);
+  CHECK(d.shape() == h.shape());
+  check_equal("round trip", h, d);
+  check_equal("clone", h, d.clone());
+  Tensor<float, cuda> c(h.shape());
+  check_equal("zero-filled", Tensor<float>(h.shape()), c);
+  c.copy_from(d);
+  check_equal("copy_from", h, c);
+  check_equal("view", h.view({7, 13}), d.view({7, 13}));
+  check_equal("slice", h.slice(3, 9).clone(), d.slice(3, 9));
+  check_equal("row", h[4].clone(), d[4]);
+  c.zero();
+  check_equal("zero", Tensor<float>(h.shape()), c);
+  CHECK(to_host(Tensor<float, cuda>()).empty());
+
+  // A freed block is reused for a request of the same size class, without cudaMalloc.
+  const std::size_t bytes = 3 * 1024 * 1024 + 1000;  // size class 3.5 MiB, as bytes - 100
+  CHECK(detail::CudaCachingAllocator::size_class(bytes) >= bytes);
+  CHECK(detail::CudaCachingAllocator::size_class(bytes) < bytes / 4 * 5 + 512);
+  { Tensor<char, cuda> a(Shape{static_cast<index_t>(bytes)}); }
+  const CudaMemoryStats before = cuda_memory_stats();
+  { Tensor<char, cuda> b(Shape{static_cast<index_t>(bytes) - 100}); }
+  const CudaMemoryStats after = cuda_memory_stats();
+  CHECK(after.cuda_malloc_calls == before.cuda_malloc_calls);
+  CHECK(after.cache_hits == before.cache_hits + 1);
+  cuda_empty_cache();
+  CHECK(cuda_memory_stats().bytes_cached == 0);
+}
+
+TEST_CASE("cuda: CUDA errors are graphmoe::Error naming the call") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const std::string msg = error_of([] { Tensor<float, cuda> huge(Shape{index_t(1) << 42}); });
+  CHECK(msg.find("graphmoe::cudaMalloc") != std::string::npos);
+  CHECK(msg.find("out of memory") != std::string::npos);
+  MESSAGE(msg);
+  // The failed allocation leaves the allocator usable.
+  Tensor<float, cuda> ok(Shape{16});
+  CHECK(to_host(ok).numel() == 16);
+}
+
+TEST_CASE("cuda: the Philox stream on the device equals the CPU stream") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const std::uint64_t seed = 0x0123456789ABCDEFull, first = (std::uint64_t(1) << 32) - 5;
+  const index_t n = 4099;
+  Tensor<std::uint32_t, cuda> words(Shape{n});
+  philox_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(seed, first,
+                                                                            words.data(), n);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  Tensor<std::uint32_t> ref({n});
+  Rng rng(seed, first);
+  for (index_t i = 0; i < n; ++i) ref.data()[i] = rng.next_u32();
+  check_equal("philox words", ref, words);
+}
+
+// ---- gemm -----------------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: gemm, all transposes", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(2);
+  struct Mnk {
+    index_t m, n, k;
+  };
+  for (const Mnk s : {Mnk{1, 1, 1}, Mnk{67, 45, 129}, Mnk{256, 384, 512}, Mnk{5, 3, 0}}) {
+    for (Trans ta : kTrans) {
+      for (Trans tb : kTrans) {
+        CAPTURE(s.m);
+        CAPTURE(s.n);
+        CAPTURE(s.k);
+        CAPTURE(tname(ta));
+        CAPTURE(tname(tb));
+        auto A = random_tensor<T>(ta == Trans::N ? Shape{s.m, s.k} : Shape{s.k, s.m}, rng);
+        auto B = random_tensor<T>(tb == Trans::N ? Shape{s.k, s.n} : Shape{s.n, s.k}, rng);
+        auto C = random_tensor<T>({s.m, s.n}, rng);
+        auto dA = to_device(A), dB = to_device(B);
+
+        // beta != 0: C is read
+        auto dC = to_device(C);
+        gemm(ta, tb, T(0.5), A, B, T(2), C);
+        gemm(ta, tb, T(0.5), dA, dB, T(2), dC);
+        check_close("gemm C = 0.5 op(A) op(B) + 2 C", C, dC);
+
+        // empty C: allocated, beta ignored
+        Tensor<T> C2;
+        Tensor<T, cuda> dC2;
+        gemm(ta, tb, T(1), A, B, T(3), C2);
+        gemm(ta, tb, T(1), dA, dB, T(3), dC2);
+        check_close("gemm into an empty C", C2, dC2);
+
+        // backward, accumulating into dA (beta_a = 1) and assigning dB (beta_b = 0)
+        auto G = random_tensor<T>({s.m, s.n}, rng);
+        auto gA = random_tensor<T>(A.shape(), rng), gB = random_tensor<T>(B.shape(), rng);
+        auto dgA = to_device(gA), dgB = to_device(gB);
+        gemm_backward(ta, tb, T(1.5), A, B, G, T(1), gA, T(0), gB);
+        gemm_backward(ta, tb, T(1.5), dA, dB, to_device(G), T(1), dgA, T(0), dgB);
+        if (s.k > 0) {
+          check_close("gemm_backward dA", gA, dgA);
+          check_close("gemm_backward dB", gB, dgB);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda vs cpu: gemm with beta = 0 ignores NaN in C, reads rank-3 A, rejects bad shapes") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  auto A = Tensor<float>::from({1, 2}, {1, 2});
+  auto B = Tensor<float>::from({2, 1}, {3, 4});
+  auto C = to_device(Tensor<float>::full({1, 1}, std::numeric_limits<float>::quiet_NaN()));
+  gemm(Trans::N, Trans::N, 1.0f, to_device(A), to_device(B), 0.0f, C);
+  CHECK(to_host(C).data()[0] == 11.0f);
+
+  Rng rng(3);
+  auto X = random_tensor<float>({2, 3, 4}, rng);
+  auto W = random_tensor<float>({4, 5}, rng);
+  Tensor<float> Y({6, 5});
+  Tensor<float, cuda> dY(Shape{6, 5});
+  gemm(Trans::N, Trans::N, 1.0f, X, W, 0.0f, Y);
+  gemm(Trans::N, Trans::N, 1.0f, to_device(X), to_device(W), 0.0f, dY);
+  check_close("rank-3 A read as a (6, 4) matrix", Y, dY);
+
+  Tensor<float> none;
+  Tensor<float, cuda> dnone;
+  const auto cpu_msg = error_of([&] { gemm(Trans::N, Trans::N, 1.0f, A, A, 0.0f, none); });
+  const auto cuda_msg =
+      error_of([&] { gemm(Trans::N, Trans::N, 1.0f, to_device(A), to_device(A), 0.0f, dnone); });
+  CHECK(!cpu_msg.empty());
+  CHECK(cuda_msg == cpu_msg);
+}
+
+// ---- softmax ------------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: softmax and log_softmax, forward and backward", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(4);
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (const Shape shape : {Shape{37, 1}, Shape{37, 7}, Shape{64, 64}, Shape{2, 5, 33},
+                            Shape{9, 1000}, Shape{3, 4099}}) {
+    CAPTURE(shape.str());
+    auto x = scaled(random_tensor<T>(shape, rng), 8.0);
+    // masked positions (-inf), leaving entry 0 of every row finite
+    const index_t cols = shape.cols();
+    for (index_t i = 0; i < x.numel(); ++i)
+      if (i % cols != 0 && rng.uniform() < 0.2) x.data()[i] = ninf;
+    auto dy = random_tensor<T>(shape, rng);
+    const auto xd = to_device(x), dyd = to_device(dy);  // ...d: on the device
+
+    Tensor<T> y, dx, ly, ldx;
+    Tensor<T, cuda> yd, dxd, lyd, ldxd;
+    softmax_forward(x, y);
+    softmax_forward(xd, yd);
+    check_close("softmax_forward", y, yd);
+    const auto yh = to_host(yd);
+    for (index_t i = 0; i < x.numel(); ++i)
+      if (x.data()[i] == ninf) REQUIRE(yh.data()[i] == T(0));  // exactly 0 where masked
+    softmax_backward(y, dy, dx);
+    softmax_backward(yd, dyd, dxd);
+    check_close("softmax_backward", dx, dxd);
+
+    log_softmax_forward(x, ly);
+    log_softmax_forward(xd, lyd);
+    check_close("log_softmax_forward", ly, lyd);
+    log_softmax_backward(ly, dy, ldx);
+    log_softmax_backward(lyd, dyd, ldxd);
+    check_close("log_softmax_backward", ldx, ldxd);
+
+    // in place: y may be x, dx may be dy
+    auto inplace = to_device(x);
+    softmax_forward(inplace, inplace);
+    check_close("softmax_forward in place", y, inplace);
+    auto g = to_device(dy);
+    softmax_backward(yd, g, g);
+    check_close("softmax_backward in place", dx, g);
+  }
+}
+
+TEST_CASE("cuda vs cpu: softmax rows without a finite maximum throw the CPU message") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const std::vector<float>& bad_row : {std::vector<float>{1, nan, 2, nan},
+                                            std::vector<float>{1, inf, 2, 3},
+                                            std::vector<float>{-inf, -inf, -inf, -inf}}) {
+    std::vector<float> values(5 * 4, 0.5f);
+    std::copy(bad_row.begin(), bad_row.end(), values.begin() + 3 * 4);
+    auto x = Tensor<float>::from({5, 4}, values);
+    Tensor<float> y;
+    Tensor<float, cuda> dyy;
+    const auto cpu_msg = error_of([&] { softmax_forward(x, y); });
+    const auto cuda_msg = error_of([&] { softmax_forward(to_device(x), dyy); });
+    CHECK(cpu_msg.find("row 3") != std::string::npos);
+    CHECK(cuda_msg == cpu_msg);
+    Tensor<float, cuda> dly;
+    CHECK(error_of([&] { log_softmax_forward(to_device(x), dly); }) ==
+          error_of([&] { Tensor<float> ly; log_softmax_forward(x, ly); }));
+  }
+}
+
+// ---- topk -----------------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: topk forward and backward (exact)", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(5);
+  const T inf = std::numeric_limits<T>::infinity();
+  for (const index_t e : {1, 3, 8, 64, 300}) {
+    for (const index_t k : {1, 2, 4}) {
+      if (k > e) continue;
+      CAPTURE(e);
+      CAPTURE(k);
+      const index_t n = 301;
+      // half the rows continuous, half drawn from {-inf, 0, 1, 2, +inf}: many ties
+      auto x = random_tensor<T>({n, e}, rng);
+      for (index_t r = 0; r < n; r += 2)
+        for (index_t c = 0; c < e; ++c) {
+          const std::uint32_t v = rng.uniform_int(5);
+          x(r, c) = v == 0 ? -inf : v == 4 ? inf : static_cast<T>(v - 1);
+        }
+      Tensor<T> values;
+      Tensor<std::int32_t> indices;
+      topk_forward(x, k, values, indices);
+      Tensor<T, cuda> dvalues_out;
+      Tensor<std::int32_t, cuda> dindices;
+      topk_forward(to_device(x), k, dvalues_out, dindices);
+      check_equal("topk values", values, dvalues_out);
+      check_equal("topk indices", indices, dindices);
+
+      // backward with repeated indices in a row (summed in order)
+      Tensor<std::int32_t> idx({n, k});
+      for (index_t i = 0; i < idx.numel(); ++i)
+        idx.data()[i] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(e)));
+      auto g = random_tensor<T>({n, k}, rng);
+      Tensor<T> dx({n, e});
+      Tensor<T, cuda> ddx(Shape{n, e});
+      topk_backward(idx, g, dx);
+      topk_backward(to_device(idx), to_device(g), ddx);
+      check_equal("topk_backward dx", dx, ddx);
+    }
+  }
+}
+
+TEST_CASE("cuda vs cpu: topk bad input throws the CPU message") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto x = Tensor<float>::from({3, 4}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, nan, 12});
+  Tensor<float> v;
+  Tensor<std::int32_t> i;
+  Tensor<float, cuda> dv;
+  Tensor<std::int32_t, cuda> di;
+  const auto cpu_msg = error_of([&] { topk_forward(x, 2, v, i); });
+  CHECK(cpu_msg.find("row 2, column 2") != std::string::npos);
+  CHECK(error_of([&] { topk_forward(to_device(x), 2, dv, di); }) == cpu_msg);
+
+  auto idx = Tensor<std::int32_t>::from({2, 2}, {0, 1, 4, 2});
+  auto g = Tensor<float>::from({2, 2}, {1, 1, 1, 1});
+  Tensor<float> dx({2, 4});
+  Tensor<float, cuda> ddx(Shape{2, 4});
+  const auto cpu_msg2 = error_of([&] { topk_backward(idx, g, dx); });
+  CHECK(!cpu_msg2.empty());
+  CHECK(error_of([&] { topk_backward(to_device(idx), to_device(g), ddx); }) == cpu_msg2);
+}
+
+// ---- dispatch / combine -------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: dispatch plan, dispatch and combine, forward and backward", T,
+                   float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(6);
+  const index_t e = 8, d = 37;
+  for (const index_t k : {1, 2, 4}) {
+    for (const index_t n : {1, 300, 4096}) {
+      for (const index_t used : {e, index_t(5)}) {  // used = 5: experts 5, 6, 7 get no token
+        CAPTURE(k);
+        CAPTURE(n);
+        CAPTURE(used);
+        auto idx = random_ids(n, k, used, rng);
+        DispatchPlan plan;
+        make_dispatch_plan(idx, e, plan);
+        CudaDispatchPlan dplan;
+        make_dispatch_plan(to_device(idx), e, dplan);
+        CHECK(dplan.num_tokens == n);
+        CHECK(dplan.k == k);
+        CHECK(dplan.num_experts == e);
+        check_equal("expert_offsets", plan.expert_offsets, dplan.expert_offsets);
+        check_equal("slot_token", plan.slot_token, dplan.slot_token);
+        check_equal("slot_source", plan.slot_source, dplan.slot_source);
+        check_equal("source_slot", plan.source_slot, dplan.source_slot);
+        CHECK(dplan.host_offsets.to_vector() == plan.expert_offsets.to_vector());
+        for (index_t x = 0; x < e; ++x) {
+          CHECK(dplan.count(x) == plan.count(x));
+          CHECK(dplan.offset(x) == plan.offset(x));
+        }
+        const auto slot_expert = to_host(dplan.slot_expert);
+        for (index_t s = 0; s < n * k; ++s)
+          CHECK(slot_expert.data()[s] == idx.data()[plan.slot_source.data()[s]]);
+
+        auto x = random_tensor<T>({n, d}, rng);
+        Tensor<T> xs;
+        Tensor<T, cuda> dxs;
+        dispatch_forward(plan, x, xs);
+        dispatch_forward(dplan, to_device(x), dxs);
+        check_equal("dispatch_forward", xs, dxs);
+
+        auto gxs = random_tensor<T>({n * k, d}, rng);
+        Tensor<T> gx;
+        Tensor<T, cuda> dgx;
+        dispatch_backward(plan, gxs, gx);
+        dispatch_backward(dplan, to_device(gxs), dgx);
+        check_close("dispatch_backward", gx, dgx);
+
+        auto ys = random_tensor<T>({n * k, d}, rng);
+        auto gates = random_tensor<T>({n, k}, rng, 0.0, 1.0);
+        Tensor<T> y;
+        Tensor<T, cuda> dyv;
+        combine_forward(plan, ys, gates, y);
+        combine_forward(dplan, to_device(ys), to_device(gates), dyv);
+        check_close("combine_forward", y, dyv);
+
+        auto gy = random_tensor<T>({n, d}, rng);
+        Tensor<T> gys, ggates;
+        Tensor<T, cuda> dgys, dggates;
+        combine_backward(plan, ys, gates, gy, gys, ggates);
+        combine_backward(dplan, to_device(ys), to_device(gates), to_device(gy), dgys, dggates);
+        check_close("combine_backward dys", gys, dgys);
+        check_close("combine_backward dgates", ggates, dggates);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda vs cpu: dispatch plan reuse and bad expert ids") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(7);
+  CudaDispatchPlan dplan;
+  DispatchPlan plan;
+  for (int round = 0; round < 3; ++round) {  // rebuilt into the same plan
+    auto idx = random_ids(50, 2, 6, rng);
+    make_dispatch_plan(idx, 6, plan);
+    make_dispatch_plan(to_device(idx), 6, dplan);
+    check_equal("slot_source after rebuild", plan.slot_source, dplan.slot_source);
+    check_equal("source_slot after rebuild", plan.source_slot, dplan.source_slot);
+  }
+  for (const std::int32_t bad : {-1, 6, 1000}) {
+    CAPTURE(bad);
+    auto idx = Tensor<std::int32_t>::from({3, 2}, {0, 1, 2, 3, bad, 5});
+    const auto cpu_msg = error_of([&] { make_dispatch_plan(idx, 6, plan); });
+    CHECK(cpu_msg.find("token 2, choice 0") != std::string::npos);
+    CHECK(error_of([&] { make_dispatch_plan(to_device(idx), 6, dplan); }) == cpu_msg);
+    Tensor<float, cuda> xs;
+    CHECK(error_of([&] { dispatch_forward(dplan, Tensor<float, cuda>(Shape{3, 4}), xs); })
+              .find("not built by make_dispatch_plan") != std::string::npos);
+  }
+}
+
+}  // namespace graphmoe
