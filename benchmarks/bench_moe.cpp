@@ -34,7 +34,7 @@ AttentionCache<T> make_cache(const Tensor<T>& x, Rng& rng, bool causal) {
   auto k = normal<T>({kBatch, kSeq, kD}, rng, 1.0);
   c.v = normal<T>({kBatch * kSeq, kD}, rng, 1.0);
   Tensor<T> out;
-  attention_forward(q, k, c.v.view({kBatch, kSeq, kD}), kHeads, causal, c.probs, out);
+  attention_forward(q, k, c.v.view({kBatch, kSeq, kD}), kHeads, causal, c.probs, out, &c.row_entropy);
   c.w_o = normal<T>({kD, kD}, rng, 1.0 / std::sqrt(static_cast<double>(kD)));
   c.b_o = Tensor<T>({kD});
   c.out = x.clone();

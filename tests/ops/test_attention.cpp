@@ -261,3 +261,28 @@ TEST_CASE("attention: bad input") {
   CHECK_THROWS_WITH_AS(attention_backward(q, k, v, 2, true, p, dout_wrong, none, dq, dk, dv),
                        doctest::Contains("dout has shape (2, 4, 5), expected (2, 4, 6)"), Error);
 }
+
+TEST_CASE_TEMPLATE("attention_forward: row entropies from the softmax match -sum p log p", T, float, double) {
+  graphmoe::Rng rng(91);
+  for (bool causal : {false, true}) {
+    const graphmoe::index_t b = 2, t = 70, h = 2, dh = 3;
+    auto q = graphmoe::test::random_normal<T>({b, t, h * dh}, rng, 1.5);
+    auto k = graphmoe::test::random_normal<T>({b, t, h * dh}, rng, 1.5);
+    auto v = graphmoe::test::random_normal<T>({b, t, h * dh}, rng);
+    graphmoe::Tensor<T> probs, out, ent;
+    graphmoe::attention_forward(q, k, v, h, causal, probs, out, &ent);
+    REQUIRE(ent.shape() == graphmoe::Shape{b, h, t});
+    double worst = 0;
+    for (graphmoe::index_t bb = 0; bb < b; ++bb)
+      for (graphmoe::index_t hh = 0; hh < h; ++hh)
+        for (graphmoe::index_t i = 0; i < t; ++i) {
+          double e = 0;
+          for (graphmoe::index_t j = 0; j < t; ++j) {
+            const double p = static_cast<double>(probs(bb, hh, i, j));
+            if (p > 0) e -= p * std::log(p);
+          }
+          worst = std::max(worst, std::abs(e - static_cast<double>(ent(bb, hh, i))));
+        }
+    CHECK(worst < (std::is_same_v<T, float> ? 1e-4 : 1e-10));
+  }
+}

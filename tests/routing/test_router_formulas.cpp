@@ -412,3 +412,32 @@ TEST_CASE("router: bad input") {
   bad.probs = Tensor<float>({1, 2, 4, 3});
   CHECK_THROWS_WITH_AS(att.forward(u, {4, &bad}, out), doctest::Contains("attention probs have shape (1, 2, 4, 3)"), Error);
 }
+
+TEST_CASE("attention graph: the attention layer's row entropies give the same h* and p as probs") {
+  Rng rng(19);
+  const index_t nb = 3, len = 8, heads = 4, d = 4, e = 3;
+  auto cache = random_attention_cache<double>(nb, len, heads, d, true, rng, 3.0);
+  auto u = random_normal<double>({nb * len, d}, rng);
+  auto r = random_probs<double>(nb * len, e, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.head_choice = HeadChoice::PerSequenceCausal;
+  GraphImpl<Attention, double> g;
+  g.configure(d, cfg);
+  Tensor<double> p1, p2;
+  g.forward(u, r, {len, &cache}, p1);
+  const auto heads1 = g.heads();
+  cache.row_entropy = Tensor<double>({nb, heads, len});
+  for (index_t b = 0; b < nb; ++b)
+    for (index_t h = 0; h < heads; ++h)
+      for (index_t i = 0; i < len; ++i) cache.row_entropy(b, h, i) = entropy_of(&cache.probs(b, h, i, 0), len);
+  g.forward(u, r, {len, &cache}, p2);
+  CHECK(g.heads() == heads1);
+  CHECK(max_rel_diff(p2, p1) == 0.0);
+  // and they are really used: reversed entropies pick other heads
+  for (index_t i = 0; i < cache.row_entropy.numel(); ++i) cache.row_entropy.data()[i] *= -1;
+  g.forward(u, r, {len, &cache}, p2);
+  CHECK(g.heads() != heads1);
+  cache.row_entropy = Tensor<double>({nb, heads, len + 1});
+  CHECK_THROWS_WITH_AS(g.forward(u, r, {len, &cache}, p2), doctest::Contains("row_entropy has shape"), Error);
+}

@@ -66,7 +66,9 @@ class MultiHeadAttention<T, cpu> {
     v_.forward(xf, cache_.v);
     o_att_ = Tensor<T, cpu>();
     cache_.probs = Tensor<T, cpu>();
-    attention_forward(qt_.view(s), kt_.view(s), cache_.v.view(s), heads_, causal_, cache_.probs, o_att_);
+    cache_.row_entropy = Tensor<T, cpu>();
+    attention_forward(qt_.view(s), kt_.view(s), cache_.v.view(s), heads_, causal_, cache_.probs, o_att_,
+                      &cache_.row_entropy);
     prepare_output("MultiHeadAttention", "a", a, s);
     Tensor<T, cpu> af = a.view(flat);
     o_.forward(o_att_.view(flat), af);

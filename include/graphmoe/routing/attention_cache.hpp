@@ -21,6 +21,8 @@ struct AttentionCache {
   Tensor<T, B> w_o;    // (D, D)        output projection, a = o w_o^T + b_o
   Tensor<T, B> b_o;    // (D) or empty  output bias
   Tensor<T, B> out;    // (B, T, D)     the attention sublayer output a
+  Tensor<T, B> row_entropy;  // (B, H, T) or empty: H(A_h[i,:]) from the attention softmax; the
+                             // graph computes it from probs when empty (H T^2 logarithms)
 
   // Gradients the Attention graph ACCUMULATES into during backward (allocated by the attention
   // layer with the shapes above; empty ones are skipped, e.g. when the graph is detached).

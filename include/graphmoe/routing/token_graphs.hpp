@@ -377,6 +377,9 @@ class GraphImpl<Attention, T, cpu> {
                    d_model_, ")");
     GRAPHMOE_CHECK(c.b_o.empty() || c.b_o.numel() == d_model_, "Attention", "b_o has shape ",
                    c.b_o.shape());
+    GRAPHMOE_CHECK(c.row_entropy.empty() || c.row_entropy.shape() == (Shape{nb, nh, len}),
+                   "Attention", "row_entropy has shape ", c.row_entropy.shape(), ", expected ",
+                   Shape{nb, nh, len});
     return c;
   }
 
@@ -403,6 +406,11 @@ class GraphImpl<Attention, T, cpu> {
     std::vector<double> prefix(static_cast<std::size_t>(nh), 0.0);
     std::vector<double> ent(static_cast<std::size_t>(nh * len));
     for (index_t h = 0; h < nh; ++h) {
+      if (!c.row_entropy.empty()) {  // from the attention layer's softmax
+        const T* e = c.row_entropy.data() + (b * nh + h) * len;
+        for (index_t i = 0; i < len; ++i) ent[static_cast<std::size_t>(h * len + i)] = static_cast<double>(e[i]);
+        continue;
+      }
       const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
       // -sum_j a log a, with 0 log 0 = 0 (log of the smallest normal is finite)
       const Eigen::Matrix<T, Eigen::Dynamic, 1> e =

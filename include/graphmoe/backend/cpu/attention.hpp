@@ -78,13 +78,20 @@ AttentionDims attention_dims(const char* op, const Tensor<T, cpu>& q, const Tens
 }  // namespace detail
 
 // probs (B, H, T, T) and out (B, T, H dh); empty outputs are allocated.
+//
+// row_entropy (optional, (B, H, T)): the entropy -sum_j P_ij log P_ij of every probability row,
+// computed from the scores inside the softmax (log Z - sum_j P_ij z_ij, no logarithm per entry);
+// the Attention token graph uses it to choose its head.
 template <class T>
 void attention_forward(const Tensor<T, cpu>& q, const Tensor<T, cpu>& k, const Tensor<T, cpu>& v,
-                       index_t num_heads, bool causal, Tensor<T, cpu>& probs, Tensor<T, cpu>& out) {
+                       index_t num_heads, bool causal, Tensor<T, cpu>& probs, Tensor<T, cpu>& out,
+                       Tensor<T, cpu>* row_entropy = nullptr) {
   constexpr const char* op = "attention_forward";
   const detail::AttentionDims dims = detail::attention_dims(op, q, k, v, num_heads);
   prepare_output(op, "probs", probs, dims.probs_shape());
   prepare_output(op, "out", out, q.shape());
+  if (row_entropy != nullptr)
+    prepare_output(op, "row_entropy", *row_entropy, Shape{dims.batch, num_heads, dims.seq});
   const index_t n = dims.seq, dh = dims.head_dim;
   const index_t block = causal ? detail::kAttentionBlock : std::max<index_t>(n, 1);
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
@@ -103,11 +110,20 @@ void attention_forward(const Tensor<T, cpu>& q, const Tensor<T, cpu>& k, const T
       P.block(r0, 0, r1 - r0, keys).noalias() =
           Q.middleRows(r0, r1 - r0) * K.topRows(keys).transpose();
     }
+    T* ent = row_entropy != nullptr ? row_entropy->data() + pair * n : nullptr;
+    Eigen::Array<T, 1, Eigen::Dynamic> z;
     for (index_t i = 0; i < n; ++i) {
       const index_t len = causal ? i + 1 : n;
       auto row = P.row(i).head(len).array();
       const T m = row.maxCoeff();
-      row = ((row - m) * scale).exp();
+      if (ent != nullptr) {
+        z = (row - m) * scale;
+        row = z.exp();
+        const T sum = row.sum();
+        ent[i] = std::log(sum) - (z * row).sum() / sum;
+      } else {
+        row = ((row - m) * scale).exp();
+      }
       row *= T(1) / row.sum();
       if (len < n) P.row(i).tail(n - len).setZero();
     }
