@@ -133,10 +133,19 @@ class TransformerLM<RouterPolicy, T, cpu> {
     trunk_forward(ids);
     const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
     targets_ = targets;
-    logits_ = Tensor<T, cpu>();
-    gemm(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), T(0), logits_);
-    logits_ = logits_.view(Shape{b, t, cfg_.vocab_size});
-    log_probs_ = Tensor<T, cpu>();
+    // The (B T, V) buffers are the largest of a step (41 MB at B T = 1024, V = 10,000): they are
+    // kept across steps of the same shape, since allocating them afresh costs page faults that
+    // were measured at a quarter of a training step (docs/benchmarks.md). logits() is therefore
+    // overwritten by the next forward.
+    const Shape lshape{b, t, cfg_.vocab_size};
+    if (logits_.shape() != lshape) {
+      logits_ = Tensor<T, cpu>(lshape);
+      log_probs_ = Tensor<T, cpu>(lshape);
+      dlogits_ = Tensor<T, cpu>(lshape);
+    }
+    Tensor<T, cpu> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
+    gemm(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), T(0), lflat);
+    has_loss_ = !targets.empty();
     if (targets.empty()) return T(0);
     return cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex);
   }
@@ -144,12 +153,10 @@ class TransformerLM<RouterPolicy, T, cpu> {
   // Gradients of (mean cross-entropy + the routers' auxiliary losses) into arena.grads(),
   // accumulated: call arena.zero_grad() first.
   void backward() {
-    GRAPHMOE_CHECK(!log_probs_.empty(), "TransformerLM::backward",
-                   "call forward with targets first");
+    GRAPHMOE_CHECK(has_loss_, "TransformerLM::backward", "call forward with targets first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
-    Tensor<T, cpu> dlogits;
-    cross_entropy_backward(log_probs_, targets_, T(1), dlogits, kIgnoreIndex);
-    Tensor<T, cpu> dlf = dlogits.view(Shape{b * t, cfg_.vocab_size});
+    cross_entropy_backward(log_probs_, targets_, T(1), dlogits_, kIgnoreIndex);
+    Tensor<T, cpu> dlf = dlogits_.view(Shape{b * t, cfg_.vocab_size});
     Tensor<T, cpu> dxf(Shape{b * t, d});
     Tensor<T, cpu> dhead = head_grad();
     gemm_backward(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), dlf, T(0),
@@ -174,6 +181,7 @@ class TransformerLM<RouterPolicy, T, cpu> {
                      "length ", lengths.data()[i], " of sequence ", i, " out of [1, ", t, "]");
     if (!labels.empty()) check_shape("TransformerLM::forward_classify", "labels", labels, Shape{b});
     trunk_forward(ids);
+    has_loss_ = false;  // backward() needs a new LM forward
     lengths_ = lengths;
     labels_ = labels;
     Tensor<T, cpu> pooled(Shape{b, d});
@@ -267,7 +275,8 @@ class TransformerLM<RouterPolicy, T, cpu> {
   // forward cache
   Tensor<std::int32_t, cpu> ids_, targets_, lengths_, labels_;
   std::vector<Tensor<T, cpu>> acts_;
-  Tensor<T, cpu> xf_, logits_, log_probs_, class_logits_, class_log_probs_;
+  Tensor<T, cpu> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
+  bool has_loss_ = false;
 };
 
 }  // namespace graphmoe
