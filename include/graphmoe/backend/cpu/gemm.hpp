@@ -95,10 +95,12 @@ void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cpu>& A, const Tensor<T, 
 //   dA = beta_a * dA + alpha * d op(A)   and   dB = beta_b * dB + alpha * d op(B)
 // with d op(A) = dC op(B)^T and d op(B) = op(A)^T dC, transposed back when op is a transpose.
 // Pass beta = 0 to assign, 1 to accumulate. An empty dA (or dB) is skipped.
-template <class T>
-void gemm_backward(Trans ta, Trans tb, T alpha, const Tensor<T, cpu>& A, const Tensor<T, cpu>& B,
-                   const Tensor<T, cpu>& dC, T beta_a, Tensor<T, cpu>& dA, T beta_b,
-                   Tensor<T, cpu>& dB) {
+// Backend-independent: it is two calls of the backend's gemm (found by argument-dependent lookup,
+// so backend/cuda/gemm.cuh reuses it for Tensor<T, cuda>).
+template <class T, class Backend>
+void gemm_backward(Trans ta, Trans tb, T alpha, const Tensor<T, Backend>& A,
+                   const Tensor<T, Backend>& B, const Tensor<T, Backend>& dC, T beta_a,
+                   Tensor<T, Backend>& dA, T beta_b, Tensor<T, Backend>& dB) {
   const index_t m = ta == Trans::N ? A.rows() : A.cols();
   const index_t n = tb == Trans::N ? B.cols() : B.rows();
   GRAPHMOE_CHECK(dC.rows() == m && dC.cols() == n, "gemm_backward", "dC has shape ", dC.shape(),

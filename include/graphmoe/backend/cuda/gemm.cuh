@@ -109,34 +109,7 @@ void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T,
                       static_cast<int>(n));
 }
 
-// Backward of C = alpha * op(A) op(B) (the beta * C term carries no gradient to A or B):
-//   dA = beta_a * dA + alpha * d op(A)   and   dB = beta_b * dB + alpha * d op(B)
-// with d op(A) = dC op(B)^T and d op(B) = op(A)^T dC, transposed back when op is a transpose.
-// Pass beta = 0 to assign, 1 to accumulate. An empty dA (or dB) is skipped.
-template <class T>
-void gemm_backward(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T, cuda>& B,
-                   const Tensor<T, cuda>& dC, T beta_a, Tensor<T, cuda>& dA, T beta_b,
-                   Tensor<T, cuda>& dB) {
-  const index_t m = ta == Trans::N ? A.rows() : A.cols();
-  const index_t n = tb == Trans::N ? B.cols() : B.rows();
-  GRAPHMOE_CHECK(dC.rows() == m && dC.cols() == n, "gemm_backward", "dC has shape ", dC.shape(),
-                 ", expected (", m, ", ", n, ") for A ", A.shape(), " and B ", B.shape());
-  if (!dA.empty()) {
-    check_shape("gemm_backward", "dA", dA, A.shape());
-    // op(A) = A:   dA = dC op(B)^T        op(A) = A^T:  dA = op(B) dC^T
-    if (ta == Trans::N)
-      gemm(Trans::N, tb == Trans::N ? Trans::T : Trans::N, alpha, dC, B, beta_a, dA);
-    else
-      gemm(tb, Trans::T, alpha, B, dC, beta_a, dA);
-  }
-  if (!dB.empty()) {
-    check_shape("gemm_backward", "dB", dB, B.shape());
-    // op(B) = B:   dB = op(A)^T dC        op(B) = B^T:  dB = dC^T op(A)
-    if (tb == Trans::N)
-      gemm(ta == Trans::N ? Trans::T : Trans::N, Trans::N, alpha, A, dC, beta_b, dB);
-    else
-      gemm(Trans::T, ta, alpha, dC, A, beta_b, dB);
-  }
-}
+// gemm_backward for Tensor<T, cuda> is the backend-independent one in backend/cpu/gemm.hpp
+// (two gemm calls, which resolve to the cuBLAS gemm above).
 
 }  // namespace graphmoe
