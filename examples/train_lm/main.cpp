@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
 #include "train_lm/options.hpp"
@@ -68,6 +69,7 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", opt.checkpoint_every, "checkpoint every N steps (0 = at the end)");
   app.add_option("--seed", opt.seed, "random seed (initialisation and data order)");
   app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
   CLI11_PARSE(app, argc, argv);
@@ -107,7 +109,11 @@ int main(int argc, char** argv) {
     split_valid();
     std::fprintf(stderr, "train_lm: router %s, %zu train / %zu valid / %zu test tokens, vocabulary %zu\n",
                  opt.router.c_str(), data.train.size(), data.valid.size(), data.test.size(), data.vocab_size);
-    return with_router(opt.router, [&]<class Policy>() { return train_lm::run<Policy>(opt, data); });
+    return with_router(opt.router, [&]<class Policy>() {
+      return examples::on_device<Policy>("train_lm", opt.device, opt.router, [&]<class B>() {
+        return train_lm::run<Policy, B>(opt, data);
+      });
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_lm: error: %s\n", e.what());
     return 1;

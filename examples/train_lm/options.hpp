@@ -29,6 +29,7 @@ struct Options {
   std::int64_t checkpoint_every = 0;   // 0 = only at the end
   std::uint64_t seed = 1;
   int threads = 2;
+  std::string device = "cpu";  // cpu, or cuda when built with GRAPHMOE_ENABLE_CUDA
   std::string out_dir = "runs/lm";
   bool resume = false;
 };
@@ -38,8 +39,9 @@ struct Data {
   std::size_t vocab_size = 0;
 };
 
-// The training loop for one router policy (instantiated per router in its own translation unit).
-template <class Policy>
+// The training loop for one router policy on backend B (graphmoe::cpu or graphmoe::cuda),
+// instantiated per router in its own translation unit (examples/CMakeLists.txt).
+template <class Policy, class B>
 int run(const Options& opt, const Data& data);
 
 }  // namespace train_lm

@@ -1,6 +1,7 @@
 // train_lm: the reference training loop (one function template, instantiated per router).
 //
 // forward -> zero_grad -> backward -> clip -> AdamW step, with a warmup + cosine learning rate,
+// on the CPU or (B = graphmoe::cuda, --device cuda) the GPU,
 // periodic evaluation (perplexity and routing metrics to metrics.csv), atomic checkpoints with the
 // optimizer state, and --resume that continues bit for bit.
 #pragma once
@@ -19,6 +20,7 @@
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
+#include "common/device.hpp"
 #include "common/lm_config.hpp"
 #include "train_lm/options.hpp"
 
@@ -36,24 +38,26 @@ inline nlohmann::json config_json(const Options& opt, const TransformerLMConfig&
 }
 
 // Mean cross-entropy over the first `max_batches` (0 = all) batches of a stream.
-template <class Model>
+template <class B, class Model>
 double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches) {
   const index_t nb = max_batches > 0 ? std::min(max_batches, batches.num_batches()) : batches.num_batches();
   double sum = 0;
   for (index_t i = 0; i < nb; ++i) {
     const LMBatch b = batches.batch(i);
-    sum += static_cast<double>(lm.forward(b.inputs, b.targets));
+    sum += static_cast<double>(
+        lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)));
   }
   return nb > 0 ? sum / static_cast<double>(nb) : std::nan("");
 }
 
-template <class Policy>
+template <class Policy, class B>
 int run(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
   set_num_threads(opt.threads);
+  examples::require_device<B>("train_lm");
   TransformerLMConfig mc = opt.model;
   mc.vocab_size = static_cast<index_t>(data.vocab_size);
-  TransformerLM<Policy, Scalar> lm(mc, opt.seed);
+  TransformerLM<Policy, Scalar, B> lm(mc, opt.seed);
   const index_t seq = mc.max_seq_len;
   LMBatcher train(data.train, opt.batch, seq);
   LMBatcher valid(data.valid, opt.batch, seq);
@@ -64,7 +68,7 @@ int run(const Options& opt, const Data& data) {
   AdamWConfig acfg;
   acfg.lr = opt.lr;
   acfg.weight_decay = opt.weight_decay;
-  AdamW<Scalar> adam(lm.arena, acfg);
+  AdamW<Scalar, B> adam(lm.arena, acfg);
   LRSchedule sched{opt.lr, opt.min_lr, std::min(opt.warmup, opt.steps), opt.steps};
   sched.validate();
 
@@ -97,6 +101,8 @@ int run(const Options& opt, const Data& data) {
   CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(), cols, opt.resume && step > 0);
   std::vector<Tensor<std::int32_t, cpu>> prev_probe(moe_layers.size());
   const LMBatch probe = valid.batch(0);
+  const Tensor<std::int32_t, B> probe_inputs = examples::on_backend<B>(probe.inputs);
+  const Tensor<std::int32_t, B> probe_targets = examples::on_backend<B>(probe.targets);
 
   auto order_for_epoch = [&](std::int64_t epoch) {
     Rng rng(opt.seed * 1000003ull + static_cast<std::uint64_t>(epoch));
@@ -112,7 +118,9 @@ int run(const Options& opt, const Data& data) {
     if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
     const LMBatch b = train.batch(order[static_cast<std::size_t>(step % nb)]);
     lm.set_step(step);
-    const double loss = static_cast<double>(lm.forward(b.inputs, b.targets)) + lm.aux_loss();
+    const double loss = static_cast<double>(lm.forward(examples::on_backend<B>(b.inputs),
+                                                       examples::on_backend<B>(b.targets))) +
+                        lm.aux_loss();
     GRAPHMOE_CHECK(std::isfinite(loss), "train_lm", "loss is ", loss, " at step ", step);
     lm.arena.zero_grad();
     lm.backward();
@@ -120,7 +128,7 @@ int run(const Options& opt, const Data& data) {
     const double lr = sched.at(step);
     adam.step(lm.arena, lr);
     last_loss = loss;
-    loss_ema = step == 0 ? loss : 0.98 * loss_ema + 0.02 * loss;
+    loss_ema = step == first_step ? loss : 0.98 * loss_ema + 0.02 * loss;
     const double tps = tokens_per_step * static_cast<double>(step + 1 - first_step) /
                        std::max(1e-9, bar.elapsed_seconds());
     char stats[128];
@@ -129,20 +137,22 @@ int run(const Options& opt, const Data& data) {
 
     const bool last = step + 1 == opt.steps;
     if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || last) {
-      const double vloss = evaluate(lm, valid, opt.eval_batches);
+      const double vloss = evaluate<B>(lm, valid, opt.eval_batches);
       std::vector<double> row = {static_cast<double>(step + 1), last_loss, vloss, std::exp(vloss),
                                  lr, last_norm, tps};
-      lm.forward(probe.inputs, probe.targets);
+      lm.forward(probe_inputs, probe_targets);
       for (std::size_t i = 0; i < moe_layers.size(); ++i) {
         const auto& r = lm.block(moe_layers[i]).moe().routing();
-        const auto load = expert_load(r.selection.indices, mc.router.num_experts);
+        const Tensor<std::int32_t, cpu> indices = examples::host_values(r.selection.indices);
+        const auto load = expert_load(indices, mc.router.num_experts);
         index_t mx = 0, tot = 0;
         for (index_t c : load) { mx = std::max(mx, c); tot += c; }
         double fl = std::nan("");
-        if (!prev_probe[i].empty() && prev_probe[i].shape() == r.selection.indices.shape())
-          fl = routing_fluctuation(prev_probe[i], r.selection.indices).changed_tokens;
-        prev_probe[i] = r.selection.indices.clone();
-        row.insert(row.end(), {mean_entropy(r.r), mean_entropy(r.p), r.graph_entropy, fl,
+        if (!prev_probe[i].empty() && prev_probe[i].shape() == indices.shape())
+          fl = routing_fluctuation(prev_probe[i], indices).changed_tokens;
+        prev_probe[i] = indices.clone();
+        row.insert(row.end(), {mean_entropy(examples::host_values(r.r)),
+                               mean_entropy(examples::host_values(r.p)), r.graph_entropy, fl,
                                tot > 0 ? static_cast<double>(mx) / static_cast<double>(tot) : 0.0});
       }
       csv.row(row);
@@ -153,17 +163,17 @@ int run(const Options& opt, const Data& data) {
     if ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last) save(step + 1);
   }
   bar.finish();
-  const double vloss = evaluate(lm, valid, 0);
+  const double vloss = evaluate<B>(lm, valid, 0);
   // mean over MoE layers of the token graph's row entropy on the probe batch (0: no graph, or a
   // degenerate identity graph)
-  lm.forward(probe.inputs, probe.targets);
+  lm.forward(probe_inputs, probe_targets);
   double graph_entropy = 0;
   for (index_t l : moe_layers) graph_entropy += lm.block(l).moe().routing().graph_entropy;
   if (!moe_layers.empty()) graph_entropy /= static_cast<double>(moe_layers.size());
   std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f", opt.router.c_str(), std::exp(vloss), graph_entropy);
   if (!data.test.empty()) {
     LMBatcher test(data.test, opt.batch, seq);
-    if (test.num_batches() > 0) std::printf(" test_ppl=%.3f", std::exp(evaluate(lm, test, 0)));
+    if (test.num_batches() > 0) std::printf(" test_ppl=%.3f", std::exp(evaluate<B>(lm, test, 0)));
   }
   std::printf("\n");
   return 0;

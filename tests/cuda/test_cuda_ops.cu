@@ -33,102 +33,15 @@
 #include "graphmoe/backend/cuda/gemm.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
+#include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
 
 // Everything lives in namespace graphmoe: with `using namespace graphmoe;` at global scope the
 // backend tag `cuda` would be ambiguous with CCCL's `namespace cuda` (libcu++).
 namespace graphmoe {
-using graphmoe::test::random_tensor;
+using namespace graphmoe::test;
 
 namespace {
-
-bool have_device() {
-  static const bool ok = cuda_device_count() > 0;
-  return ok;
-}
-
-#define SKIP_WITHOUT_CUDA_DEVICE()              \
-  do {                                          \
-    if (!have_device()) {                       \
-      MESSAGE("skipped: no CUDA device");       \
-      return;                                   \
-    }                                           \
-  } while (0)
-
-template <class T>
-double tolerance() {
-  return std::is_same_v<T, float> ? 1e-5 : 1e-12;
-}
-
-template <class T>
-const char* type_name() {
-  return std::is_same_v<T, float> ? "float" : "double";
-}
-
-// max |got - ref| / max |ref| (0 / 0 counts as 0). NaN anywhere gives +inf.
-template <class T>
-double normwise_error(const Tensor<T, cpu>& ref, const Tensor<T, cpu>& got) {
-  double diff = 0, scale = 0;
-  for (index_t i = 0; i < ref.numel(); ++i) {
-    const double r = static_cast<double>(ref.data()[i]), g = static_cast<double>(got.data()[i]);
-    if (std::isnan(r) != std::isnan(g)) return std::numeric_limits<double>::infinity();
-    if (std::isinf(r) || std::isinf(g)) {
-      if (r != g) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    diff = std::max(diff, std::abs(g - r));
-    scale = std::max(scale, std::abs(r));
-  }
-  return diff == 0 ? 0.0 : diff / scale;
-}
-
-// GRAPHMOE_CUDA_TEST_VERBOSE=1 prints every comparison's error (scripts/gpu-check.sh keeps them).
-bool verbose() {
-  static const bool v = [] {
-    const char* e = std::getenv("GRAPHMOE_CUDA_TEST_VERBOSE");
-    return e != nullptr && e[0] == '1';
-  }();
-  return v;
-}
-
-template <class T>
-void check_close(const std::string& what, const Tensor<T, cpu>& ref, const Tensor<T, cuda>& got,
-                 double tol = tolerance<T>()) {
-  const Tensor<T, cpu> h = to_host(got);
-  REQUIRE_MESSAGE(h.shape() == ref.shape(), what, ": shape ", h.shape().str(), " vs ",
-                  ref.shape().str());
-  const double err = normwise_error(ref, h);
-  if (verbose())
-    std::printf("  %-36s %-6s shape %-14s error %.3e (tolerance %.0e)\n", what.c_str(),
-                type_name<T>(), ref.shape().str().c_str(), err, tol);
-  CHECK_MESSAGE(err <= tol, what, " (", type_name<T>(), "): error ", err, " > tolerance ", tol);
-}
-
-template <class T>
-void check_equal(const std::string& what, const Tensor<T, cpu>& ref, const Tensor<T, cuda>& got) {
-  const Tensor<T, cpu> h = to_host(got);
-  REQUIRE_MESSAGE(h.shape() == ref.shape(), what, ": shape ", h.shape().str(), " vs ",
-                  ref.shape().str());
-  index_t bad = 0, first = -1;
-  for (index_t i = 0; i < ref.numel(); ++i) {
-    // bitwise-equal values (so that -inf == -inf and 0 == 0 count, NaN never occurs here)
-    if (!(h.data()[i] == ref.data()[i])) {
-      if (first < 0) first = i;
-      ++bad;
-    }
-  }
-  CHECK_MESSAGE(bad == 0, what, ": ", bad, " of ", ref.numel(), " entries differ, first at ", first);
-}
-
-// The message of the graphmoe::Error that f throws ("" if none).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 template <class T>
 Tensor<T, cpu> scaled(Tensor<T, cpu> x, double s) {

@@ -21,12 +21,9 @@
 namespace graphmoe {
 
 template <class T, class B = cpu>
-class MultiHeadAttention;
-
-template <class T>
-class MultiHeadAttention<T, cpu> {
+class MultiHeadAttention {
  public:
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                index_t num_heads, bool causal) {
     GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "MultiHeadAttention",
                    "num_heads = ", num_heads, " must divide d_model = ", d_model);
@@ -38,7 +35,7 @@ class MultiHeadAttention<T, cpu> {
     v_.declare(arena, prefix + "v_proj.", d_model, d_model);
     o_.declare(arena, prefix + "out_proj.", d_model, d_model);
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     q_.bind(arena);
     k_.bind(arena);
     v_.bind(arena);
@@ -52,25 +49,25 @@ class MultiHeadAttention<T, cpu> {
     o_.init(rng, stddev * out_scale);
   }
   // x (B, T, D) -> a (B, T, D)
-  void forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& a) {
+  void forward(const Tensor<T, B>& x, Tensor<T, B>& a) {
     GRAPHMOE_CHECK(x.rank() == 3 && x.dim(2) == d_, "MultiHeadAttention", "input has shape ",
                    x.shape(), ", expected (B, T, ", d_, ")");
     const Shape s = x.shape();
     const Shape flat{s[0] * s[1], d_};
-    qt_ = Tensor<T, cpu>();
-    kt_ = Tensor<T, cpu>();
-    Tensor<T, cpu> xf = x.view(flat);
+    qt_ = Tensor<T, B>();
+    kt_ = Tensor<T, B>();
+    Tensor<T, B> xf = x.view(flat);
     q_.forward(xf, qt_);
     k_.forward(xf, kt_);
-    cache_.v = Tensor<T, cpu>();
+    cache_.v = Tensor<T, B>();
     v_.forward(xf, cache_.v);
-    o_att_ = Tensor<T, cpu>();
-    cache_.probs = Tensor<T, cpu>();
-    cache_.row_entropy = Tensor<T, cpu>();
+    o_att_ = Tensor<T, B>();
+    cache_.probs = Tensor<T, B>();
+    cache_.row_entropy = Tensor<T, B>();
     attention_forward(qt_.view(s), kt_.view(s), cache_.v.view(s), heads_, causal_, cache_.probs, o_att_,
                       &cache_.row_entropy);
     prepare_output("MultiHeadAttention", "a", a, s);
-    Tensor<T, cpu> af = a.view(flat);
+    Tensor<T, B> af = a.view(flat);
     o_.forward(o_att_.view(flat), af);
     // the cache the Attention graph reads, with zeroed gradient sinks
     cache_.num_heads = heads_;
@@ -79,52 +76,52 @@ class MultiHeadAttention<T, cpu> {
     cache_.out = af;
     cache_.dw_o = o_.dweight();
     cache_.db_o = o_.dbias();
-    for (auto* t : {&cache_.dprobs, &cache_.dv, &cache_.dout}) *t = Tensor<T, cpu>();
+    for (auto* t : {&cache_.dprobs, &cache_.dv, &cache_.dout}) *t = Tensor<T, B>();
     sinks_ready_ = false;
   }
   // Allocates (zeroed) the gradient sinks the Attention graph accumulates into; call between
   // forward and the MoE layer's backward when the block's router reads this cache.
   void enable_graph_gradients() {
-    cache_.dprobs = Tensor<T, cpu>(cache_.probs.shape());
-    cache_.dv = Tensor<T, cpu>(cache_.v.shape());
-    cache_.dout = Tensor<T, cpu>(cache_.out.shape());
+    cache_.dprobs = Tensor<T, B>(cache_.probs.shape());
+    cache_.dv = Tensor<T, B>(cache_.v.shape());
+    cache_.dout = Tensor<T, B>(cache_.out.shape());
     sinks_ready_ = true;
   }
   // da (B, T, D) -> dx (B, T, D) assigned; folds in the Attention graph's gradients if any.
-  void backward(const Tensor<T, cpu>& da, Tensor<T, cpu>& dx) {
+  void backward(const Tensor<T, B>& da, Tensor<T, B>& dx) {
     const Shape s = da.shape();
     const Shape flat{s[0] * s[1], d_};
-    Tensor<T, cpu> daf = da.view(flat);
+    Tensor<T, B> daf = da.view(flat);
     if (sinks_ready_) {
       daf = daf.clone();
-      as_matrix(daf) += as_matrix(cache_.dout);
+      axpy(T(1), cache_.dout, daf);
     }
-    Tensor<T, cpu> do_att(flat);
+    Tensor<T, B> do_att(flat);
     o_.backward(daf, &do_att);
-    Tensor<T, cpu> dq, dk, dv;
+    Tensor<T, B> dq, dk, dv;
     attention_backward(qt_.view(s), kt_.view(s), cache_.v.view(s), heads_, causal_, cache_.probs,
-                       do_att.view(s), sinks_ready_ ? cache_.dprobs : Tensor<T, cpu>(), dq, dk, dv);
-    Tensor<T, cpu> dvf = dv.view(flat);
-    if (sinks_ready_) as_matrix(dvf) += as_matrix(cache_.dv);
+                       do_att.view(s), sinks_ready_ ? cache_.dprobs : Tensor<T, B>(), dq, dk, dv);
+    Tensor<T, B> dvf = dv.view(flat);
+    if (sinks_ready_) axpy(T(1), cache_.dv, dvf);
     prepare_output("MultiHeadAttention::backward", "dx", dx, s);
-    Tensor<T, cpu> dxf = dx.view(flat), tmp(flat);
+    Tensor<T, B> dxf = dx.view(flat), tmp(flat);
     q_.backward(dq.view(flat), &dxf);
     k_.backward(dk.view(flat), &tmp);
-    as_matrix(dxf) += as_matrix(tmp);
+    axpy(T(1), tmp, dxf);
     v_.backward(dvf, &tmp);
-    as_matrix(dxf) += as_matrix(tmp);
+    axpy(T(1), tmp, dxf);
   }
 
-  AttentionCache<T, cpu>& cache() { return cache_; }
+  AttentionCache<T, B>& cache() { return cache_; }
   bool causal() const { return causal_; }
   index_t num_heads() const { return heads_; }
 
  private:
   index_t d_ = 0, heads_ = 1;
   bool causal_ = true;
-  Linear<T, cpu> q_, k_, v_, o_;
-  Tensor<T, cpu> qt_, kt_, o_att_;
-  AttentionCache<T, cpu> cache_;
+  Linear<T, B> q_, k_, v_, o_;
+  Tensor<T, B> qt_, kt_, o_att_;
+  AttentionCache<T, B> cache_;
   bool sinks_ready_ = false;
 };
 

@@ -29,12 +29,9 @@ struct BlockConfig {
 };
 
 template <class RouterPolicy, class T, class B = cpu>
-class TransformerBlock;
-
-template <class RouterPolicy, class T>
-class TransformerBlock<RouterPolicy, T, cpu> {
+class TransformerBlock {
  public:
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, const BlockConfig& cfg) {
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const BlockConfig& cfg) {
     cfg_ = cfg;
     cfg_.moe_config.d_model = cfg.d_model;
     cfg_.moe_config.d_ff = cfg.d_ff;
@@ -46,7 +43,7 @@ class TransformerBlock<RouterPolicy, T, cpu> {
     else
       ffn_.declare(arena, prefix + "ffn.", cfg.d_model, cfg.d_ff, cfg_.moe_config.gelu);
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     ln1_.bind(arena);
     attn_.bind(arena);
     ln2_.bind(arena);
@@ -65,19 +62,19 @@ class TransformerBlock<RouterPolicy, T, cpu> {
   }
 
   // h (B, T, D) -> out (B, T, D)
-  void forward(const Tensor<T, cpu>& h, Tensor<T, cpu>& out) {
+  void forward(const Tensor<T, B>& h, Tensor<T, B>& out) {
     const Shape s = h.shape();
     const index_t n = s[0] * s[1];
-    Tensor<T, cpu> x, a;
+    Tensor<T, B> x, a;
     ln1_.forward(h, x);
     attn_.forward(x, a);
     h1_ = h.clone();
-    as_matrix(h1_) += as_matrix(a);
-    u_ = Tensor<T, cpu>();
+    axpy(T(1), a, h1_);
+    u_ = Tensor<T, B>();
     ln2_.forward(h1_, u_);
-    Tensor<T, cpu> f(Shape{n, cfg_.d_model});
+    Tensor<T, B> f(Shape{n, cfg_.d_model});
     if (cfg_.moe) {
-      GraphContext<T, cpu> ctx{s[1], nullptr};
+      GraphContext<T, B> ctx{s[1], nullptr};
       if constexpr (RouterPolicy::needs_attention) {
         attn_.enable_graph_gradients();
         ctx.attention = &attn_.cache();
@@ -87,37 +84,38 @@ class TransformerBlock<RouterPolicy, T, cpu> {
       ffn_.forward(u_.view(Shape{n, cfg_.d_model}), f);
     }
     prepare_output("TransformerBlock", "out", out, s);
-    as_matrix(out) = as_matrix(h1_) + as_matrix(f);
+    out.copy_from(h1_);
+    axpy(T(1), f, out);
   }
 
   // dout (B, T, D) -> dh (B, T, D) assigned.
-  void backward(const Tensor<T, cpu>& dout, Tensor<T, cpu>& dh) {
+  void backward(const Tensor<T, B>& dout, Tensor<T, B>& dh) {
     const Shape s = dout.shape();
     const index_t n = s[0] * s[1];
-    Tensor<T, cpu> du;
-    Tensor<T, cpu> dflat = dout.view(Shape{n, cfg_.d_model});
+    Tensor<T, B> du;
+    Tensor<T, B> dflat = dout.view(Shape{n, cfg_.d_model});
     if (cfg_.moe) moe_.backward(dflat, du); else ffn_.backward(dflat, du);
-    Tensor<T, cpu> dh1;
+    Tensor<T, B> dh1;
     ln2_.backward(du.view(s), dh1);
-    as_matrix(dh1) += as_matrix(dout);  // skip path
-    Tensor<T, cpu> dx;
+    axpy(T(1), dout, dh1);  // skip path
+    Tensor<T, B> dx;
     attn_.backward(dh1, dx);
     ln1_.backward(dx, dh);
-    as_matrix(dh) += as_matrix(dh1);    // skip path
+    axpy(T(1), dh1, dh);    // skip path
   }
 
   bool is_moe() const { return cfg_.moe; }
-  MoELayer<RouterPolicy, T, cpu>& moe() { return moe_; }
-  const MoELayer<RouterPolicy, T, cpu>& moe() const { return moe_; }
-  MultiHeadAttention<T, cpu>& attention() { return attn_; }
+  MoELayer<RouterPolicy, T, B>& moe() { return moe_; }
+  const MoELayer<RouterPolicy, T, B>& moe() const { return moe_; }
+  MultiHeadAttention<T, B>& attention() { return attn_; }
 
  private:
   BlockConfig cfg_;
-  LayerNorm<T, cpu> ln1_, ln2_;
-  MultiHeadAttention<T, cpu> attn_;
-  FeedForward<T, cpu> ffn_;
-  MoELayer<RouterPolicy, T, cpu> moe_;
-  Tensor<T, cpu> h1_, u_;
+  LayerNorm<T, B> ln1_, ln2_;
+  MultiHeadAttention<T, B> attn_;
+  FeedForward<T, B> ffn_;
+  MoELayer<RouterPolicy, T, B> moe_;
+  Tensor<T, B> h1_, u_;
 };
 
 // Over a model's blocks: the sum of coef x (load-balancing, z) losses of the MoE blocks' last

@@ -10,18 +10,15 @@
 namespace graphmoe {
 
 template <class T, class B = cpu>
-class FeedForward;
-
-template <class T>
-class FeedForward<T, cpu> {
+class FeedForward {
  public:
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                index_t d_ff, GeluForm gelu = GeluForm::Tanh) {
     gelu_ = gelu;
     fc1_.declare(arena, prefix + "fc1.", d_model, d_ff);
     fc2_.declare(arena, prefix + "fc2.", d_ff, d_model);
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     fc1_.bind(arena);
     fc2_.bind(arena);
   }
@@ -30,15 +27,15 @@ class FeedForward<T, cpu> {
     fc2_.init(rng, stddev * out_scale);
   }
   // x (N, D) -> y (N, D)
-  void forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
-    h_ = Tensor<T, cpu>();
-    a_ = Tensor<T, cpu>();
+  void forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
+    h_ = Tensor<T, B>();
+    a_ = Tensor<T, B>();
     fc1_.forward(x, h_);
     gelu_forward(gelu_, h_, a_);
     fc2_.forward(a_, y);
   }
-  void backward(const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
-    Tensor<T, cpu> da(a_.shape());
+  void backward(const Tensor<T, B>& dy, Tensor<T, B>& dx) {
+    Tensor<T, B> da(a_.shape());
     fc2_.backward(dy, &da);
     gelu_backward(gelu_, h_, da, da);
     prepare_output("FeedForward::backward", "dx", dx, Shape{h_.rows(), fc1_.in()});
@@ -47,8 +44,8 @@ class FeedForward<T, cpu> {
 
  private:
   GeluForm gelu_ = GeluForm::Tanh;
-  Linear<T, cpu> fc1_, fc2_;
-  Tensor<T, cpu> h_, a_;
+  Linear<T, B> fc1_, fc2_;
+  Tensor<T, B> h_, a_;
 };
 
 }  // namespace graphmoe

@@ -4,28 +4,25 @@
 // bind(arena) takes views of values and gradients, init(rng) sets initial values; forward(x, y)
 // caches what backward needs; backward(dy, dx) ASSIGNS dx (skipped when dx is nullptr) and
 // ACCUMULATES (+=) the parameter gradients.
+//
+// Layers are written once for every backend: their bodies call ops (gemm, add_row_vector, ...)
+// that resolve by argument type to backend/cpu/ or backend/cuda/. A .cu translation unit that
+// instantiates a layer with graphmoe::cuda includes graphmoe/backend/cuda.cuh first.
 #pragma once
 
 #include <string>
 
+#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
 
 namespace graphmoe {
 
-template <class T>
-void fill_normal(const Tensor<T, cpu>& t, Rng& rng, double stddev) {
-  for (index_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<T>(rng.normal(0.0, stddev));
-}
-
 template <class T, class B = cpu>
-class Linear;
-
-template <class T>
-class Linear<T, cpu> {
+class Linear {
  public:
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t in, index_t out,
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t in, index_t out,
                bool bias = true) {
     GRAPHMOE_CHECK(in >= 1 && out >= 1, "Linear", "sizes must be >= 1, got in = ", in,
                    ", out = ", out);
@@ -35,7 +32,7 @@ class Linear<T, cpu> {
     id_w_ = arena.add(prefix + "weight", Shape{out, in});
     if (bias) id_b_ = arena.add(prefix + "bias", Shape{out});
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     w_ = arena.value(id_w_);
     dw_ = arena.grad(id_w_);
     if (bias_) {
@@ -48,7 +45,7 @@ class Linear<T, cpu> {
     if (bias_) b_.zero();
   }
   // x (..., in) -> y (..., out)
-  void forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+  void forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
     GRAPHMOE_CHECK(x.cols() == in_, "Linear", "input has shape ", x.shape(), ", expected last dim ",
                    in_);
     x_ = x;
@@ -56,17 +53,17 @@ class Linear<T, cpu> {
     dims.back() = out_;
     prepare_output("Linear", "y", y, Shape::from_range(dims.begin(), dims.end()));
     gemm(Trans::N, Trans::T, T(1), x, w_, T(0), y);
-    if (bias_) as_matrix(y).rowwise() += as_vector(b_).transpose();
+    if (bias_) add_row_vector(b_, y);
   }
-  void backward(const Tensor<T, cpu>& dy, Tensor<T, cpu>* dx) {
-    Tensor<T, cpu> none;
+  void backward(const Tensor<T, B>& dy, Tensor<T, B>* dx) {
+    Tensor<T, B> none;
     gemm_backward(Trans::N, Trans::T, T(1), x_, w_, dy, T(0), dx ? *dx : none, T(1), dw_);
-    if (bias_) as_vector(db_) += as_matrix(dy).colwise().sum().transpose();
+    if (bias_) accumulate_column_sums(dy, db_);
   }
-  const Tensor<T, cpu>& weight() const { return w_; }
-  const Tensor<T, cpu>& bias() const { return b_; }
-  const Tensor<T, cpu>& dweight() const { return dw_; }
-  const Tensor<T, cpu>& dbias() const { return db_; }
+  const Tensor<T, B>& weight() const { return w_; }
+  const Tensor<T, B>& bias() const { return b_; }
+  const Tensor<T, B>& dweight() const { return dw_; }
+  const Tensor<T, B>& dbias() const { return db_; }
   index_t in() const { return in_; }
   index_t out() const { return out_; }
 
@@ -74,8 +71,8 @@ class Linear<T, cpu> {
   index_t in_ = 0, out_ = 0;
   bool bias_ = true;
   index_t id_w_ = -1, id_b_ = -1;
-  Tensor<T, cpu> w_, dw_, b_, db_;
-  Tensor<T, cpu> x_;
+  Tensor<T, B> w_, dw_, b_, db_;
+  Tensor<T, B> x_;
 };
 
 }  // namespace graphmoe

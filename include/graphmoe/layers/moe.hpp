@@ -12,6 +12,7 @@
 #include <string>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/layers/expert_bank.hpp"
 #include "graphmoe/routing/router.hpp"
 
@@ -26,22 +27,20 @@ struct MoEConfig {
   ExpertParallelism parallelism = ExpertParallelism::AcrossExperts;  // measured: docs/benchmarks.md
 };
 
+// One implementation for every backend (the ops resolve by the tensors' backend).
 template <class RouterPolicy, class T, class B = cpu>
-class MoELayer;
-
-template <class RouterPolicy, class T>
-class MoELayer<RouterPolicy, T, cpu> {
+class MoELayer {
  public:
   using router_policy = RouterPolicy;
 
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, const MoEConfig& cfg) {
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const MoEConfig& cfg) {
     cfg_ = cfg;
     router_.declare(arena, prefix + "router.", cfg.d_model, cfg.router);
     experts_.declare(arena, prefix + "experts.", cfg.router.num_experts, cfg.d_model, cfg.d_ff);
     experts_.set_gelu(cfg.gelu);
     experts_.set_parallelism(cfg.parallelism);
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     router_.bind(arena);
     experts_.bind(arena);
   }
@@ -51,25 +50,24 @@ class MoELayer<RouterPolicy, T, cpu> {
   }
 
   // u: (N, D), N a multiple of ctx.seq_len -> y: (N, D).
-  void forward(const Tensor<T, cpu>& u, const GraphContext<T, cpu>& ctx, Tensor<T, cpu>& y) {
+  void forward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx, Tensor<T, B>& y) {
     GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == cfg_.d_model, "MoELayer", "u has shape ",
                    u.shape(), ", expected (N, ", cfg_.d_model, ")");
     u_ = u;
     ctx_ = ctx;
     router_.forward(u, ctx, route_);
-    const Selection<T, cpu>& sel = route_.selection;
+    const Selection<T, B>& sel = route_.selection;
     // Capacity-dropped assignments go to a bucket expert E that the bank skips.
     const index_t e = cfg_.router.num_experts;
-    Tensor<std::int32_t, cpu> ids = sel.indices;
+    Tensor<std::int32_t, B> ids = sel.indices;
     if (sel.dropped > 0) {
-      ids = sel.indices.clone();
-      for (index_t i = 0; i < ids.numel(); ++i)
-        if (!sel.keep.data()[i]) ids.data()[i] = static_cast<std::int32_t>(e);
+      ids = Tensor<std::int32_t, B>();
+      route_dropped_to(sel.indices, sel.keep, static_cast<std::int32_t>(e), ids);
     }
     make_dispatch_plan(ids, sel.dropped > 0 ? e + 1 : e, plan_);
     if (xs_.empty() || xs_.rows() != plan_.num_slots()) {
-      xs_ = Tensor<T, cpu>(Shape{plan_.num_slots(), cfg_.d_model});
-      ys_ = Tensor<T, cpu>(Shape{plan_.num_slots(), cfg_.d_model});
+      xs_ = Tensor<T, B>(Shape{plan_.num_slots(), cfg_.d_model});
+      ys_ = Tensor<T, B>(Shape{plan_.num_slots(), cfg_.d_model});
     }
     dispatch_forward(plan_, u, xs_);
     experts_.forward(plan_, xs_, ys_);
@@ -79,32 +77,32 @@ class MoELayer<RouterPolicy, T, cpu> {
 
   // dy: (N, D) -> du: (N, D) assigned. Parameter gradients accumulated. With the Attention graph,
   // gradients for the attention layer are accumulated into ctx.attention's d* tensors.
-  void backward(const Tensor<T, cpu>& dy, Tensor<T, cpu>& du) {
+  void backward(const Tensor<T, B>& dy, Tensor<T, B>& du) {
     check_shape("MoELayer::backward", "dy", dy, u_.shape());
     prepare_output("MoELayer::backward", "du", du, u_.shape());
-    Tensor<T, cpu> dys, dgates, dxs;
+    Tensor<T, B> dys, dgates, dxs;
     combine_backward(plan_, ys_, route_.selection.gates, dy, dys, dgates);
     experts_.backward(plan_, xs_, dys, dxs);
     dispatch_backward(plan_, dxs, du);
     router_.backward(u_, ctx_, route_, dgates, du);
   }
 
-  const RouterOutput<T, cpu>& routing() const { return route_; }
-  RouterImpl<RouterPolicy, T, cpu>& router() { return router_; }
-  ExpertBank<T, cpu>& experts() { return experts_; }
-  const DispatchPlan& plan() const { return plan_; }
+  const RouterOutput<T, B>& routing() const { return route_; }
+  RouterImpl<RouterPolicy, T, B>& router() { return router_; }
+  ExpertBank<T, B>& experts() { return experts_; }
+  const dispatch_plan_t<B>& plan() const { return plan_; }
   const MoEConfig& config() const { return cfg_; }
 
  private:
   MoEConfig cfg_;
-  RouterImpl<RouterPolicy, T, cpu> router_;
-  ExpertBank<T, cpu> experts_;
+  RouterImpl<RouterPolicy, T, B> router_;
+  ExpertBank<T, B> experts_;
   // forward cache
-  Tensor<T, cpu> u_;
-  GraphContext<T, cpu> ctx_;
-  RouterOutput<T, cpu> route_;
-  DispatchPlan plan_;
-  Tensor<T, cpu> xs_, ys_;
+  Tensor<T, B> u_;
+  GraphContext<T, B> ctx_;
+  RouterOutput<T, B> route_;
+  dispatch_plan_t<B> plan_;
+  Tensor<T, B> xs_, ys_;
 };
 
 }  // namespace graphmoe

@@ -4,41 +4,39 @@
 
 #include <string>
 
+#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/layernorm.hpp"
 #include "graphmoe/core/arena.hpp"
 
 namespace graphmoe {
 
 template <class T, class B = cpu>
-class LayerNorm;
-
-template <class T>
-class LayerNorm<T, cpu> {
+class LayerNorm {
  public:
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t dim,
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t dim,
                double eps = 1e-5) {
     dim_ = dim;
     eps_ = eps;
     id_g_ = arena.add(prefix + "weight", Shape{dim});
     id_b_ = arena.add(prefix + "bias", Shape{dim});
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     g_ = arena.value(id_g_);
     dg_ = arena.grad(id_g_);
     b_ = arena.value(id_b_);
     db_ = arena.grad(id_b_);
   }
   void init() {
-    g_.fill(T(1));
+    fill(g_, T(1));
     b_.zero();
   }
-  void forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+  void forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
     x_ = x;
-    mean_ = Tensor<T, cpu>();
-    rstd_ = Tensor<T, cpu>();
+    mean_ = Tensor<T, B>();
+    rstd_ = Tensor<T, B>();
     layernorm_forward(x, g_, b_, static_cast<T>(eps_), y, mean_, rstd_);
   }
-  void backward(const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
+  void backward(const Tensor<T, B>& dy, Tensor<T, B>& dx) {
     layernorm_backward(x_, g_, mean_, rstd_, dy, dx, dg_, db_);
   }
 
@@ -46,8 +44,8 @@ class LayerNorm<T, cpu> {
   index_t dim_ = 0;
   double eps_ = 1e-5;
   index_t id_g_ = -1, id_b_ = -1;
-  Tensor<T, cpu> g_, dg_, b_, db_;
-  Tensor<T, cpu> x_, mean_, rstd_;
+  Tensor<T, B> g_, dg_, b_, db_;
+  Tensor<T, B> x_, mean_, rstd_;
 };
 
 }  // namespace graphmoe

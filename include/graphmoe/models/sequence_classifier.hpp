@@ -16,11 +16,9 @@
 
 namespace graphmoe {
 
+// One implementation for every backend (ids and labels on B, lengths on the host).
 template <class RouterPolicy, class T, class B = cpu>
-class SequenceClassifier;
-
-template <class RouterPolicy, class T>
-class SequenceClassifier<RouterPolicy, T, cpu> {
+class SequenceClassifier {
  public:
   SequenceClassifier(TransformerLMConfig cfg, index_t num_classes, std::uint64_t seed = 0)
       : lm_((check_classes(num_classes), cfg.num_classes = num_classes, cfg), seed) {}
@@ -37,28 +35,28 @@ class SequenceClassifier<RouterPolicy, T, cpu> {
       const Tensor<T, cpu> t = f.at(key).template to_tensor<T>();
       GRAPHMOE_CHECK(t.shape() == info.shape, "SequenceClassifier::load_pretrained", "tensor '",
                      key, "' has shape ", t.shape(), ", the model expects ", info.shape);
-      lm_.arena.value(info.name).copy_from(t);
+      copy_from_host(lm_.arena.value(info.name), t);
       ++copied;
     }
     (void)copied;
   }
 
-  T forward(const Tensor<std::int32_t, cpu>& ids, const Tensor<std::int32_t, cpu>& lengths,
-            const Tensor<std::int32_t, cpu>& labels) {
+  T forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
+            const Tensor<std::int32_t, B>& labels) {
     return lm_.forward_classify(ids, lengths, labels);
   }
   void backward() { lm_.backward_classify(); }
   double aux_loss() const { return lm_.aux_loss(); }
-  const Tensor<T, cpu>& logits() const { return lm_.class_logits(); }
-  ParameterArena<T, cpu>& arena() { return lm_.arena; }
-  TransformerLM<RouterPolicy, T, cpu>& backbone() { return lm_; }
+  const Tensor<T, B>& logits() const { return lm_.class_logits(); }
+  ParameterArena<T, B>& arena() { return lm_.arena; }
+  TransformerLM<RouterPolicy, T, B>& backbone() { return lm_; }
   void set_step(std::int64_t s) { lm_.set_step(s); }
 
  private:
   static void check_classes(index_t n) {
     GRAPHMOE_CHECK(n >= 2, "SequenceClassifier", "num_classes must be >= 2, got ", n);
   }
-  TransformerLM<RouterPolicy, T, cpu> lm_;
+  TransformerLM<RouterPolicy, T, B> lm_;
 };
 
 }  // namespace graphmoe

@@ -81,11 +81,10 @@ struct TransformerLMConfig {
   }
 };
 
+// One implementation for every backend: ids, targets and labels live on B; the classifier's
+// lengths (metadata) stay on the host.
 template <class RouterPolicy, class T, class B = cpu>
-class TransformerLM;
-
-template <class RouterPolicy, class T>
-class TransformerLM<RouterPolicy, T, cpu> {
+class TransformerLM {
  public:
   using router_policy = RouterPolicy;
   static constexpr std::int32_t kIgnoreIndex = -100;
@@ -128,7 +127,7 @@ class TransformerLM<RouterPolicy, T, cpu> {
 
   // ids, targets: (B, T) with T <= max_seq_len; targets may be empty (no loss, logits only).
   // Returns the mean cross-entropy over targets != kIgnoreIndex.
-  T forward(const Tensor<std::int32_t, cpu>& ids, const Tensor<std::int32_t, cpu>& targets) {
+  T forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
     trunk_forward(ids);
     const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
@@ -139,11 +138,11 @@ class TransformerLM<RouterPolicy, T, cpu> {
     // overwritten by the next forward.
     const Shape lshape{b, t, cfg_.vocab_size};
     if (logits_.shape() != lshape) {
-      logits_ = Tensor<T, cpu>(lshape);
-      log_probs_ = Tensor<T, cpu>(lshape);
-      dlogits_ = Tensor<T, cpu>(lshape);
+      logits_ = Tensor<T, B>(lshape);
+      log_probs_ = Tensor<T, B>(lshape);
+      dlogits_ = Tensor<T, B>(lshape);
     }
-    Tensor<T, cpu> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
+    Tensor<T, B> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
     gemm(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), T(0), lflat);
     has_loss_ = !targets.empty();
     if (targets.empty()) return T(0);
@@ -156,9 +155,9 @@ class TransformerLM<RouterPolicy, T, cpu> {
     GRAPHMOE_CHECK(has_loss_, "TransformerLM::backward", "call forward with targets first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
     cross_entropy_backward(log_probs_, targets_, T(1), dlogits_, kIgnoreIndex);
-    Tensor<T, cpu> dlf = dlogits_.view(Shape{b * t, cfg_.vocab_size});
-    Tensor<T, cpu> dxf(Shape{b * t, d});
-    Tensor<T, cpu> dhead = head_grad();
+    Tensor<T, B> dlf = dlogits_.view(Shape{b * t, cfg_.vocab_size});
+    Tensor<T, B> dxf(Shape{b * t, d});
+    Tensor<T, B> dhead = head_grad();
     gemm_backward(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), dlf, T(0),
                   dxf, T(1), dhead);
     trunk_backward(dxf.view(Shape{b, t, d}));
@@ -169,8 +168,8 @@ class TransformerLM<RouterPolicy, T, cpu> {
   // that padding after a sequence's last token never influences its tokens; the classifier reads
   // the mean of LN_f(h) over the real tokens. Returns the mean cross-entropy (0 without labels);
   // class_logits() holds (B, classes).
-  T forward_classify(const Tensor<std::int32_t, cpu>& ids, const Tensor<std::int32_t, cpu>& lengths,
-                     const Tensor<std::int32_t, cpu>& labels) {
+  T forward_classify(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
+                     const Tensor<std::int32_t, B>& labels) {
     GRAPHMOE_CHECK(cfg_.num_classes > 0, "TransformerLM::forward_classify",
                    "the model has no classification head (num_classes = 0)");
     GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM::forward_classify", "ids must be (B, T), got ", ids.shape());
@@ -184,12 +183,16 @@ class TransformerLM<RouterPolicy, T, cpu> {
     has_loss_ = false;  // backward() needs a new LM forward
     lengths_ = lengths;
     labels_ = labels;
-    Tensor<T, cpu> pooled(Shape{b, d});
-    for (index_t i = 0; i < b; ++i)
-      as_matrix(pooled).row(i) = as_matrix(xf_[i]).topRows(lengths.data()[i]).colwise().mean();
-    class_logits_ = Tensor<T, cpu>();
+    Tensor<T, B> pooled(Shape{b, d});
+    for (index_t i = 0; i < b; ++i) {  // mean over the real tokens
+      const index_t len = lengths.data()[i];
+      Tensor<T, B> row = pooled[i];
+      accumulate_column_sums(xf_[i].slice(0, len), row);
+      scale(row, T(1) / static_cast<T>(len));
+    }
+    class_logits_ = Tensor<T, B>();
     cls_head_.forward(pooled, class_logits_);
-    class_log_probs_ = Tensor<T, cpu>();
+    class_log_probs_ = Tensor<T, B>();
     if (labels.empty()) return T(0);
     return cross_entropy_forward(class_logits_, labels, class_log_probs_);
   }
@@ -197,61 +200,63 @@ class TransformerLM<RouterPolicy, T, cpu> {
     GRAPHMOE_CHECK(!class_log_probs_.empty(), "TransformerLM::backward_classify",
                    "call forward_classify with labels first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
-    Tensor<T, cpu> dlogits, dpooled(Shape{b, d});
+    Tensor<T, B> dlogits, dpooled(Shape{b, d});
     cross_entropy_backward(class_log_probs_, labels_, T(1), dlogits);
     cls_head_.backward(dlogits, &dpooled);
-    Tensor<T, cpu> dxf(Shape{b, t, d});
+    Tensor<T, B> dxf(Shape{b, t, d});
     for (index_t i = 0; i < b; ++i) {
       const index_t len = lengths_.data()[i];
-      as_matrix(dxf[i]).topRows(len).rowwise() = as_matrix(dpooled).row(i) / static_cast<T>(len);
+      Tensor<T, B> row = dpooled[i];
+      scale(row, T(1) / static_cast<T>(len));
+      add_row_vector(row, dxf[i].slice(0, len));
     }
     trunk_backward(dxf);
   }
-  const Tensor<T, cpu>& class_logits() const { return class_logits_; }
+  const Tensor<T, B>& class_logits() const { return class_logits_; }
 
   // Sum over MoE layers of coef * (load-balancing, z) losses of the last forward.
   double aux_loss() const { return moe_aux_loss(blocks_, cfg_.router); }
 
   const TransformerLMConfig& config() const { return cfg_; }
-  const Tensor<T, cpu>& logits() const { return logits_; }  // (B, T, V) of the last forward
+  const Tensor<T, B>& logits() const { return logits_; }  // (B, T, V) of the last forward
   index_t num_layers() const { return cfg_.num_layers; }
-  TransformerBlock<RouterPolicy, T, cpu>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
+  TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   // Sets the training step of every router (ScheduledTopK's k schedule).
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
 
-  ParameterArena<T, cpu> arena;
+  ParameterArena<T, B> arena;
 
  private:
   // embeddings -> blocks -> LN_f into xf_ (B, T, D)
-  void trunk_forward(const Tensor<std::int32_t, cpu>& ids) {
+  void trunk_forward(const Tensor<std::int32_t, B>& ids) {
     GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM", "ids must be (B, T), got ", ids.shape());
     const index_t b = ids.dim(0), t = ids.dim(1);
     GRAPHMOE_CHECK(t >= 1 && t <= cfg_.max_seq_len, "TransformerLM", "sequence length ", t,
                    " out of [1, max_seq_len = ", cfg_.max_seq_len, "]");
     ids_ = ids;
-    Tensor<T, cpu> h;
+    Tensor<T, B> h;
     embedding_forward(ids, tok_, h);  // (B, T, D)
-    auto pos = as_matrix(pos_).topRows(t);
-    for (index_t i = 0; i < b; ++i) as_matrix(h[i]) += pos;
-    acts_.assign(blocks_.size() + 1, Tensor<T, cpu>());
+    const Tensor<T, B> pos = pos_.slice(0, t);
+    for (index_t i = 0; i < b; ++i) axpy(T(1), pos, h[i]);
+    acts_.assign(blocks_.size() + 1, Tensor<T, B>());
     acts_[0] = h;
     for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
-    xf_ = Tensor<T, cpu>();
+    xf_ = Tensor<T, B>();
     ln_f_.forward(acts_.back(), xf_);
   }
   // dxf (B, T, D) -> parameter gradients of LN_f, the blocks and the embeddings
-  void trunk_backward(const Tensor<T, cpu>& dxf) {
+  void trunk_backward(const Tensor<T, B>& dxf) {
     const index_t b = ids_.dim(0), t = ids_.dim(1);
-    Tensor<T, cpu> dh;
+    Tensor<T, B> dh;
     ln_f_.backward(dxf, dh);
     for (std::size_t l = blocks_.size(); l-- > 0;) {
-      Tensor<T, cpu> dprev;
+      Tensor<T, B> dprev;
       blocks_[l].backward(dh, dprev);
       dh = dprev;
     }
     embedding_backward(ids_, dh, dtok_);
-    auto dpos = as_matrix(dpos_).topRows(t);
-    for (index_t i = 0; i < b; ++i) dpos += as_matrix(dh[i]);
+    const Tensor<T, B> dpos = dpos_.slice(0, t);
+    for (index_t i = 0; i < b; ++i) axpy(T(1), dh[i], dpos);
   }
 
   void bind() {
@@ -263,19 +268,20 @@ class TransformerLM<RouterPolicy, T, cpu> {
     ln_f_.bind(arena);
     if (cfg_.num_classes > 0) cls_head_.bind(arena);
   }
-  Tensor<T, cpu> head_weight() const { return id_head_ >= 0 ? arena.value(id_head_) : tok_; }
-  Tensor<T, cpu> head_grad() const { return id_head_ >= 0 ? arena.grad(id_head_) : dtok_; }
+  Tensor<T, B> head_weight() const { return id_head_ >= 0 ? arena.value(id_head_) : tok_; }
+  Tensor<T, B> head_grad() const { return id_head_ >= 0 ? arena.grad(id_head_) : dtok_; }
 
   TransformerLMConfig cfg_;
   index_t id_tok_ = -1, id_pos_ = -1, id_head_ = -1;
-  Tensor<T, cpu> tok_, dtok_, pos_, dpos_;
-  std::vector<TransformerBlock<RouterPolicy, T, cpu>> blocks_;
-  LayerNorm<T, cpu> ln_f_;
-  Linear<T, cpu> cls_head_;
+  Tensor<T, B> tok_, dtok_, pos_, dpos_;
+  std::vector<TransformerBlock<RouterPolicy, T, B>> blocks_;
+  LayerNorm<T, B> ln_f_;
+  Linear<T, B> cls_head_;
   // forward cache
-  Tensor<std::int32_t, cpu> ids_, targets_, lengths_, labels_;
-  std::vector<Tensor<T, cpu>> acts_;
-  Tensor<T, cpu> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
+  Tensor<std::int32_t, B> ids_, targets_, labels_;
+  Tensor<std::int32_t, cpu> lengths_;
+  std::vector<Tensor<T, B>> acts_;
+  Tensor<T, B> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
   bool has_loss_ = false;
 };
 

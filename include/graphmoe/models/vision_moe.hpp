@@ -60,11 +60,9 @@ struct VisionMoEConfig {
   }
 };
 
+// One implementation for every backend (images and labels live on B).
 template <class RouterPolicy, class T, class B = cpu>
-class VisionMoE;
-
-template <class RouterPolicy, class T>
-class VisionMoE<RouterPolicy, T, cpu> {
+class VisionMoE {
  public:
   explicit VisionMoE(const VisionMoEConfig& cfg, std::uint64_t seed = 0) : cfg_(cfg) {
     cfg_.router.causal = false;
@@ -108,7 +106,7 @@ class VisionMoE<RouterPolicy, T, cpu> {
 
   // images: (B, H, W, C) or (B, H, W) for C = 1, values as given (e.g. [0, 1]); labels (B) or
   // empty. Returns the mean cross-entropy (0 without labels); logits() holds (B, classes).
-  T forward(const Tensor<T, cpu>& images, const Tensor<std::int32_t, cpu>& labels) {
+  T forward(const Tensor<T, B>& images, const Tensor<std::int32_t, B>& labels) {
     const index_t b = images.rank() >= 1 ? images.dim(0) : 0;
     const index_t per_image = cfg_.image_height * cfg_.image_width * cfg_.channels;
     GRAPHMOE_CHECK(images.rank() >= 2 && b >= 1 && images.numel() == b * per_image, "VisionMoE",
@@ -116,41 +114,32 @@ class VisionMoE<RouterPolicy, T, cpu> {
                    ", ", cfg_.image_width, (cfg_.channels > 1 ? ", C)" : ")"));
     check_finite("VisionMoE", "images", images);
     if (!labels.empty()) check_shape("VisionMoE", "labels", labels, Shape{b});
-    const index_t np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model, pd = cfg_.patch_dim();
-    const index_t P = cfg_.patch, W = cfg_.image_width, C = cfg_.channels, pw = W / P;
-    // patchify: patch (py, px) of image i, row-major within the patch, channels innermost
-    Tensor<T, cpu> patches(Shape{b * np, pd});
-    for (index_t i = 0; i < b; ++i)
-      for (index_t p = 0; p < np; ++p) {
-        const index_t py = p / pw, px = p % pw;
-        T* dst = patches.data() + (i * np + p) * pd;
-        for (index_t y = 0; y < P; ++y)
-          for (index_t x = 0; x < P; ++x)
-            for (index_t c = 0; c < C; ++c)
-              *dst++ = images.data()[i * per_image + ((py * P + y) * W + (px * P + x)) * C + c];
-      }
-    Tensor<T, cpu> emb;
+    const index_t np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model;
+    Tensor<T, B> patches;
+    patchify(images, cfg_.patch, cfg_.image_height, cfg_.image_width, cfg_.channels, patches);
+    Tensor<T, B> emb;
     patch_.forward(patches, emb);  // (B Np, D)
-    Tensor<T, cpu> h(Shape{b, t, d});
-    auto pos = as_matrix(arena.value(id_pos_));
-    auto cls = as_vector(arena.value(id_cls_));
+    // h_i = [cls; emb_i] + pos
+    Tensor<T, B> h(Shape{b, t, d});
+    const Tensor<T, B> pos = arena.value(id_pos_), cls = arena.value(id_cls_).view(Shape{1, d});
     for (index_t i = 0; i < b; ++i) {
-      auto hi = as_matrix(h[i]);
-      hi.row(0) = cls.transpose() + pos.row(0);
-      hi.bottomRows(np) = as_matrix(emb).middleRows(i * np, np) + pos.bottomRows(np);
+      Tensor<T, B> hi = h[i];
+      hi.slice(0, 1).copy_from(cls);
+      hi.slice(1, t).copy_from(emb.slice(i * np, (i + 1) * np));
+      axpy(T(1), pos, hi);
     }
-    acts_.assign(blocks_.size() + 1, Tensor<T, cpu>());
+    acts_.assign(blocks_.size() + 1, Tensor<T, B>());
     acts_[0] = h;
     for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
-    xf_ = Tensor<T, cpu>();
+    xf_ = Tensor<T, B>();
     ln_f_.forward(acts_.back(), xf_);
-    Tensor<T, cpu> cls_out(Shape{b, d});
-    for (index_t i = 0; i < b; ++i) as_matrix(cls_out).row(i) = as_matrix(xf_[i]).row(0);
-    logits_ = Tensor<T, cpu>();
+    Tensor<T, B> cls_out(Shape{b, d});
+    for (index_t i = 0; i < b; ++i) cls_out.slice(i, i + 1).copy_from(xf_[i].slice(0, 1));
+    logits_ = Tensor<T, B>();
     head_.forward(cls_out, logits_);
     labels_ = labels;
     if (labels.empty()) return T(0);
-    log_probs_ = Tensor<T, cpu>();
+    log_probs_ = Tensor<T, B>();
     return cross_entropy_forward(logits_, labels, log_probs_);
   }
 
@@ -158,26 +147,25 @@ class VisionMoE<RouterPolicy, T, cpu> {
   void backward() {
     GRAPHMOE_CHECK(!log_probs_.empty(), "VisionMoE::backward", "call forward with labels first");
     const index_t b = logits_.dim(0), np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model;
-    Tensor<T, cpu> dlogits, dcls(Shape{b, d});
+    Tensor<T, B> dlogits, dcls(Shape{b, d});
     cross_entropy_backward(log_probs_, labels_, T(1), dlogits);
     head_.backward(dlogits, &dcls);
-    Tensor<T, cpu> dxf(Shape{b, t, d});
-    for (index_t i = 0; i < b; ++i) as_matrix(dxf[i]).row(0) = as_matrix(dcls).row(i);
-    Tensor<T, cpu> dh;
+    Tensor<T, B> dxf(Shape{b, t, d});
+    for (index_t i = 0; i < b; ++i) dxf[i].slice(0, 1).copy_from(dcls.slice(i, i + 1));
+    Tensor<T, B> dh;
     ln_f_.backward(dxf, dh);
     for (std::size_t l = blocks_.size(); l-- > 0;) {
-      Tensor<T, cpu> dprev;
+      Tensor<T, B> dprev;
       blocks_[l].backward(dh, dprev);
       dh = dprev;
     }
-    auto dpos = as_matrix(arena.grad(id_pos_));
-    auto dclsv = as_vector(arena.grad(id_cls_));
-    Tensor<T, cpu> demb(Shape{b * np, d});
+    const Tensor<T, B> dpos = arena.grad(id_pos_), dclsv = arena.grad(id_cls_).view(Shape{1, d});
+    Tensor<T, B> demb(Shape{b * np, d});
     for (index_t i = 0; i < b; ++i) {
-      auto dhi = as_matrix(dh[i]);
-      dpos += dhi;
-      dclsv += dhi.row(0).transpose();
-      as_matrix(demb).middleRows(i * np, np) = dhi.bottomRows(np);
+      const Tensor<T, B> dhi = dh[i];
+      axpy(T(1), dhi, dpos);
+      axpy(T(1), dhi.slice(0, 1), dclsv);
+      demb.slice(i * np, (i + 1) * np).copy_from(dhi.slice(1, t));
     }
     patch_.backward(demb, nullptr);
   }
@@ -185,21 +173,21 @@ class VisionMoE<RouterPolicy, T, cpu> {
   double aux_loss() const { return moe_aux_loss(blocks_, cfg_.router); }
 
   const VisionMoEConfig& config() const { return cfg_; }
-  const Tensor<T, cpu>& logits() const { return logits_; }
-  TransformerBlock<RouterPolicy, T, cpu>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
+  const Tensor<T, B>& logits() const { return logits_; }
+  TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
 
-  ParameterArena<T, cpu> arena;
+  ParameterArena<T, B> arena;
 
  private:
   VisionMoEConfig cfg_;
-  Linear<T, cpu> patch_, head_;
+  Linear<T, B> patch_, head_;
   index_t id_cls_ = -1, id_pos_ = -1;
-  std::vector<TransformerBlock<RouterPolicy, T, cpu>> blocks_;
-  LayerNorm<T, cpu> ln_f_;
-  std::vector<Tensor<T, cpu>> acts_;
-  Tensor<T, cpu> xf_, logits_, log_probs_;
-  Tensor<std::int32_t, cpu> labels_;
+  std::vector<TransformerBlock<RouterPolicy, T, B>> blocks_;
+  LayerNorm<T, B> ln_f_;
+  std::vector<Tensor<T, B>> acts_;
+  Tensor<T, B> xf_, logits_, log_probs_;
+  Tensor<std::int32_t, B> labels_;
 };
 
 }  // namespace graphmoe

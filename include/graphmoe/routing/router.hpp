@@ -67,12 +67,14 @@ struct RouterOutput {
 template <class Policy, class T, class B = cpu>
 class RouterImpl;
 
-template <class Scorer, class Graph, class Selector, class T>
-class RouterImpl<Router<Scorer, Graph, Selector>, T, cpu> {
+// The same implementation for every backend: the parts and the ops they call resolve by the
+// tensors' backend (a .cu file instantiating it with graphmoe::cuda includes graphmoe/cuda.cuh).
+template <class Scorer, class Graph, class Selector, class T, class B>
+class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
  public:
   using policy = Router<Scorer, Graph, Selector>;
 
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
     cfg.validate();
     cfg_ = cfg;
@@ -81,24 +83,24 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, cpu> {
     graph_.configure(d_model, cfg);
     selector_.configure(cfg);
   }
-  void bind(const ParameterArena<T, cpu>& arena) { scorer_.bind(arena); }
+  void bind(const ParameterArena<T, B>& arena) { scorer_.bind(arena); }
   void init(Rng& rng) { scorer_.init(rng); }
 
   const RouterConfig& config() const { return cfg_; }
-  ScorerImpl<Scorer, T, cpu>& scorer() { return scorer_; }
-  GraphImpl<Graph, T, cpu>& graph() { return graph_; }
-  SelectorImpl<Selector, T, cpu>& selector() { return selector_; }
+  ScorerImpl<Scorer, T, B>& scorer() { return scorer_; }
+  GraphImpl<Graph, T, B>& graph() { return graph_; }
+  SelectorImpl<Selector, T, B>& selector() { return selector_; }
   index_t current_k() const { return selector_.current_k(); }
   void set_step(std::int64_t step) { selector_.set_step(step); }
 
   // u: (N, D) tokens, N a multiple of ctx.seq_len.
-  void forward(const Tensor<T, cpu>& u, const GraphContext<T, cpu>& ctx, RouterOutput<T, cpu>& out) {
+  void forward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx, RouterOutput<T, B>& out) {
     GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == d_model_, "Router", "u has shape ", u.shape(),
                    ", expected (N, ", d_model_, ")");
     check_finite("Router", "u", u);
-    out.gamma = Tensor<T, cpu>();
-    out.r = Tensor<T, cpu>();
-    out.p = Tensor<T, cpu>();
+    out.gamma = Tensor<T, B>();
+    out.r = Tensor<T, B>();
+    out.p = Tensor<T, B>();
     scorer_.forward(u, out.gamma);
     softmax_forward(out.gamma, out.r);
     graph_.forward(u, out.r, ctx, out.p);
@@ -112,10 +114,10 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, cpu> {
 
   // dgates: (N, k). du accumulated (+=). The auxiliary losses' gradients (coefficient times
   // gradient) are added here.
-  void backward(const Tensor<T, cpu>& u, const GraphContext<T, cpu>& ctx,
-                const RouterOutput<T, cpu>& out, const Tensor<T, cpu>& dgates, Tensor<T, cpu>& du) {
+  void backward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx,
+                const RouterOutput<T, B>& out, const Tensor<T, B>& dgates, Tensor<T, B>& du) {
     check_shape("Router::backward", "du", du, u.shape());
-    Tensor<T, cpu> dp, dr, dgamma;
+    Tensor<T, B> dp, dr, dgamma;
     selector_.backward(out.p, out.selection, dgates, dp);
     if (cfg_.load_balance_coef > 0)
       load_balance_loss<T>(out.p, out.selection.indices, cfg_.load_balance_coef, &dp);
@@ -128,9 +130,9 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, cpu> {
  private:
   RouterConfig cfg_;
   index_t d_model_ = 0;
-  ScorerImpl<Scorer, T, cpu> scorer_;
-  GraphImpl<Graph, T, cpu> graph_;
-  SelectorImpl<Selector, T, cpu> selector_;
+  ScorerImpl<Scorer, T, B> scorer_;
+  GraphImpl<Graph, T, B> graph_;
+  SelectorImpl<Selector, T, B> selector_;
 };
 
 }  // namespace graphmoe

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <string>
 
+#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
@@ -34,10 +35,6 @@ namespace detail {
 template <class>
 inline constexpr bool dependent_false_v = false;
 
-template <class T>
-void fill_normal(const Tensor<T, cpu>& t, Rng& rng, double stddev) {
-  for (index_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<T>(rng.normal(0.0, stddev));
-}
 }  // namespace detail
 
 // Primary template: an unknown scorer policy is a compile error that names the valid ones.
@@ -50,17 +47,17 @@ class ScorerImpl {
 
 // gamma = u W^T + b (W: (E, D), b: (E)); with `frozen`, W is a fixed buffer without bias and
 // without gradient (SMoE-Dropout).
-template <class T, bool kFrozen>
+template <class T, class B, bool kFrozen>
 class LinearScorerBase {
  public:
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
     cfg_ = cfg;
     bias_ = !kFrozen && cfg.scorer_bias;
     id_w_ = arena.add(prefix + "weight", Shape{cfg.num_experts, d_model}, !kFrozen);
     if (bias_) id_b_ = arena.add(prefix + "bias", Shape{cfg.num_experts});
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     w_ = arena.value(id_w_);
     dw_ = arena.grad(id_w_);
     if (bias_) {
@@ -69,43 +66,43 @@ class LinearScorerBase {
     }
   }
   void init(Rng& rng) {
-    detail::fill_normal(w_, rng, cfg_.init_std);
+    fill_normal(w_, rng, cfg_.init_std);
     if (bias_) b_.zero();
   }
   // (N, D) -> (N, E)
-  void forward(const Tensor<T, cpu>& u, Tensor<T, cpu>& gamma) const {
+  void forward(const Tensor<T, B>& u, Tensor<T, B>& gamma) const {
     gemm(Trans::N, Trans::T, T(1), u, w_, T(0), gamma);
-    if (bias_) as_matrix(gamma).rowwise() += as_vector(b_).transpose();
+    if (bias_) add_row_vector(b_, gamma);
   }
-  void backward(const Tensor<T, cpu>& u, const Tensor<T, cpu>& dgamma, Tensor<T, cpu>& du) {
-    Tensor<T, cpu> none;
-    Tensor<T, cpu>& dw = kFrozen ? none : dw_;
+  void backward(const Tensor<T, B>& u, const Tensor<T, B>& dgamma, Tensor<T, B>& du) {
+    Tensor<T, B> none;
+    Tensor<T, B>& dw = kFrozen ? none : dw_;
     gemm_backward(Trans::N, Trans::T, T(1), u, w_, dgamma, T(1), du, T(1), dw);
-    if (bias_) as_vector(db_) += as_matrix(dgamma).colwise().sum().transpose();
+    if (bias_) accumulate_column_sums(dgamma, db_);
   }
-  const Tensor<T, cpu>& weight() const { return w_; }
+  const Tensor<T, B>& weight() const { return w_; }
 
  private:
   RouterConfig cfg_;
   bool bias_ = true;
   index_t id_w_ = -1, id_b_ = -1;
-  Tensor<T, cpu> w_, dw_, b_, db_;
+  Tensor<T, B> w_, dw_, b_, db_;
 };
 
-template <class T>
-class ScorerImpl<LinearScorer, T, cpu> : public LinearScorerBase<T, false> {};
-template <class T>
-class ScorerImpl<FrozenRandomScorer, T, cpu> : public LinearScorerBase<T, true> {};
+template <class T, class B>
+class ScorerImpl<LinearScorer, T, B> : public LinearScorerBase<T, B, false> {};
+template <class T, class B>
+class ScorerImpl<FrozenRandomScorer, T, B> : public LinearScorerBase<T, B, true> {};
 
 // X-MoE: h = u P^T (P: (d, D)), gamma_e = s * <h / |h|, e_e / |e_e|> (expert embeddings e: (E, d)),
 // s = 1 / temperature, or with a learnable temperature s = exp(min(t, ln 100)), t a parameter
 // initialised to ln(1 / temperature) (Tutel's CosineTopKGate parametrisation).
-template <class T>
-class ScorerImpl<CosineScorer, T, cpu> {
+template <class T, class B>
+class ScorerImpl<CosineScorer, T, B> {
  public:
   static constexpr double kNormEps = 1e-6;  // |x| is clamped below at this value
 
-  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
     cfg_ = cfg;
     d_model_ = d_model;
@@ -113,7 +110,7 @@ class ScorerImpl<CosineScorer, T, cpu> {
     id_e_ = arena.add(prefix + "expert_embeddings", Shape{cfg.num_experts, cfg.cosine_dim});
     if (cfg.cosine_learnable_temperature) id_t_ = arena.add(prefix + "log_scale", Shape{1});
   }
-  void bind(const ParameterArena<T, cpu>& arena) {
+  void bind(const ParameterArena<T, B>& arena) {
     p_ = arena.value(id_p_);
     dp_ = arena.grad(id_p_);
     e_ = arena.value(id_e_);
@@ -124,73 +121,51 @@ class ScorerImpl<CosineScorer, T, cpu> {
     }
   }
   void init(Rng& rng) {
-    detail::fill_normal(p_, rng, 1.0 / std::sqrt(static_cast<double>(d_model_)));
-    detail::fill_normal(e_, rng, 1.0);
-    if (id_t_ >= 0) t_.data()[0] = static_cast<T>(std::log(1.0 / cfg_.cosine_temperature));
+    fill_normal(p_, rng, 1.0 / std::sqrt(static_cast<double>(d_model_)));
+    fill_normal(e_, rng, 1.0);
+    if (id_t_ >= 0) fill(t_, static_cast<T>(std::log(1.0 / cfg_.cosine_temperature)));
   }
   T scale() const {
     if (id_t_ < 0) return static_cast<T>(1.0 / cfg_.cosine_temperature);
-    return std::exp(std::min(t_.data()[0], static_cast<T>(std::log(100.0))));
+    return std::exp(std::min(read_scalar(t_), static_cast<T>(std::log(100.0))));
   }
-  void forward(const Tensor<T, cpu>& u, Tensor<T, cpu>& gamma) {
+  void forward(const Tensor<T, B>& u, Tensor<T, B>& gamma) {
     const index_t n = u.rows();
     prepare_output("CosineScorer", "gamma", gamma, Shape{n, cfg_.num_experts});
-    h_ = Tensor<T, cpu>();
+    h_ = Tensor<T, B>();
     gemm(Trans::N, Trans::T, T(1), u, p_, T(0), h_);  // (N, d)
     hn_ = h_.clone();
-    hnorm_ = Tensor<T, cpu>(Shape{n});
-    normalize_rows(hn_, hnorm_);
+    hnorm_ = Tensor<T, B>();
+    normalize_rows(hn_, hnorm_, static_cast<T>(kNormEps));
     en_ = e_.clone();
-    enorm_ = Tensor<T, cpu>(Shape{cfg_.num_experts});
-    normalize_rows(en_, enorm_);
+    enorm_ = Tensor<T, B>();
+    normalize_rows(en_, enorm_, static_cast<T>(kNormEps));
     gemm(Trans::N, Trans::T, scale(), hn_, en_, T(0), gamma);
   }
   // Uses the cache of the last forward (which must have been called with the same u).
-  void backward(const Tensor<T, cpu>& u, const Tensor<T, cpu>& dgamma, Tensor<T, cpu>& du) {
+  void backward(const Tensor<T, B>& u, const Tensor<T, B>& dgamma, Tensor<T, B>& du) {
     const T s = scale();
-    if (id_t_ >= 0 && t_.data()[0] < static_cast<T>(std::log(100.0))) {
+    if (id_t_ >= 0 && read_scalar(t_) < static_cast<T>(std::log(100.0))) {
       // d gamma / d t = gamma (s = exp(t)), so dt = sum(dgamma * s * cos)
-      Tensor<T, cpu> cosv;
+      Tensor<T, B> cosv;
       gemm(Trans::N, Trans::T, T(1), hn_, en_, T(0), cosv);
-      dt_.data()[0] += s * (as_matrix(dgamma).array() * as_matrix(cosv).array()).sum();
+      accumulate_dot(dgamma, cosv, s, dt_);
     }
-    Tensor<T, cpu> dhn, den;
+    Tensor<T, B> dhn, den;
     gemm(Trans::N, Trans::N, s, dgamma, en_, T(0), dhn);  // (N, d)
     gemm(Trans::T, Trans::N, s, dgamma, hn_, T(0), den);  // (E, d)
-    normalize_rows_backward(hn_, hnorm_, dhn);             // dhn becomes dh
-    normalize_rows_backward(en_, enorm_, den);             // den becomes de
-    as_matrix(de_) += as_matrix(den);
+    normalize_rows_backward(hn_, hnorm_, static_cast<T>(kNormEps), dhn);  // dhn becomes dh
+    normalize_rows_backward(en_, enorm_, static_cast<T>(kNormEps), den);  // den becomes de
+    axpy(T(1), den, de_);
     gemm_backward(Trans::N, Trans::T, T(1), u, p_, dhn, T(1), du, T(1), dp_);
   }
 
  private:
-  // x_i <- x_i / max(|x_i|, eps); norms saved (already clamped)
-  static void normalize_rows(Tensor<T, cpu>& x, Tensor<T, cpu>& norms) {
-    auto m = as_matrix(x);
-    for (index_t i = 0; i < m.rows(); ++i) {
-      const T nrm = std::max(m.row(i).norm(), static_cast<T>(kNormEps));
-      norms.data()[i] = nrm;
-      m.row(i) /= nrm;
-    }
-  }
-  // y = x / |x|: dx = (dy - y (y . dy)) / |x|; where |x| was clamped, y = x / eps is linear in x
-  // and dx = dy / eps.
-  static void normalize_rows_backward(const Tensor<T, cpu>& y, const Tensor<T, cpu>& norms,
-                                      Tensor<T, cpu>& dy) {
-    auto ym = as_matrix(y);
-    auto g = as_matrix(dy);
-    for (index_t i = 0; i < ym.rows(); ++i) {
-      const T nrm = norms.data()[i];
-      if (nrm > static_cast<T>(kNormEps)) g.row(i) -= ym.row(i) * ym.row(i).dot(g.row(i));
-      g.row(i) /= nrm;
-    }
-  }
-
   RouterConfig cfg_;
   index_t d_model_ = 0;
   index_t id_p_ = -1, id_e_ = -1, id_t_ = -1;
-  Tensor<T, cpu> p_, dp_, e_, de_, t_, dt_;
-  Tensor<T, cpu> h_, hn_, hnorm_, en_, enorm_;  // forward cache
+  Tensor<T, B> p_, dp_, e_, de_, t_, dt_;
+  Tensor<T, B> h_, hn_, hnorm_, en_, enorm_;  // forward cache
 };
 
 }  // namespace graphmoe

@@ -6,6 +6,7 @@
 //
 // keep_ij is 0 for an assignment dropped by the capacity limit (RouterConfig::capacity_factor),
 // else 1. Backward, with s = sum_j p_sel_j:  dp_sel_l = keep_l dg_l / s - sum_j g_j dg_j / s.
+// The arithmetic is in the ops of backend/*/gates.*, so the selectors run on every backend.
 #pragma once
 
 #include <algorithm>
@@ -13,8 +14,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/backend/cpu/topk.hpp"
-#include "graphmoe/core/eigen.hpp"
 #include "graphmoe/routing/policies.hpp"
 
 namespace graphmoe {
@@ -35,71 +36,41 @@ class SelectorImpl {
                 "(routing/policies.hpp)");
 };
 
-template <class T>
+template <class T, class B>
 class TopKSelectorBase {
  public:
   void configure(const RouterConfig& cfg) { cfg_ = cfg; }
 
-  void select(const Tensor<T, cpu>& p, index_t k, Selection<T, cpu>& sel) const {
+  void select(const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) const {
     const index_t n = p.rows(), e = p.cols();
     GRAPHMOE_CHECK(k >= 1 && k <= e, "TopK", "k = ", k, " must be in [1, E = ", e, "]");
-    sel.indices = Tensor<std::int32_t, cpu>();
-    sel.values = Tensor<T, cpu>();
+    sel.indices = Tensor<std::int32_t, B>();
+    sel.values = Tensor<T, B>();
+    sel.keep = Tensor<std::uint8_t, B>();
+    sel.gates = Tensor<T, B>();
     topk_forward(p, k, sel.values, sel.indices);
-    sel.keep = Tensor<std::uint8_t, cpu>(Shape{n, k});
-    sel.keep.fill(1);
-    sel.dropped = 0;
-    if (cfg_.capacity_factor > 0) {
-      const index_t cap = static_cast<index_t>(
-          std::ceil(cfg_.capacity_factor * static_cast<double>(n * k) / static_cast<double>(e)));
-      std::vector<index_t> load(static_cast<std::size_t>(e), 0);
-      for (index_t i = 0; i < n * k; ++i) {  // token order, then choice order
-        auto& l = load[static_cast<std::size_t>(sel.indices.data()[i])];
-        if (l >= cap) {
-          sel.keep.data()[i] = 0;
-          ++sel.dropped;
-        } else {
-          ++l;
-        }
-      }
-    }
-    sel.gates = Tensor<T, cpu>(Shape{n, k});
-    for (index_t i = 0; i < n; ++i) {
-      T s = 0;
-      for (index_t j = 0; j < k; ++j) s += sel.values(i, j);
-      GRAPHMOE_CHECK(s > T(0), "TopK", "the selected scores of token ", i, " sum to ", s,
-                     " (p must be a probability vector)");
-      for (index_t j = 0; j < k; ++j)
-        sel.gates(i, j) = sel.keep(i, j) ? sel.values(i, j) / s : T(0);
-    }
+    const index_t cap =
+        cfg_.capacity_factor > 0
+            ? static_cast<index_t>(std::ceil(cfg_.capacity_factor * static_cast<double>(n * k) /
+                                             static_cast<double>(e)))
+            : 0;
+    sel.dropped = capacity_mask(sel.indices, e, cap, sel.keep);
+    renormalized_gates(sel.values, sel.keep, sel.gates);
   }
 
   // dp assigned (N, E): zero except at the selected experts.
-  void backward(const Tensor<T, cpu>& p, const Selection<T, cpu>& sel, const Tensor<T, cpu>& dgates,
-                Tensor<T, cpu>& dp) const {
-    check_shape("TopK::backward", "dgates", dgates, sel.gates.shape());
-    prepare_output("TopK::backward", "dp", dp, p.shape());
-    dp.zero();
-    const index_t n = p.rows(), k = sel.gates.cols();
-    for (index_t i = 0; i < n; ++i) {
-      T s = 0, gdg = 0;
-      for (index_t j = 0; j < k; ++j) {
-        s += sel.values(i, j);
-        gdg += sel.gates(i, j) * dgates(i, j);
-      }
-      for (index_t j = 0; j < k; ++j) {
-        const T d = (sel.keep(i, j) ? dgates(i, j) : T(0)) / s - gdg / s;
-        dp(i, sel.indices(i, j)) += d;
-      }
-    }
+  void backward(const Tensor<T, B>& p, const Selection<T, B>& sel, const Tensor<T, B>& dgates,
+                Tensor<T, B>& dp) const {
+    renormalized_gates_backward(sel.values, sel.indices, sel.keep, sel.gates, dgates, p.cols(),
+                                dp);
   }
 
  protected:
   RouterConfig cfg_;
 };
 
-template <class T>
-class SelectorImpl<TopK, T, cpu> : public TopKSelectorBase<T> {
+template <class T, class B>
+class SelectorImpl<TopK, T, B> : public TopKSelectorBase<T, B> {
  public:
   index_t current_k() const { return this->cfg_.k; }
   void set_step(std::int64_t) {}
@@ -109,8 +80,8 @@ class SelectorImpl<TopK, T, cpu> : public TopKSelectorBase<T> {
 // round half to even as Python's round() in the reference code (VITA-Group/Random-MoE-as-Dropout).
 // set_step(t) is called by the training loop; set_k_override(k) pins k (e.g. k = E for the dense
 // evaluation of the SMoE-Dropout paper), 0 removes the pin.
-template <class T>
-class SelectorImpl<ScheduledTopK, T, cpu> : public TopKSelectorBase<T> {
+template <class T, class B>
+class SelectorImpl<ScheduledTopK, T, B> : public TopKSelectorBase<T, B> {
  public:
   static index_t k_at(const RouterConfig& c, std::int64_t step) {
     const double t = static_cast<double>(std::max<std::int64_t>(step, 0));

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -23,26 +24,21 @@ namespace graphmoe {
 
 namespace detail {
 
-// Checks the targets against (rows, C) logits and returns the number of rows not ignored.
+// Checks (`what`, named in the message: "logits" or "log_probs") and the targets, and returns the
+// number of rows not ignored.
 template <class T>
-index_t cross_entropy_check_targets(const char* op, const Tensor<T, cpu>& logits,
+index_t cross_entropy_check_targets(const char* op, const char* what, const Tensor<T, cpu>& logits,
                                     const Tensor<std::int32_t, cpu>& targets,
                                     std::int32_t ignore_index) {
-  GRAPHMOE_CHECK(logits.rank() >= 1, op, "logits must have rank >= 1 (rows, classes), got shape ",
-                 logits.shape());
-  GRAPHMOE_CHECK(!targets.empty(), op, "targets is empty");
-  const Shape expected = Shape::from_range(logits.shape().begin(), logits.shape().end() - 1);
-  GRAPHMOE_CHECK(targets.shape() == expected, op, "targets has shape ", targets.shape(),
-                 ", expected ", expected, " for logits of shape ", logits.shape());
+  cross_entropy_check_shapes(op, what, logits, targets);
   const index_t rows = logits.rows();
   const index_t classes = logits.cols();
   const std::int32_t* t = targets.data();
   index_t count = 0;
   for (index_t i = 0; i < rows; ++i) {
     if (t[i] == ignore_index) continue;
-    GRAPHMOE_CHECK(t[i] >= 0 && t[i] < classes, op, "target of row ", i, " is ", t[i],
-                   ", outside the class range [0, ", classes, ") and not ignore_index (",
-                   ignore_index, ")");
+    if (cross_entropy_bad_target(t[i], classes, ignore_index))
+      cross_entropy_throw_bad_target(op, i, t[i], classes, ignore_index);
     ++count;
   }
   return count;
@@ -56,8 +52,8 @@ template <class T>
 T cross_entropy_forward(const Tensor<T, cpu>& logits, const Tensor<std::int32_t, cpu>& targets,
                         Tensor<T, cpu>& log_probs, std::int32_t ignore_index = -100) {
   constexpr const char* op = "cross_entropy_forward";
-  GRAPHMOE_CHECK(!logits.empty(), op, "logits is empty");
-  const index_t count = detail::cross_entropy_check_targets(op, logits, targets, ignore_index);
+  const index_t count =
+      detail::cross_entropy_check_targets(op, "logits", logits, targets, ignore_index);
   detail::softmax_forward_impl(op, "logits", true, logits, log_probs);
   if (count == 0) return T(0);
   const index_t rows = logits.rows(), classes = logits.cols();
@@ -76,8 +72,8 @@ void cross_entropy_backward(const Tensor<T, cpu>& log_probs,
                             const Tensor<std::int32_t, cpu>& targets, T dloss,
                             Tensor<T, cpu>& dlogits, std::int32_t ignore_index = -100) {
   constexpr const char* op = "cross_entropy_backward";
-  GRAPHMOE_CHECK(!log_probs.empty(), op, "log_probs is empty");
-  const index_t count = detail::cross_entropy_check_targets(op, log_probs, targets, ignore_index);
+  const index_t count =
+      detail::cross_entropy_check_targets(op, "log_probs", log_probs, targets, ignore_index);
   prepare_output(op, "dlogits", dlogits, log_probs.shape());
   const index_t rows = log_probs.rows(), classes = log_probs.cols();
   const T scale =

@@ -51,6 +51,17 @@ struct DispatchPlan {
   }
 };
 
+// The dispatch plan type of a backend: DispatchPlan here, CudaDispatchPlan in
+// backend/cuda/dispatch.cuh. Backend-generic layers (layers/moe.hpp) hold a dispatch_plan_t<B>.
+template <class B>
+struct dispatch_plan_for;
+template <>
+struct dispatch_plan_for<cpu> {
+  using type = DispatchPlan;
+};
+template <class B>
+using dispatch_plan_t = typename dispatch_plan_for<B>::type;
+
 namespace detail {
 // Keeps t's storage when it already has the shape (plans are rebuilt every step).
 inline void plan_tensor(Tensor<std::int32_t, cpu>& t, const Shape& shape) {

@@ -20,6 +20,7 @@
 #include <array>
 #include <cstdint>
 
+#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -29,11 +30,6 @@ namespace graphmoe {
 namespace detail {
 
 inline constexpr index_t kDropoutChunk = 4096;
-
-template <class T>
-void dropout_check_p(const char* op, T p) {
-  GRAPHMOE_CHECK(p >= T(0) && p < T(1), op, "drop probability p must lie in [0, 1), got ", p);
-}
 
 // Calls fn(begin, end) for chunks covering [0, n), split over the threads.
 template <class Fn>
@@ -51,11 +47,7 @@ void dropout_for_chunks(index_t n, Fn&& fn) {
 template <class T>
 void dropout_forward(T p, std::uint64_t seed, std::uint64_t offset, const Tensor<T, cpu>& x,
                      Tensor<T, cpu>& y, Tensor<std::uint8_t, cpu>& mask) {
-  constexpr const char* op = "dropout_forward";
-  detail::dropout_check_p(op, p);
-  GRAPHMOE_CHECK(!x.empty(), op, "x is empty");
-  prepare_output(op, "y", y, x.shape());
-  prepare_output(op, "mask", mask, x.shape());
+  detail::dropout_prepare_forward("dropout_forward", p, x, y, mask);
   const index_t n = x.numel();
   const T* xs = x.data();
   T* ys = y.data();
@@ -87,12 +79,7 @@ void dropout_forward(T p, std::uint64_t seed, std::uint64_t offset, const Tensor
 template <class T>
 void dropout_backward(T p, const Tensor<std::uint8_t, cpu>& mask, const Tensor<T, cpu>& dy,
                       Tensor<T, cpu>& dx) {
-  constexpr const char* op = "dropout_backward";
-  detail::dropout_check_p(op, p);
-  GRAPHMOE_CHECK(!mask.empty() && !dy.empty(), op, "mask or dy is empty");
-  GRAPHMOE_CHECK(mask.shape() == dy.shape(), op, "mask has shape ", mask.shape(),
-                 ", expected dy's shape ", dy.shape());
-  prepare_output(op, "dx", dx, dy.shape());
+  detail::dropout_prepare_backward("dropout_backward", p, mask, dy, dx);
   const T scale = T(1) / (T(1) - p);
   const std::uint8_t* ms = mask.data();
   const T* dys = dy.data();

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
@@ -22,21 +23,8 @@ namespace detail {
 // Throws naming the first id of `ids` outside [0, vocab).
 inline void check_ids(const char* op, const Tensor<std::int32_t, cpu>& ids, index_t vocab) {
   const std::int32_t* p = ids.data();
-  for (index_t i = 0; i < ids.numel(); ++i) {
-    GRAPHMOE_CHECK(p[i] >= 0 && p[i] < vocab, op, "id ", p[i], " at flat position ", i,
-                   " of ids ", ids.shape(), " is out of range [0, ", vocab, ")");
-  }
-}
-
-// The shape (ids.shape..., d).
-inline Shape embedding_output_shape(const char* op, const Tensor<std::int32_t, cpu>& ids,
-                                    index_t d) {
-  GRAPHMOE_CHECK(ids.rank() < Shape::kMaxRank, op, "ids of shape ", ids.shape(),
-                 " have rank ", ids.rank(), "; the output would exceed the maximum rank ",
-                 Shape::kMaxRank);
-  std::vector<index_t> dims(ids.shape().begin(), ids.shape().end());
-  dims.push_back(d);
-  return Shape::from_range(dims.begin(), dims.end());
+  for (index_t i = 0; i < ids.numel(); ++i)
+    if (p[i] < 0 || p[i] >= vocab) embedding_throw_bad_id(op, ids.shape(), i, p[i], vocab);
 }
 }  // namespace detail
 
@@ -45,13 +33,11 @@ template <class T>
 void embedding_forward(const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cpu>& table,
                        Tensor<T, cpu>& out) {
   constexpr const char* op = "embedding_forward";
-  GRAPHMOE_CHECK(!ids.empty(), op, "ids are empty");
-  GRAPHMOE_CHECK(!table.empty() && table.rank() == 2, op, "table must be a (V, D) matrix, got ",
-                 (table.empty() ? "an empty tensor" : table.shape().str()));
-  const index_t vocab = table.dim(0), d = table.dim(1);
+  const detail::EmbeddingDims s = detail::embedding_check_table(op, ids, table);
+  const index_t vocab = s.vocab, d = s.d;
   const index_t n = ids.numel();
   detail::check_ids(op, ids, vocab);
-  prepare_output(op, "out", out, detail::embedding_output_shape(op, ids, d));
+  prepare_output(op, "out", out, detail::embedding_output_shape(op, ids.shape(), d));
   const std::int32_t* id = ids.data();
   const T* src = table.data();
   T* dst = out.data();
@@ -70,13 +56,9 @@ template <class T>
 void embedding_backward(const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cpu>& dout,
                         Tensor<T, cpu>& dtable) {
   constexpr const char* op = "embedding_backward";
-  GRAPHMOE_CHECK(!ids.empty(), op, "ids are empty");
-  GRAPHMOE_CHECK(!dtable.empty() && dtable.rank() == 2, op,
-                 "dtable must be an allocated (V, D) matrix (it accumulates), got ",
-                 (dtable.empty() ? "an empty tensor" : dtable.shape().str()));
-  const index_t vocab = dtable.dim(0), d = dtable.dim(1);
+  const detail::EmbeddingDims s = detail::embedding_check_backward(op, ids, dout, dtable);
+  const index_t vocab = s.vocab, d = s.d;
   const index_t n = ids.numel();
-  check_shape(op, "dout", dout, detail::embedding_output_shape(op, ids, d));
   detail::check_ids(op, ids, vocab);
   const std::int32_t* id = ids.data();
   const T* g = dout.data();

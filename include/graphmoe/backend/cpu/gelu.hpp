@@ -18,19 +18,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
 namespace graphmoe {
 
-enum class GeluForm { Tanh, Erf };
-
 namespace detail {
 
-inline constexpr double kGeluSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
-inline constexpr double kGeluInvSqrt2 = 0.70710678118654752440;     // 1 / sqrt(2)
-inline constexpr double kGeluInvSqrt2Pi = 0.39894228040143267794;   // 1 / sqrt(2 pi)
-inline constexpr double kGeluCubic = 0.044715;
 inline constexpr index_t kGeluChunk = 4096;
 
 template <class T>
@@ -73,11 +68,7 @@ void gelu_for_each(index_t n, Fn&& fn) {
 // y = gelu(x), elementwise.
 template <class T>
 void gelu_forward(GeluForm form, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
-  constexpr const char* op = "gelu_forward";
-  GRAPHMOE_CHECK(form == GeluForm::Tanh || form == GeluForm::Erf, op, "unknown GeluForm ",
-                 static_cast<int>(form));
-  GRAPHMOE_CHECK(!x.empty(), op, "x is empty");
-  prepare_output(op, "y", y, x.shape());
+  detail::gelu_prepare_forward("gelu_forward", form, x, y);
   const T* xs = x.data();
   T* ys = y.data();
   detail::gelu_for_each(x.numel(), [&](index_t i) { ys[i] = detail::gelu_value(form, xs[i]); });
@@ -87,13 +78,7 @@ void gelu_forward(GeluForm form, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
 template <class T>
 void gelu_backward(GeluForm form, const Tensor<T, cpu>& x, const Tensor<T, cpu>& dy,
                    Tensor<T, cpu>& dx) {
-  constexpr const char* op = "gelu_backward";
-  GRAPHMOE_CHECK(form == GeluForm::Tanh || form == GeluForm::Erf, op, "unknown GeluForm ",
-                 static_cast<int>(form));
-  GRAPHMOE_CHECK(!x.empty() && !dy.empty(), op, "x or dy is empty");
-  GRAPHMOE_CHECK(dy.shape() == x.shape(), op, "dy has shape ", dy.shape(), ", expected x's shape ",
-                 x.shape());
-  prepare_output(op, "dx", dx, x.shape());
+  detail::gelu_prepare_backward("gelu_backward", form, x, dy, dx);
   const T* xs = x.data();
   const T* dys = dy.data();
   T* dxs = dx.data();

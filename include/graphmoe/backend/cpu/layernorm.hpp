@@ -23,6 +23,7 @@
 #include <cmath>
 #include <vector>
 
+#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -40,18 +41,9 @@ template <class T>
 void layernorm_forward(const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
                        const Tensor<T, cpu>& beta, T eps, Tensor<T, cpu>& y, Tensor<T, cpu>& mean,
                        Tensor<T, cpu>& rstd) {
-  constexpr const char* op = "layernorm_forward";
-  GRAPHMOE_CHECK(!x.empty() && x.rank() >= 1, op, "x must be a non-empty tensor of rank >= 1, got ",
-                 (x.empty() ? "an empty tensor" : x.shape().str()));
-  const index_t n = x.rows(), d = x.cols();
-  GRAPHMOE_CHECK(d >= 1, op, "x has shape ", x.shape(), ": the normalised dimension is empty");
-  check_shape(op, "gamma", gamma, Shape{d});
-  check_shape(op, "beta", beta, Shape{d});
-  GRAPHMOE_CHECK(eps > T(0) && std::isfinite(eps), op, "eps must be positive and finite, got ",
-                 eps);
-  prepare_output(op, "y", y, x.shape());
-  prepare_output(op, "mean", mean, Shape{n});
-  prepare_output(op, "rstd", rstd, Shape{n});
+  const detail::LayernormDims s =
+      detail::layernorm_prepare_forward("layernorm_forward", x, gamma, beta, eps, y, mean, rstd);
+  const index_t n = s.n, d = s.d;
   const T* xs = x.data();
   const T* g = gamma.data();
   const T* b = beta.data();
@@ -86,18 +78,9 @@ void layernorm_backward(const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
                         const Tensor<T, cpu>& mean, const Tensor<T, cpu>& rstd,
                         const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx, Tensor<T, cpu>& dgamma,
                         Tensor<T, cpu>& dbeta) {
-  constexpr const char* op = "layernorm_backward";
-  GRAPHMOE_CHECK(!x.empty() && x.rank() >= 1, op, "x must be a non-empty tensor of rank >= 1, got ",
-                 (x.empty() ? "an empty tensor" : x.shape().str()));
-  const index_t n = x.rows(), d = x.cols();
-  GRAPHMOE_CHECK(d >= 1, op, "x has shape ", x.shape(), ": the normalised dimension is empty");
-  check_shape(op, "gamma", gamma, Shape{d});
-  check_shape(op, "mean", mean, Shape{n});
-  check_shape(op, "rstd", rstd, Shape{n});
-  check_shape(op, "dy", dy, x.shape());
-  prepare_output(op, "dx", dx, x.shape());
-  prepare_output(op, "dgamma", dgamma, Shape{d});
-  prepare_output(op, "dbeta", dbeta, Shape{d});
+  const detail::LayernormDims s = detail::layernorm_prepare_backward(
+      "layernorm_backward", x, gamma, mean, rstd, dy, dx, dgamma, dbeta);
+  const index_t n = s.n, d = s.d;
 
   const index_t block = detail::kLayernormBlockRows;
   const index_t blocks = (n + block - 1) / block;

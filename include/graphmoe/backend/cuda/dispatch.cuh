@@ -22,6 +22,10 @@
 // The gathers run one thread per output element (coalesced over D); dgates runs one warp per
 // (token, choice) dot product. Sums over j run in the CPU's order; the dgates dot product is a
 // tree sum, so combine_backward agrees with the CPU to rounding.
+//
+// T = __nv_bfloat16 or __half: the gathers copy; every sum and product (dispatch_backward's sum
+// over j, combine's weighted sum, gates * dy, the dgates dot products) runs in fp32 on widened
+// entries and is rounded once per stored entry. For float and double nothing changes.
 #pragma once
 
 #include <thrust/system/cuda/execution_policy.h>
@@ -31,6 +35,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cuda/detail/dispatch_plan_thrust.hpp"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/core/tensor.hpp"
@@ -61,6 +66,11 @@ struct CudaDispatchPlan {
                    " is out of range [0, ", num_experts, "]");
     return host_offsets.data()[e];
   }
+};
+
+template <>
+struct dispatch_plan_for<cuda> {
+  using type = CudaDispatchPlan;
 };
 
 namespace detail {
@@ -103,9 +113,10 @@ __global__ void dispatch_backward_kernel(const std::int32_t* source_slot, const 
                                          index_t n, index_t k, index_t d) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n * d) {
     const index_t t = i / d, c = i - t * d;
-    T out = dxs[static_cast<index_t>(source_slot[t * k]) * d + c];
-    for (index_t j = 1; j < k; ++j) out += dxs[static_cast<index_t>(source_slot[t * k + j]) * d + c];
-    dx[i] = out;
+    acc_t<T> out = to_acc(dxs[static_cast<index_t>(source_slot[t * k]) * d + c]);
+    for (index_t j = 1; j < k; ++j)
+      out += to_acc(dxs[static_cast<index_t>(source_slot[t * k + j]) * d + c]);
+    dx[i] = from_acc<T>(out);
   }
 }
 
@@ -114,10 +125,12 @@ __global__ void combine_forward_kernel(const std::int32_t* source_slot, const T*
                                        const T* gates, T* y, index_t n, index_t k, index_t d) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n * d) {
     const index_t t = i / d, c = i - t * d;
-    T out = gates[t * k] * ys[static_cast<index_t>(source_slot[t * k]) * d + c];
+    acc_t<T> out =
+        to_acc(gates[t * k]) * to_acc(ys[static_cast<index_t>(source_slot[t * k]) * d + c]);
     for (index_t j = 1; j < k; ++j)
-      out += gates[t * k + j] * ys[static_cast<index_t>(source_slot[t * k + j]) * d + c];
-    y[i] = out;
+      out += to_acc(gates[t * k + j]) *
+             to_acc(ys[static_cast<index_t>(source_slot[t * k + j]) * d + c]);
+    y[i] = from_acc<T>(out);
   }
 }
 
@@ -126,7 +139,8 @@ __global__ void combine_backward_dys_kernel(const std::int32_t* source_slot, con
                                             const T* dy, T* dys, index_t n, index_t k, index_t d) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n * k * d) {
     const index_t a = i / d, c = i - a * d, t = a / k;
-    dys[static_cast<index_t>(source_slot[a]) * d + c] = gates[a] * dy[t * d + c];
+    dys[static_cast<index_t>(source_slot[a]) * d + c] =
+        from_acc<T>(to_acc(gates[a]) * to_acc(dy[t * d + c]));
   }
 }
 
@@ -143,9 +157,9 @@ __global__ void combine_backward_dgates_kernel(const std::int32_t* source_slot, 
     const T* g = dy + (a / k) * d;
     const T* v = ys + static_cast<index_t>(source_slot[a]) * d;
     A dot = A(0);
-    for (index_t c = lane; c < d; c += 32) dot += static_cast<A>(g[c]) * static_cast<A>(v[c]);
+    for (index_t c = lane; c < d; c += 32) dot += to_acc(g[c]) * to_acc(v[c]);
     dot = warp_reduce(dot, SumOp{});
-    if (lane == 0) dgates[a] = static_cast<T>(dot);
+    if (lane == 0) dgates[a] = from_acc<T>(dot);
   }
 }
 

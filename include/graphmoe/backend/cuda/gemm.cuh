@@ -2,16 +2,25 @@
 //
 //   C = alpha * op(A) * op(B) + beta * C,   op(X) = X or X^T
 //
-// The same functions and contract as backend/cpu/gemm.hpp, on Tensor<T, cuda> (T = float or
-// double). Tensors are row-major and cuBLAS is column-major; a row-major (r, c) matrix is the
-// column-major (c, r) matrix of its transpose, so C = op(A) op(B) is computed as the column-major
+// The same functions and contract as backend/cpu/gemm.hpp, on Tensor<T, cuda> (T = float, double,
+// __nv_bfloat16 or __half). Tensors are row-major and cuBLAS is column-major; a row-major (r, c)
+// matrix is the column-major (c, r) matrix of its transpose, so C = op(A) op(B) is computed as
+// the column-major
 //   C^T = op(B)^T op(A)^T   :   cublas<t>gemm(op_b, op_a, n, m, k, B, ldb, A, lda, C, ldc = n)
 // with lda = A.cols(), ldb = B.cols() and the transpose flags unchanged (no data is moved).
 //
+// float and double run cublasSgemm / cublasDgemm. __nv_bfloat16 and __half run cublasGemmEx with
+// A, B and C in CUDA_R_16BF / CUDA_R_16F and CUBLAS_COMPUTE_32F: products and sums in fp32,
+// alpha and beta widened to float (the scale type of COMPUTE_32F), one rounding of each C entry
+// (beta C is read from the 16-bit C). The handle also sets
+// CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION, so that split-K reductions run in fp32 rather
+// than in the 16-bit output type; the flag does not affect the float and double routines.
+//
 // One cuBLAS handle per (thread, device), created on first use, bound to cuda_stream() and
-// destroyed when the thread exits. The math mode is CUBLAS_DEFAULT_MATH: float products are true
-// fp32 (no TF32 tensor cores), so the CUDA and CPU results agree to fp32 rounding; allowing TF32
-// would be a separate, opt-in precision choice.
+// destroyed when the thread exits. The math mode is CUBLAS_DEFAULT_MATH (plus the flag above):
+// float products are true fp32 (no TF32 tensor cores), so the CUDA and CPU results agree to fp32
+// rounding; allowing TF32 would be a separate, opt-in precision choice. (The 16-bit types use
+// tensor cores with fp32 accumulation whatever the math mode.)
 //
 // `Trans` is the CPU header's enum, so this header includes backend/cpu/gemm.hpp (and with it
 // Eigen, host-only: EIGEN_NO_CUDA keeps nvcc from compiling Eigen for the device).
@@ -22,8 +31,11 @@
 #endif
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <climits>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/backend/cpu/gemm.hpp"
@@ -53,7 +65,9 @@ inline cublasHandle_t cublas_handle() {
   if (h == nullptr) {
     GRAPHMOE_CUBLAS_CHECK(cublasCreate(&h));
     GRAPHMOE_CUBLAS_CHECK(cublasSetStream(h, cuda_stream()));
-    GRAPHMOE_CUBLAS_CHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    GRAPHMOE_CUBLAS_CHECK(cublasSetMathMode(
+        h, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                     CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   }
   return h;
 }
@@ -71,14 +85,42 @@ inline void cublas_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_
   GRAPHMOE_CUBLAS_CHECK(cublasDgemm(h, ta, tb, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc));
 }
 
+// The cudaDataType of a 16-bit element type.
+template <class T>
+inline constexpr cudaDataType_t cuda_data_type_v =
+    std::is_same_v<T, __nv_bfloat16> ? CUDA_R_16BF : CUDA_R_16F;
+
+// bf16 / half storage, fp32 compute: alpha and beta are already float.
+template <class T>
+  requires(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)
+void cublas_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                 int k, float alpha, const T* a, int lda, const T* b, int ldb, float beta, T* c,
+                 int ldc) {
+  GRAPHMOE_CUBLAS_CHECK(cublasGemmEx(h, ta, tb, m, n, k, &alpha, a, cuda_data_type_v<T>, lda, b,
+                                     cuda_data_type_v<T>, ldb, &beta, c, cuda_data_type_v<T>, ldc,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// The scalar handed to cuBLAS: T for float and double, float for bf16 and half.
+template <class T>
+auto cublas_scalar(T v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat162float(v);
+  else if constexpr (std::is_same_v<T, __half>)
+    return __half2float(v);
+  else
+    return v;
+}
+
 }  // namespace detail
 
 // C = alpha * op(A) op(B) + beta * C. An empty C is allocated as (M, N) (then beta is ignored).
 template <class T>
 void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T, cuda>& B, T beta,
           Tensor<T, cuda>& C) {
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "graphmoe::gemm on cuda: T must be float or double");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                    std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
+                "graphmoe::gemm on cuda: T must be float, double, __nv_bfloat16 or __half");
   GRAPHMOE_CHECK(!A.empty() && !B.empty(), "gemm", "A or B is empty");
   GRAPHMOE_CHECK(A.rank() >= 1 && B.rank() >= 1, "gemm", "A and B must have rank >= 1, got ",
                  A.shape(), " and ", B.shape());
@@ -91,7 +133,7 @@ void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T,
                  ", ", n, ") from B ", B.shape(), (tb == Trans::T ? " transposed" : ""));
   if (C.empty()) {
     C = Tensor<T, cuda>(Shape{m, n});
-    beta = T(0);
+    beta = T{};  // +0 (value-initialised, for the 16-bit types too)
   }
   GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),
                  ", expected ", m, " rows and ", n, " columns for A ", A.shape(), " and B ",
@@ -104,9 +146,9 @@ void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T,
   // cuBLAS requires leading dimensions >= 1 even when k = 0 (then C = beta C).
   const auto ld = [](index_t cols) { return static_cast<int>(cols < 1 ? 1 : cols); };
   detail::cublas_gemm(detail::cublas_handle(), detail::cublas_op(tb), detail::cublas_op(ta),
-                      static_cast<int>(n), static_cast<int>(m), static_cast<int>(ka), alpha,
-                      B.data(), ld(B.cols()), A.data(), ld(A.cols()), beta, C.data(),
-                      static_cast<int>(n));
+                      static_cast<int>(n), static_cast<int>(m), static_cast<int>(ka),
+                      detail::cublas_scalar(alpha), B.data(), ld(B.cols()), A.data(),
+                      ld(A.cols()), detail::cublas_scalar(beta), C.data(), static_cast<int>(n));
 }
 
 // gemm_backward for Tensor<T, cuda> is the backend-independent one in backend/cpu/gemm.hpp

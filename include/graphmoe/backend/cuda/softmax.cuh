@@ -8,9 +8,13 @@
 //                 dx_j = dy_j - exp(y_j) * sum_k dy_k
 //
 // One thread block per row (up to 256 threads, fewer for short rows), block-wide reductions with
-// warp shuffles. Sums are accumulated in T (fp32 for float, where the CPU op uses double): the two
-// backends agree to about 1e-6 relative for float (tests/cuda/test_cuda_ops.cu). -inf entries
-// (masked positions) give exactly 0 probability, as exp(-inf) = 0.
+// warp shuffles. Sums are accumulated in acc_t<T> (fp32 for float, where the CPU op uses double):
+// the two backends agree to about 1e-6 relative for float (tests/cuda/test_cuda_ops.cu). -inf
+// entries (masked positions) give exactly 0 probability, as exp(-inf) = 0.
+//
+// T = __nv_bfloat16 or __half: storage only. Every entry is widened to fp32, the max, the sums,
+// exp and log run in fp32, and each output entry is rounded once (softmax recomputes exp(x - m)
+// in its last pass instead of re-reading a rounded intermediate from y).
 //
 // A row whose maximum is not finite (all -inf, a +inf, or a NaN) throws graphmoe::Error with the
 // CPU op's message, naming the first such row; the check reads one flag back from the device, so
@@ -33,23 +37,31 @@ namespace detail {
 template <class T, bool Log>
 __global__ void softmax_forward_kernel(const T* x, T* y, index_t rows, index_t cols,
                                        unsigned long long* bad_row) {
-  using A = acc_t<T>;
+  using A = acc_t<T>;  // T for float and double, fp32 for bf16 and half
   for (index_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
-    T m = -std::numeric_limits<T>::infinity();
-    for (index_t j = threadIdx.x; j < cols; j += blockDim.x) m = MaxNanOp{}(m, xr[j]);
-    m = block_reduce(m, MaxNanOp{}, -std::numeric_limits<T>::infinity());
+    A m = -std::numeric_limits<A>::infinity();
+    for (index_t j = threadIdx.x; j < cols; j += blockDim.x) m = MaxNanOp{}(m, to_acc(xr[j]));
+    m = block_reduce(m, MaxNanOp{}, -std::numeric_limits<A>::infinity());
     if (!isfinite(m)) {  // the same for every thread of the block: no barrier is skipped by some
       if (threadIdx.x == 0) flag_index(bad_row, r);
       continue;
     }
     A s = A(0);
     if (Log) {
-      for (index_t j = threadIdx.x; j < cols; j += blockDim.x) s += static_cast<A>(exp_t(xr[j] - m));
+      for (index_t j = threadIdx.x; j < cols; j += blockDim.x) s += exp_t(to_acc(xr[j]) - m);
       s = block_reduce(s, SumOp{}, A(0));
-      const T lse = static_cast<T>(log_t(s));
-      for (index_t j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (xr[j] - m) - lse;
+      const A lse = log_t(s);
+      for (index_t j = threadIdx.x; j < cols; j += blockDim.x)
+        yr[j] = from_acc<T>((to_acc(xr[j]) - m) - lse);
+    } else if constexpr (is_half_precision_v<T>) {
+      // y is not written before the last pass (it may alias x): one rounding per entry
+      for (index_t j = threadIdx.x; j < cols; j += blockDim.x) s += exp_t(to_acc(xr[j]) - m);
+      s = block_reduce(s, SumOp{}, A(0));
+      const A inv = A(1) / s;
+      for (index_t j = threadIdx.x; j < cols; j += blockDim.x)
+        yr[j] = from_acc<T>(exp_t(to_acc(xr[j]) - m) * inv);
     } else {
       for (index_t j = threadIdx.x; j < cols; j += blockDim.x) {
         const T e = exp_t(xr[j] - m);
@@ -73,10 +85,12 @@ __global__ void softmax_backward_kernel(const T* y, const T* dy, T* dx, index_t 
     T* dxr = dx + r * cols;
     A s = A(0);
     for (index_t j = threadIdx.x; j < cols; j += blockDim.x)
-      s += Log ? static_cast<A>(dyr[j]) : static_cast<A>(dyr[j]) * static_cast<A>(yr[j]);
-    const T d = static_cast<T>(block_reduce(s, SumOp{}, A(0)));
-    for (index_t j = threadIdx.x; j < cols; j += blockDim.x)
-      dxr[j] = Log ? dyr[j] - exp_t(yr[j]) * d : yr[j] * (dyr[j] - d);
+      s += Log ? to_acc(dyr[j]) : to_acc(dyr[j]) * to_acc(yr[j]);
+    const A d = block_reduce(s, SumOp{}, A(0));
+    for (index_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      const A yj = to_acc(yr[j]), dyj = to_acc(dyr[j]);
+      dxr[j] = from_acc<T>(Log ? dyj - exp_t(yj) * d : yj * (dyj - d));
+    }
   }
 }
 
@@ -89,10 +103,12 @@ template <class T>
   GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(h.data(), x.data() + row * cols, sizeof(T) * h.size(),
                                       cudaMemcpyDeviceToHost, cuda_stream()));
   cuda_stream_synchronize();
+  using A = acc_t<T>;
   index_t pos_inf = 0, nan = 0;
-  for (const T v : h) {
+  for (const T t : h) {
+    const A v = to_acc(t);
     if (std::isnan(v)) ++nan;
-    if (v == std::numeric_limits<T>::infinity()) ++pos_inf;
+    if (v == std::numeric_limits<A>::infinity()) ++pos_inf;
   }
   if (nan > 0)
     throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains NaN (", nan,
@@ -106,7 +122,8 @@ template <class T>
 
 template <class T, bool Log>
 void softmax_forward_impl(const char* op, const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
-  static_assert(std::is_floating_point_v<T>, "graphmoe::softmax: T must be float or double");
+  static_assert(cuda_float_type<T>,
+                "graphmoe::softmax: T must be float, double, __nv_bfloat16 or __half");
   GRAPHMOE_CHECK(!x.empty(), op, "x is empty");
   prepare_output(op, "y", y, x.shape());
   const index_t rows = x.rows(), cols = x.cols();

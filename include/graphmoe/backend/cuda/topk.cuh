@@ -18,8 +18,13 @@
 // Both functions check their input on the device and read one flag back (they synchronise the
 // stream). topk_backward reports an out-of-range index after the kernel has run, so dx may be
 // partly written when it throws (the CPU op checks first).
+//
+// T = __nv_bfloat16 or __half: entries are compared after exact widening to fp32 (the same order
+// as comparing the 16-bit values), values are copied unchanged; topk_backward sums repeated
+// indices in fp32, rounding after each addition as the CPU op does in T.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -40,20 +45,21 @@ __global__ void topk_forward_kernel(const T* x, index_t n, index_t e, index_t k,
     std::int32_t* idx = indices + r * k;
     index_t filled = 0;
     for (index_t c = 0; c < e; ++c) {
-      const T v = row[c];
+      const T raw = row[c];
+      const acc_t<T> v = to_acc(raw);
       if (v != v) {  // NaN
         flag_index(bad_row, r);
         break;
       }
       // Strictly greater: an equal value seen later (higher index) never displaces or passes an
       // earlier one.
-      if (filled == k && !(v > val[k - 1])) continue;
+      if (filled == k && !(v > to_acc(val[k - 1]))) continue;
       index_t p = filled < k ? filled++ : k - 1;
-      for (; p > 0 && v > val[p - 1]; --p) {
+      for (; p > 0 && v > to_acc(val[p - 1]); --p) {
         val[p] = val[p - 1];
         idx[p] = idx[p - 1];
       }
-      val[p] = v;
+      val[p] = raw;
       idx[p] = static_cast<std::int32_t>(c);
     }
   }
@@ -64,14 +70,14 @@ __global__ void topk_backward_kernel(const std::int32_t* indices, const T* dvalu
                                      index_t k, index_t e, T* dx, unsigned long long* bad_entry) {
   GRAPHMOE_CUDA_GRID_STRIDE(r, n) {
     T* row = dx + r * e;
-    for (index_t c = 0; c < e; ++c) row[c] = T(0);
+    for (index_t c = 0; c < e; ++c) row[c] = from_acc<T>(acc_t<T>(0));
     for (index_t j = 0; j < k; ++j) {  // in order, so repeated indices sum as on the CPU
       const std::int32_t c = indices[r * k + j];
       if (c < 0 || c >= e) {
         flag_index(bad_entry, r * k + j);
         continue;
       }
-      row[c] += dvalues[r * k + j];
+      row[c] = from_acc<T>(to_acc(row[c]) + to_acc(dvalues[r * k + j]));
     }
   }
 }
@@ -104,7 +110,7 @@ void topk_forward(const Tensor<T, cuda>& x, index_t k, Tensor<T, cuda>& values,
                                         cudaMemcpyDeviceToHost, cuda_stream()));
     cuda_stream_synchronize();
     index_t c = 0;
-    while (!(row[static_cast<std::size_t>(c)] != row[static_cast<std::size_t>(c)])) ++c;
+    while (!std::isnan(detail::to_acc(row[static_cast<std::size_t>(c)]))) ++c;
     GRAPHMOE_CHECK(false, op, "x ", x.shape(), " holds NaN at row ", r, ", column ", c);
   }
 }

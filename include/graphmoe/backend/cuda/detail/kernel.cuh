@@ -1,12 +1,27 @@
-// graphmoe/backend/cuda/detail/kernel.cuh: launch shapes, reductions and device-side error flags
-// shared by the kernels of the CUDA backend (internal).
+// graphmoe/backend/cuda/detail/kernel.cuh: launch shapes, reductions, device-side error flags and
+// the storage/accumulation types shared by the kernels of the CUDA backend (internal).
+//
+// Element types. The floating-point ops take T = float, double, __nv_bfloat16 or __half
+// (cuda_float_type). A kernel loads every element into acc_t<T> with to_acc, does all its
+// arithmetic there, and rounds once per stored element with from_acc<T>:
+//
+//   T               acc_t<T>   to_acc / from_acc
+//   float, double   T          identity (the kernels compute exactly what they did before)
+//   __nv_bfloat16   float      exact widening / round to nearest even
+//   __half          float      exact widening / round to nearest even
+//
+// value_cast<D>(v) converts between any two of the four types with one rounding to nearest even
+// (double to bf16 or half directly, never through float), on the host and on the device.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
@@ -19,14 +34,70 @@
 
 namespace graphmoe::detail {
 
-// The type row sums and dot products are accumulated in: T itself for float and double (so float
-// rows accumulate in fp32, as cuBLAS does); a wider type for half precision once it is added.
+// The 16-bit floating-point storage types: math on them runs in fp32.
+template <class T>
+inline constexpr bool is_half_precision_v =
+    std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+
+// The element types of the CUDA backend's floating-point ops.
+template <class T>
+concept cuda_float_type = std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                          is_half_precision_v<T>;
+
+// The type every kernel computes and accumulates in: T itself for float and double (so float
+// rows accumulate in fp32, as cuBLAS does), fp32 for bf16 and half.
 template <class T>
 struct accumulate_type {
   using type = T;
 };
+template <>
+struct accumulate_type<__nv_bfloat16> {
+  using type = float;
+};
+template <>
+struct accumulate_type<__half> {
+  using type = float;
+};
 template <class T>
 using acc_t = typename accumulate_type<T>::type;
+
+// v as a D: exact when D is at least as wide, otherwise rounded to nearest even (one rounding:
+// double to bf16 / half directly; bf16 <-> half through float, which holds both exactly). NaN
+// stays NaN, overflow gives +-inf. D and S are float, double, __nv_bfloat16 or __half.
+template <class D, class S>
+GRAPHMOE_HOST_DEVICE inline D value_cast(S v) {
+  if constexpr (std::is_same_v<D, S>) {
+    return v;
+  } else if constexpr (std::is_same_v<S, __nv_bfloat16>) {
+    return value_cast<D>(__bfloat162float(v));
+  } else if constexpr (std::is_same_v<S, __half>) {
+    return value_cast<D>(__half2float(v));
+  } else if constexpr (std::is_same_v<D, __nv_bfloat16>) {
+    if constexpr (std::is_same_v<S, double>)
+      return __double2bfloat16(v);
+    else
+      return __float2bfloat16_rn(v);
+  } else if constexpr (std::is_same_v<D, __half>) {
+    if constexpr (std::is_same_v<S, double>)
+      return __double2half(v);
+    else
+      return __float2half_rn(v);
+  } else {
+    return static_cast<D>(v);
+  }
+}
+
+// Loads a stored element into the accumulation type (exact).
+template <class T>
+GRAPHMOE_HOST_DEVICE inline acc_t<T> to_acc(T v) {
+  return value_cast<acc_t<T>>(v);
+}
+
+// Stores an accumulated value as T (round to nearest even for bf16 / half; identity otherwise).
+template <class T>
+GRAPHMOE_HOST_DEVICE inline T from_acc(acc_t<T> v) {
+  return value_cast<T>(v);
+}
 
 constexpr int kThreads = 256;  // threads per block of the element-wise and row kernels
 

@@ -1,0 +1,441 @@
+// The CUDA backend on a GPU: cuBLAS GEMM throughput, the MoE layer per router, the similarity
+// token graph and one LM training step, all on graphmoe::cuda.
+//
+//   gemm/<type>/<case>/MxKxN      C = op(A) op(B), one cuBLAS GEMM; FLOP = 2 M K N
+//       expert_fwd_NT    256 x 352 x 352   one expert's share of the routed slots, H = X w1^T
+//       expert_dX_NN     256 x 352 x 352   its input gradient, dX = dH w1
+//       expert_dW_TN     352 x 256 x 352   its weight gradient, dw1 += dH^T X
+//       all_slots_NT    4096 x 352 x 352   every routed slot through one weight (dense upper bound)
+//       square_NN       4096 x 4096 x 4096 cuBLAS's large-matrix throughput (the yardstick)
+//     in float (CUBLAS_DEFAULT_MATH: true fp32, no TF32) and in bf16 when graphmoe::gemm accepts
+//     Tensor<__nv_bfloat16, cuda> (detected at compile time, see kHaveBf16Gemm).
+//   moe/float/<router>/{fwd,fwdbwd}   MoELayer<Router, float, graphmoe::cuda> at the paper's medium
+//     shape: batch 4 x 512 tokens, D = 352, E = 16, d_ff = 352, top-2, causal graphs, as bench_moe
+//     on the CPU. fwdbwd = forward, zero_grad, backward. The attention router reads the cache of a
+//     MultiHeadAttention<float, graphmoe::cuda> (8 heads) run once on the same tokens. Counter
+//     expert_flop: 4 D d_ff per routed slot forward (two GEMMs), x3 with backward: the useful
+//     work, not everything the layer computes.
+//   graph/float/similarity/{fwd,fwdbwd}   GraphImpl<Similarity, float, graphmoe::cuda> alone on the
+//     same tokens (p = S r with S = softmax(U U^T / tau), causal), backward into dr and du.
+//   lm_train/float/<router>   one TransformerLM<Router, float, graphmoe::cuda> training step
+//     (forward with the loss, zero_grad, backward, clip_grad_norm(1.0), AdamW) at
+//     TransformerLMConfig::paper_medium (6 layers, D = 352, 8 heads, E = 16, top-2) with a
+//     vocabulary of 1024, batch 4 x 512 tokens. Counter tokens/s.
+//
+// Timing: every iteration is bracketed by CUDA events on graphmoe::cuda_stream() (the stream every
+// op runs on) and reported with UseManualTime, so the time is the device's from the first queued
+// op to the last one's end, host gaps included; each run starts with warm-up calls and a stream
+// synchronisation. The small GEMMs are queued several at a time per iteration (counter reps) and
+// the time divided by the count. An error (graphmoe::Error, a CUDA error) ends that benchmark with
+// SkipWithError; the others still run.
+//
+// The MoE layer, the graph and the LM have no bf16 variants: the layers and the ops under them
+// (softmax, top-k, dispatch, layer norm, GELU, the token-graph kernels, AdamW) are instantiated
+// for float and double only, so MoELayer<Router, __nv_bfloat16, graphmoe::cuda> does not compile
+// yet. Add them here when it does.
+//
+// Without a CUDA device the program says so and exits 0.
+//
+//   ./build/benchmarks/bench_cuda --benchmark_min_time=0.2 --benchmark_format=json >bench_cuda.json
+//   /usr/bin/python3 benchmarks/compare/cuda_report.py bench_cuda.json
+#include <benchmark/benchmark.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "graphmoe/cuda.cuh"
+
+namespace graphmoe::bench {
+namespace {
+
+// The paper's medium shape (bench_moe.cpp).
+constexpr index_t kBatch = 4, kSeq = 512, kTokens = kBatch * kSeq, kD = 352, kE = 16, kFF = 352,
+                  kK = 2, kHeads = 8, kVocab = 1024;
+constexpr int kWarmup = 3;
+
+// ---- bf16 GEMM detection ----------------------------------------------------------------------
+// graphmoe::gemm on Tensor<T, graphmoe::cuda> with scalars of type S, as a requires-expression.
+// A requires-expression sees only the declaration, and the backend's gemm may be a template that
+// names its types in a static_assert in its body rather than in a constraint: then "callable"
+// holds for any T, and instantiating it for an unsupported T is a hard error. So the answer for
+// bf16 is trusted when the declaration turns away a type it surely does not support (GemmProbe),
+// and otherwise only when the cuBLAS call under it (detail::cublas_gemm) takes bf16 pointers.
+struct GemmProbe {
+  float value;
+};
+
+template <class T, class S>
+concept CudaGemmWith = requires(const Tensor<T, graphmoe::cuda>& a, Tensor<T, graphmoe::cuda>& c,
+                                S s) { graphmoe::gemm(Trans::N, Trans::N, s, a, a, s, c); };
+
+template <class T>
+concept CublasGemmFor = requires(const T* a, T* c, float s) {
+  graphmoe::detail::cublas_gemm(cublasHandle_t{}, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, s, a, 1, a,
+                                1, s, c, 1);
+};
+
+constexpr bool kCudaGemmConstrained =
+    !CudaGemmWith<GemmProbe, GemmProbe> && !CudaGemmWith<GemmProbe, float>;
+
+template <class T>
+constexpr bool kCudaGemmFor =
+    std::is_same_v<T, float> || ((CudaGemmWith<T, T> || CudaGemmWith<T, float>) &&
+                                 (kCudaGemmConstrained || CublasGemmFor<T>));
+
+constexpr bool kHaveBf16Gemm = kCudaGemmFor<__nv_bfloat16>;
+
+// The scalar type the backend's gemm takes for T: T itself, else float (a bf16 GEMM computing in
+// fp32 may take fp32 alpha and beta).
+template <class T>
+using gemm_scalar_t = std::conditional_t<CudaGemmWith<T, T>, T, float>;
+
+template <class T>
+const char* type_name() {
+  return std::is_same_v<T, float> ? "float" : "bf16";
+}
+
+// ---- timing -----------------------------------------------------------------------------------
+// Two CUDA events on the backend's stream: start() before the work, seconds() after it (waits for
+// the stop event, i.e. for everything queued before it).
+class EventTimer {
+ public:
+  EventTimer() {
+    GRAPHMOE_CUDA_CHECK(cudaEventCreate(&start_));
+    GRAPHMOE_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~EventTimer() {
+    if (start_ != nullptr) (void)cudaEventDestroy(start_);
+    if (stop_ != nullptr) (void)cudaEventDestroy(stop_);
+  }
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+
+  void start() { GRAPHMOE_CUDA_CHECK(cudaEventRecord(start_, cuda_stream())); }
+  double seconds() {
+    GRAPHMOE_CUDA_CHECK(cudaEventRecord(stop_, cuda_stream()));
+    GRAPHMOE_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float ms = 0;
+    GRAPHMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    return static_cast<double>(ms) * 1e-3;
+  }
+
+ private:
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
+// Runs body(state) and turns an exception into SkipWithError, so that one failing benchmark (a
+// graphmoe::Error, a CUDA error) leaves the others to run and shows in the JSON output.
+template <class Body>
+void guarded(benchmark::State& state, Body&& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+// ---- data -------------------------------------------------------------------------------------
+// A device tensor of entries uniform in [-a, a) with a = sqrt(3) stddev (variance stddev^2),
+// drawn on the host from rng's raw 32-bit stream (cheap enough for 4096 x 4096 inputs on every
+// run of a benchmark) and converted to T there.
+template <class T>
+Tensor<T, graphmoe::cuda> random_device(const Shape& shape, Rng& rng, double stddev) {
+  Tensor<T, graphmoe::cuda> d(shape);
+  std::vector<T> h(static_cast<std::size_t>(d.numel()));
+  const double a = std::sqrt(3.0) * stddev;
+  for (T& x : h) {
+    const double u = static_cast<double>(rng.next_u32()) * (1.0 / 4294967296.0);  // [0, 1)
+    x = T(static_cast<float>(a * (2.0 * u - 1.0)));
+  }
+  GRAPHMOE_CUDA_CHECK(
+      cudaMemcpyAsync(d.data(), h.data(), d.bytes(), cudaMemcpyHostToDevice, cuda_stream()));
+  cuda_stream_synchronize();
+  return d;
+}
+
+// Uniform in [lo, hi), for router probabilities.
+Tensor<float, graphmoe::cuda> uniform_device(const Shape& shape, Rng& rng, double lo, double hi) {
+  Tensor<float, cpu> h(shape);
+  for (index_t i = 0; i < h.numel(); ++i)
+    h.data()[i] = static_cast<float>(rng.uniform(lo, hi));
+  return to_device(h);
+}
+
+// ---- GEMM -------------------------------------------------------------------------------------
+struct GemmCase {
+  const char* name;
+  index_t m, k, n;
+  Trans ta, tb;
+};
+
+constexpr GemmCase kGemmCases[] = {
+    {"expert_fwd_NT", kTokens * kK / kE, kD, kFF, Trans::N, Trans::T},
+    {"expert_dX_NN", kTokens * kK / kE, kFF, kD, Trans::N, Trans::N},
+    {"expert_dW_TN", kFF, kTokens * kK / kE, kD, Trans::T, Trans::N},
+    {"all_slots_NT", kTokens * kK, kD, kFF, Trans::N, Trans::T},
+    {"square_NN", 4096, 4096, 4096, Trans::N, Trans::N},
+};
+
+template <class T>
+void BM_gemm(benchmark::State& state, GemmCase g) {
+  guarded(state, [&] {
+    using S = gemm_scalar_t<T>;
+    Rng rng(1);
+    // A is op(A) = (m, k), B is op(B) = (k, n) before the transpositions.
+    const Shape sa = g.ta == Trans::N ? Shape{g.m, g.k} : Shape{g.k, g.m};
+    const Shape sb = g.tb == Trans::N ? Shape{g.k, g.n} : Shape{g.n, g.k};
+    const Tensor<T, graphmoe::cuda> a = random_device<T>(sa, rng, 1.0);
+    const Tensor<T, graphmoe::cuda> b = random_device<T>(sb, rng, 1.0);
+    Tensor<T, graphmoe::cuda> c(Shape{g.m, g.n});
+    const double flop = 2.0 * static_cast<double>(g.m) * static_cast<double>(g.k) *
+                        static_cast<double>(g.n);
+    // About 2 GFLOP per timed batch, so that a few-microsecond GEMM is not timed alone.
+    const int reps = static_cast<int>(std::max(1.0, std::ceil(2e9 / flop)));
+    auto run = [&] {
+      for (int r = 0; r < reps; ++r) graphmoe::gemm(g.ta, g.tb, S(1.0f), a, b, S(0.0f), c);
+    };
+    for (int i = 0; i < kWarmup; ++i) run();
+    cuda_stream_synchronize();
+    EventTimer timer;
+    for (auto _ : state) {
+      timer.start();
+      run();
+      state.SetIterationTime(timer.seconds() / reps);
+    }
+    state.counters["flop"] = flop;
+    state.counters["FLOP/s"] = benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["reps"] = reps;
+  });
+}
+
+// ---- MoE layer --------------------------------------------------------------------------------
+MoEConfig moe_config() {
+  MoEConfig cfg;
+  cfg.d_model = kD;
+  cfg.d_ff = kFF;
+  cfg.router.num_experts = kE;
+  cfg.router.k = kK;
+  cfg.router.k_min = kK;
+  cfg.router.k_max = kK;
+  cfg.router.causal = true;
+  return cfg;
+}
+
+template <class Policy>
+void BM_moe(benchmark::State& state, bool backward) {
+  guarded(state, [&] {
+    using T = float;
+    ParameterArena<T, graphmoe::cuda> arena;
+    MoELayer<Policy, T, graphmoe::cuda> layer;
+    layer.declare(arena, "moe.", moe_config());
+    arena.allocate();
+    layer.bind(arena);
+    Rng rng(1);
+    layer.init(rng);
+    const Tensor<T, graphmoe::cuda> u = random_device<T>(Shape{kTokens, kD}, rng, 1.0);  // (N, D)
+    const Tensor<T, graphmoe::cuda> dy = random_device<T>(Shape{kTokens, kD}, rng, 1.0);
+
+    // The attention router's cache: a causal 8-head attention layer run once on the same tokens,
+    // with the gradient sinks the graph's backward accumulates into.
+    ParameterArena<T, graphmoe::cuda> attn_arena;
+    MultiHeadAttention<T, graphmoe::cuda> attn;
+    AttentionCache<T, graphmoe::cuda>* cache = nullptr;
+    if constexpr (Policy::needs_attention) {
+      attn.declare(attn_arena, "attn.", kD, kHeads, /*causal=*/true);
+      attn_arena.allocate();
+      attn.bind(attn_arena);
+      attn.init(rng, 1.0 / std::sqrt(static_cast<double>(kD)));
+      Tensor<T, graphmoe::cuda> a;
+      attn.forward(u.view(Shape{kBatch, kSeq, kD}), a);  // (B, T, D)
+      attn.enable_graph_gradients();
+      cache = &attn.cache();
+    }
+    const GraphContext<T, graphmoe::cuda> ctx{kSeq, cache};
+
+    Tensor<T, graphmoe::cuda> y, du;
+    auto step = [&] {
+      layer.forward(u, ctx, y);
+      if (backward) {
+        arena.zero_grad();
+        layer.backward(dy, du);
+      }
+    };
+    for (int i = 0; i < kWarmup; ++i) step();
+    cuda_stream_synchronize();
+    // Routed slots of the last forward (dropless by default, so N k).
+    const double slots = static_cast<double>(kTokens * kK - layer.routing().selection.dropped);
+    EventTimer timer;
+    for (auto _ : state) {
+      timer.start();
+      step();
+      state.SetIterationTime(timer.seconds());
+    }
+    const double flop = 4.0 * slots * kD * kFF * (backward ? 3.0 : 1.0);
+    state.counters["expert_flop"] = flop;
+    state.counters["expert_FLOP/s"] =
+        benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kTokens),
+                                                    benchmark::Counter::kIsIterationInvariantRate);
+  });
+}
+
+// ---- similarity graph alone -------------------------------------------------------------------
+void BM_similarity_graph(benchmark::State& state, bool backward) {
+  guarded(state, [&] {
+    using T = float;
+    GraphImpl<Similarity, T, graphmoe::cuda> graph;
+    graph.configure(kD, moe_config().router);
+    Rng rng(2);
+    const Tensor<T, graphmoe::cuda> u = random_device<T>(Shape{kTokens, kD}, rng, 1.0);  // (N, D)
+    const Tensor<T, graphmoe::cuda> r = uniform_device(Shape{kTokens, kE}, rng, 0.0, 1.0);  // (N, E)
+    const Tensor<T, graphmoe::cuda> dp = random_device<T>(Shape{kTokens, kE}, rng, 1.0);
+    const GraphContext<T, graphmoe::cuda> ctx{kSeq, nullptr};
+    Tensor<T, graphmoe::cuda> p, dr, du(Shape{kTokens, kD});  // du accumulates
+    auto step = [&] {
+      graph.forward(u, r, ctx, p);
+      if (backward) graph.backward(u, r, p, dp, ctx, dr, du);
+    };
+    for (int i = 0; i < kWarmup; ++i) step();
+    cuda_stream_synchronize();
+    EventTimer timer;
+    for (auto _ : state) {
+      timer.start();
+      step();
+      state.SetIterationTime(timer.seconds());
+    }
+    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kTokens),
+                                                    benchmark::Counter::kIsIterationInvariantRate);
+  });
+}
+
+// ---- LM training step -------------------------------------------------------------------------
+template <class Policy>
+void BM_lm_train(benchmark::State& state) {
+  guarded(state, [&] {
+    using T = float;
+    TransformerLM<Policy, T, graphmoe::cuda> lm(TransformerLMConfig::paper_medium(kVocab),
+                                                /*seed=*/1);
+    AdamWConfig acfg;
+    acfg.lr = 1e-3;
+    acfg.weight_decay = 0.01;
+    AdamW<T, graphmoe::cuda> opt(lm.arena, acfg);
+
+    // Inputs and next-token targets from one random stream (bench_lm.cpp).
+    Rng rng(1234);
+    Tensor<std::int32_t, cpu> ids(Shape{kBatch, kSeq}), targets(Shape{kBatch, kSeq});
+    for (index_t b = 0; b < kBatch; ++b) {
+      std::int32_t prev = static_cast<std::int32_t>(rng.next_u32() % kVocab);
+      for (index_t t = 0; t < kSeq; ++t) {
+        const std::int32_t next = static_cast<std::int32_t>(rng.next_u32() % kVocab);
+        ids.data()[b * kSeq + t] = prev;
+        targets.data()[b * kSeq + t] = next;
+        prev = next;
+      }
+    }
+    const Tensor<std::int32_t, graphmoe::cuda> ids_dev = to_device(ids);
+    const Tensor<std::int32_t, graphmoe::cuda> targets_dev = to_device(targets);
+
+    std::int64_t step = 0;
+    T loss = 0;
+    auto train_step = [&] {
+      lm.set_step(step++);
+      loss = lm.forward(ids_dev, targets_dev);
+      lm.arena.zero_grad();
+      lm.backward();
+      double norm = clip_grad_norm(lm.arena, 1.0);
+      opt.step(lm.arena);
+      benchmark::DoNotOptimize(norm);
+    };
+    for (int i = 0; i < kWarmup; ++i) train_step();
+    cuda_stream_synchronize();
+    EventTimer timer;
+    for (auto _ : state) {
+      timer.start();
+      train_step();
+      state.SetIterationTime(timer.seconds());
+    }
+    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kTokens),
+                                                    benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["loss"] = static_cast<double>(loss);
+  });
+}
+
+// ---- registration -----------------------------------------------------------------------------
+template <class T>
+void register_gemm() {
+  if constexpr (kCudaGemmFor<T>) {
+    for (const GemmCase& g : kGemmCases) {
+      const std::string name = std::string("gemm/") + type_name<T>() + "/" + g.name + "/" +
+                               std::to_string(g.m) + "x" + std::to_string(g.k) + "x" +
+                               std::to_string(g.n);
+      benchmark::RegisterBenchmark(name.c_str(), BM_gemm<T>, g)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
+  }
+}
+
+template <class Policy>
+void register_moe(const std::string& router) {
+  for (bool backward : {false, true}) {
+    const std::string name = "moe/float/" + router + (backward ? "/fwdbwd" : "/fwd");
+    benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy>, backward)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+void register_all() {
+  register_gemm<float>();
+  register_gemm<__nv_bfloat16>();
+  register_moe<SoftmaxRouter>("softmax");
+  register_moe<SimilarityRouter>("similarity");
+  register_moe<AttentionRouter>("attention");
+  for (bool backward : {false, true}) {
+    const std::string name = std::string("graph/float/similarity/") + (backward ? "fwdbwd" : "fwd");
+    benchmark::RegisterBenchmark(name.c_str(), BM_similarity_graph, backward)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RegisterBenchmark("lm_train/float/softmax", BM_lm_train<SoftmaxRouter>)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("lm_train/float/similarity", BM_lm_train<SimilarityRouter>)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+}  // namespace graphmoe::bench
+
+int main(int argc, char** argv) {
+  if (graphmoe::cuda_device_count() == 0) {
+    std::printf(
+        "bench_cuda: no CUDA device (cudaGetDeviceCount found none): nothing to measure. Run it "
+        "on a machine with a GPU, e.g. through bash scripts/gpu-check.sh.\n");
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  try {
+    benchmark::AddCustomContext("cuda_device", graphmoe::cuda_device_name());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_cuda: %s\n", e.what());
+    return 1;
+  }
+  benchmark::AddCustomContext("bf16_gemm", graphmoe::bench::kHaveBf16Gemm ? "yes" : "no");
+  benchmark::AddCustomContext("bf16_moe_layer", "no (the layers are float/double only)");
+  graphmoe::bench::register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""CUDA backend report: the GPU targets, from bench_cuda's JSON output.
+
+Reads the file that
+
+    ./build/benchmarks/bench_cuda --benchmark_out=bench_cuda.json --benchmark_out_format=json
+
+writes (or --benchmark_format=json on stdout) and prints:
+
+  * cuBLAS GEMM throughput per element type and shape (TFLOP/s = 2 M K N / time);
+  * the MoE layer per router: time, expert TFLOP/s (the expert GEMMs' FLOPs, bench_cuda's
+    counter expert_flop, over the layer's time) and that as a fraction of the dense GEMM
+    throughput of the same run and element type:
+        vs square    the 4096 x 4096 x 4096 GEMM (cuBLAS's large-matrix rate: the yardstick of
+                     target (a))
+        vs slots     the 4096 x 352 x 352 GEMM (every routed slot through one weight: what the
+                     experts' GEMMs could reach at this width if they were one GEMM)
+  * the similarity token graph alone, and the LM training step (ms/step, tokens/s);
+  * the targets:
+        (a) MoE layer fwd+bwd expert throughput / square GEMM throughput >= 0.40 in bf16 (float
+            reported beside it);
+        (b) similarity-router layer fwd+bwd time / softmax-router layer fwd+bwd time <= 1.10,
+            with the attention router's ratio beside it.
+
+Every time is the median over repetitions when the run has aggregates
+(--benchmark_repetitions=N), else the median of the runs of that name. A benchmark that ended
+with an error is listed with its message. Exit status: 0 whenever the file could be read (met or
+missed targets alike); 1 when it is missing or not bench_cuda JSON; 2 for bad arguments.
+Python 3 standard library only.
+
+    /usr/bin/python3 benchmarks/compare/cuda_report.py bench_cuda.json
+"""
+import argparse
+import json
+import statistics
+import sys
+
+TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+SUFFIXES = ("/manual_time", "/real_time")
+TARGET_FRACTION = 0.40   # (a): MoE fwd+bwd expert throughput / dense GEMM throughput, bf16
+TARGET_SIM_RATIO = 1.10  # (b): similarity / softmax router layer fwd+bwd time
+SQUARE = "square_NN"
+SLOTS = "all_slots_NT"
+
+
+def base_name(name):
+    for s in SUFFIXES:
+        if name.endswith(s):
+            return name[: -len(s)]
+    return name
+
+
+class Result:
+    """One benchmark: median time in seconds, its counters, or an error message."""
+
+    def __init__(self, name):
+        self.name = name
+        self.times = []
+        self.counters = {}
+        self.median_time = None
+        self.error = None
+
+    def seconds(self):
+        if self.median_time is not None:
+            return self.median_time
+        return statistics.median(self.times) if self.times else None
+
+
+def load(path):
+    """{name: Result} and the JSON context, from bench_cuda's JSON output."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or "benchmarks" not in data:
+        raise ValueError("no 'benchmarks' list: not Google Benchmark JSON output")
+    results = {}
+    for b in data["benchmarks"]:
+        name = base_name(b.get("run_name") or b.get("name", ""))
+        r = results.setdefault(name, Result(name))
+        if b.get("error_occurred") or b.get("skipped"):
+            r.error = b.get("error_message") or b.get("skip_message") or "error"
+            continue
+        if "real_time" not in b:
+            continue
+        t = float(b["real_time"]) * TIME_UNITS.get(b.get("time_unit", "ns"), 1e-9)
+        counters = {k: v for k, v in b.items() if isinstance(v, (int, float))}
+        if b.get("run_type") == "aggregate":
+            if b.get("aggregate_name") == "median":
+                r.median_time = t
+                r.counters = counters
+        else:
+            r.times.append(t)
+            if not r.counters:
+                r.counters = counters
+    return results, data.get("context", {})
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def table(header, rows):
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="bench_cuda's JSON output (--benchmark_out or stdout)")
+    args = ap.parse_args()
+    try:
+        results, context = load(args.json)
+    except (OSError, ValueError) as e:
+        print(f"cuda_report: cannot read {args.json}: {e}")
+        return 1
+
+    def get(name):
+        r = results.get(name)
+        return r if r is not None and r.error is None and r.seconds() is not None else None
+
+    def flops(name, counter):
+        r = get(name)
+        if r is None or counter not in r.counters:
+            return None
+        return r.counters[counter] / r.seconds()
+
+    print("# bench_cuda report")
+    print()
+    print(f"device: {context.get('cuda_device', '?')}; bf16 GEMM: {context.get('bf16_gemm', '?')}; "
+          f"bf16 MoE layer: {context.get('bf16_moe_layer', '?')}; "
+          f"host: {context.get('host_name', '?')}, {context.get('date', '?')}")
+    print()
+
+    errors = [r for r in results.values() if r.error is not None]
+    if errors:
+        print("## Errors")
+        print()
+        for r in errors:
+            print(f"- {r.name}: {r.error}")
+        print()
+
+    # GEMM: gemm/<type>/<case>/MxKxN
+    gemm_rate = {}  # (type, case) -> FLOP/s
+    rows = []
+    for name in sorted(results):
+        parts = name.split("/")
+        if len(parts) != 4 or parts[0] != "gemm":
+            continue
+        _, dtype, case, shape = parts
+        rate = flops(name, "flop")
+        gemm_rate[(dtype, case)] = rate
+        r = get(name)
+        rows.append([dtype, case, shape.replace("x", " x "),
+                     fmt(r.seconds() * 1e6 if r else None, ".1f"),
+                     fmt(rate / 1e12 if rate else None, ".2f")])
+    if rows:
+        print("## cuBLAS GEMM")
+        print()
+        table(["type", "case", "M x K x N", "time (us)", "TFLOP/s"], rows)
+
+    # MoE layer: moe/<type>/<router>/<fwd|fwdbwd>
+    print("## MoE layer (batch 4 x 512, D = 352, E = 16, d_ff = 352, top-2)")
+    print()
+    rows = []
+    moe = {}  # (type, router, pass) -> (seconds, FLOP/s)
+    for name in sorted(results):
+        parts = name.split("/")
+        if len(parts) != 4 or parts[0] != "moe":
+            continue
+        _, dtype, router, pas = parts
+        r = get(name)
+        rate = flops(name, "expert_flop")
+        moe[(dtype, router, pas)] = (r.seconds() if r else None, rate)
+        rows.append([dtype, router, pas, fmt(r.seconds() * 1e3 if r else None, ".3f"),
+                     fmt(rate / 1e12 if rate else None, ".2f"),
+                     fmt(ratio(rate, gemm_rate.get((dtype, SQUARE))), ".1%"),
+                     fmt(ratio(rate, gemm_rate.get((dtype, SLOTS))), ".1%")])
+    if rows:
+        table(["type", "router", "pass", "time (ms)", "expert TFLOP/s", "vs square GEMM",
+               "vs 4096 x 352 x 352 GEMM"], rows)
+    else:
+        print("no MoE layer results")
+        print()
+
+    # Similarity graph alone and LM training step
+    rows = []
+    for pas in ("fwd", "fwdbwd"):
+        r = get(f"graph/float/similarity/{pas}")
+        layer = moe.get(("float", "similarity", pas), (None, None))[0]
+        soft = moe.get(("float", "softmax", pas), (None, None))[0]
+        extra = (layer - soft) if layer is not None and soft is not None else None
+        rows.append([pas, fmt(r.seconds() * 1e3 if r else None, ".3f"),
+                     fmt(ratio(r.seconds() if r else None, layer), ".1%"),
+                     fmt(extra * 1e3 if extra is not None else None, ".3f")])
+    print("## Similarity token graph alone (float)")
+    print()
+    table(["pass", "time (ms)", "share of the similarity layer",
+           "similarity layer - softmax layer (ms)"], rows)
+
+    rows = []
+    lm = {}
+    for router in ("softmax", "similarity"):
+        r = get(f"lm_train/float/{router}")
+        lm[router] = r.seconds() if r else None
+        tok = r.counters.get("tokens/s") if r else None
+        rows.append([router, fmt(r.seconds() * 1e3 if r else None, ".2f"),
+                     fmt(tok, ",.0f"), fmt(r.counters.get("loss") if r else None, ".3f")])
+    print("## LM training step (paper_medium, vocabulary 1024, batch 4 x 512, float)")
+    print()
+    table(["router", "ms/step", "tokens/s", "loss"], rows)
+    lm_ratio = ratio(lm["similarity"], lm["softmax"])
+    print(f"similarity / softmax step time: {fmt(lm_ratio, '.3f')}")
+    print()
+
+    # Targets
+    print("## Targets")
+    print()
+    for dtype in ("bf16", "float"):
+        _, rate = moe.get((dtype, "softmax", "fwdbwd"), (None, None))
+        frac = ratio(rate, gemm_rate.get((dtype, SQUARE)))
+        frac_slots = ratio(rate, gemm_rate.get((dtype, SLOTS)))
+        if frac is None:
+            why = ("no bf16 MoE layer benchmark (the layers are float/double only)"
+                   if dtype == "bf16" and not any(k[0] == "bf16" for k in moe)
+                   else "missing MoE or square-GEMM result")
+            print(f"(a) {dtype}: not measured: {why}")
+            continue
+        verdict = ""
+        if dtype == "bf16":
+            verdict = " (target >= 40%: " + ("met" if frac >= TARGET_FRACTION else "missed") + ")"
+        print(f"(a) {dtype}: MoE layer fwd+bwd (softmax router) expert throughput = "
+              f"{frac:.1%} of the square GEMM{verdict}; {fmt(frac_slots, '.1%')} of the "
+              f"4096 x 352 x 352 GEMM")
+        for router in ("similarity", "attention"):
+            _, rr = moe.get((dtype, router, "fwdbwd"), (None, None))
+            print(f"    {router} router: {fmt(ratio(rr, gemm_rate.get((dtype, SQUARE))), '.1%')} "
+                  f"of the square GEMM")
+    soft = moe.get(("float", "softmax", "fwdbwd"), (None, None))[0]
+    for router, target in (("similarity", TARGET_SIM_RATIO), ("attention", None)):
+        t = moe.get(("float", router, "fwdbwd"), (None, None))[0]
+        q = ratio(t, soft)
+        fwd = ratio(moe.get(("float", router, "fwd"), (None, None))[0],
+                    moe.get(("float", "softmax", "fwd"), (None, None))[0])
+        label = "(b)" if target else "   "
+        verdict = ""
+        if target and q is not None:
+            verdict = f" (target <= {target:.2f}: " + ("met" if q <= target else "missed") + ")"
+        print(f"{label} {router} / softmax router layer time, fwd+bwd: {fmt(q, '.3f')}{verdict}; "
+              f"forward: {fmt(fwd, '.3f')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+// Moving host data (batches) to the training loop's backend and results back, for the examples'
+// loops written once for graphmoe::cpu and graphmoe::cuda. The CUDA overloads of to_device /
+// to_host come from graphmoe/cuda.cuh, which the .cu instantiations include first.
+#pragma once
+
+#include <type_traits>
+
+#include "graphmoe/train/training_state.hpp"
+
+namespace examples {
+
+// t on backend B: t itself for the CPU, a device copy for CUDA.
+template <class B, class T>
+graphmoe::Tensor<T, B> on_backend(const graphmoe::Tensor<T, graphmoe::cpu>& t) {
+  if constexpr (std::is_same_v<B, graphmoe::cpu>) {
+    return t;
+  } else {
+    return to_device(t);
+  }
+}
+
+// t's values on the host (t itself for the CPU).
+using graphmoe::detail::host_values;
+
+// Throws when backend B cannot run here (no CUDA device); nothing for the CPU. The CUDA
+// specialisation is in common/device_cuda.cuh.
+template <class B>
+void require_device(const char*) {}
+
+}  // namespace examples

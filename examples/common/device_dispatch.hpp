@@ -1,0 +1,52 @@
+// --device for the examples' main(): calls the training loop instantiated for the chosen backend.
+//
+// The CPU loops are built for every router. With GRAPHMOE_ENABLE_CUDA the examples listed in
+// examples/CMakeLists.txt also get CUDA instantiations for the routers in
+// GRAPHMOE_CUDA_EXAMPLE_ROUTERS (each is an nvcc translation unit of a few minutes, so the
+// default list is short); the build defines GRAPHMOE_EXAMPLES_CUDA and generates
+// examples_cuda_routers.hpp, which says which routers those are.
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+#include "graphmoe/config.hpp"
+#include "graphmoe/core/backend.hpp"
+
+#if defined(GRAPHMOE_EXAMPLES_CUDA)
+#include "examples_cuda_routers.hpp"  // generated: built_for_cuda<Policy>, cuda_router_list
+#endif
+
+namespace examples {
+
+inline std::string device_help() {
+#if defined(GRAPHMOE_EXAMPLES_CUDA)
+  return std::string("cpu or cuda (built for cuda: ") + cuda_router_list + ")";
+#else
+  return "cpu (this binary was built without CUDA)";
+#endif
+}
+
+// fn.template operator()<B>() for the backend named by `device` ("cpu" or "cuda").
+template <class Policy, class Fn>
+int on_device(const char* program, const std::string& device, const std::string& router, Fn&& fn) {
+  if (device == "cpu") return fn.template operator()<graphmoe::cpu>();
+  GRAPHMOE_CHECK(device == "cuda", program, "unknown --device '", device, "' (cpu or cuda)");
+#if defined(GRAPHMOE_EXAMPLES_CUDA)
+  if constexpr (built_for_cuda<Policy>) {
+    return fn.template operator()<graphmoe::cuda>();
+  } else {
+    GRAPHMOE_CHECK(false, program, "router '", router,
+                   "' is not built for --device cuda in this binary (built: ", cuda_router_list,
+                   "; configure with -DGRAPHMOE_CUDA_EXAMPLE_ROUTERS=...)");
+  }
+#else
+  (void)router;
+  GRAPHMOE_CHECK(false, program,
+                 "--device cuda: this binary was built without CUDA (configure with nvcc on the "
+                 "PATH, or -DGRAPHMOE_ENABLE_CUDA=ON)");
+#endif
+  return 1;
+}
+
+}  // namespace examples

@@ -1,0 +1,135 @@
+// graphmoe/backend/cuda/cross_entropy.cuh: softmax cross-entropy over class logits, on the GPU.
+//
+// The same functions and contract as backend/cpu/cross_entropy.hpp, on Tensor<T, cuda>:
+//
+//   log_probs = log_softmax(logits)                                     (N, C)
+//   loss      = -(1 / n) * sum_{i : t_i != ignore} log_probs[i, t_i],   n = #{i : t_i != ignore}
+//   dlogits   = dloss / n * (softmax(logits) - onehot(t))  on rows with t_i != ignore, 0 elsewhere
+//
+// All dimensions of logits but the last are rows; targets has the logits' shape without the last
+// dimension. A target outside [0, C) that is not ignore_index throws the CPU op's message naming
+// the first such row: a kernel flags it (detail::FirstIndexFlag) and counts the rows not ignored,
+// and the host reads both back, so both functions synchronise the stream. A row of logits without
+// a finite maximum throws the CPU op's softmax message (with "logits" named), as on the CPU.
+//
+// The log-softmax is backend/cuda/softmax.cuh's kernel (one block per row, row sums in T). The
+// loss is summed in double by one block of a fixed size, in a fixed order, so it is
+// deterministic; the backends agree to about 1e-6 relative for float. dlogits is written by one
+// thread per entry (asynchronous) and may alias log_probs.
+#pragma once
+
+#include <cstdint>
+
+#include "graphmoe/backend/common/checks.hpp"
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/detail/nn_functors.hpp"
+#include "graphmoe/backend/cuda/detail/nn_launch.cuh"
+#include "graphmoe/backend/cuda/softmax.cuh"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+namespace detail {
+
+inline constexpr int kCrossEntropyLossThreads = 1024;  // the one block that sums the loss
+
+// Flags the first row whose target is out of range; adds the number of rows not ignored (among
+// the rows in range) to *count.
+template <class I>
+__global__ void cross_entropy_targets_kernel(const I* targets, index_t rows, index_t classes,
+                                             I ignore_index, unsigned long long* bad_row,
+                                             unsigned long long* count) {
+  unsigned long long c = 0;
+  GRAPHMOE_CUDA_GRID_STRIDE(i, rows) {
+    const I t = targets[i];
+    if (t == ignore_index) continue;
+    if (cross_entropy_bad_target(t, classes, ignore_index))
+      flag_index(bad_row, i);
+    else
+      ++c;
+  }
+  c = block_reduce(c, SumOp{}, 0ull);
+  if (threadIdx.x == 0 && c != 0) atomicAdd(count, c);  // integers: the order does not matter
+}
+
+// *loss = sum_i nll(i) in double, by one block in a fixed order.
+template <class T>
+__global__ void cross_entropy_loss_kernel(CrossEntropyNllOp<T> nll, index_t rows, double* loss) {
+  double s = 0;
+  for (index_t i = threadIdx.x; i < rows; i += blockDim.x) s += nll(i);
+  s = block_reduce(s, SumOp{}, 0.0);
+  if (threadIdx.x == 0) *loss = s;
+}
+
+// Checks the shapes and the targets of `logits` (named `what`) and returns the number of rows not
+// ignored. Synchronises the stream.
+template <class T>
+index_t cross_entropy_count_targets(const char* op, const char* what, const Tensor<T, cuda>& logits,
+                                    const Tensor<std::int32_t, cuda>& targets,
+                                    std::int32_t ignore_index) {
+  cross_entropy_check_shapes(op, what, logits, targets);
+  const index_t rows = logits.rows(), classes = logits.cols();
+  if (rows == 0) return 0;
+  FirstIndexFlag bad;
+  Tensor<unsigned long long, cuda> count(Shape{1});
+  cross_entropy_targets_kernel<std::int32_t>
+      <<<grid_for(rows), kThreads, 0, cuda_stream()>>>(targets.data(), rows, classes,
+                                                        ignore_index, bad.get(), count.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const index_t r = bad.read();
+  if (r >= 0)
+    cross_entropy_throw_bad_target(op, r, read_device_value(targets.data() + r), classes,
+                                   ignore_index);
+  return static_cast<index_t>(read_device_value(count.data()));
+}
+
+}  // namespace detail
+
+// Fills log_probs (the logits' shape; the cache for backward) with log_softmax(logits) and
+// returns the mean negative log-likelihood of the targets over the rows not ignored.
+template <class T>
+T cross_entropy_forward(const Tensor<T, cuda>& logits, const Tensor<std::int32_t, cuda>& targets,
+                        Tensor<T, cuda>& log_probs, std::int32_t ignore_index = -100) {
+  constexpr const char* op = "cross_entropy_forward";
+  const index_t count =
+      detail::cross_entropy_count_targets(op, "logits", logits, targets, ignore_index);
+  prepare_output(op, "y", log_probs, logits.shape());  // the CPU op's log-softmax names it y
+  const index_t rows = logits.rows(), classes = logits.cols();
+  if (rows > 0) {
+    detail::FirstIndexFlag bad;
+    detail::softmax_forward_kernel<T, true>
+        <<<detail::grid_for_rows(rows), detail::threads_for_row(classes), 0, cuda_stream()>>>(
+            logits.data(), log_probs.data(), rows, classes, bad.get());
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+    const index_t r = bad.read();
+    if (r >= 0) detail::softmax_throw_bad_row(op, "logits", logits, r);
+  }
+  if (count == 0) return T(0);
+  Tensor<double, cuda> loss(Shape{1});
+  detail::cross_entropy_loss_kernel<T>
+      <<<1, detail::kCrossEntropyLossThreads, 0, cuda_stream()>>>(
+          detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index},
+          rows, loss.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  return static_cast<T>(detail::read_device_value(loss.data()) / static_cast<double>(count));
+}
+
+// dlogits = dloss / n * (exp(log_probs) - onehot(targets)), zero rows where the target is
+// ignore_index. dlogits is assigned (it may alias log_probs).
+template <class T>
+void cross_entropy_backward(const Tensor<T, cuda>& log_probs,
+                            const Tensor<std::int32_t, cuda>& targets, T dloss,
+                            Tensor<T, cuda>& dlogits, std::int32_t ignore_index = -100) {
+  constexpr const char* op = "cross_entropy_backward";
+  const index_t count =
+      detail::cross_entropy_count_targets(op, "log_probs", log_probs, targets, ignore_index);
+  prepare_output(op, "dlogits", dlogits, log_probs.shape());
+  const T scale =
+      count == 0 ? T(0) : static_cast<T>(static_cast<double>(dloss) / static_cast<double>(count));
+  detail::for_each_index(
+      log_probs.numel(),
+      detail::CrossEntropyBackwardOp<T>{scale, count == 0, log_probs.cols(), ignore_index,
+                                        log_probs.data(), targets.data(), dlogits.data()});
+}
+
+}  // namespace graphmoe

@@ -1,0 +1,45 @@
+// graphmoe/backend/cuda/detail/nn_launch.cuh: how the CUDA neural-network ops run the functors
+// of detail/nn_functors.hpp (internal).
+//
+//   for_each_index(n, op)        op(i) for every i in [0, n): a grid-stride kernel on
+//                                cuda_stream(), asynchronous, launch errors as graphmoe::Error
+//   run_thrust(op_name, f)       f(policy) with policy = thrust::cuda::par_nosync(alloc) on
+//                                cuda_stream() and the caching allocator for Thrust's scratch;
+//                                a thrust::system_error becomes graphmoe::Error naming op_name
+//
+// test_host_nn_ops.cpp runs the same functors with thrust::for_each on the host.
+#pragma once
+
+#include <thrust/system/cuda/execution_policy.h>
+#include <thrust/system_error.h>
+
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/detail/nn_functors.hpp"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe::detail {
+
+template <class Op>
+__global__ void for_each_index_kernel(index_t n, Op op) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) { op(i); }
+}
+
+template <class Op>
+void for_each_index(index_t n, const Op& op) {
+  if (n <= 0) return;
+  for_each_index_kernel<Op><<<grid_for(n), kThreads, 0, cuda_stream()>>>(n, op);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class F>
+void run_thrust(const char* op, F&& f) {
+  CudaThrustAllocator alloc;
+  try {
+    f(thrust::cuda::par_nosync(alloc).on(cuda_stream()));
+  } catch (const thrust::system_error& e) {  // Thrust reports CUDA errors its own way
+    throw_error(op, "Thrust: ", e.what());
+  }
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace graphmoe::detail

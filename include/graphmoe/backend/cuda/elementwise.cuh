@@ -1,0 +1,266 @@
+// graphmoe/backend/cuda/elementwise.cuh: backend/cpu/elementwise.hpp on Tensor<T, cuda>.
+//
+//   add_row_vector(b, y)           y[i, :] += b            one thread per element
+//   accumulate_column_sums(dy, db) db += sum_i dy[i, :]    one thread per column, rows in order
+//                                                          (coalesced: neighbouring threads read
+//                                                          neighbouring columns), the CPU's order
+//   axpy(alpha, x, y)              y += alpha x            one thread per element
+//   scale(t, alpha)                t *= alpha              one thread per element
+//   fill(t, value)                 t[:] = value
+//   fill_normal(t, rng, stddev)    drawn on the host from rng in flat order (the same values as
+//                                  the CPU version for the same rng state), then copied: used
+//                                  for initialisation only
+//   check_finite(op, what, t)      core/tensor.hpp's check for device tensors: a kernel finds
+//                                  the first NaN/Inf (one flag read back, which synchronises),
+//                                  then the same message as the CPU check
+//   copy_from_host(dst, src)       a synchronous host-to-device copy into dst
+//   read_scalar(t)                 one value read back (synchronises)
+//   accumulate_dot                 one block, double partial sums in a fixed order
+//   normalize_rows(_backward)      one block per row, block reductions in acc_t<T>
+//   patchify(...)                  one thread per patch entry
+//
+// T = __nv_bfloat16 or __half (add_row_vector, accumulate_column_sums, axpy, scale, fill,
+// check_finite): each element is widened to fp32 (detail::to_acc), computed in fp32 and rounded
+// once when stored; accumulate_column_sums sums the whole column and db's old value in fp32 and
+// rounds once at the end. alpha and value are given as T.
+#pragma once
+
+#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+
+namespace graphmoe {
+
+namespace detail {
+
+template <class T>
+__global__ void add_row_vector_kernel(const T* b, T* y, index_t n, index_t cols) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) { y[i] = from_acc<T>(to_acc(y[i]) + to_acc(b[i % cols])); }
+}
+
+template <class T>
+__global__ void column_sums_kernel(const T* dy, T* db, index_t rows, index_t cols) {
+  GRAPHMOE_CUDA_GRID_STRIDE(c, cols) {
+    acc_t<T> s = acc_t<T>(0);
+    for (index_t r = 0; r < rows; ++r) s += to_acc(dy[r * cols + c]);
+    db[c] = from_acc<T>(to_acc(db[c]) + s);
+  }
+}
+
+template <class T>
+__global__ void axpy_kernel(T alpha, const T* x, T* y, index_t n) {
+  const acc_t<T> a = to_acc(alpha);
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) { y[i] = from_acc<T>(to_acc(y[i]) + a * to_acc(x[i])); }
+}
+
+template <class T>
+__global__ void first_non_finite_kernel(const T* t, index_t n, unsigned long long* first) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    const acc_t<T> v = to_acc(t[i]);
+    if (!(v - v == acc_t<T>(0))) flag_index(first, i);
+  }
+}
+
+template <class T>
+__global__ void scale_kernel(T* t, T alpha, index_t n) {
+  const acc_t<T> a = to_acc(alpha);
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) { t[i] = from_acc<T>(to_acc(t[i]) * a); }
+}
+
+template <class T>
+__global__ void patchify_kernel(const T* images, T* patches, index_t n, index_t patch,
+                                index_t width, index_t channels, index_t per_image, index_t pw,
+                                index_t np, index_t pd) {
+  GRAPHMOE_CUDA_GRID_STRIDE(o, n) {  // o = (i np + p) pd + (y patch + x) channels + c
+    const index_t row = o / pd, within = o % pd;
+    const index_t i = row / np, p = row % np, py = p / pw, px = p % pw;
+    const index_t c = within % channels, yx = within / channels, y = yx / patch, x = yx % patch;
+    patches[o] = images[i * per_image + ((py * patch + y) * width + (px * patch + x)) * channels + c];
+  }
+}
+
+// One block: each thread sums a strided subset in double, then a block reduction (fixed order).
+template <class T>
+__global__ void accumulate_dot_kernel(const T* a, const T* b, index_t n, T alpha, T* d) {
+  double s = 0;
+  for (index_t i = threadIdx.x; i < n; i += blockDim.x)
+    s += static_cast<double>(to_acc(a[i])) * static_cast<double>(to_acc(b[i]));
+  s = block_reduce(s, SumOp{}, 0.0);
+  if (threadIdx.x == 0) d[0] = from_acc<T>(to_acc(d[0]) + to_acc(alpha) * static_cast<acc_t<T>>(s));
+}
+
+// One block per row.
+template <class T>
+__global__ void normalize_rows_kernel(T* x, T* norms, index_t rows, index_t cols, T eps) {
+  using A = acc_t<T>;
+  for (index_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T* xr = x + r * cols;
+    A s = A(0);
+    for (index_t j = threadIdx.x; j < cols; j += blockDim.x) s += to_acc(xr[j]) * to_acc(xr[j]);
+    s = block_reduce(s, SumOp{}, A(0));
+    const A nrm = max(sqrt(s), to_acc(eps));
+    if (threadIdx.x == 0) norms[r] = from_acc<T>(nrm);
+    for (index_t j = threadIdx.x; j < cols; j += blockDim.x) xr[j] = from_acc<T>(to_acc(xr[j]) / nrm);
+  }
+}
+
+template <class T>
+__global__ void normalize_rows_backward_kernel(const T* y, const T* norms, T* g, index_t rows,
+                                               index_t cols, T eps) {
+  using A = acc_t<T>;
+  for (index_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* yr = y + r * cols;
+    T* gr = g + r * cols;
+    A s = A(0);
+    for (index_t j = threadIdx.x; j < cols; j += blockDim.x) s += to_acc(yr[j]) * to_acc(gr[j]);
+    s = block_reduce(s, SumOp{}, A(0));
+    const A nrm = to_acc(norms[r]);
+    const bool clamped = !(nrm > to_acc(eps));
+    for (index_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      const A v = clamped ? to_acc(gr[j]) : to_acc(gr[j]) - to_acc(yr[j]) * s;
+      gr[j] = from_acc<T>(v / nrm);
+    }
+  }
+}
+
+template <class T>
+__global__ void fill_kernel(T* t, T value, index_t n) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) { t[i] = value; }
+}
+
+}  // namespace detail
+
+template <class T>
+void add_row_vector(const Tensor<T, cuda>& b, const Tensor<T, cuda>& y) {
+  detail::check_row_vector("add_row_vector", "b", y, b);
+  const index_t n = y.numel();
+  if (n == 0) return;
+  detail::add_row_vector_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
+      b.data(), y.data(), n, y.cols());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void accumulate_column_sums(const Tensor<T, cuda>& dy, const Tensor<T, cuda>& db) {
+  detail::check_row_vector("accumulate_column_sums", "db", dy, db);
+  const index_t cols = dy.cols();
+  if (cols == 0) return;
+  detail::column_sums_kernel<<<detail::grid_for(cols), detail::kThreads, 0, cuda_stream()>>>(
+      dy.data(), db.data(), dy.rows(), cols);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void axpy(T alpha, const Tensor<T, cuda>& x, const Tensor<T, cuda>& y) {
+  detail::check_same_size("axpy", x, y);
+  const index_t n = y.numel();
+  detail::axpy_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
+      alpha, x.data(), y.data(), n);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void scale(const Tensor<T, cuda>& t, T alpha) {
+  const index_t n = t.numel();
+  if (n == 0) return;
+  detail::scale_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(t.data(),
+                                                                                      alpha, n);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void fill(const Tensor<T, cuda>& t, T value) {
+  const index_t n = t.numel();
+  if (n == 0) return;
+  detail::fill_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(t.data(),
+                                                                                     value, n);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void check_finite(const char* op, const char* what, const Tensor<T, cuda>& t) {
+  static_assert(detail::cuda_float_type<T>,
+                "check_finite on cuda: T must be float, double, __nv_bfloat16 or __half");
+  const index_t n = t.numel();
+  if (n == 0) return;
+  detail::FirstIndexFlag first;
+  detail::first_non_finite_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
+      t.data(), n, first.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const index_t i = first.read();
+  if (i >= 0)
+    GRAPHMOE_CHECK(false, op, what, " of shape ", t.shape(), " holds ",
+                   detail::to_acc(detail::read_device_value(t.data() + i)), " at flat index ",
+                   i);
+}
+
+template <class T>
+void fill_normal(const Tensor<T, cuda>& t, Rng& rng, double stddev) {
+  Tensor<T, cpu> h(t.shape());
+  fill_normal(h, rng, stddev);
+  Tensor<T, cuda> d = t;
+  to_device(h, d);
+}
+
+template <class T>
+void copy_from_host(const Tensor<T, cuda>& dst, const Tensor<T, cpu>& src) {
+  Tensor<T, cuda> d = dst;
+  to_device(src, d);
+}
+
+template <class T>
+T read_scalar(const Tensor<T, cuda>& t) {
+  GRAPHMOE_CHECK(t.numel() >= 1, "read_scalar", "the tensor is empty");
+  return detail::read_device_value(t.data());
+}
+
+template <class T>
+void accumulate_dot(const Tensor<T, cuda>& a, const Tensor<T, cuda>& b, T alpha,
+                    const Tensor<T, cuda>& d) {
+  detail::check_same_size("accumulate_dot", a, b);
+  GRAPHMOE_CHECK(d.numel() == 1, "accumulate_dot", "the destination has shape ", d.shape(),
+                 ", expected one element");
+  detail::accumulate_dot_kernel<<<1, detail::kThreads, 0, cuda_stream()>>>(a.data(), b.data(),
+                                                                             a.numel(), alpha,
+                                                                             d.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void normalize_rows(const Tensor<T, cuda>& x, Tensor<T, cuda>& norms, T eps) {
+  prepare_output("normalize_rows", "norms", norms, Shape{x.rows()});
+  if (x.rows() == 0) return;
+  detail::normalize_rows_kernel<<<detail::grid_for_rows(x.rows()),
+                                  detail::threads_for_row(x.cols()), 0, cuda_stream()>>>(
+      x.data(), norms.data(), x.rows(), x.cols(), eps);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void normalize_rows_backward(const Tensor<T, cuda>& y, const Tensor<T, cuda>& norms, T eps,
+                             const Tensor<T, cuda>& dy) {
+  check_shape("normalize_rows_backward", "dy", dy, y.shape());
+  if (y.rows() == 0) return;
+  detail::normalize_rows_backward_kernel<<<detail::grid_for_rows(y.rows()),
+                                           detail::threads_for_row(y.cols()), 0,
+                                           cuda_stream()>>>(y.data(), norms.data(), dy.data(),
+                                                            y.rows(), y.cols(), eps);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// One thread per patch entry (the CPU op's order, as a gather).
+template <class T>
+void patchify(const Tensor<T, cuda>& images, index_t patch, index_t height, index_t width,
+              index_t channels, Tensor<T, cuda>& patches) {
+  detail::check_patchify(images.numel(), patch, height, width, channels);
+  const index_t per_image = height * width * channels, b = images.numel() / per_image;
+  const index_t pw = width / patch, np = (height / patch) * pw, pd = patch * patch * channels;
+  prepare_output("patchify", "patches", patches, Shape{b * np, pd});
+  const index_t n = patches.numel();
+  if (n == 0) return;
+  detail::patchify_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
+      images.data(), patches.data(), n, patch, width, channels, per_image, pw, np, pd);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace graphmoe

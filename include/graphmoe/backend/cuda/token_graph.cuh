@@ -1,0 +1,519 @@
+// graphmoe/backend/cuda/token_graph.cuh: the kernels of the token graphs on the GPU
+// (routing/token_graphs_cuda.cuh drives them; the element math is in
+// detail/token_graph_math.hpp, shared with the host test).
+//
+// ---- Similarity: p_i = sum_j softmax_j(u_i . u_j / tau) r_j, fused (flash-attention style) ----
+// No (N, T) matrix is ever written: a thread block owns kOwnTile = 16 rows of one sequence and
+// streams the columns j in tiles of kStreamTile = 32 (causal: only up to the owned rows' end).
+// Per step, with 256 threads (8 warps):
+//   1. logits tile (16, 32) = U_own U_tile^T: the depth D is walked in chunks of 32, both
+//      operands staged in shared memory (16 x 33 and 32 x 33 entries, padded against bank
+//      conflicts); thread t computes entries (t / 32, t % 32) and (t / 32 + 8, t % 32)
+//   2. online softmax: warp w owns rows 2w and 2w + 1, one lane per column; warp reductions give
+//      the tile's max, sum exp(l - m) and sum exp(l - m)(l - m); each row keeps its running
+//      max / sum / entropy sum in registers (graph_math::OnlineSoftmax), the tile's weights and
+//      the rows' rescale factors go to shared memory
+//   3. p_own = p_own * rescale + W r_tile: thread c owns column c of E (16 register
+//      accumulators, one per row); the rows of p being built are the accumulator, written by this
+//      block only
+// At the end p_own /= sum, and only lse (N) and the row entropy (N) are kept.
+// Shared memory: 4 tiles of 16 or 32 by 33 entries, 21 KiB for double.
+//
+// Backward, S recomputed from u and the stored lse; c_i = dp_i . p_i,
+// ds_ij = S_ij (dp_i . r_j - c_i):
+//   rows kernel     (owns rows i, streams columns j)   du_i += (1/tau) sum_j ds_ij u_j
+//   columns kernel  (owns columns j, streams rows i)   dr_j  = sum_i S_ij dp_i
+//                                                      du_j += (1/tau) sum_i ds_ij u_i
+// Each output row is written by one block of one kernel, the two kernels run one after the
+// other on the backend's stream, and every sum runs in a fixed order: deterministic, no atomics.
+//
+// ---- Attention posterior graph ----------------------------------------------------------------
+// Row entropies of the attention heads when the cache has none (one warp per row), h* per
+// sequence (one thread per sequence, graph_math::choose_heads), then per head h in use: the means
+// M_h = H V_h W_o,h^T + b_o and a m^T (cuBLAS, strided-batched over sequences), the posterior rows
+// of the tokens with h* = h (one block per row: logits, max, sum, entropy), and p = A^p r.
+// Backward follows the CPU GraphImpl<Attention> term by term with the same GEMMs and
+// element-wise kernels. A^p is stored (N, T), as on the CPU; scratch: one (N, T) for a m^T in
+// forward, two (dl and its rows of head h) in backward.
+#pragma once
+
+#if !defined(EIGEN_NO_CUDA)
+#define EIGEN_NO_CUDA
+#endif
+
+#include <cublas_v2.h>
+
+#include <climits>
+#include <cstdint>
+#include <limits>
+
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/detail/token_graph_math.hpp"
+#include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe::detail {
+
+namespace tgm = graph_math;
+
+static_assert(tgm::kStreamTile == 32 && tgm::kThreads == 256 &&
+                  2 * (tgm::kThreads / tgm::kStreamTile) == tgm::kOwnTile,
+              "token_graph.cuh: the thread mapping needs 256 threads, 16 owned rows, 32 lanes");
+
+// ---- Similarity tiles ---------------------------------------------------------------------------
+
+template <class T>
+struct SimilarityTiles {
+  T xs[tgm::kOwnTile][tgm::kDepthTile + 1];     // owned rows, one depth chunk
+  T ys[tgm::kStreamTile][tgm::kDepthTile + 1];  // streamed rows, one depth chunk
+  T a[tgm::kOwnTile][tgm::kStreamTile + 1];     // logits, then weights / S
+  T b[tgm::kOwnTile][tgm::kStreamTile + 1];     // backward: dp . r, then ds
+  T factor[tgm::kOwnTile];                     // per owned row: rescale of the accumulator
+};
+
+template <class T>
+using TileMatrix = T[tgm::kOwnTile][tgm::kStreamTile + 1];
+
+// out[a][b] = sum_k X[(x0 + a) ldx + k] Y[(y0 + b) ldy + k] for a < nx, b < ny (0 elsewhere),
+// k in [0, depth) in order. Every thread of the block must call it; out is complete after the
+// caller's next __syncthreads().
+template <class T>
+__device__ void similarity_tile_dot(const T* X, index_t ldx, index_t x0, int nx, const T* Y,
+                                    index_t ldy, index_t y0, int ny, index_t depth,
+                                    SimilarityTiles<T>& sh, TileMatrix<T>& out) {
+  constexpr int kRowsPerPass = tgm::kThreads / tgm::kStreamTile;  // 8
+  const int t = static_cast<int>(threadIdx.x);
+  const int b = t % tgm::kStreamTile, a = t / tgm::kStreamTile;
+  T acc0 = T(0), acc1 = T(0);
+  for (index_t k0 = 0; k0 < depth; k0 += tgm::kDepthTile) {
+    const index_t kn = depth - k0 < tgm::kDepthTile ? depth - k0 : tgm::kDepthTile;
+    for (int idx = t; idx < tgm::kOwnTile * tgm::kDepthTile; idx += tgm::kThreads) {
+      const int row = idx / tgm::kDepthTile, k = idx % tgm::kDepthTile;
+      sh.xs[row][k] = row < nx && k < kn ? X[(x0 + row) * ldx + k0 + k] : T(0);
+    }
+    for (int idx = t; idx < tgm::kStreamTile * tgm::kDepthTile; idx += tgm::kThreads) {
+      const int row = idx / tgm::kDepthTile, k = idx % tgm::kDepthTile;
+      sh.ys[row][k] = row < ny && k < kn ? Y[(y0 + row) * ldy + k0 + k] : T(0);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < tgm::kDepthTile; ++k) {
+      const T y = sh.ys[b][k];
+      acc0 += sh.xs[a][k] * y;
+      acc1 += sh.xs[a + kRowsPerPass][k] * y;
+    }
+    __syncthreads();
+  }
+  out[a][b] = acc0;
+  out[a + kRowsPerPass][b] = acc1;
+}
+
+// out[(o0 + a) ldo + c] = rescale_add(out, factor[a], alpha sum_b W[a][b] Y[(y0 + b) ldy + c])
+// for a < nx, b < ny, c < cols; factor nullptr means 1 (accumulate). Thread c owns column c.
+template <class T>
+__device__ void similarity_tile_accumulate(const TileMatrix<T>& W, int nx, int ny, const T* Y,
+                                           index_t ldy, index_t y0, index_t cols, T alpha,
+                                           const T* factor, T* out, index_t ldo, index_t o0) {
+  for (index_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    T acc[tgm::kOwnTile];
+#pragma unroll
+    for (int a = 0; a < tgm::kOwnTile; ++a) acc[a] = T(0);
+    for (int b = 0; b < ny; ++b) {
+      const T y = Y[(y0 + b) * ldy + c];
+#pragma unroll
+      for (int a = 0; a < tgm::kOwnTile; ++a) acc[a] += W[a][b] * y;
+    }
+#pragma unroll
+    for (int a = 0; a < tgm::kOwnTile; ++a) {
+      if (a < nx) {
+        T& o = out[(o0 + a) * ldo + c];
+        o = tgm::rescale_add(o, factor != nullptr ? factor[a] : T(1), alpha * acc[a]);
+      }
+    }
+  }
+}
+
+// Forward: one block per (sequence, tile of 16 rows); see the file comment.
+template <class T>
+__global__ void __launch_bounds__(tgm::kThreads)
+    similarity_forward_kernel(const T* u, const T* r, T* p, T* lse, T* entropy, index_t len,
+                              index_t tiles, index_t d, index_t e, T inv_tau, bool causal) {
+  __shared__ SimilarityTiles<T> sh;
+  const index_t seq = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * tgm::kOwnTile;
+  const index_t s0 = seq * len;
+  const int ni = static_cast<int>(len - i0 < tgm::kOwnTile ? len - i0 : tgm::kOwnTile);
+  const index_t jend = tgm::stream_end_for_rows(i0, ni, len, causal);
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  tgm::OnlineSoftmax<T> st[2];
+  for (index_t j0 = 0; j0 < jend; j0 += tgm::kStreamTile) {
+    const int nj = static_cast<int>(jend - j0 < tgm::kStreamTile ? jend - j0 : tgm::kStreamTile);
+    similarity_tile_dot(u, d, s0 + i0, ni, u, d, s0 + j0, nj, d, sh, sh.a);
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int a = 2 * warp + q;
+      const T l = tgm::masked_logit(sh.a[a][lane], inv_tau,
+                                   tgm::visible(i0 + a, j0 + lane, len, causal) && lane < nj);
+      const T m = st[q].next_max(warp_reduce(l, MaxNanOp{}));
+      const T w = tgm::softmax_weight(l, m);
+      const T tile_sum = warp_reduce(w, SumOp{});
+      const T tile_dot = warp_reduce(tgm::entropy_weight(l, m), SumOp{});
+      if (lane == 0) sh.factor[a] = st[q].rescale(m);
+      st[q].merge(m, tile_sum, tile_dot);
+      sh.a[a][lane] = w;
+    }
+    __syncthreads();
+    similarity_tile_accumulate(sh.a, ni, nj, r, e, s0 + j0, e, T(1), sh.factor, p, e, s0 + i0);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int a = 2 * warp + q;
+    if (a < ni && lane == 0) {
+      lse[s0 + i0 + a] = st[q].lse();
+      entropy[s0 + i0 + a] = st[q].entropy();
+      sh.factor[a] = st[q].sum;
+    }
+  }
+  __syncthreads();
+  for (index_t idx = threadIdx.x; idx < ni * e; idx += blockDim.x) {
+    const index_t a = idx / e, c = idx % e;
+    p[(s0 + i0 + a) * e + c] /= sh.factor[a];
+  }
+}
+
+// Backward, rows: du_i += (1/tau) sum_j ds_ij u_j.
+template <class T>
+__global__ void __launch_bounds__(tgm::kThreads)
+    similarity_backward_rows_kernel(const T* u, const T* r, const T* dp, const T* c,
+                                    const T* lse, T* du, index_t len, index_t tiles, index_t d,
+                                    index_t e, T inv_tau, bool causal) {
+  __shared__ SimilarityTiles<T> sh;
+  const index_t seq = blockIdx.x / tiles, i0 = (blockIdx.x % tiles) * tgm::kOwnTile;
+  const index_t s0 = seq * len;
+  const int ni = static_cast<int>(len - i0 < tgm::kOwnTile ? len - i0 : tgm::kOwnTile);
+  const index_t jend = tgm::stream_end_for_rows(i0, ni, len, causal);
+  for (index_t j0 = 0; j0 < jend; j0 += tgm::kStreamTile) {
+    const int nj = static_cast<int>(jend - j0 < tgm::kStreamTile ? jend - j0 : tgm::kStreamTile);
+    similarity_tile_dot(u, d, s0 + i0, ni, u, d, s0 + j0, nj, d, sh, sh.a);
+    similarity_tile_dot(dp, e, s0 + i0, ni, r, e, s0 + j0, nj, e, sh, sh.b);
+    __syncthreads();
+    for (int idx = static_cast<int>(threadIdx.x); idx < tgm::kOwnTile * tgm::kStreamTile;
+         idx += tgm::kThreads) {
+      const int a = idx / tgm::kStreamTile, b = idx % tgm::kStreamTile;
+      const bool vis = a < ni && b < nj && tgm::visible(i0 + a, j0 + b, len, causal);
+      T ds = T(0);
+      if (vis) {
+        const index_t i = s0 + i0 + a;
+        const T s = tgm::prob_from_lse(tgm::masked_logit(sh.a[a][b], inv_tau, true), lse[i]);
+        ds = tgm::softmax_dlogit(s, sh.b[a][b], c[i]);
+      }
+      sh.a[a][b] = ds;
+    }
+    __syncthreads();
+    similarity_tile_accumulate(sh.a, ni, nj, u, d, s0 + j0, d, inv_tau,
+                               static_cast<const T*>(nullptr), du, d, s0 + i0);
+    __syncthreads();
+  }
+}
+
+// Backward, columns: dr_j = sum_i S_ij dp_i; with to_u, du_j += (1/tau) sum_i ds_ij u_i.
+template <class T>
+__global__ void __launch_bounds__(tgm::kThreads)
+    similarity_backward_cols_kernel(const T* u, const T* r, const T* dp, const T* c,
+                                    const T* lse, T* dr, T* du, index_t len, index_t tiles,
+                                    index_t d, index_t e, T inv_tau, bool causal, bool to_u) {
+  __shared__ SimilarityTiles<T> sh;
+  const index_t seq = blockIdx.x / tiles, j0 = (blockIdx.x % tiles) * tgm::kOwnTile;
+  const index_t s0 = seq * len;
+  const int nj = static_cast<int>(len - j0 < tgm::kOwnTile ? len - j0 : tgm::kOwnTile);
+  bool first = true;
+  for (index_t i0 = tgm::stream_begin_for_cols(j0, causal); i0 < len; i0 += tgm::kStreamTile) {
+    const int ni = static_cast<int>(len - i0 < tgm::kStreamTile ? len - i0 : tgm::kStreamTile);
+    similarity_tile_dot(u, d, s0 + j0, nj, u, d, s0 + i0, ni, d, sh, sh.a);    // u_j . u_i
+    if (to_u)  // r_j . dp_i
+      similarity_tile_dot(r, e, s0 + j0, nj, dp, e, s0 + i0, ni, e, sh, sh.b);
+    if (threadIdx.x < tgm::kOwnTile) sh.factor[threadIdx.x] = first ? T(0) : T(1);  // dr assigned
+    __syncthreads();
+    for (int idx = static_cast<int>(threadIdx.x); idx < tgm::kOwnTile * tgm::kStreamTile;
+         idx += tgm::kThreads) {
+      const int a = idx / tgm::kStreamTile, b = idx % tgm::kStreamTile;  // column j0 + a, row i0 + b
+      const bool vis = a < nj && b < ni && tgm::visible(i0 + b, j0 + a, len, causal);
+      T s = T(0), ds = T(0);
+      if (vis) {
+        const index_t i = s0 + i0 + b;
+        s = tgm::prob_from_lse(tgm::masked_logit(sh.a[a][b], inv_tau, true), lse[i]);
+        if (to_u) ds = tgm::softmax_dlogit(s, sh.b[a][b], c[i]);
+      }
+      sh.a[a][b] = s;
+      if (to_u) sh.b[a][b] = ds;
+    }
+    __syncthreads();
+    similarity_tile_accumulate(sh.a, nj, ni, dp, e, s0 + i0, e, T(1),
+                               static_cast<const T*>(sh.factor), dr, e, s0 + j0);
+    if (to_u)
+      similarity_tile_accumulate(sh.b, nj, ni, u, d, s0 + i0, d, inv_tau,
+                                 static_cast<const T*>(nullptr), du, d, s0 + j0);
+    __syncthreads();
+    first = false;
+  }
+}
+
+// ---- small row / column kernels -----------------------------------------------------------------
+
+// out[row] = x_row . y_row, one warp per row.
+template <class T>
+__global__ void graph_row_dot_kernel(const T* x, const T* y, T* out, index_t rows, index_t cols) {
+  const index_t warps_per_block = blockDim.x / 32;
+  const index_t total = static_cast<index_t>(gridDim.x) * warps_per_block;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  for (index_t row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < rows; row += total) {
+    T s = T(0);
+    for (index_t j = lane; j < cols; j += 32) s += x[row * cols + j] * y[row * cols + j];
+    s = warp_reduce(s, SumOp{});
+    if (lane == 0) out[row] = s;
+  }
+}
+
+// ent[row] = -sum_j A log A over the rows of probs (B H T rows of T), one warp per row.
+template <class T>
+__global__ void attention_row_entropy_kernel(const T* probs, T* ent, index_t rows, index_t len) {
+  const index_t warps_per_block = blockDim.x / 32;
+  const index_t total = static_cast<index_t>(gridDim.x) * warps_per_block;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  for (index_t row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < rows; row += total) {
+    T s = T(0);
+    for (index_t j = lane; j < len; j += 32) s += tgm::plogp(probs[row * len + j]);
+    s = warp_reduce(s, SumOp{});
+    if (lane == 0) ent[row] = -s;
+  }
+}
+
+// heads[b len + i] = h* of every row, one thread per sequence.
+template <class T>
+__global__ void attention_choose_heads_kernel(const T* ent, index_t nb, index_t nh, index_t len,
+                                              bool per_row_prefix, double* prefix,
+                                              std::int32_t* heads) {
+  GRAPHMOE_CUDA_GRID_STRIDE(b, nb) {
+    tgm::choose_heads(ent + b * nh * len, nh, len, per_row_prefix, prefix + b * nh, heads + b * len);
+  }
+}
+
+// M_row += b_o (when given), msq[row] = |M_row|^2, one warp per row.
+template <class T>
+__global__ void attention_mean_finish_kernel(T* m, const T* bias, T* msq, index_t rows,
+                                             index_t cols) {
+  const index_t warps_per_block = blockDim.x / 32;
+  const index_t total = static_cast<index_t>(gridDim.x) * warps_per_block;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  for (index_t row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < rows; row += total) {
+    T s = T(0);
+    for (index_t j = lane; j < cols; j += 32) {
+      T v = m[row * cols + j];
+      if (bias != nullptr) v += bias[j];
+      m[row * cols + j] = v;
+      s += v * v;
+    }
+    s = warp_reduce(s, SumOp{});
+    if (lane == 0) msq[row] = s;
+  }
+}
+
+// The posterior rows of the tokens whose head is h: one block per row. g = a m^T (N, T) of head
+// h; post and ent_row receive the row and its entropy. A row without a positive probability
+// flags (b H + h) T + i (the CPU reports the first such row by sequence, head, row).
+template <class T>
+__global__ void attention_posterior_rows_kernel(const T* probs, const T* g, const T* msq,
+                                                const std::int32_t* heads, T* post, T* ent_row,
+                                                unsigned long long* bad, index_t n, index_t nh,
+                                                index_t len, std::int32_t h, T inv_var) {
+  using A = acc_t<T>;
+  const T ninf = tgm::neg_inf<T>();
+  for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
+    if (heads[i] != h) continue;  // the same for the whole block
+    const index_t b = i / len, il = i % len;
+    const T* arow = probs + ((b * nh + h) * len + il) * len;
+    const T* grow = g + i * len;
+    T* row = post + i * len;
+    T mx = ninf;
+    for (index_t j = threadIdx.x; j < len; j += blockDim.x) {
+      const T l = tgm::posterior_logit(arow[j], grow[j], msq[b * len + j], inv_var);
+      row[j] = l;
+      mx = MaxNanOp{}(mx, l);
+    }
+    mx = block_reduce(mx, MaxNanOp{}, ninf);
+    if (!(mx > ninf)) {
+      if (threadIdx.x == 0) flag_index(bad, (b * nh + h) * len + il);
+      continue;
+    }
+    A s = A(0), dot = A(0);
+    for (index_t j = threadIdx.x; j < len; j += blockDim.x) {
+      const T l = row[j];
+      const T w = tgm::softmax_weight(l, mx);
+      row[j] = w;
+      s += static_cast<A>(w);
+      dot += static_cast<A>(tgm::entropy_weight(l, mx));
+    }
+    s = block_reduce(s, SumOp{}, A(0));
+    dot = block_reduce(dot, SumOp{}, A(0));
+    const T sum = static_cast<T>(s);
+    for (index_t j = threadIdx.x; j < len; j += blockDim.x) row[j] /= sum;
+    if (threadIdx.x == 0) ent_row[i] = tgm::log_of(sum) - static_cast<T>(dot) / sum;
+  }
+}
+
+// q = post o (q - c_i) over (N, T): the gradient of the posterior's logits.
+template <class T>
+__global__ void attention_dlogit_kernel(const T* post, const T* c, T* q, index_t n, index_t len) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) { q[k] = post[k] * (q[k] - c[k / len]); }
+}
+
+// dlh = rows of dl whose head is h, 0 elsewhere.
+template <class T>
+__global__ void attention_head_rows_kernel(const T* dl, const std::int32_t* heads, T* dlh,
+                                           index_t n, index_t len, std::int32_t h) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) { dlh[k] = heads[k / len] == h ? dl[k] : T(0); }
+}
+
+// dprobs[b, h, i, j] += dl_ij / A_ij (A > 0) for the rows whose head is h.
+template <class T>
+__global__ void attention_dprobs_kernel(const T* dl, const T* probs, const std::int32_t* heads,
+                                        T* dprobs, index_t n, index_t nh, index_t len,
+                                        std::int32_t h) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) {
+    const index_t i = k / len, j = k % len;
+    if (heads[i] != h) continue;
+    const index_t b = i / len, il = i % len;
+    const index_t at = ((b * nh + h) * len + il) * len + j;
+    dprobs[at] += tgm::dprob_term(dl[k], probs[at]);
+  }
+}
+
+// colsum[b len + j] = sum_i dlh[(b len + i), j] within each sequence (thread per column).
+template <class T>
+__global__ void attention_column_sum_kernel(const T* dlh, T* colsum, index_t n, index_t len) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n) {
+    const index_t b = k / len, j = k % len;
+    T s = T(0);
+    for (index_t i = 0; i < len; ++i) s += dlh[(b * len + i) * len + j];
+    colsum[k] = s;
+  }
+}
+
+// dm -= inv_var (m o colsum) row-wise.
+template <class T>
+__global__ void attention_dmean_kernel(const T* m, const T* colsum, T* dm, index_t n, index_t cols,
+                                       T inv_var) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) { dm[k] -= inv_var * (m[k] * colsum[k / cols]); }
+}
+
+// out[c] += sum_row x[row, c] (thread per column, rows in order).
+template <class T>
+__global__ void graph_column_sum_add_kernel(const T* x, T* out, index_t rows, index_t cols) {
+  GRAPHMOE_CUDA_GRID_STRIDE(c, cols) {
+    T s = T(0);
+    for (index_t row = 0; row < rows; ++row) s += x[row * cols + c];
+    out[c] += s;
+  }
+}
+
+// ---- cuBLAS, row-major, strided-batched ---------------------------------------------------------
+
+inline void cublas_gemm_strided(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                int n, int k, float alpha, const float* a, int lda, long long sa,
+                                const float* b, int ldb, long long sb, float beta, float* c,
+                                int ldc, long long sc, int batch) {
+  GRAPHMOE_CUBLAS_CHECK(cublasSgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
+                                                  sb, &beta, c, ldc, sc, batch));
+}
+inline void cublas_gemm_strided(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                int n, int k, double alpha, const double* a, int lda, long long sa,
+                                const double* b, int ldb, long long sb, double beta, double* c,
+                                int ldc, long long sc, int batch) {
+  GRAPHMOE_CUBLAS_CHECK(cublasDgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
+                                                  sb, &beta, c, ldc, sc, batch));
+}
+
+// For each of `batch` matrices (pointers advanced by sa, sb, sc elements), row-major
+//   C (m, n; row stride ldc) = alpha op(A) op(B) + beta C,
+// A (row stride lda) and B (ldb) possibly column slices of wider matrices. As gemm.cuh, computed
+// as the column-major C^T = op(B)^T op(A)^T.
+template <class T>
+void graph_gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A,
+                index_t lda, index_t sa, const T* B, index_t ldb, index_t sb, T beta, T* C,
+                index_t ldc, index_t sc, index_t batch) {
+  GRAPHMOE_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX &&
+                     ldb <= INT_MAX && ldc <= INT_MAX && batch <= INT_MAX,
+                 "token graph gemm", "dimensions (", m, ", ", n, ", ", k, ") x ", batch,
+                 " exceed cuBLAS's int range");
+  if (m == 0 || n == 0 || batch == 0) return;
+  cublas_gemm_strided(cublas_handle(), cublas_op(tb), cublas_op(ta), static_cast<int>(n),
+                      static_cast<int>(m), static_cast<int>(k), alpha, B, static_cast<int>(ldb),
+                      static_cast<long long>(sb), A, static_cast<int>(lda),
+                      static_cast<long long>(sa), beta, C, static_cast<int>(ldc),
+                      static_cast<long long>(sc), static_cast<int>(batch));
+}
+
+// ---- launchers ----------------------------------------------------------------------------------
+
+inline unsigned graph_tile_blocks(index_t nseq, index_t len) {
+  const index_t tiles = (len + tgm::kOwnTile - 1) / tgm::kOwnTile;
+  GRAPHMOE_CHECK(nseq * tiles <= INT_MAX, "Similarity", nseq * tiles,
+                 " row tiles exceed the grid limit");
+  return static_cast<unsigned>(nseq * tiles);
+}
+
+// Blocks of kThreads for one warp per row.
+inline unsigned graph_warp_rows_blocks(index_t rows) {
+  return grid_for(rows, kThreads / 32);
+}
+
+// p (N, E), lse (N), entropy (N) from u (N, D), r (N, E); N a multiple of len.
+template <class T>
+void similarity_forward_cuda(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
+                             Tensor<T, cuda>& p, Tensor<T, cuda>& lse, Tensor<T, cuda>& entropy,
+                             index_t len, T inv_tau, bool causal) {
+  const index_t n = u.rows(), nseq = n / len, tiles = (len + tgm::kOwnTile - 1) / tgm::kOwnTile;
+  if (n == 0) return;
+  similarity_forward_kernel<T><<<graph_tile_blocks(nseq, len), tgm::kThreads, 0, cuda_stream()>>>(
+      u.data(), r.data(), p.data(), lse.data(), entropy.data(), len, tiles, u.cols(), r.cols(),
+      inv_tau, causal);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// dr assigned; du accumulated when du is not null (the graph is not detached).
+template <class T>
+void similarity_backward_cuda(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
+                              const Tensor<T, cuda>& p, const Tensor<T, cuda>& dp,
+                              const Tensor<T, cuda>& lse, Tensor<T, cuda>& dr, T* du, index_t len,
+                              T inv_tau, bool causal) {
+  const index_t n = u.rows(), nseq = n / len, tiles = (len + tgm::kOwnTile - 1) / tgm::kOwnTile;
+  const index_t d = u.cols(), e = r.cols();
+  if (n == 0) return;
+  const unsigned blocks = graph_tile_blocks(nseq, len);
+  Tensor<T, cuda> c;
+  if (du != nullptr) {
+    c = Tensor<T, cuda>(Shape{n});
+    graph_row_dot_kernel<T><<<graph_warp_rows_blocks(n), kThreads, 0, cuda_stream()>>>(
+        dp.data(), p.data(), c.data(), n, e);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+    similarity_backward_rows_kernel<T><<<blocks, tgm::kThreads, 0, cuda_stream()>>>(
+        u.data(), r.data(), dp.data(), c.data(), lse.data(), du, len, tiles, d, e, inv_tau, causal);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  similarity_backward_cols_kernel<T><<<blocks, tgm::kThreads, 0, cuda_stream()>>>(
+      u.data(), r.data(), dp.data(), c.data(), lse.data(), dr.data(), du, len, tiles, d, e,
+      inv_tau, causal, du != nullptr);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// out (rows) = row-wise x . y of two (rows, cols) tensors.
+template <class T>
+void graph_row_dot_cuda(const Tensor<T, cuda>& x, const Tensor<T, cuda>& y, Tensor<T, cuda>& out) {
+  if (x.rows() == 0) return;
+  graph_row_dot_kernel<T><<<graph_warp_rows_blocks(x.rows()), kThreads, 0, cuda_stream()>>>(
+      x.data(), y.data(), out.data(), x.rows(), x.cols());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace graphmoe::detail

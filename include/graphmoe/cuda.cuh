@@ -1,0 +1,48 @@
+// graphmoe/cuda.cuh: the library with its CUDA backend, for .cu translation units.
+//
+// Includes every op of backend/cuda/, the routing parts that run on graphmoe::cuda (token graphs,
+// auxiliary losses) and then graphmoe/graphmoe.hpp. The layers, routers and models are written
+// once for every backend; their op calls resolve by argument type, so a .cu file gets the CUDA
+// versions of Linear, LayerNorm, MultiHeadAttention, RouterImpl, ExpertBank, MoELayer, ... by
+// naming graphmoe::cuda as the backend argument:
+//
+//   #include "graphmoe/cuda.cuh"
+//   graphmoe::ParameterArena<float, graphmoe::cuda> arena;
+//   graphmoe::MoELayer<graphmoe::SimilarityRouter, float, graphmoe::cuda> moe;
+//
+// Name the tag graphmoe::cuda in full: under `using namespace graphmoe;` at global scope, `cuda`
+// is ambiguous with CCCL's `namespace cuda` (libcu++), which the CUDA headers declare.
+#pragma once
+
+#include "graphmoe/backend/cuda/allocator.cuh"
+#include "graphmoe/backend/cuda/attention.cuh"
+#include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/cross_entropy.cuh"
+#include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/backend/cuda/dispatch.cuh"
+#include "graphmoe/backend/cuda/dropout.cuh"
+#include "graphmoe/backend/cuda/elementwise.cuh"
+#include "graphmoe/backend/cuda/embedding.cuh"
+#include "graphmoe/backend/cuda/gates.cuh"
+#include "graphmoe/backend/cuda/gelu.cuh"
+#include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/backend/cuda/layernorm.cuh"
+#include "graphmoe/backend/cuda/optim.cuh"
+#include "graphmoe/backend/cuda/softmax.cuh"
+#include "graphmoe/backend/cuda/token_graph.cuh"
+#include "graphmoe/backend/cuda/topk.cuh"
+#include "graphmoe/routing/aux_losses_cuda.cuh"
+#include "graphmoe/routing/token_graphs_cuda.cuh"
+
+#include "graphmoe/layers/attention.hpp"
+#include "graphmoe/layers/block.hpp"
+#include "graphmoe/layers/expert_bank.hpp"
+#include "graphmoe/layers/ffn.hpp"
+#include "graphmoe/layers/linear.hpp"
+#include "graphmoe/layers/moe.hpp"
+#include "graphmoe/layers/norm.hpp"
+#include "graphmoe/routing/router.hpp"
+#include "graphmoe/models/sequence_classifier.hpp"
+#include "graphmoe/models/transformer_lm.hpp"
+#include "graphmoe/models/vision_moe.hpp"
+#include "graphmoe/train/optim.hpp"

@@ -1,0 +1,434 @@
+// Cross-backend tests of the token graphs on the GPU (routing/token_graphs_cuda.cuh, kernels in
+// backend/cuda/token_graph.cuh): GraphImpl<Independent | Similarity | Attention, T, cuda> against
+// the CPU GraphImpl, the reference, on random inputs (as test_cuda_ops.cu does for the ops).
+//
+//   error metric   err = max_i |cuda_i - cpu_i| / max_i |cpu_i|     (normwise, L-infinity, from
+//                  tests/cuda/cuda_test_support.cuh); row entropies divide by max(1, max |cpu|)
+//   tolerance      double 1e-11; float 5e-5: the logits u_i . u_j / tau are sums of D products
+//                  of size up to |u|^2 / tau, whose fp32 rounding (different summation orders,
+//                  fused multiply-adds on the GPU) moves S by a few 1e-6 relative
+//                  exact equality for Independent (copies), the heads h* and two GPU runs of
+//                  the same backward (no atomics: the kernels are deterministic)
+//   error messages the CUDA graph throws the CPU graph's message, compared as strings
+//
+// Without a CUDA device every case prints "skipped: no CUDA device" and passes: the file is
+// compiled by nvcc in CI and runs in full on a GPU machine.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "graphmoe/backend/cuda/allocator.cuh"
+#include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/routing/token_graphs.hpp"
+#include "graphmoe/routing/token_graphs_cuda.cuh"
+#include "cuda/cuda_test_support.cuh"
+#include "routing/router_fixtures.hpp"
+#include "support/gradcheck.hpp"
+
+// Everything lives in namespace graphmoe: with `using namespace graphmoe;` at global scope the
+// backend tag `cuda` would be ambiguous with CCCL's `namespace cuda` (libcu++).
+namespace graphmoe {
+
+// The cache's definition is backend-generic: the device cache is a plain instantiation.
+template struct AttentionCache<float, cuda>;
+template struct AttentionCache<double, cuda>;
+
+using graphmoe::test::random_attention_cache;
+using graphmoe::test::random_normal;
+using graphmoe::test::random_probs;
+
+namespace {
+
+using test::check_equal;
+using test::error_of;
+using test::normwise_error;
+using test::type_name;
+
+// See the file comment: fp32 logits of size |u|^2 / tau move S by a few 1e-6.
+template <class T>
+double graph_tolerance() {
+  return std::is_same_v<T, float> ? 5e-5 : 1e-11;
+}
+
+template <class T>
+void check_close(const std::string& what, const Tensor<T, cpu>& ref, const Tensor<T, cuda>& got) {
+  test::check_close(what, ref, got, graph_tolerance<T>());
+}
+
+// Row entropies: max |cuda - cpu| / max(1, max |cpu|). Nearly one-hot rows have entropies close
+// to 0 whose rounding error is absolute (nats), not relative.
+template <class T>
+void check_entropy(const std::string& what, const Tensor<T, cpu>& ref, const Tensor<T, cuda>& got) {
+  const Tensor<T, cpu> h = to_host(got);
+  REQUIRE_MESSAGE(h.shape() == ref.shape(), what, ": shape ", h.shape().str(), " vs ",
+                  ref.shape().str());
+  double diff = 0, scale = 1;
+  for (index_t i = 0; i < ref.numel(); ++i) {
+    const double r = static_cast<double>(ref.data()[i]), g = static_cast<double>(h.data()[i]);
+    diff = std::isnan(g) ? std::numeric_limits<double>::infinity()
+                         : std::max(diff, std::abs(g - r));
+    scale = std::max(scale, std::abs(r));
+  }
+  const double err = diff / scale, tol = graph_tolerance<T>();
+  if (test::verbose())
+    std::printf("  %-36s %-6s error %.3e (tolerance %.0e)\n", what.c_str(), type_name<T>(), err,
+                tol);
+  CHECK_MESSAGE(err <= tol, what, " (", type_name<T>(), "): error ", err, " > tolerance ", tol);
+}
+
+void check_scalar(const std::string& what, double ref, double got, double tol) {
+  const double err = std::abs(got - ref) / std::max(1.0, std::abs(ref));
+  if (test::verbose()) std::printf("  %-36s error %.3e (tolerance %.0e)\n", what.c_str(), err, tol);
+  CHECK_MESSAGE(err <= tol, what, ": ", got, " vs ", ref);
+}
+
+template <class T>
+Tensor<T, cuda> nan_device(const Shape& s) {
+  Tensor<T, cpu> h(s);
+  h.fill(std::numeric_limits<T>::quiet_NaN());
+  return to_device(h);
+}
+
+template <class T>
+AttentionCache<T, cuda> to_device(const AttentionCache<T, cpu>& c) {
+  AttentionCache<T, cuda> d;
+  d.num_heads = c.num_heads;
+  d.probs = to_device(c.probs);
+  d.v = to_device(c.v);
+  d.w_o = to_device(c.w_o);
+  d.b_o = to_device(c.b_o);
+  d.out = to_device(c.out);
+  d.row_entropy = to_device(c.row_entropy);
+  d.dprobs = to_device(c.dprobs);
+  d.dv = to_device(c.dv);
+  d.dw_o = to_device(c.dw_o);
+  d.db_o = to_device(c.db_o);
+  d.dout = to_device(c.dout);
+  return d;
+}
+
+// ---- Similarity ---------------------------------------------------------------------------------
+
+struct SimilarityCase {
+  index_t nseq, len, d, e;
+};
+
+template <class T>
+void compare_similarity(const SimilarityCase& sc, const RouterConfig& cfg, Rng& rng) {
+  CAPTURE(sc.nseq);
+  CAPTURE(sc.len);
+  CAPTURE(sc.d);
+  CAPTURE(sc.e);
+  CAPTURE(cfg.causal);
+  CAPTURE(static_cast<int>(cfg.tau_mode));
+  CAPTURE(cfg.detach_graph);
+  const index_t n = sc.nseq * sc.len;
+  auto u = random_normal<T>({n, sc.d}, rng, 0.7);
+  auto r = random_probs<T>(n, sc.e, rng);
+  auto dp = random_normal<T>({n, sc.e}, rng);
+  auto du0 = random_normal<T>({n, sc.d}, rng);
+  const auto ud = to_device(u), rd = to_device(r), dpd = to_device(dp);
+
+  GraphImpl<Similarity, T, cpu> ref;
+  GraphImpl<Similarity, T, cuda> gpu;
+  ref.configure(sc.d, cfg);
+  gpu.configure(sc.d, cfg);
+  CHECK(gpu.tau() == ref.tau());
+  Tensor<T, cpu> p;
+  auto pd = nan_device<T>({n, sc.e});  // an arena view holding anything: overwritten
+  ref.forward(u, r, {sc.len, nullptr}, p);
+  gpu.forward(ud, rd, {sc.len, nullptr}, pd);
+  check_close("similarity p", p, pd);
+  check_entropy("similarity row entropy", ref.row_entropy(), gpu.row_entropy());
+  check_scalar("similarity mean entropy", ref.mean_entropy(), gpu.mean_entropy(),
+               graph_tolerance<T>());
+
+  Tensor<T, cpu> dr, du = du0.clone();
+  auto drd = nan_device<T>({n, sc.e});  // assigned
+  auto dud = to_device(du0);            // accumulated
+  ref.backward(u, r, p, dp, {sc.len, nullptr}, dr, du);
+  gpu.backward(ud, rd, pd, dpd, {sc.len, nullptr}, drd, dud);
+  check_close("similarity dr", dr, drd);
+  check_close("similarity du (accumulated)", du, dud);
+
+  // deterministic: a second backward gives the same bits
+  auto drd2 = nan_device<T>({n, sc.e});
+  auto dud2 = to_device(du0);
+  gpu.backward(ud, rd, pd, dpd, {sc.len, nullptr}, drd2, dud2);
+  check_equal("similarity dr, second run", to_host(drd), drd2);
+  check_equal("similarity du, second run", to_host(dud), dud2);
+}
+
+// ---- Attention ----------------------------------------------------------------------------------
+
+struct AttentionCase {
+  index_t nb, len, heads, d, e;
+};
+
+template <class T>
+void compare_attention(const AttentionCase& ac, const RouterConfig& cfg, bool causal,
+                       bool with_bias, bool with_row_entropy, Rng& rng) {
+  CAPTURE(ac.nb);
+  CAPTURE(ac.len);
+  CAPTURE(ac.heads);
+  CAPTURE(causal);
+  CAPTURE(static_cast<int>(cfg.head_choice));
+  CAPTURE(cfg.detach_graph);
+  CAPTURE(with_bias);
+  CAPTURE(with_row_entropy);
+  const index_t n = ac.nb * ac.len;
+  auto cache = random_attention_cache<T>(ac.nb, ac.len, ac.heads, ac.d, causal, rng, 2.0);
+  for (index_t i = 0; i < cache.out.numel(); ++i) cache.out.data()[i] *= T(0.3);
+  if (!with_bias) {
+    cache.b_o = Tensor<T, cpu>();
+    cache.db_o = Tensor<T, cpu>();
+  }
+  if (with_row_entropy) {
+    cache.row_entropy = Tensor<T, cpu>({ac.nb, ac.heads, ac.len});
+    for (index_t k = 0; k < cache.row_entropy.numel(); ++k) {
+      double h = 0;
+      for (index_t j = 0; j < ac.len; ++j) {
+        const double a = static_cast<double>(cache.probs.data()[k * ac.len + j]);
+        if (a > 0) h -= a * std::log(a);
+      }
+      cache.row_entropy.data()[k] = static_cast<T>(h);
+    }
+  }
+  for (Tensor<T, cpu>* g : {&cache.dprobs, &cache.dv, &cache.dw_o, &cache.db_o, &cache.dout})
+    if (!g->empty()) *g = random_normal<T>(g->shape(), rng, 0.1);
+  auto cache_d = to_device(cache);
+  auto u = random_normal<T>({n, ac.d}, rng);
+  auto r = random_probs<T>(n, ac.e, rng);
+  auto dp = random_normal<T>({n, ac.e}, rng);
+  const auto ud = to_device(u), rd = to_device(r), dpd = to_device(dp);
+
+  GraphImpl<Attention, T, cpu> ref;
+  GraphImpl<Attention, T, cuda> gpu;
+  ref.configure(ac.d, cfg);
+  gpu.configure(ac.d, cfg);
+  Tensor<T, cpu> p;
+  auto pd = nan_device<T>({n, ac.e});
+  ref.forward(u, r, {ac.len, &cache}, p);
+  gpu.forward(ud, rd, {ac.len, &cache_d}, pd);
+  CHECK(gpu.heads() == ref.heads());
+  check_close("attention p", p, pd);
+  check_close("attention posterior", ref.posterior(), gpu.posterior());
+  check_scalar("attention mean entropy", ref.mean_entropy(), gpu.mean_entropy(),
+               graph_tolerance<T>());
+
+  Tensor<T, cpu> dr, du_unused;
+  Tensor<T, cuda> drd, dud_unused;
+  ref.backward(u, r, p, dp, {ac.len, &cache}, dr, du_unused);
+  gpu.backward(ud, rd, pd, dpd, {ac.len, &cache_d}, drd, dud_unused);
+  check_close("attention dr", dr, drd);
+  check_close("attention dprobs", cache.dprobs, cache_d.dprobs);
+  check_close("attention dv", cache.dv, cache_d.dv);
+  check_close("attention dw_o", cache.dw_o, cache_d.dw_o);
+  check_close("attention dout", cache.dout, cache_d.dout);
+  if (with_bias) check_close("attention db_o", cache.db_o, cache_d.db_o);
+}
+
+}  // namespace
+
+// ---- Independent --------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: Independent graph copies r and dp", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(1);
+  auto u = random_normal<T>({12, 5}, rng);
+  auto r = random_probs<T>(12, 7, rng);
+  auto dp = random_normal<T>({12, 7}, rng);
+  GraphImpl<Independent, T, cuda> g;
+  g.configure(5, RouterConfig{});
+  Tensor<T, cuda> p, dr, du;
+  g.forward(to_device(u), to_device(r), {4, nullptr}, p);
+  check_equal("independent p", r, p);
+  g.backward(to_device(u), to_device(r), p, to_device(dp), {4, nullptr}, dr, du);
+  check_equal("independent dr", dp, dr);
+  CHECK(g.mean_entropy() == 0.0);
+}
+
+// ---- Similarity ---------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: Similarity forward and backward, causal and not, both tau modes",
+                   T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(2);
+  // lengths below, at and across the tiles (16 owned rows, 32 streamed columns), D across the
+  // depth chunk of 32, E beyond the 256 threads of a block
+  for (const SimilarityCase sc :
+       {SimilarityCase{4, 1, 3, 4}, SimilarityCase{3, 7, 5, 8}, SimilarityCase{2, 16, 32, 16},
+        SimilarityCase{2, 33, 40, 6}, SimilarityCase{3, 70, 96, 3}, SimilarityCase{1, 129, 17, 300},
+        SimilarityCase{2, 257, 64, 8}}) {
+    for (const bool causal : {false, true}) {
+      for (const TauMode mode : {TauMode::Fixed, TauMode::ScaledSqrtD}) {
+        RouterConfig cfg;
+        cfg.num_experts = sc.e;
+        cfg.causal = causal;
+        cfg.tau_mode = mode;
+        cfg.similarity_tau = mode == TauMode::Fixed ? 2.0 : 0.5;
+        compare_similarity<T>(sc, cfg, rng);
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("cuda vs cpu: Similarity detached, and similarity_recompute changes nothing", T,
+                   float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(3);
+  for (const bool causal : {false, true}) {
+    RouterConfig cfg;
+    cfg.num_experts = 5;
+    cfg.causal = causal;
+    cfg.detach_graph = true;  // du untouched, dr still assigned
+    compare_similarity<T>(SimilarityCase{2, 45, 20, 5}, cfg, rng);
+    cfg.detach_graph = false;
+    cfg.similarity_recompute = true;  // the CPU recomputes too; the GPU always does
+    compare_similarity<T>(SimilarityCase{2, 45, 20, 5}, cfg, rng);
+  }
+}
+
+TEST_CASE("cuda: Similarity causal graph never reads later tokens") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(4);
+  const index_t len = 40, d = 8, e = 4;
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.causal = true;
+  auto u = random_normal<float>({len, d}, rng);
+  auto r = random_probs<float>(len, e, rng);
+  GraphImpl<Similarity, float, cuda> g;
+  g.configure(d, cfg);
+  Tensor<float, cuda> p1, p2;
+  g.forward(to_device(u), to_device(r), {len, nullptr}, p1);
+  const index_t j = 21;
+  for (index_t k = 0; k < d; ++k) u(j, k) += 3.0f;
+  for (index_t k = 0; k < e; ++k) r(j, k) = k == 0 ? 1.0f : 0.0f;
+  g.forward(to_device(u), to_device(r), {len, nullptr}, p2);
+  const auto h1 = to_host(p1);
+  check_equal("rows before the perturbed token", h1.slice(0, j).clone(), p2.slice(0, j));
+  CHECK(normwise_error(h1.slice(j, len).clone(), to_host(p2).slice(j, len).clone()) > 0);
+}
+
+// ---- Attention ----------------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: Attention forward and backward into the attention cache", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(5);
+  for (const AttentionCase ac : {AttentionCase{3, 1, 2, 4, 3}, AttentionCase{2, 19, 3, 6, 4},
+                                 AttentionCase{2, 70, 4, 32, 8}, AttentionCase{1, 300, 2, 16, 5}}) {
+    for (const bool causal : {false, true}) {
+      for (const HeadChoice choice : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
+        RouterConfig cfg;
+        cfg.num_experts = ac.e;
+        cfg.attention_sigma = 1.5;
+        cfg.head_choice = choice;
+        compare_attention<T>(ac, cfg, causal, true, false, rng);
+      }
+    }
+  }
+  RouterConfig cfg;
+  cfg.num_experts = 4;
+  cfg.head_choice = HeadChoice::PerSequenceCausal;
+  compare_attention<T>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, false, true, rng);
+  cfg.detach_graph = true;
+  compare_attention<T>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, true, false, rng);
+}
+
+// ---- bad input ----------------------------------------------------------------------------------
+
+TEST_CASE("cuda vs cpu: bad graph inputs throw the CPU messages") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(6);
+  const index_t n = 8, d = 4, e = 3, len = 4;
+  auto u = random_normal<float>({n, d}, rng);
+  auto r = random_probs<float>(n, e, rng);
+  const auto ud = to_device(u), rd = to_device(r);
+  auto r_short = random_probs<float>(n - 1, e, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+
+  const auto same = [](const std::string& what, const std::string& cpu_msg,
+                       const std::string& cuda_msg) {
+    CAPTURE(what);
+    CHECK(!cpu_msg.empty());
+    CHECK(cuda_msg == cpu_msg);
+  };
+
+  {  // Similarity
+    GraphImpl<Similarity, float, cpu> c;
+    GraphImpl<Similarity, float, cuda> g;
+    c.configure(d, cfg);
+    g.configure(d, cfg);
+    Tensor<float, cpu> p;
+    Tensor<float, cuda> pd;
+    same("seq_len", error_of([&] { c.forward(u, r, {3, nullptr}, p); }),
+         error_of([&] { g.forward(ud, rd, {3, nullptr}, pd); }));
+    same("N", error_of([&] { c.forward(u, r_short, {1, nullptr}, p); }),
+         error_of([&] { g.forward(ud, to_device(r_short), {1, nullptr}, pd); }));
+    Tensor<float, cpu> p_bad({n, e + 1});
+    Tensor<float, cuda> pd_bad(Shape{n, e + 1});
+    same("p shape", error_of([&] { c.forward(u, r, {len, nullptr}, p_bad); }),
+         error_of([&] { g.forward(ud, rd, {len, nullptr}, pd_bad); }));
+    c.forward(u, r, {len, nullptr}, p);
+    g.forward(ud, rd, {len, nullptr}, pd);
+    Tensor<float, cpu> dr, du_bad({n, d + 1});
+    Tensor<float, cuda> drd, dud_bad(Shape{n, d + 1});
+    same("du shape", error_of([&] { c.backward(u, r, p, r, {len, nullptr}, dr, du_bad); }),
+         error_of([&] { g.backward(ud, rd, pd, rd, {len, nullptr}, drd, dud_bad); }));
+    RouterConfig bad = cfg;
+    bad.similarity_tau = -1;
+    same("tau", error_of([&] { c.configure(d, bad); }), error_of([&] { g.configure(d, bad); }));
+  }
+
+  {  // Attention
+    GraphImpl<Attention, float, cpu> c;
+    GraphImpl<Attention, float, cuda> g;
+    c.configure(d, cfg);
+    g.configure(d, cfg);
+    Tensor<float, cpu> p;
+    Tensor<float, cuda> pd;
+    same("no cache", error_of([&] { c.forward(u, r, {len, nullptr}, p); }),
+         error_of([&] { g.forward(ud, rd, {len, nullptr}, pd); }));
+    const auto good = random_attention_cache<float>(n / len, len, 2, d, false, rng);
+    const auto try_cache = [&](const std::string& what, auto&& spoil) {
+      AttentionCache<float, cpu> hc = good;
+      spoil(hc);
+      auto dc = to_device(hc);
+      same(what, error_of([&] { c.forward(u, r, {len, &hc}, p); }),
+           error_of([&] { g.forward(ud, rd, {len, &dc}, pd); }));
+    };
+    try_cache("probs shape",
+              [](AttentionCache<float, cpu>& k) { k.probs = Tensor<float>({2, 2, 4, 3}); });
+    try_cache("values", [](AttentionCache<float, cpu>& k) { k.v = Tensor<float>({8, 5}); });
+    try_cache("w_o", [](AttentionCache<float, cpu>& k) { k.w_o = Tensor<float>({4, 3}); });
+    try_cache("out", [](AttentionCache<float, cpu>& k) { k.out = Tensor<float>({8, 5}); });
+    try_cache("b_o", [](AttentionCache<float, cpu>& k) { k.b_o = Tensor<float>({5}); });
+    try_cache("incomplete", [](AttentionCache<float, cpu>& k) { k.v = Tensor<float>(); });
+    try_cache("row_entropy", [](AttentionCache<float, cpu>& k) {
+      k.row_entropy = Tensor<float>({2, 2, 5});
+    });
+    // an all-zero attention row of the chosen head (sequences 0 and 1)
+    try_cache("all-zero row", [&](AttentionCache<float, cpu>& k) {
+      k.probs = k.probs.clone();
+      GraphImpl<Attention, float, cpu> probe;
+      probe.configure(d, cfg);
+      Tensor<float, cpu> pp;
+      probe.forward(u, r, {len, &k}, pp);
+      for (index_t b = 0; b < n / len; ++b)
+        for (index_t j = 0; j < len; ++j)
+          k.probs(b, probe.heads()[static_cast<std::size_t>(b * len)], 2, j) = 0.0f;
+    });
+  }
+}
+
+}  // namespace graphmoe

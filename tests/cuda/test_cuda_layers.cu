@@ -1,0 +1,321 @@
+// Cross-backend tests of the layers, routers and the MoE layer: the same layer class instantiated
+// with graphmoe::cpu (the reference) and graphmoe::cuda, the same parameters (the CPU arena's
+// values copied to the device arena) and inputs; outputs, routing decisions, input gradients and
+// every parameter gradient are compared.
+//
+//   error metric   max_i |cuda_i - cpu_i| / max_i |cpu_i| per tensor (tests/cuda/cuda_test_support)
+//   tolerance      composite layers (several ops and reductions in other orders, fused
+//                  multiply-adds on the device): float 1e-4, double 1e-10; the routing decisions
+//                  (top-k ids, capacity drops) exactly
+//
+// Without a CUDA device every case passes with "skipped: no CUDA device" (compiled by nvcc in CI,
+// run in full by scripts/gpu-check.sh).
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "graphmoe/cuda.cuh"
+#include "cuda/cuda_test_support.cuh"
+#include "support/gradcheck.hpp"
+
+namespace graphmoe {
+using test::check_close;
+using test::check_equal;
+using test::random_tensor;
+
+namespace {
+
+template <class T>
+double layer_tolerance() {
+  return std::is_same_v<T, float> ? 1e-4 : 1e-10;
+}
+
+// Both arenas are declared by the same calls; the device one receives the CPU one's values.
+template <class T>
+void copy_parameters(const ParameterArena<T, cpu>& host, const ParameterArena<T, graphmoe::cuda>& dev) {
+  REQUIRE(host.values().shape() == dev.values().shape());
+  Tensor<T, graphmoe::cuda> v = dev.values();
+  to_device(host.values(), v);
+}
+
+template <class T>
+void check_gradients(const std::string& what, const ParameterArena<T, cpu>& host,
+                     const ParameterArena<T, graphmoe::cuda>& dev) {
+  REQUIRE(host.size() == dev.size());
+  for (index_t i = 0; i < host.size(); ++i) {
+    const std::string name = host.params()[static_cast<std::size_t>(i)].name;
+    check_close(what + " d" + name, host.grad(i), dev.grad(i), layer_tolerance<T>());
+  }
+}
+
+// A layer pair: the same class on both backends, declared alike, the same initial values.
+template <template <class> class Layer, class T>
+struct Pair {
+  ParameterArena<T, cpu> host_arena;
+  ParameterArena<T, graphmoe::cuda> dev_arena;
+  Layer<cpu> host;
+  Layer<graphmoe::cuda> dev;
+
+  template <class Declare, class Init>
+  Pair(Declare&& declare, Init&& init) {
+    declare(host_arena, host);
+    declare(dev_arena, dev);
+    host_arena.allocate();
+    dev_arena.allocate();
+    host.bind(host_arena);
+    dev.bind(dev_arena);
+    init(host);
+    copy_parameters(host_arena, dev_arena);
+  }
+};
+
+template <class T>
+struct LayerTypes {
+  template <class B>
+  using Linear_ = Linear<T, B>;
+  template <class B>
+  using LayerNorm_ = LayerNorm<T, B>;
+  template <class B>
+  using FeedForward_ = FeedForward<T, B>;
+  template <class B>
+  using Attention_ = MultiHeadAttention<T, B>;
+  template <class Policy>
+  struct Moe {
+    template <class B>
+    using type = MoELayer<Policy, T, B>;
+  };
+  template <class Policy>
+  struct Block {
+    template <class B>
+    using type = TransformerBlock<Policy, T, B>;
+  };
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("cuda vs cpu: Linear, LayerNorm and FeedForward layers", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng data(3);
+  const Tensor<T, cpu> x = random_tensor<T>(Shape{2, 7, 12}, data);
+  {
+    Pair<LayerTypes<T>::template Linear_, T> p(
+        [](auto& arena, auto& l) { l.declare(arena, "fc.", 12, 9); },
+        [](auto& l) { Rng r(1); l.init(r, 0.3); });
+    const Tensor<T, cpu> dy = random_tensor<T>(Shape{2, 7, 9}, data);
+    Tensor<T, cpu> hy, hdx(x.shape());
+    Tensor<T, graphmoe::cuda> dy_dev, ddx(x.shape());
+    p.host.forward(x, hy);
+    p.dev.forward(to_device(x), dy_dev);
+    check_close("Linear y", hy, dy_dev, layer_tolerance<T>());
+    p.host.backward(dy, &hdx);
+    p.dev.backward(to_device(dy), &ddx);
+    check_close("Linear dx", hdx, ddx, layer_tolerance<T>());
+    check_gradients("Linear", p.host_arena, p.dev_arena);
+  }
+  {
+    Pair<LayerTypes<T>::template LayerNorm_, T> p(
+        [](auto& arena, auto& l) { l.declare(arena, "ln.", 12); }, [](auto& l) { l.init(); });
+    const Tensor<T, cpu> dy = random_tensor<T>(x.shape(), data);
+    Tensor<T, cpu> hy, hdx;
+    Tensor<T, graphmoe::cuda> yd, dxd;
+    p.host.forward(x, hy);
+    p.dev.forward(to_device(x), yd);
+    check_close("LayerNorm y", hy, yd, layer_tolerance<T>());
+    p.host.backward(dy, hdx);
+    p.dev.backward(to_device(dy), dxd);
+    check_close("LayerNorm dx", hdx, dxd, layer_tolerance<T>());
+    check_gradients("LayerNorm", p.host_arena, p.dev_arena);
+  }
+  {
+    Pair<LayerTypes<T>::template FeedForward_, T> p(
+        [](auto& arena, auto& l) { l.declare(arena, "ffn.", 12, 20, GeluForm::Tanh); },
+        [](auto& l) { Rng r(2); l.init(r, 0.2); });
+    const Tensor<T, cpu> xf = x.view(Shape{14, 12});
+    const Tensor<T, cpu> dy = random_tensor<T>(xf.shape(), data);
+    Tensor<T, cpu> hy, hdx;
+    Tensor<T, graphmoe::cuda> yd, dxd;
+    p.host.forward(xf, hy);
+    p.dev.forward(to_device(xf), yd);
+    check_close("FeedForward y", hy, yd, layer_tolerance<T>());
+    p.host.backward(dy, hdx);
+    p.dev.backward(to_device(dy), dxd);
+    check_close("FeedForward dx", hdx, dxd, layer_tolerance<T>());
+    check_gradients("FeedForward", p.host_arena, p.dev_arena);
+  }
+}
+
+TEST_CASE_TEMPLATE("cuda vs cpu: MultiHeadAttention layer and its cache", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    Pair<LayerTypes<T>::template Attention_, T> p(
+        [causal](auto& arena, auto& l) { l.declare(arena, "attn.", 16, 4, causal); },
+        [](auto& l) { Rng r(5); l.init(r, 0.3); });
+    Rng data(9);
+    const Tensor<T, cpu> x = random_tensor<T>(Shape{2, 11, 16}, data);
+    const Tensor<T, cpu> da = random_tensor<T>(x.shape(), data);
+    Tensor<T, cpu> ha, hdx;
+    Tensor<T, graphmoe::cuda> a_dev, dx_dev;
+    p.host.forward(x, ha);
+    p.dev.forward(to_device(x), a_dev);
+    check_close("attention a", ha, a_dev, layer_tolerance<T>());
+    check_close("attention probs", p.host.cache().probs, p.dev.cache().probs, layer_tolerance<T>());
+    check_close("attention row entropy", p.host.cache().row_entropy, p.dev.cache().row_entropy,
+                layer_tolerance<T>());
+    p.host.backward(da, hdx);
+    p.dev.backward(to_device(da), dx_dev);
+    check_close("attention dx", hdx, dx_dev, layer_tolerance<T>());
+    check_gradients("attention", p.host_arena, p.dev_arena);
+  }
+}
+
+namespace {
+
+// One MoE layer on both backends: routing, output, du and every gradient.
+template <class Policy, class T>
+void compare_moe(const RouterConfig& rc, index_t batch, index_t len) {
+  MoEConfig cfg;
+  cfg.d_model = 24;
+  cfg.d_ff = 20;
+  cfg.router = rc;
+  Pair<LayerTypes<T>::template Moe<Policy>::template type, T> p(
+      [&](auto& arena, auto& l) { l.declare(arena, "moe.", cfg); },
+      [](auto& l) { Rng r(7); l.init(r); });
+  Rng data(11);
+  const index_t n = batch * len;
+  const Tensor<T, cpu> u = random_tensor<T>(Shape{n, cfg.d_model}, data);
+  const Tensor<T, cpu> dy = random_tensor<T>(u.shape(), data);
+  GraphContext<T, cpu> hctx{len, nullptr};
+  GraphContext<T, graphmoe::cuda> dctx{len, nullptr};
+  Tensor<T, cpu> hy, hdu;
+  Tensor<T, graphmoe::cuda> yd, dud;
+  p.host.forward(u, hctx, hy);
+  p.dev.forward(to_device(u), dctx, yd);
+  const auto& hr = p.host.routing();
+  const auto& dr = p.dev.routing();
+  check_close("router gamma", hr.gamma, dr.gamma, layer_tolerance<T>());
+  check_close("router r", hr.r, dr.r, layer_tolerance<T>());
+  check_close("router p", hr.p, dr.p, layer_tolerance<T>());
+  check_equal("router indices", hr.selection.indices, dr.selection.indices);
+  check_equal("router keep", hr.selection.keep, dr.selection.keep);
+  CHECK(hr.selection.dropped == dr.selection.dropped);
+  check_close("router gates", hr.selection.gates, dr.selection.gates, layer_tolerance<T>());
+  CHECK(dr.graph_entropy == doctest::Approx(hr.graph_entropy).epsilon(1e-4));
+  CHECK(dr.load_balance_loss == doctest::Approx(hr.load_balance_loss).epsilon(1e-4));
+  CHECK(dr.z_loss == doctest::Approx(hr.z_loss).epsilon(1e-4));
+  check_close("MoE y", hy, yd, layer_tolerance<T>());
+  p.host.backward(dy, hdu);
+  p.dev.backward(to_device(dy), dud);
+  check_close("MoE du", hdu, dud, layer_tolerance<T>());
+  check_gradients("MoE", p.host_arena, p.dev_arena);
+}
+
+RouterConfig small_router(index_t k = 2) {
+  RouterConfig rc;
+  rc.num_experts = 6;
+  rc.k = k;
+  return rc;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the softmax router (Switch)", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  compare_moe<SoftmaxRouter, T>(small_router(), 2, 9);
+  SUBCASE("with load-balancing and z losses") {
+    RouterConfig rc = small_router();
+    rc.load_balance_coef = 0.01;
+    rc.z_loss_coef = 0.001;
+    compare_moe<SoftmaxRouter, T>(rc, 2, 9);
+  }
+  SUBCASE("with a capacity limit that drops assignments") {
+    RouterConfig rc = small_router();
+    rc.capacity_factor = 0.5;
+    compare_moe<SoftmaxRouter, T>(rc, 2, 9);
+  }
+}
+
+TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the Similarity-Aware router", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    RouterConfig rc = small_router();
+    rc.causal = causal;
+    rc.similarity_tau = 2.0;
+    compare_moe<SimilarityRouter, T>(rc, 3, 37);
+  }
+}
+
+TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the X-MoE (cosine) routers", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (bool learnable : {false, true}) {
+    CAPTURE(learnable);
+    RouterConfig rc = small_router();
+    rc.cosine_dim = 8;
+    rc.cosine_learnable_temperature = learnable;
+    rc.similarity_tau = 2.0;
+    compare_moe<XMoERouter, T>(rc, 2, 9);
+    compare_moe<SimilarityXMoERouter, T>(rc, 2, 9);
+  }
+}
+
+TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the SMoE-Dropout router (frozen, scheduled k)", T,
+                   float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  RouterConfig rc = small_router();
+  rc.k_min = 1;
+  rc.k_max = 4;
+  rc.schedule_steps = 10;
+  compare_moe<SMoEDropoutRouter, T>(rc, 2, 8);
+  compare_moe<SimilaritySMoEDropoutRouter, T>(rc, 2, 8);
+}
+
+namespace {
+
+// A pre-norm block (LN, attention, LN, MoE or FFN) on both backends.
+template <class Policy, class T>
+void compare_block(bool moe, bool causal) {
+  BlockConfig cfg;
+  cfg.d_model = 16;
+  cfg.num_heads = 4;
+  cfg.d_ff = 24;
+  cfg.causal = causal;
+  cfg.moe = moe;
+  cfg.init_std = 0.3;
+  cfg.moe_config.router = small_router();
+  cfg.moe_config.router.causal = causal;
+  Pair<LayerTypes<T>::template Block<Policy>::template type, T> p(
+      [&](auto& arena, auto& l) { l.declare(arena, "block.", cfg); },
+      [](auto& l) { Rng r(13); l.init(r); });
+  Rng data(17);
+  const Tensor<T, cpu> h = random_tensor<T>(Shape{2, 10, cfg.d_model}, data);
+  const Tensor<T, cpu> dout = random_tensor<T>(h.shape(), data);
+  Tensor<T, cpu> hout, hdh;
+  Tensor<T, graphmoe::cuda> outd, dhd;
+  p.host.forward(h, hout);
+  p.dev.forward(to_device(h), outd);
+  check_close("block out", hout, outd, layer_tolerance<T>());
+  if (moe)
+    check_equal("block router indices", p.host.moe().routing().selection.indices,
+                p.dev.moe().routing().selection.indices);
+  p.host.backward(dout, hdh);
+  p.dev.backward(to_device(dout), dhd);
+  check_close("block dh", hdh, dhd, layer_tolerance<T>());
+  check_gradients("block", p.host_arena, p.dev_arena);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("cuda vs cpu: transformer block, dense and with each graph", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    compare_block<SoftmaxRouter, T>(false, causal);
+    compare_block<SoftmaxRouter, T>(true, causal);
+    compare_block<SimilarityRouter, T>(true, causal);
+    compare_block<AttentionRouter, T>(true, causal);
+  }
+}
+
+}  // namespace graphmoe
