@@ -15,6 +15,10 @@
 //     MultiHeadAttention<float, graphmoe::cuda> (8 heads) run once on the same tokens. Counter
 //     expert_flop: 4 D d_ff per routed slot forward (two GEMMs), x3 with backward: the useful
 //     work, not everything the layer computes.
+//   moe/bf16/<router>/{fwd,fwdbwd}    MoELayer<Router, float, graphmoe::cuda, __nv_bfloat16>: the
+//     same layer with its expert GEMMs on bf16 operands (fp32 accumulation and outputs); the
+//     parameters, the router (logits, softmax, graph, gates) and the activations stay fp32, and
+//     the conversions to bf16 (xs, w1, w2, A, dy, dh) are part of the measured time.
 //   graph/float/similarity/{fwd,fwdbwd}   GraphImpl<Similarity, float, graphmoe::cuda> alone on the
 //     same tokens (p = S r with S = softmax(U U^T / tau), causal), backward into dr and du.
 //   lm_train/float/<router>   one TransformerLM<Router, float, graphmoe::cuda> training step
@@ -29,10 +33,7 @@
 // the time divided by the count. An error (graphmoe::Error, a CUDA error) ends that benchmark with
 // SkipWithError; the others still run.
 //
-// The MoE layer, the graph and the LM have no bf16 variants: the layers and the ops under them
-// (softmax, top-k, dispatch, layer norm, GELU, the token-graph kernels, AdamW) are instantiated
-// for float and double only, so MoELayer<Router, __nv_bfloat16, graphmoe::cuda> does not compile
-// yet. Add them here when it does.
+// bf16 is the experts' compute type only (mixed precision); the graph and the LM are float.
 //
 // Without a CUDA device the program says so and exits 0.
 //
@@ -230,12 +231,13 @@ MoEConfig moe_config() {
   return cfg;
 }
 
-template <class Policy>
+// Compute: the expert GEMMs' operand type (float, or __nv_bfloat16 with fp32 parameters and router).
+template <class Policy, class Compute = float>
 void BM_moe(benchmark::State& state, bool backward) {
   guarded(state, [&] {
     using T = float;
     ParameterArena<T, graphmoe::cuda> arena;
-    MoELayer<Policy, T, graphmoe::cuda> layer;
+    MoELayer<Policy, T, graphmoe::cuda, Compute> layer;
     layer.declare(arena, "moe.", moe_config());
     arena.allocate();
     layer.bind(arena);
@@ -384,11 +386,12 @@ void register_gemm() {
   }
 }
 
-template <class Policy>
+template <class Policy, class Compute = float>
 void register_moe(const std::string& router) {
+  const std::string type = std::is_same_v<Compute, float> ? "float" : "bf16";
   for (bool backward : {false, true}) {
-    const std::string name = "moe/float/" + router + (backward ? "/fwdbwd" : "/fwd");
-    benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy>, backward)
+    const std::string name = "moe/" + type + "/" + router + (backward ? "/fwdbwd" : "/fwd");
+    benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, backward)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
@@ -400,6 +403,9 @@ void register_all() {
   register_moe<SoftmaxRouter>("softmax");
   register_moe<SimilarityRouter>("similarity");
   register_moe<AttentionRouter>("attention");
+  register_moe<SoftmaxRouter, __nv_bfloat16>("softmax");
+  register_moe<SimilarityRouter, __nv_bfloat16>("similarity");
+  register_moe<AttentionRouter, __nv_bfloat16>("attention");
   for (bool backward : {false, true}) {
     const std::string name = std::string("graph/float/similarity/") + (backward ? "fwdbwd" : "fwd");
     benchmark::RegisterBenchmark(name.c_str(), BM_similarity_graph, backward)
@@ -433,7 +439,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   benchmark::AddCustomContext("bf16_gemm", graphmoe::bench::kHaveBf16Gemm ? "yes" : "no");
-  benchmark::AddCustomContext("bf16_moe_layer", "no (the layers are float/double only)");
+  benchmark::AddCustomContext("bf16_moe_layer",
+                              "yes (bf16 expert GEMMs, fp32 parameters, router and activations)");
   graphmoe::bench::register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

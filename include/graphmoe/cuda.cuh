@@ -16,6 +16,7 @@
 
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/attention.cuh"
+#include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/cross_entropy.cuh"
 #include "graphmoe/backend/cuda/device.cuh"

@@ -41,21 +41,22 @@ void copy_parameters(const ParameterArena<T, cpu>& host, const ParameterArena<T,
 
 template <class T>
 void check_gradients(const std::string& what, const ParameterArena<T, cpu>& host,
-                     const ParameterArena<T, graphmoe::cuda>& dev) {
+                     const ParameterArena<T, graphmoe::cuda>& dev,
+                     double tol = layer_tolerance<T>()) {
   REQUIRE(host.size() == dev.size());
   for (index_t i = 0; i < host.size(); ++i) {
     const std::string name = host.params()[static_cast<std::size_t>(i)].name;
-    check_close(what + " d" + name, host.grad(i), dev.grad(i), layer_tolerance<T>());
+    check_close(what + " d" + name, host.grad(i), dev.grad(i), tol);
   }
 }
 
 // A layer pair: the same class on both backends, declared alike, the same initial values.
-template <template <class> class Layer, class T>
+template <class HostLayer, class DevLayer, class T>
 struct Pair {
   ParameterArena<T, cpu> host_arena;
   ParameterArena<T, graphmoe::cuda> dev_arena;
-  Layer<cpu> host;
-  Layer<graphmoe::cuda> dev;
+  HostLayer host;
+  DevLayer dev;
 
   template <class Declare, class Init>
   Pair(Declare&& declare, Init&& init) {
@@ -70,28 +71,6 @@ struct Pair {
   }
 };
 
-template <class T>
-struct LayerTypes {
-  template <class B>
-  using Linear_ = Linear<T, B>;
-  template <class B>
-  using LayerNorm_ = LayerNorm<T, B>;
-  template <class B>
-  using FeedForward_ = FeedForward<T, B>;
-  template <class B>
-  using Attention_ = MultiHeadAttention<T, B>;
-  template <class Policy>
-  struct Moe {
-    template <class B>
-    using type = MoELayer<Policy, T, B>;
-  };
-  template <class Policy>
-  struct Block {
-    template <class B>
-    using type = TransformerBlock<Policy, T, B>;
-  };
-};
-
 }  // namespace
 
 TEST_CASE_TEMPLATE("cuda vs cpu: Linear, LayerNorm and FeedForward layers", T, float, double) {
@@ -99,7 +78,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Linear, LayerNorm and FeedForward layers", T, f
   Rng data(3);
   const Tensor<T, cpu> x = random_tensor<T>(Shape{2, 7, 12}, data);
   {
-    Pair<LayerTypes<T>::template Linear_, T> p(
+    Pair<Linear<T, cpu>, Linear<T, graphmoe::cuda>, T> p(
         [](auto& arena, auto& l) { l.declare(arena, "fc.", 12, 9); },
         [](auto& l) { Rng r(1); l.init(r, 0.3); });
     const Tensor<T, cpu> dy = random_tensor<T>(Shape{2, 7, 9}, data);
@@ -114,7 +93,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Linear, LayerNorm and FeedForward layers", T, f
     check_gradients("Linear", p.host_arena, p.dev_arena);
   }
   {
-    Pair<LayerTypes<T>::template LayerNorm_, T> p(
+    Pair<LayerNorm<T, cpu>, LayerNorm<T, graphmoe::cuda>, T> p(
         [](auto& arena, auto& l) { l.declare(arena, "ln.", 12); }, [](auto& l) { l.init(); });
     const Tensor<T, cpu> dy = random_tensor<T>(x.shape(), data);
     Tensor<T, cpu> hy, hdx;
@@ -128,7 +107,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Linear, LayerNorm and FeedForward layers", T, f
     check_gradients("LayerNorm", p.host_arena, p.dev_arena);
   }
   {
-    Pair<LayerTypes<T>::template FeedForward_, T> p(
+    Pair<FeedForward<T, cpu>, FeedForward<T, graphmoe::cuda>, T> p(
         [](auto& arena, auto& l) { l.declare(arena, "ffn.", 12, 20, GeluForm::Tanh); },
         [](auto& l) { Rng r(2); l.init(r, 0.2); });
     const Tensor<T, cpu> xf = x.view(Shape{14, 12});
@@ -149,7 +128,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MultiHeadAttention layer and its cache", T, flo
   SKIP_WITHOUT_CUDA_DEVICE();
   for (bool causal : {false, true}) {
     CAPTURE(causal);
-    Pair<LayerTypes<T>::template Attention_, T> p(
+    Pair<MultiHeadAttention<T, cpu>, MultiHeadAttention<T, graphmoe::cuda>, T> p(
         [causal](auto& arena, auto& l) { l.declare(arena, "attn.", 16, 4, causal); },
         [](auto& l) { Rng r(5); l.init(r, 0.3); });
     Rng data(9);
@@ -172,14 +151,16 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MultiHeadAttention layer and its cache", T, flo
 
 namespace {
 
-// One MoE layer on both backends: routing, output, du and every gradient.
-template <class Policy, class T>
-void compare_moe(const RouterConfig& rc, index_t batch, index_t len) {
+// One MoE layer on both backends: routing, output, du and every gradient. C: the device experts'
+// GEMM compute type; tol: the tolerance of the expert outputs and gradients.
+template <class Policy, class T, class C = T>
+void compare_moe(const RouterConfig& rc, index_t batch, index_t len,
+                 double tol = layer_tolerance<T>()) {
   MoEConfig cfg;
   cfg.d_model = 24;
   cfg.d_ff = 20;
   cfg.router = rc;
-  Pair<LayerTypes<T>::template Moe<Policy>::template type, T> p(
+  Pair<MoELayer<Policy, T, cpu>, MoELayer<Policy, T, graphmoe::cuda, C>, T> p(
       [&](auto& arena, auto& l) { l.declare(arena, "moe.", cfg); },
       [](auto& l) { Rng r(7); l.init(r); });
   Rng data(11);
@@ -204,11 +185,11 @@ void compare_moe(const RouterConfig& rc, index_t batch, index_t len) {
   CHECK(dr.graph_entropy == doctest::Approx(hr.graph_entropy).epsilon(1e-4));
   CHECK(dr.load_balance_loss == doctest::Approx(hr.load_balance_loss).epsilon(1e-4));
   CHECK(dr.z_loss == doctest::Approx(hr.z_loss).epsilon(1e-4));
-  check_close("MoE y", hy, yd, layer_tolerance<T>());
+  check_close("MoE y", hy, yd, tol);
   p.host.backward(dy, hdu);
   p.dev.backward(to_device(dy), dud);
-  check_close("MoE du", hdu, dud, layer_tolerance<T>());
-  check_gradients("MoE", p.host_arena, p.dev_arena);
+  check_close("MoE du", hdu, dud, tol);
+  check_gradients("MoE", p.host_arena, p.dev_arena, tol);
 }
 
 RouterConfig small_router(index_t k = 2) {
@@ -245,6 +226,22 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the Similarity-Aware router", T,
     rc.similarity_tau = 2.0;
     compare_moe<SimilarityRouter, T>(rc, 3, 37);
   }
+}
+
+// Mixed precision: fp32 parameters, router and activations, expert GEMMs on 16-bit operands with
+// fp32 accumulation, against the all-fp32 CPU layer. Each GEMM operand is rounded once (relative
+// error <= 2^-8 for bf16, 2^-11 for half); a product of two rounded operands and the sums over
+// K <= 24 terms of mixed signs stay within a few units of that, relative to the largest entry:
+// tolerance 2e-2 (bf16) and 3e-3 (half). The routing runs in fp32 on both sides and must agree
+// exactly.
+TEST_CASE("cuda vs cpu: MoE layer with bf16 and fp16 expert compute (fp32 router)") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  RouterConfig rc = small_router();
+  rc.causal = true;
+  rc.similarity_tau = 2.0;
+  compare_moe<SimilarityRouter, float, __nv_bfloat16>(rc, 3, 37, 2e-2);
+  compare_moe<SoftmaxRouter, float, __nv_bfloat16>(small_router(), 2, 9, 2e-2);
+  compare_moe<SimilarityRouter, float, __half>(rc, 3, 37, 3e-3);
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the X-MoE (cosine) routers", T, float, double) {
@@ -285,7 +282,7 @@ void compare_block(bool moe, bool causal) {
   cfg.init_std = 0.3;
   cfg.moe_config.router = small_router();
   cfg.moe_config.router.causal = causal;
-  Pair<LayerTypes<T>::template Block<Policy>::template type, T> p(
+  Pair<TransformerBlock<Policy, T, cpu>, TransformerBlock<Policy, T, graphmoe::cuda>, T> p(
       [&](auto& arena, auto& l) { l.declare(arena, "block.", cfg); },
       [](auto& l) { Rng r(13); l.init(r); });
   Rng data(17);

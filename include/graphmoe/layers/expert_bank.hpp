@@ -7,6 +7,13 @@
 //   H_e = X_e w1_e^T + b1_e,  A_e = gelu(H_e),  Y_e = A_e w2_e^T + b2_e
 // One GEMM pair per expert on its rows only: never a dense all-experts pass. Experts with id >= E
 // in the plan (the capacity-drop bucket) are skipped and their rows of ys set to zero.
+//
+// Compute type C (default T): the scalar type of the GEMM operands. With T = float and C =
+// __nv_bfloat16 (or __half) on graphmoe::cuda, the parameters, biases, activations and gradients
+// stay fp32 (master weights, as mixed-precision training keeps them) and each forward converts
+// xs, w1, w2 and the activations A to C once; the GEMMs read C, accumulate in fp32 and write fp32
+// (backend/cuda/gemm.cuh's mixed gemm), so bias, GELU and every reduction stay fp32. The router
+// is not affected (it runs in T): the "fp32 router logits and softmax".
 #pragma once
 
 #include <string>
@@ -32,8 +39,11 @@ enum class ExpertParallelism {
 // the CPU, CudaDispatchPlan on the GPU), whose expert offsets are on the host. On the GPU the
 // experts' GEMMs are queued one after another on the backend's stream (ExpertParallelism only
 // applies to the CPU).
-template <class T, class B = cpu>
+template <class T, class B = cpu, class C = T>
 class ExpertBank {
+  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
+                "graphmoe::ExpertBank: a compute type other than T needs the cuda backend");
+
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t num_experts,
                index_t d_model, index_t d_ff) {
@@ -76,13 +86,19 @@ class ExpertBank {
       h_ = Tensor<T, B>(Shape{s, f_});
       a_ = Tensor<T, B>(Shape{s, f_});
     }
+    xc_ = to_compute(xs, xc_);
+    w1c_ = to_compute(w1_, w1c_);
+    w2c_ = to_compute(w2_, w2c_);
+    if constexpr (!std::is_same_v<C, T>) {
+      if (ac_.empty() || ac_.rows() != s) ac_ = Tensor<C, B>(Shape{s, f_});
+    }
     for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
-      Tensor<T, B> x = xs.slice(r0, r1), h = h_.slice(r0, r1), a = a_.slice(r0, r1);
-      Tensor<T, B> y = ys.slice(r0, r1);
-      gemm(Trans::N, Trans::T, T(1), x, w1_[e], T(0), h);
+      Tensor<T, B> h = h_.slice(r0, r1), a = a_.slice(r0, r1), y = ys.slice(r0, r1);
+      gemm(Trans::N, Trans::T, T(1), xc_.slice(r0, r1), w1c_[e], T(0), h);
       add_row_vector(b1_[e], h);
       gelu_forward(gelu_, h, a);
-      gemm(Trans::N, Trans::T, T(1), a, w2_[e], T(0), y);
+      const Tensor<C, B> ac = compute_rows(a, r0, r1);
+      gemm(Trans::N, Trans::T, T(1), ac, w2c_[e], T(0), y);
       add_row_vector(b2_[e], y);
     });
     if (plan.num_experts > e_) {  // drop bucket
@@ -102,18 +118,34 @@ class ExpertBank {
       if (r1 > r0) dxs.slice(r0, r1).zero();
     }
     Tensor<T, B> dh_all(Shape{xs.rows(), f_});
+    Tensor<C, B> dyc_all = to_compute(dys, Tensor<C, B>());
+    Tensor<C, B> dhc_all;
+    if constexpr (!std::is_same_v<C, T>) dhc_all = Tensor<C, B>(Shape{xs.rows(), f_});
     for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
-      Tensor<T, B> x = xs.slice(r0, r1), h = h_.slice(r0, r1), a = a_.slice(r0, r1);
-      Tensor<T, B> dy = dys.slice(r0, r1), dx = dxs.slice(r0, r1), dh = dh_all.slice(r0, r1);
-      Tensor<T, B> dw1 = dw1_[e], dw2 = dw2_[e];
+      Tensor<T, B> h = h_.slice(r0, r1), dy = dys.slice(r0, r1), dx = dxs.slice(r0, r1);
+      Tensor<T, B> dh = dh_all.slice(r0, r1), dw1 = dw1_[e], dw2 = dw2_[e];
+      const Tensor<C, B> dyc = dyc_all.slice(r0, r1), xc = xc_.slice(r0, r1);
+      Tensor<C, B> ac;
+      if constexpr (std::is_same_v<C, T>) {
+        ac = a_.slice(r0, r1);
+      } else {
+        ac = ac_.slice(r0, r1);
+      }
       // y = a w2^T + b2
       accumulate_column_sums(dy, db2_[e]);
-      gemm(Trans::T, Trans::N, T(1), dy, a, T(1), dw2);   // dw2 += dy^T a
-      gemm(Trans::N, Trans::N, T(1), dy, w2_[e], T(0), dh);  // da = dy w2 (into dh)
-      gelu_backward(gelu_, h, dh, dh);                     // dh = gelu'(h) da
+      gemm(Trans::T, Trans::N, T(1), dyc, ac, T(1), dw2);       // dw2 += dy^T a
+      gemm(Trans::N, Trans::N, T(1), dyc, w2c_[e], T(0), dh);   // da = dy w2 (into dh)
+      gelu_backward(gelu_, h, dh, dh);                          // dh = gelu'(h) da
       accumulate_column_sums(dh, db1_[e]);
-      gemm(Trans::T, Trans::N, T(1), dh, x, T(1), dw1);    // dw1 += dh^T x
-      gemm(Trans::N, Trans::N, T(1), dh, w1_[e], T(0), dx);  // dx = dh w1
+      Tensor<C, B> dhc;
+      if constexpr (std::is_same_v<C, T>) {
+        dhc = dh;
+      } else {
+        dhc = dhc_all.slice(r0, r1);
+        convert(dh, dhc);
+      }
+      gemm(Trans::T, Trans::N, T(1), dhc, xc, T(1), dw1);       // dw1 += dh^T x
+      gemm(Trans::N, Trans::N, T(1), dhc, w1c_[e], T(0), dx);   // dx = dh w1
     });
   }
 
@@ -121,6 +153,27 @@ class ExpertBank {
   const Tensor<T, B>& w2() const { return w2_; }
 
  private:
+  // src as the compute type: src itself when C = T, else converted into cache (reallocated when
+  // its shape differs) and the cache returned.
+  static Tensor<C, B> to_compute(const Tensor<T, B>& src, Tensor<C, B> cache) {
+    if constexpr (std::is_same_v<C, T>) {
+      return src;
+    } else {
+      if (cache.empty() || cache.shape() != src.shape()) cache = Tensor<C, B>(src.shape());
+      convert(src, cache);
+      return cache;
+    }
+  }
+  // A's rows [r0, r1) as the compute type (converted into ac_ when C != T).
+  Tensor<C, B> compute_rows(const Tensor<T, B>& a, index_t r0, index_t r1) {
+    if constexpr (std::is_same_v<C, T>) {
+      return a;
+    } else {
+      Tensor<C, B> dst = ac_.slice(r0, r1);
+      convert(a, dst);
+      return dst;
+    }
+  }
   template <class Plan, class Fn>
   void for_each_expert(const Plan& plan, Fn&& fn) {
     auto run = [&](index_t e) {
@@ -138,6 +191,8 @@ class ExpertBank {
   index_t id_w1_ = -1, id_b1_ = -1, id_w2_ = -1, id_b2_ = -1;
   Tensor<T, B> w1_, dw1_, b1_, db1_, w2_, dw2_, b2_, db2_;
   Tensor<T, B> h_, a_;  // forward cache (S, F)
+  // The GEMM operands in the compute type C (with C = T, handles of the tensors themselves).
+  Tensor<C, B> xc_, w1c_, w2c_, ac_;
   GeluForm gelu_ = GeluForm::Tanh;
   ExpertParallelism par_ = ExpertParallelism::WithinGemm;
 };

@@ -27,8 +27,10 @@ struct MoEConfig {
   ExpertParallelism parallelism = ExpertParallelism::AcrossExperts;  // measured: docs/benchmarks.md
 };
 
-// One implementation for every backend (the ops resolve by the tensors' backend).
-template <class RouterPolicy, class T, class B = cpu>
+// One implementation for every backend (the ops resolve by the tensors' backend). C is the
+// experts' GEMM compute type (layers/expert_bank.hpp): T by default; __nv_bfloat16 or __half with
+// T = float on graphmoe::cuda for mixed precision (the router always runs in T).
+template <class RouterPolicy, class T, class B = cpu, class C = T>
 class MoELayer {
  public:
   using router_policy = RouterPolicy;
@@ -89,14 +91,14 @@ class MoELayer {
 
   const RouterOutput<T, B>& routing() const { return route_; }
   RouterImpl<RouterPolicy, T, B>& router() { return router_; }
-  ExpertBank<T, B>& experts() { return experts_; }
+  ExpertBank<T, B, C>& experts() { return experts_; }
   const dispatch_plan_t<B>& plan() const { return plan_; }
   const MoEConfig& config() const { return cfg_; }
 
  private:
   MoEConfig cfg_;
   RouterImpl<RouterPolicy, T, B> router_;
-  ExpertBank<T, B> experts_;
+  ExpertBank<T, B, C> experts_;
   // forward cache
   Tensor<T, B> u_;
   GraphContext<T, B> ctx_;

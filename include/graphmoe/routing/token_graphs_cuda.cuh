@@ -40,16 +40,6 @@
 namespace graphmoe {
 
 namespace detail {
-template <class T>
-void check_graph_inputs(const char* op, const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
-                        index_t seq_len) {
-  GRAPHMOE_CHECK(u.rank() == 2 && r.rank() == 2 && u.rows() == r.rows(), op,
-                 "u must be (N, D) and r (N, E) with the same N, got u ", u.shape(), " and r ",
-                 r.shape());
-  GRAPHMOE_CHECK(seq_len >= 1 && u.rows() % seq_len == 0, op, "seq_len = ", seq_len,
-                 " does not divide the ", u.rows(), " tokens");
-}
-
 // The mean of the n values of a device vector, in double (synchronises).
 template <class T>
 double device_mean(const Tensor<T, cuda>& x) {
@@ -283,31 +273,7 @@ class GraphImpl<Attention, T, cuda> {
 
  private:
   const AttentionCache<T, cuda>& check_cache(const GraphContext<T, cuda>& ctx, index_t n) const {
-    GRAPHMOE_CHECK(ctx.attention != nullptr, "Attention",
-                   "the Attention token graph needs the attention layer's cache (probs, v, w_o, "
-                   "out) and none was given");
-    const AttentionCache<T, cuda>& c = *ctx.attention;
-    const index_t len = ctx.seq_len, nb = n / len, nh = c.num_heads;
-    GRAPHMOE_CHECK(nh >= 1 && !c.probs.empty() && !c.v.empty() && !c.w_o.empty() &&
-                       !c.out.empty(),
-                   "Attention", "attention cache is incomplete (num_heads = ", nh,
-                   "; probs, v, w_o and out must be set)");
-    GRAPHMOE_CHECK(c.probs.shape() == (Shape{nb, nh, len, len}), "Attention",
-                   "attention probs have shape ", c.probs.shape(), ", expected ",
-                   Shape{nb, nh, len, len});
-    GRAPHMOE_CHECK(c.v.rows() == n && c.v.cols() % nh == 0, "Attention", "values have shape ",
-                   c.v.shape(), " for ", n, " tokens and ", nh, " heads");
-    GRAPHMOE_CHECK(c.w_o.shape() == (Shape{d_model_, c.v.cols()}), "Attention",
-                   "w_o has shape ", c.w_o.shape(), ", expected ", Shape{d_model_, c.v.cols()});
-    GRAPHMOE_CHECK(c.out.rows() == n && c.out.cols() == d_model_, "Attention",
-                   "attention output has shape ", c.out.shape(), ", expected (", n, ", ",
-                   d_model_, ")");
-    GRAPHMOE_CHECK(c.b_o.empty() || c.b_o.numel() == d_model_, "Attention", "b_o has shape ",
-                   c.b_o.shape());
-    GRAPHMOE_CHECK(c.row_entropy.empty() || c.row_entropy.shape() == (Shape{nb, nh, len}),
-                   "Attention", "row_entropy has shape ", c.row_entropy.shape(), ", expected ",
-                   Shape{nb, nh, len});
-    return c;
+    return detail::check_attention_cache(ctx, n, d_model_);
   }
 
   bool head_used(index_t h) const {

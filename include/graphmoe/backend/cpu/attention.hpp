@@ -58,9 +58,10 @@ struct AttentionDims {
   }
 };
 
-template <class T>
-AttentionDims attention_dims(const char* op, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
-                             const Tensor<T, cpu>& v, index_t num_heads) {
+// The shape checks of every backend's attention op.
+template <class T, class B>
+AttentionDims attention_dims(const char* op, const Tensor<T, B>& q, const Tensor<T, B>& k,
+                             const Tensor<T, B>& v, index_t num_heads) {
   GRAPHMOE_CHECK(!q.empty() && q.rank() == 3, op, "q must be (B, T, H*dh), got ",
                  (q.empty() ? "an empty tensor" : q.shape().str()));
   check_shape(op, "k", k, q.shape());

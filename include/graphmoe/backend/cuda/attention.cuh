@@ -51,24 +51,7 @@ namespace graphmoe {
 
 namespace detail {
 
-// The checks and messages of the CPU attention_dims, for device tensors.
-template <class T>
-AttentionDims attention_dims(const char* op, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
-                             const Tensor<T, cuda>& v, index_t num_heads) {
-  GRAPHMOE_CHECK(!q.empty() && q.rank() == 3, op, "q must be (B, T, H*dh), got ",
-                 (q.empty() ? "an empty tensor" : q.shape().str()));
-  check_shape(op, "k", k, q.shape());
-  check_shape(op, "v", v, q.shape());
-  AttentionDims d;
-  d.batch = q.dim(0);
-  d.seq = q.dim(1);
-  d.width = q.dim(2);
-  GRAPHMOE_CHECK(num_heads >= 1 && d.width > 0 && d.width % num_heads == 0, op, "num_heads = ",
-                 num_heads, " does not divide the width ", d.width, " of q ", q.shape());
-  d.heads = num_heads;
-  d.head_dim = d.width / num_heads;
-  return d;
-}
+// attention_dims (the shape checks) is the backend-generic one of backend/cpu/attention.hpp.
 
 inline void cublas_gemm_strided_batched(cublasHandle_t h, cublasOperation_t ta,
                                         cublasOperation_t tb, int m, int n, int k, float alpha,

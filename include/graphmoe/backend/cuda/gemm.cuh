@@ -114,6 +114,41 @@ auto cublas_scalar(T v) {
 
 }  // namespace detail
 
+namespace detail {
+
+// The checks of gemm (the messages of the CPU op) and the product's (m, n, k); allocates an empty
+// C as (m, n) and then sets beta to zero.
+template <class TA, class TC, class S>
+void gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A, const Tensor<TA, cuda>& B,
+                  Tensor<TC, cuda>& C, S& beta, index_t& m, index_t& n, index_t& k) {
+  GRAPHMOE_CHECK(!A.empty() && !B.empty(), "gemm", "A or B is empty");
+  GRAPHMOE_CHECK(A.rank() >= 1 && B.rank() >= 1, "gemm", "A and B must have rank >= 1, got ",
+                 A.shape(), " and ", B.shape());
+  m = ta == Trans::N ? A.rows() : A.cols();
+  k = ta == Trans::N ? A.cols() : A.rows();
+  const index_t kb = tb == Trans::N ? B.rows() : B.cols();
+  n = tb == Trans::N ? B.cols() : B.rows();
+  GRAPHMOE_CHECK(k == kb, "gemm", "inner dimensions differ: op(A) is (", m, ", ", k,
+                 ") from A ", A.shape(), (ta == Trans::T ? " transposed" : ""), ", op(B) is (", kb,
+                 ", ", n, ") from B ", B.shape(), (tb == Trans::T ? " transposed" : ""));
+  if (C.empty()) {
+    C = Tensor<TC, cuda>(Shape{m, n});
+    beta = S{};  // +0 (value-initialised, for the 16-bit types too)
+  }
+  GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),
+                 ", expected ", m, " rows and ", n, " columns for A ", A.shape(), " and B ",
+                 B.shape());
+  const index_t limit = INT_MAX;
+  GRAPHMOE_CHECK(m <= limit && n <= limit && k <= limit && A.cols() <= limit && B.cols() <= limit,
+                 "gemm", "dimensions of A ", A.shape(), " and B ", B.shape(),
+                 " exceed cuBLAS's int range");
+}
+
+// cuBLAS requires leading dimensions >= 1 even when k = 0 (then C = beta C).
+inline int cublas_ld(index_t cols) { return static_cast<int>(cols < 1 ? 1 : cols); }
+
+}  // namespace detail
+
 // C = alpha * op(A) op(B) + beta * C. An empty C is allocated as (M, N) (then beta is ignored).
 template <class T>
 void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T, cuda>& B, T beta,
@@ -121,34 +156,33 @@ void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T,
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> ||
                     std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
                 "graphmoe::gemm on cuda: T must be float, double, __nv_bfloat16 or __half");
-  GRAPHMOE_CHECK(!A.empty() && !B.empty(), "gemm", "A or B is empty");
-  GRAPHMOE_CHECK(A.rank() >= 1 && B.rank() >= 1, "gemm", "A and B must have rank >= 1, got ",
-                 A.shape(), " and ", B.shape());
-  const index_t m = ta == Trans::N ? A.rows() : A.cols();
-  const index_t ka = ta == Trans::N ? A.cols() : A.rows();
-  const index_t kb = tb == Trans::N ? B.rows() : B.cols();
-  const index_t n = tb == Trans::N ? B.cols() : B.rows();
-  GRAPHMOE_CHECK(ka == kb, "gemm", "inner dimensions differ: op(A) is (", m, ", ", ka,
-                 ") from A ", A.shape(), (ta == Trans::T ? " transposed" : ""), ", op(B) is (", kb,
-                 ", ", n, ") from B ", B.shape(), (tb == Trans::T ? " transposed" : ""));
-  if (C.empty()) {
-    C = Tensor<T, cuda>(Shape{m, n});
-    beta = T{};  // +0 (value-initialised, for the 16-bit types too)
-  }
-  GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),
-                 ", expected ", m, " rows and ", n, " columns for A ", A.shape(), " and B ",
-                 B.shape());
-  const index_t limit = INT_MAX;
-  GRAPHMOE_CHECK(m <= limit && n <= limit && ka <= limit && A.cols() <= limit && B.cols() <= limit,
-                 "gemm", "dimensions of A ", A.shape(), " and B ", B.shape(),
-                 " exceed cuBLAS's int range");
+  index_t m = 0, n = 0, k = 0;
+  detail::gemm_prepare(ta, tb, A, B, C, beta, m, n, k);
   if (m == 0 || n == 0) return;
-  // cuBLAS requires leading dimensions >= 1 even when k = 0 (then C = beta C).
-  const auto ld = [](index_t cols) { return static_cast<int>(cols < 1 ? 1 : cols); };
   detail::cublas_gemm(detail::cublas_handle(), detail::cublas_op(tb), detail::cublas_op(ta),
-                      static_cast<int>(n), static_cast<int>(m), static_cast<int>(ka),
-                      detail::cublas_scalar(alpha), B.data(), ld(B.cols()), A.data(),
-                      ld(A.cols()), detail::cublas_scalar(beta), C.data(), static_cast<int>(n));
+                      static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+                      detail::cublas_scalar(alpha), B.data(), detail::cublas_ld(B.cols()),
+                      A.data(), detail::cublas_ld(A.cols()), detail::cublas_scalar(beta), C.data(),
+                      static_cast<int>(n));
+}
+
+// Mixed precision: 16-bit A and B (bf16 or half), fp32 C, fp32 accumulation (cublasGemmEx with
+// CUBLAS_COMPUTE_32F): the tensor-core GEMMs of an expert bank whose compute type is bf16 while
+// its parameters, activations and gradients stay fp32 (layers/expert_bank.hpp). Same contract
+// and messages as gemm; beta = 1 accumulates into C in fp32.
+template <class T>
+  requires(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)
+void gemm(Trans ta, Trans tb, float alpha, const Tensor<T, cuda>& A, const Tensor<T, cuda>& B,
+          float beta, Tensor<float, cuda>& C) {
+  index_t m = 0, n = 0, k = 0;
+  detail::gemm_prepare(ta, tb, A, B, C, beta, m, n, k);
+  if (m == 0 || n == 0) return;
+  GRAPHMOE_CUBLAS_CHECK(cublasGemmEx(
+      detail::cublas_handle(), detail::cublas_op(tb), detail::cublas_op(ta), static_cast<int>(n),
+      static_cast<int>(m), static_cast<int>(k), &alpha, B.data(), detail::cuda_data_type_v<T>,
+      detail::cublas_ld(B.cols()), A.data(), detail::cuda_data_type_v<T>,
+      detail::cublas_ld(A.cols()), &beta, C.data(), CUDA_R_32F, static_cast<int>(n),
+      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 // gemm_backward for Tensor<T, cuda> is the backend-independent one in backend/cpu/gemm.hpp
