@@ -1,7 +1,7 @@
 // --device for the examples' main(): calls the training loop instantiated for the chosen backend.
 //
-// The CPU loops are built for every router. With GRAPHMOE_ENABLE_CUDA the examples listed in
-// examples/CMakeLists.txt also get CUDA instantiations for the routers in
+// The CPU loops are built for every router. With GRAPHMOE_ENABLE_CUDA the examples in
+// GRAPHMOE_CUDA_EXAMPLES (default: train_lm) also get CUDA instantiations for the routers in
 // GRAPHMOE_CUDA_EXAMPLE_ROUTERS (each is an nvcc translation unit of a few minutes, so the
 // default list is short); the build defines GRAPHMOE_EXAMPLES_CUDA and generates
 // examples_cuda_routers.hpp, which says which routers those are.
@@ -23,7 +23,7 @@ inline std::string device_help() {
 #if defined(GRAPHMOE_EXAMPLES_CUDA)
   return std::string("cpu or cuda (built for cuda: ") + cuda_router_list + ")";
 #else
-  return "cpu (this binary was built without CUDA)";
+  return "cpu (this binary has no CUDA loops: GRAPHMOE_ENABLE_CUDA and GRAPHMOE_CUDA_EXAMPLES)";
 #endif
 }
 
@@ -43,8 +43,8 @@ int on_device(const char* program, const std::string& device, const std::string&
 #else
   (void)router;
   GRAPHMOE_CHECK(false, program,
-                 "--device cuda: this binary was built without CUDA (configure with nvcc on the "
-                 "PATH, or -DGRAPHMOE_ENABLE_CUDA=ON)");
+                 "--device cuda: this binary has no CUDA training loops (configure with nvcc on "
+                 "the PATH or -DGRAPHMOE_ENABLE_CUDA=ON, and list it in GRAPHMOE_CUDA_EXAMPLES)");
 #endif
   return 1;
 }

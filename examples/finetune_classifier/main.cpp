@@ -8,6 +8,7 @@
 
 #include <cstdio>
 
+#include "common/device_dispatch.hpp"
 #include "common/lm_config.hpp"
 #include "finetune_classifier/options.hpp"
 #include "graphmoe/routing/registry.hpp"
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-len", max_len, "truncate examples to N tokens (0 = the LM's sequence length)");
   app.add_option("--seed", opt.seed, "random seed");
   app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv)");
   app.add_flag("--from-scratch", opt.from_scratch, "do not load the checkpoint's weights (baseline)");
   CLI11_PARSE(app, argc, argv);
@@ -82,7 +84,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "finetune_classifier: %s, %zu train / %zu test examples, %lld classes, router %s\n",
                  task.c_str(), data.train.labels.size(), data.test.labels.size(),
                  static_cast<long long>(opt.num_classes), opt.router.c_str());
-    return with_router(opt.router, [&]<class Policy>() { return finetune_classifier::run<Policy>(opt, data); });
+    return with_router(opt.router, [&]<class Policy>() {
+      return examples::on_device<Policy>("finetune_classifier", opt.device, opt.router,
+                                         [&]<class B>() {
+                                           return finetune_classifier::run<Policy, B>(opt, data);
+                                         });
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "finetune_classifier: error: %s\n", e.what());
     return 1;

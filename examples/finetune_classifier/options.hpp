@@ -25,6 +25,7 @@ struct Options {
   std::int64_t warmup = 0;
   std::uint64_t seed = 1;
   int threads = 2;
+  std::string device = "cpu";  // cpu, or cuda when built with CUDA (see examples/CMakeLists.txt)
   std::string out_dir = "runs/finetune";
   bool from_scratch = false;  // skip loading the LM checkpoint (a baseline)
 };
@@ -33,7 +34,8 @@ struct Data {
   Encoded train, test;
 };
 
-template <class Policy>
+// The fine-tuning loop for one router on backend B (graphmoe::cpu or graphmoe::cuda).
+template <class Policy, class B>
 int run(const Options& opt, const Data& data);
 
 }  // namespace finetune_classifier

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "common/device.hpp"
 #include "finetune_classifier/options.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
@@ -38,19 +39,20 @@ inline void make_batch(const Encoded& d, const std::vector<index_t>& order, inde
   }
 }
 
-template <class Model>
+template <class B, class Model>
 double accuracy(Model& m, const Encoded& d, index_t batch) {
   const index_t n = static_cast<index_t>(d.labels.size());
   std::vector<index_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), index_t{0});
   index_t correct = 0;
-  Tensor<std::int32_t, cpu> none;
+  Tensor<std::int32_t, B> none;
   for (index_t s = 0; s < n; s += batch) {
     const index_t b = std::min(batch, n - s);
     Tensor<std::int32_t, cpu> ids, len, y;
     make_batch(d, order, s, b, ids, len, y);
-    m.forward(ids, len, none);
-    const auto L = as_matrix(m.logits());
+    m.forward(examples::on_backend<B>(ids), len, none);
+    const Tensor<Scalar, cpu> logits = examples::host_values(m.logits());
+    const auto L = as_matrix(logits);
     for (index_t i = 0; i < b; ++i) {
       Eigen::Index arg;
       L.row(i).maxCoeff(&arg);
@@ -60,11 +62,12 @@ double accuracy(Model& m, const Encoded& d, index_t batch) {
   return static_cast<double>(correct) / static_cast<double>(n);
 }
 
-template <class Policy>
+template <class Policy, class B>
 int run(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
   set_num_threads(opt.threads);
-  SequenceClassifier<Policy, Scalar> model(opt.model, opt.num_classes, opt.seed);
+  examples::require_device<B>("finetune_classifier");
+  SequenceClassifier<Policy, Scalar, B> model(opt.model, opt.num_classes, opt.seed);
   if (!opt.from_scratch) model.load_pretrained(load_safetensors(opt.checkpoint), "model.");
   const index_t n = static_cast<index_t>(data.train.labels.size());
   const index_t steps_per_epoch = n / opt.batch;
@@ -74,11 +77,11 @@ int run(const Options& opt, const Data& data) {
   AdamWConfig ac;
   ac.lr = opt.lr;
   ac.weight_decay = opt.weight_decay;
-  AdamW<Scalar> adam(model.arena(), ac);
+  AdamW<Scalar, B> adam(model.arena(), ac);
   LRSchedule sched{opt.lr, 0.0, std::min<std::int64_t>(opt.warmup, total), total};
   fs::create_directories(opt.out_dir);
   CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(), {"step", "epoch", "train_loss", "test_accuracy"});
-  std::printf("router=%s initial_test_accuracy=%.4f\n", opt.router.c_str(), accuracy(model, data.test, 64));
+  std::printf("router=%s initial_test_accuracy=%.4f\n", opt.router.c_str(), accuracy<B>(model, data.test, 64));
   std::fflush(stdout);
   ProgressBar bar(total, "finetune " + opt.router);
   double ema = 0;
@@ -93,7 +96,9 @@ int run(const Options& opt, const Data& data) {
     Tensor<std::int32_t, cpu> ids, len, y;
     make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, ids, len, y);
     model.set_step(step);
-    const double loss = static_cast<double>(model.forward(ids, len, y)) + model.aux_loss();
+    const double loss = static_cast<double>(model.forward(examples::on_backend<B>(ids), len,
+                                                          examples::on_backend<B>(y))) +
+                        model.aux_loss();
     GRAPHMOE_CHECK(std::isfinite(loss), "finetune_classifier", "loss is ", loss, " at step ", step);
     model.arena().zero_grad();
     model.backward();
@@ -105,7 +110,7 @@ int run(const Options& opt, const Data& data) {
     std::snprintf(stats, sizeof stats, "loss %.3f | %s ex/s", ema, ProgressBar::si(eps).c_str());
     bar.update(step + 1, stats);
     if ((step + 1) % steps_per_epoch == 0) {
-      const double acc = accuracy(model, data.test, 64);
+      const double acc = accuracy<B>(model, data.test, 64);
       bar.finish();
       std::fprintf(stderr, "epoch %lld  train loss %.4f  test accuracy %.4f\n",
                    static_cast<long long>((step + 1) / steps_per_epoch), ema, acc);
@@ -113,7 +118,7 @@ int run(const Options& opt, const Data& data) {
     }
   }
   bar.finish();
-  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy(model, data.test, 64));
+  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy<B>(model, data.test, 64));
   return 0;
 }
 

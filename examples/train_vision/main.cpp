@@ -6,6 +6,7 @@
 
 #include <cstdio>
 
+#include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
 #include "train_vision/options.hpp"
@@ -50,6 +51,7 @@ int main(int argc, char** argv) {
   app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = each epoch)");
   app.add_option("--seed", opt.seed, "random seed");
   app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors");
   CLI11_PARSE(app, argc, argv);
@@ -77,7 +79,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_vision: %s, %lld train / %lld test images of %lldx%lld, router %s\n",
                  dataset.c_str(), static_cast<long long>(data.train.count), static_cast<long long>(data.test.count),
                  static_cast<long long>(data.train.rows), static_cast<long long>(data.train.cols), opt.router.c_str());
-    return with_router(opt.router, [&]<class Policy>() { return train_vision::run<Policy>(opt, data); });
+    return with_router(opt.router, [&]<class Policy>() {
+      return examples::on_device<Policy>("train_vision", opt.device, opt.router, [&]<class B>() {
+        return train_vision::run<Policy, B>(opt, data);
+      });
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_vision: error: %s\n", e.what());
     return 1;

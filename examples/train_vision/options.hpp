@@ -19,6 +19,7 @@ struct Options {
   std::int64_t eval_every = 0;  // steps; 0 = once per epoch
   std::uint64_t seed = 1;
   int threads = 2;
+  std::string device = "cpu";  // cpu, or cuda when built with CUDA (see examples/CMakeLists.txt)
   std::string out_dir = "runs/vision";
   bool resume = false;
 };
@@ -27,7 +28,8 @@ struct Data {
   graphmoe::ImageDataset train, test;
 };
 
-template <class Policy>
+// The training loop for one router on backend B (graphmoe::cpu or graphmoe::cuda).
+template <class Policy, class B>
 int run(const Options& opt, const Data& data);
 
 }  // namespace train_vision

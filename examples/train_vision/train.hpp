@@ -14,6 +14,7 @@
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
+#include "common/device.hpp"
 #include "train_vision/options.hpp"
 
 namespace train_vision {
@@ -35,19 +36,20 @@ inline void make_batch(const ImageDataset& ds, const std::vector<index_t>& order
   }
 }
 
-template <class Model>
+template <class B, class Model>
 double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channels) {
   std::vector<index_t> order(static_cast<std::size_t>(ds.count));
   std::iota(order.begin(), order.end(), index_t{0});
   index_t correct = 0;
-  Tensor<std::int32_t, cpu> none;
+  Tensor<std::int32_t, B> none;
   for (index_t s = 0; s < ds.count; s += batch) {
     const index_t n = std::min(batch, ds.count - s);
     Tensor<Scalar, cpu> x;
     Tensor<std::int32_t, cpu> y;
     make_batch(ds, order, s, n, channels, x, y);
-    m.forward(x, none);
-    const auto L = as_matrix(m.logits());
+    m.forward(examples::on_backend<B>(x), none);
+    const Tensor<Scalar, cpu> logits = examples::host_values(m.logits());
+    const auto L = as_matrix(logits);
     for (index_t i = 0; i < n; ++i) {
       Eigen::Index arg;
       L.row(i).maxCoeff(&arg);
@@ -57,14 +59,15 @@ double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channel
   return static_cast<double>(correct) / static_cast<double>(ds.count);
 }
 
-template <class Policy>
+template <class Policy, class B>
 int run(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
   set_num_threads(opt.threads);
+  examples::require_device<B>("train_vision");
   VisionMoEConfig mc = opt.model;
   mc.image_height = data.train.rows;
   mc.image_width = data.train.cols;
-  VisionMoE<Policy, Scalar> model(mc, opt.seed);
+  VisionMoE<Policy, Scalar, B> model(mc, opt.seed);
   const index_t n_train = opt.train_limit > 0 ? std::min(opt.train_limit, data.train.count) : data.train.count;
   const index_t steps_per_epoch = n_train / opt.batch;
   GRAPHMOE_CHECK(steps_per_epoch >= 1, "train_vision", "fewer training images (", n_train,
@@ -73,7 +76,7 @@ int run(const Options& opt, const Data& data) {
   AdamWConfig ac;
   ac.lr = opt.lr;
   ac.weight_decay = opt.weight_decay;
-  AdamW<Scalar> adam(model.arena, ac);
+  AdamW<Scalar, B> adam(model.arena, ac);
   LRSchedule sched{opt.lr, opt.min_lr, std::min<std::int64_t>(opt.warmup, total), total};
   sched.validate();
 
@@ -115,7 +118,9 @@ int run(const Options& opt, const Data& data) {
     Tensor<std::int32_t, cpu> y;
     make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, mc.channels, x, y);
     model.set_step(step);
-    const double loss = static_cast<double>(model.forward(x, y)) + model.aux_loss();
+    const double loss = static_cast<double>(model.forward(examples::on_backend<B>(x),
+                                                          examples::on_backend<B>(y))) +
+                        model.aux_loss();
     GRAPHMOE_CHECK(std::isfinite(loss), "train_vision", "loss is ", loss, " at step ", step);
     model.arena.zero_grad();
     model.backward();
@@ -128,7 +133,7 @@ int run(const Options& opt, const Data& data) {
     bar.update(step + 1, stats);
     const bool end_of_epoch = (step + 1) % steps_per_epoch == 0;
     if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || (opt.eval_every == 0 && end_of_epoch)) {
-      const double acc = accuracy(model, data.test, 256, mc.channels);
+      const double acc = accuracy<B>(model, data.test, 256, mc.channels);
       csv.row({static_cast<double>(step + 1), static_cast<double>((step + 1) / steps_per_epoch), ema, acc,
                sched.at(step), norm});
       bar.finish();
@@ -137,7 +142,7 @@ int run(const Options& opt, const Data& data) {
     }
   }
   bar.finish();
-  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy(model, data.test, 256, mc.channels));
+  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy<B>(model, data.test, 256, mc.channels));
   return 0;
 }
 
