@@ -4,16 +4,25 @@
 # (Debian's bible-kjv), then print their validation perplexities side by side.
 # About 10 minutes on 2 cores. Outputs (metrics.csv, checkpoints) under runs/main/.
 #   STEPS=1200 scripts/main-job.sh      (override the number of training steps)
+#   DEVICE=cuda scripts/main-job.sh     (train on the GPU; needs nvcc and a CUDA device)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${STEPS:-1500}
+device=${DEVICE:-cpu}
+case "$device" in
+  cpu) cuda_args=(-DGRAPHMOE_ENABLE_CUDA=OFF) ;;  # no nvcc translation units to build
+  cuda) cuda_args=(-DGRAPHMOE_ENABLE_CUDA=ON "-DGRAPHMOE_CUDA_EXAMPLES=train_lm"
+                   "-DGRAPHMOE_CUDA_EXAMPLE_ROUTERS=SoftmaxRouter;SimilarityRouter") ;;
+  *) echo "main-job.sh: DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;;
+esac
 # Let OpenBLAS pick its kernels for this CPU: a forced OPENBLAS_CORETYPE=Haswell (set in some of
 # our sandboxes) halves GEMM speed on AVX-512 machines (docs/benchmarks.md).
 unset OPENBLAS_CORETYPE
 
 bash scripts/install-deps.sh
 cmake -S . -B build-main -DCMAKE_BUILD_TYPE=Release -DGRAPHMOE_NATIVE=ON \
-  -DGRAPHMOE_BUILD_TESTS=OFF -DGRAPHMOE_BUILD_BENCHMARKS=OFF -DGRAPHMOE_BUILD_EXAMPLES=ON > /dev/null
+  -DGRAPHMOE_BUILD_TESTS=OFF -DGRAPHMOE_BUILD_BENCHMARKS=OFF -DGRAPHMOE_BUILD_EXAMPLES=ON \
+  "${cuda_args[@]}" > /dev/null
 cmake --build build-main -j2 --target train_lm
 scripts/prepare-kjv.sh runs/data/kjv.tokens
 
@@ -23,7 +32,7 @@ scripts/prepare-kjv.sh runs/data/kjv.tokens
 common=(--train runs/data/kjv.tokens --test "" --valid-fraction 0.05 --max-vocab 8000
         --layers 4 --d-model 128 --heads 4 --d-ff 256 --experts 8 --top-k 2 --seq 64 --batch 16
         --steps "$steps" --warmup 50 --lr 2e-3 --min-lr 2e-4 --eval-every 100 --eval-batches 20
-        --load-balance 0.01 --threads 2 --seed 1)
+        --load-balance 0.01 --threads 2 --seed 1 --device "$device")
 ./build-main/examples/train_lm "${common[@]}" --router softmax --out runs/main/softmax | tee runs/main-softmax.txt
 ./build-main/examples/train_lm "${common[@]}" --router similarity --tau 32 --out runs/main/similarity | tee runs/main-similarity.txt
 
