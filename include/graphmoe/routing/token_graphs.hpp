@@ -36,6 +36,15 @@ void check_graph_inputs(const char* op, const Tensor<T, B>& u, const Tensor<T, B
   GRAPHMOE_CHECK(seq_len >= 1 && u.rows() % seq_len == 0, op, "seq_len = ", seq_len,
                  " does not divide the ", u.rows(), " tokens");
 }
+// The Similarity graph's temperature for tokens of width d_model (every backend).
+inline double similarity_tau(index_t d_model, const RouterConfig& cfg) {
+  const double tau = cfg.tau_mode == TauMode::Fixed
+                         ? cfg.similarity_tau
+                         : cfg.similarity_tau * std::sqrt(static_cast<double>(d_model));
+  GRAPHMOE_CHECK(tau > 0, "Similarity", "tau must be > 0, got ", tau);
+  return tau;
+}
+
 // The Attention graph's cache, checked against n tokens of width d_model (every backend).
 template <class T, class B>
 const AttentionCache<T, B>& check_attention_cache(const GraphContext<T, B>& ctx, index_t n,
@@ -75,20 +84,20 @@ class GraphImpl {
                 "(routing/policies.hpp)");
 };
 
-// p = r.
-template <class T>
-class GraphImpl<Independent, T, cpu> {
+// p = r (every backend: two copies).
+template <class T, class B>
+class GraphImpl<Independent, T, B> {
  public:
   void configure(index_t, const RouterConfig&) {}
-  void forward(const Tensor<T, cpu>& u, const Tensor<T, cpu>& r, const GraphContext<T, cpu>& ctx,
-               Tensor<T, cpu>& p) {
+  void forward(const Tensor<T, B>& u, const Tensor<T, B>& r, const GraphContext<T, B>& ctx,
+               Tensor<T, B>& p) {
     detail::check_graph_inputs("Independent", u, r, ctx.seq_len);
     prepare_output("Independent", "p", p, r.shape());
     p.copy_from(r);
   }
-  void backward(const Tensor<T, cpu>&, const Tensor<T, cpu>& r, const Tensor<T, cpu>&,
-                const Tensor<T, cpu>& dp, const GraphContext<T, cpu>&, Tensor<T, cpu>& dr,
-                Tensor<T, cpu>&) {
+  void backward(const Tensor<T, B>&, const Tensor<T, B>& r, const Tensor<T, B>&,
+                const Tensor<T, B>& dp, const GraphContext<T, B>&, Tensor<T, B>& dr,
+                Tensor<T, B>&) {
     prepare_output("Independent", "dr", dr, r.shape());
     dr.copy_from(dp);
   }
@@ -113,10 +122,7 @@ class GraphImpl<Similarity, T, cpu> {
 
   void configure(index_t d_model, const RouterConfig& cfg) {
     cfg_ = cfg;
-    tau_ = cfg.tau_mode == TauMode::Fixed
-               ? cfg.similarity_tau
-               : cfg.similarity_tau * std::sqrt(static_cast<double>(d_model));
-    GRAPHMOE_CHECK(tau_ > 0, "Similarity", "tau must be > 0, got ", tau_);
+    tau_ = detail::similarity_tau(d_model, cfg);
   }
   double tau() const { return tau_; }
 

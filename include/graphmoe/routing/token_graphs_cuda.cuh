@@ -51,25 +51,7 @@ double device_mean(const Tensor<T, cuda>& x) {
 }
 }  // namespace detail
 
-// p = r.
-template <class T>
-class GraphImpl<Independent, T, cuda> {
- public:
-  void configure(index_t, const RouterConfig&) {}
-  void forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r, const GraphContext<T, cuda>& ctx,
-               Tensor<T, cuda>& p) {
-    detail::check_graph_inputs("Independent", u, r, ctx.seq_len);
-    prepare_output("Independent", "p", p, r.shape());
-    p.copy_from(r);
-  }
-  void backward(const Tensor<T, cuda>&, const Tensor<T, cuda>& r, const Tensor<T, cuda>&,
-                const Tensor<T, cuda>& dp, const GraphContext<T, cuda>&, Tensor<T, cuda>& dr,
-                Tensor<T, cuda>&) {
-    prepare_output("Independent", "dr", dr, r.shape());
-    dr.copy_from(dp);
-  }
-  double mean_entropy() const { return 0.0; }
-};
+// GraphImpl<Independent, T, B> (p = r) is the backend-generic one of token_graphs.hpp.
 
 // p_i = sum_j S[i,j] r_j,  S = softmax_j(u_i . u_j / tau) within each sequence (j <= i if causal),
 // by the fused kernels of backend/cuda/token_graph.cuh: S is never stored (see the file comment).
@@ -78,10 +60,7 @@ class GraphImpl<Similarity, T, cuda> {
  public:
   void configure(index_t d_model, const RouterConfig& cfg) {
     cfg_ = cfg;
-    tau_ = cfg.tau_mode == TauMode::Fixed
-               ? cfg.similarity_tau
-               : cfg.similarity_tau * std::sqrt(static_cast<double>(d_model));
-    GRAPHMOE_CHECK(tau_ > 0, "Similarity", "tau must be > 0, got ", tau_);
+    tau_ = detail::similarity_tau(d_model, cfg);
   }
   double tau() const { return tau_; }
 
