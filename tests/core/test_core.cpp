@@ -20,6 +20,11 @@ TEST_CASE("shape: numel, rows, cols and printing") {
   CHECK(s.dim(-1) == 4);
   CHECK(s.str() == "(2, 3, 4)");
   CHECK(Shape{}.numel() == 1);
+  // A matrix with no columns still has its rows (the CUDA gemm's k = 0 case found this).
+  CHECK(Shape{5, 0}.rows() == 5);
+  CHECK(Shape{2, 3, 0}.rows() == 6);
+  CHECK(Shape{0, 3}.rows() == 0);
+  CHECK(Shape{7}.rows() == 1);
 }
 
 TEST_CASE("shape: bad input throws naming the problem") {

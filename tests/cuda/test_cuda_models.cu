@@ -18,6 +18,7 @@
 #include "support/gradcheck.hpp"
 
 namespace graphmoe {
+using test::check_arenas;
 using test::check_close;
 using test::random_tensor;
 
@@ -30,15 +31,8 @@ double model_tolerance() {
 
 template <class T>
 void check_arena(const std::string& what, const ParameterArena<T, cpu>& host,
-                 const ParameterArena<T, graphmoe::cuda>& dev, bool grads) {
-  REQUIRE(host.size() == dev.size());
-  for (index_t i = 0; i < host.size(); ++i) {
-    const std::string name = host.params()[static_cast<std::size_t>(i)].name;
-    if (grads)
-      check_close(what + " d" + name, host.grad(i), dev.grad(i), model_tolerance<T>());
-    else
-      check_close(what + " " + name, host.value(i), dev.value(i), model_tolerance<T>());
-  }
+                 const ParameterArena<T, graphmoe::cuda>& dev, bool grads, double slack = 0) {
+  check_arenas(what, host, dev, grads, model_tolerance<T>(), slack);
 }
 
 TransformerLMConfig tiny_lm(MoELayout layout) {
@@ -95,7 +89,8 @@ void compare_lm(MoELayout layout) {
     CHECK(dn == doctest::Approx(hn).epsilon(model_tolerance<T>()));
     host_opt.step(host.arena);
     dev_opt.step(dev.arena);
-    check_arena("after AdamW", host.arena, dev.arena, false);
+    // k_proj.bias: its round-off gradients take AdamW steps of up to lr on each backend
+    check_arena("after AdamW", host.arena, dev.arena, false, 2 * oc.lr * (step + 1));
   }
 }
 

@@ -120,8 +120,8 @@ TEST_CASE("cuda: the Philox stream on the device equals the CPU stream") {
   const std::uint64_t seed = 0x0123456789ABCDEFull, first = (std::uint64_t(1) << 32) - 5;
   const index_t n = 4099;
   Tensor<std::uint32_t, cuda> words(Shape{n});
-  philox_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(seed, first,
-                                                                            words.data(), n);
+  detail::launch_kernel<philox_kernel>(detail::grid_for(n), detail::kThreads, seed, first,
+                                       words.data(), n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   Tensor<std::uint32_t> ref({n});
   Rng rng(seed, first);

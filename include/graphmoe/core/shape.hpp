@@ -52,8 +52,13 @@ class Shape {
     for (int i = 0; i < rank_; ++i) n *= dims_[static_cast<std::size_t>(i)];
     return n;
   }
-  // Product of all dimensions but the last: the number of rows when viewed as a matrix.
-  index_t rows() const { return rank_ == 0 ? 1 : numel() / (cols() == 0 ? 1 : cols()) ; }
+  // Product of all dimensions but the last: the number of rows when viewed as a matrix (also when
+  // the last dimension is 0: a (5, 0) matrix has 5 rows).
+  index_t rows() const {
+    index_t n = 1;
+    for (int i = 0; i + 1 < rank_; ++i) n *= dims_[static_cast<std::size_t>(i)];
+    return n;
+  }
   // The last dimension (1 for a scalar).
   index_t cols() const { return rank_ == 0 ? 1 : dims_[static_cast<std::size_t>(rank_ - 1)]; }
   const index_t* begin() const { return dims_.data(); }

@@ -128,16 +128,15 @@ class GraphImpl<Attention, T, cuda> {
     Tensor<T, cuda> ent = c.row_entropy;
     if (ent.empty()) {
       ent = Tensor<T, cuda>(Shape{nb, nh, len});
-      detail::attention_row_entropy_kernel<T>
-          <<<detail::graph_warp_rows_blocks(nb * nh * len), detail::kThreads, 0, cuda_stream()>>>(
-              c.probs.data(), ent.data(), nb * nh * len, len);
+      detail::launch_kernel<detail::attention_row_entropy_kernel<T>>(
+          detail::graph_warp_rows_blocks(nb * nh * len), detail::kThreads, c.probs.data(),
+          ent.data(), nb * nh * len, len);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
     }
     Tensor<double, cuda> prefix(Shape{nb, nh});
-    detail::attention_choose_heads_kernel<T><<<detail::grid_for(nb), detail::kThreads, 0,
-                                               cuda_stream()>>>(
-        ent.data(), nb, nh, len, cfg_.head_choice == HeadChoice::PerSequenceCausal,
-        prefix.data(), head_dev_.data());
+    detail::launch_kernel<detail::attention_choose_heads_kernel<T>>(
+        detail::grid_for(nb), detail::kThreads, ent.data(), nb, nh, len,
+        cfg_.head_choice == HeadChoice::PerSequenceCausal, prefix.data(), head_dev_.data());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
     const Tensor<std::int32_t, cpu> heads_host = to_host(head_dev_);
     head_.assign(heads_host.data(), heads_host.data() + n);
@@ -151,10 +150,10 @@ class GraphImpl<Attention, T, cuda> {
       // g = a m^T per sequence (T, T)
       detail::graph_gemm(Trans::N, Trans::T, len, len, dm, T(1), c.out.data(), dm, len * dm,
                          m.data(), dm, len * dm, T(0), g.data(), len, len * len, nb);
-      detail::attention_posterior_rows_kernel<T>
-          <<<detail::grid_for_rows(n), detail::threads_for_row(len), 0, cuda_stream()>>>(
-              c.probs.data(), g.data(), msq.data(), head_dev_.data(), post_.data(),
-              row_entropy_.data(), bad.get(), n, nh, len, static_cast<std::int32_t>(h), inv_var);
+      detail::launch_kernel<detail::attention_posterior_rows_kernel<T>>(
+          detail::grid_for_rows(n), detail::threads_for_row(len), c.probs.data(), g.data(),
+          msq.data(), head_dev_.data(), post_.data(), row_entropy_.data(), bad.get(), n, nh, len,
+          static_cast<std::int32_t>(h), inv_var);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
     }
     const index_t first_bad = bad.read();
@@ -191,9 +190,8 @@ class GraphImpl<Attention, T, cuda> {
     detail::graph_row_dot_cuda(dp, p, rowdot);
     detail::graph_gemm(Trans::N, Trans::T, len, len, e, T(1), dp.data(), e, len * e, r.data(), e,
                        len * e, T(0), dl.data(), len, len * len, nb);
-    detail::attention_dlogit_kernel<T>
-        <<<detail::grid_for(nt), detail::kThreads, 0, cuda_stream()>>>(post_.data(), rowdot.data(),
-                                                                      dl.data(), n, len);
+    detail::launch_kernel<detail::attention_dlogit_kernel<T>>(
+        detail::grid_for(nt), detail::kThreads, post_.data(), rowdot.data(), dl.data(), n, len);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
 
     Tensor<T, cuda> dlh(Shape{n, len}), m(Shape{n, dm}), msq(Shape{n}), colsum(Shape{n}),
@@ -201,15 +199,15 @@ class GraphImpl<Attention, T, cuda> {
     for (index_t h = 0; h < nh; ++h) {
       if (!head_used(h)) continue;
       const auto hh = static_cast<std::int32_t>(h);
-      detail::attention_head_rows_kernel<T>
-          <<<detail::grid_for(nt), detail::kThreads, 0, cuda_stream()>>>(
-              dl.data(), head_dev_.data(), dlh.data(), n, len, hh);
+      detail::launch_kernel<detail::attention_head_rows_kernel<T>>(
+          detail::grid_for(nt), detail::kThreads, dl.data(), head_dev_.data(), dlh.data(), n, len,
+          hh);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
       // into log A_h: dA += dl / A where A > 0
       if (!c.dprobs.empty()) {
-        detail::attention_dprobs_kernel<T>
-            <<<detail::grid_for(nt), detail::kThreads, 0, cuda_stream()>>>(
-                dl.data(), c.probs.data(), head_dev_.data(), c.dprobs.data(), n, nh, len, hh);
+        detail::launch_kernel<detail::attention_dprobs_kernel<T>>(
+            detail::grid_for(nt), detail::kThreads, dl.data(), c.probs.data(), head_dev_.data(),
+            c.dprobs.data(), n, nh, len, hh);
         GRAPHMOE_CUDA_CHECK_LAUNCH();
       }
       head_mean(c, h, m, msq);
@@ -218,15 +216,14 @@ class GraphImpl<Attention, T, cuda> {
         detail::graph_gemm(Trans::N, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len,
                            m.data(), dm, len * dm, T(1), c.dout.data(), dm, len * dm, nb);
       // dM = (dl_h^T a - M o colsum(dl_h)) / sigma^2
-      detail::attention_column_sum_kernel<T>
-          <<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(dlh.data(), colsum.data(),
-                                                                      n, len);
+      detail::launch_kernel<detail::attention_column_sum_kernel<T>>(
+          detail::grid_for(n), detail::kThreads, dlh.data(), colsum.data(), n, len);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
       detail::graph_gemm(Trans::T, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len,
                          c.out.data(), dm, len * dm, T(0), dmean.data(), dm, len * dm, nb);
-      detail::attention_dmean_kernel<T>
-          <<<detail::grid_for(n * dm), detail::kThreads, 0, cuda_stream()>>>(
-              m.data(), colsum.data(), dmean.data(), n, dm, inv_var);
+      detail::launch_kernel<detail::attention_dmean_kernel<T>>(
+          detail::grid_for(n * dm), detail::kThreads, m.data(), colsum.data(), dmean.data(), n, dm,
+          inv_var);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
       // m = H v_h W_o,h^T + b_o: dv_h += H dM W_o,h, dW_o,h += H dM^T v_h, db_o += sum_j dM_j
       if (!c.dv.empty())
@@ -236,9 +233,8 @@ class GraphImpl<Attention, T, cuda> {
         detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, fh, dmean.data(), dm, 0,
                            c.v.data() + h * dh, dvc, 0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
       if (!c.db_o.empty()) {
-        detail::graph_column_sum_add_kernel<T>
-            <<<detail::grid_for(dm), detail::kThreads, 0, cuda_stream()>>>(
-                dmean.data(), c.db_o.data(), n, dm);
+        detail::launch_kernel<detail::graph_column_sum_add_kernel<T>>(
+            detail::grid_for(dm), detail::kThreads, dmean.data(), c.db_o.data(), n, dm);
         GRAPHMOE_CUDA_CHECK_LAUNCH();
       }
     }
@@ -268,9 +264,9 @@ class GraphImpl<Attention, T, cuda> {
     detail::graph_gemm(Trans::N, Trans::T, n, dm, dh, static_cast<T>(c.num_heads),
                        c.v.data() + h * dh, dvc, 0, c.w_o.data() + h * dh, dvc, 0, T(0), m.data(),
                        dm, 0, 1);
-    detail::attention_mean_finish_kernel<T>
-        <<<detail::graph_warp_rows_blocks(n), detail::kThreads, 0, cuda_stream()>>>(
-            m.data(), c.b_o.empty() ? nullptr : c.b_o.data(), msq.data(), n, dm);
+    detail::launch_kernel<detail::attention_mean_finish_kernel<T>>(
+        detail::graph_warp_rows_blocks(n), detail::kThreads, m.data(),
+        c.b_o.empty() ? nullptr : c.b_o.data(), msq.data(), n, dm);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
 

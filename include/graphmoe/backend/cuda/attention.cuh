@@ -200,10 +200,9 @@ void attention_forward(const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
   batches.gemm(CUBLAS_OP_T, CUBLAS_OP_N, n, n, dh, k.data(), kHead, w, q.data(), kHead, w,
                probs.data(), kPair, n);
   const index_t rows = dims.pairs() * dims.seq;
-  detail::attention_softmax_kernel<T>
-      <<<detail::grid_for_rows(rows), detail::threads_for_row(dims.seq), 0, cuda_stream()>>>(
-          probs.data(), row_entropy != nullptr ? row_entropy->data() : nullptr, rows, dims.seq,
-          causal, scale);
+  detail::launch_kernel<detail::attention_softmax_kernel<T>>(
+      detail::grid_for_rows(rows), detail::threads_for_row(dims.seq), probs.data(),
+      row_entropy != nullptr ? row_entropy->data() : nullptr, rows, dims.seq, causal, scale);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   // out^T = V^T probs^T
   batches.gemm(CUBLAS_OP_N, CUBLAS_OP_N, dh, n, n, v.data(), kHead, w, probs.data(), kPair, n,
@@ -241,10 +240,9 @@ void attention_backward(const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
   batches.gemm(CUBLAS_OP_T, CUBLAS_OP_N, n, n, dh, v.data(), kHead, w, dout.data(), kHead, w,
                ds.data(), kPair, n);
   const index_t rows = dims.pairs() * dims.seq;
-  detail::attention_softmax_backward_kernel<T>
-      <<<detail::grid_for_rows(rows), detail::threads_for_row(dims.seq), 0, cuda_stream()>>>(
-          probs.data(), ds.data(), extra ? dprobs_extra.data() : nullptr, rows, dims.seq, causal,
-          scale);
+  detail::launch_kernel<detail::attention_softmax_backward_kernel<T>>(
+      detail::grid_for_rows(rows), detail::threads_for_row(dims.seq), probs.data(), ds.data(),
+      extra ? dprobs_extra.data() : nullptr, rows, dims.seq, causal, scale);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   // dv^T = dO^T P
   batches.gemm(CUBLAS_OP_N, CUBLAS_OP_T, dh, n, n, dout.data(), kHead, w, probs.data(), kPair, n,

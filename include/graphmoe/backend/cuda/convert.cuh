@@ -43,8 +43,8 @@ void convert(const Tensor<S, cuda>& src, Tensor<D, cuda>& dst) {
   prepare_output("convert", "dst", dst, src.shape());
   const index_t n = src.numel();
   if (n == 0) return;
-  detail::convert_kernel<S, D><<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      src.data(), dst.data(), n);
+  detail::launch_kernel<detail::convert_kernel<S, D>>(detail::grid_for(n), detail::kThreads,
+                                                      src.data(), dst.data(), n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

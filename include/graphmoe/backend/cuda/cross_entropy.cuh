@@ -72,9 +72,9 @@ index_t cross_entropy_count_targets(const char* op, const char* what, const Tens
   if (rows == 0) return 0;
   FirstIndexFlag bad;
   Tensor<unsigned long long, cuda> count(Shape{1});
-  cross_entropy_targets_kernel<std::int32_t>
-      <<<grid_for(rows), kThreads, 0, cuda_stream()>>>(targets.data(), rows, classes,
-                                                        ignore_index, bad.get(), count.data());
+  launch_kernel<cross_entropy_targets_kernel<std::int32_t>>(grid_for(rows), kThreads,
+                                                            targets.data(), rows, classes,
+                                                            ignore_index, bad.get(), count.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t r = bad.read();
   if (r >= 0)
@@ -97,19 +97,19 @@ T cross_entropy_forward(const Tensor<T, cuda>& logits, const Tensor<std::int32_t
   const index_t rows = logits.rows(), classes = logits.cols();
   if (rows > 0) {
     detail::FirstIndexFlag bad;
-    detail::softmax_forward_kernel<T, true>
-        <<<detail::grid_for_rows(rows), detail::threads_for_row(classes), 0, cuda_stream()>>>(
-            logits.data(), log_probs.data(), rows, classes, bad.get());
+    detail::launch_kernel<detail::softmax_forward_kernel<T, true>>(
+        detail::grid_for_rows(rows), detail::threads_for_row(classes), logits.data(),
+        log_probs.data(), rows, classes, bad.get());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
     const index_t r = bad.read();
     if (r >= 0) detail::softmax_throw_bad_row(op, "logits", logits, r);
   }
   if (count == 0) return T(0);
   Tensor<double, cuda> loss(Shape{1});
-  detail::cross_entropy_loss_kernel<T>
-      <<<1, detail::kCrossEntropyLossThreads, 0, cuda_stream()>>>(
-          detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index},
-          rows, loss.data());
+  detail::launch_kernel<detail::cross_entropy_loss_kernel<T>>(
+      1, detail::kCrossEntropyLossThreads,
+      detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index}, rows,
+      loss.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   return static_cast<T>(detail::read_device_value(loss.data()) / static_cast<double>(count));
 }

@@ -28,7 +28,6 @@
 // entries and is rounded once per stored entry. For float and double nothing changes.
 #pragma once
 
-#include <thrust/system/cuda/execution_policy.h>
 #include <thrust/system_error.h>
 
 #include <concepts>
@@ -38,6 +37,7 @@
 #include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cuda/detail/dispatch_plan_thrust.hpp"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/detail/nn_launch.cuh"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -196,7 +196,7 @@ void make_dispatch_plan(const Tensor<I, cuda>& indices, index_t num_experts, Cud
   std::int64_t bad = -1;
   try {
     // slot_expert doubles as the sort's unsigned keys (the same values for ids in range)
-    detail::build_dispatch_plan(thrust::cuda::par_nosync(alloc).on(cuda_stream()), indices.data(),
+    detail::build_dispatch_plan(detail::thrust_policy(alloc), indices.data(),
                                 slots, static_cast<std::int32_t>(k),
                                 static_cast<std::int32_t>(num_experts),
                                 reinterpret_cast<std::uint32_t*>(plan.slot_expert.data()),
@@ -205,7 +205,7 @@ void make_dispatch_plan(const Tensor<I, cuda>& indices, index_t num_experts, Cud
     GRAPHMOE_CUDA_CHECK_LAUNCH();
     to_host(plan.expert_offsets, plan.host_offsets);  // synchronises
     if (plan.host_offsets.data()[num_experts] != slots)
-      bad = detail::first_invalid_expert_id(thrust::cuda::par(alloc).on(cuda_stream()),
+      bad = detail::first_invalid_expert_id(detail::thrust_policy_sync(alloc),
                                             indices.data(), slots,
                                             static_cast<std::int32_t>(num_experts));
   } catch (const thrust::system_error& e) {  // Thrust reports CUDA errors its own way
@@ -231,8 +231,9 @@ void dispatch_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& x, Te
   prepare_output(op, "xs", xs, Shape{plan.num_slots(), d});
   const index_t total = plan.num_slots() * d;
   if (total == 0) return;
-  detail::dispatch_forward_kernel<T><<<detail::grid_for(total), detail::kThreads, 0, cuda_stream()>>>(
-      plan.slot_token.data(), x.data(), xs.data(), plan.num_slots(), d);
+  detail::launch_kernel<detail::dispatch_forward_kernel<T>>(
+      detail::grid_for(total), detail::kThreads, plan.slot_token.data(), x.data(), xs.data(),
+      plan.num_slots(), d);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -248,8 +249,9 @@ void dispatch_backward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& dxs,
   prepare_output(op, "dx", dx, Shape{plan.num_tokens, d});
   const index_t total = plan.num_tokens * d;
   if (total == 0) return;
-  detail::dispatch_backward_kernel<T><<<detail::grid_for(total), detail::kThreads, 0, cuda_stream()>>>(
-      plan.source_slot.data(), dxs.data(), dx.data(), plan.num_tokens, plan.k, d);
+  detail::launch_kernel<detail::dispatch_backward_kernel<T>>(
+      detail::grid_for(total), detail::kThreads, plan.source_slot.data(), dxs.data(), dx.data(),
+      plan.num_tokens, plan.k, d);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -266,8 +268,9 @@ void combine_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& ys,
   prepare_output(op, "y", y, Shape{plan.num_tokens, d});
   const index_t total = plan.num_tokens * d;
   if (total == 0) return;
-  detail::combine_forward_kernel<T><<<detail::grid_for(total), detail::kThreads, 0, cuda_stream()>>>(
-      plan.source_slot.data(), ys.data(), gates.data(), y.data(), plan.num_tokens, k, d);
+  detail::launch_kernel<detail::combine_forward_kernel<T>>(
+      detail::grid_for(total), detail::kThreads, plan.source_slot.data(), ys.data(), gates.data(),
+      y.data(), plan.num_tokens, k, d);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -287,14 +290,14 @@ void combine_backward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& ys,
   prepare_output(op, "dgates", dgates, Shape{n, k});
   if (n == 0) return;
   if (d > 0) {
-    detail::combine_backward_dys_kernel<T>
-        <<<detail::grid_for(n * k * d), detail::kThreads, 0, cuda_stream()>>>(
-            plan.source_slot.data(), gates.data(), dy.data(), dys.data(), n, k, d);
+    detail::launch_kernel<detail::combine_backward_dys_kernel<T>>(
+        detail::grid_for(n * k * d), detail::kThreads, plan.source_slot.data(), gates.data(),
+        dy.data(), dys.data(), n, k, d);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
-  detail::combine_backward_dgates_kernel<T>
-      <<<detail::grid_for(n * k * 32), detail::kThreads, 0, cuda_stream()>>>(
-          plan.source_slot.data(), ys.data(), dy.data(), dgates.data(), n, k, d);
+  detail::launch_kernel<detail::combine_backward_dgates_kernel<T>>(
+      detail::grid_for(n * k * 32), detail::kThreads, plan.source_slot.data(), ys.data(), dy.data(),
+      dgates.data(), n, k, d);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -135,8 +135,8 @@ void add_row_vector(const Tensor<T, cuda>& b, const Tensor<T, cuda>& y) {
   detail::check_row_vector("add_row_vector", "b", y, b);
   const index_t n = y.numel();
   if (n == 0) return;
-  detail::add_row_vector_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      b.data(), y.data(), n, y.cols());
+  detail::launch_kernel<detail::add_row_vector_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                          b.data(), y.data(), n, y.cols());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -145,8 +145,8 @@ void accumulate_column_sums(const Tensor<T, cuda>& dy, const Tensor<T, cuda>& db
   detail::check_row_vector("accumulate_column_sums", "db", dy, db);
   const index_t cols = dy.cols();
   if (cols == 0) return;
-  detail::column_sums_kernel<<<detail::grid_for(cols), detail::kThreads, 0, cuda_stream()>>>(
-      dy.data(), db.data(), dy.rows(), cols);
+  detail::launch_kernel<detail::column_sums_kernel<T>>(detail::grid_for(cols), detail::kThreads,
+                                                       dy.data(), db.data(), dy.rows(), cols);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -154,8 +154,8 @@ template <class T>
 void axpy(T alpha, const Tensor<T, cuda>& x, const Tensor<T, cuda>& y) {
   detail::check_same_size("axpy", x, y);
   const index_t n = y.numel();
-  detail::axpy_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      alpha, x.data(), y.data(), n);
+  detail::launch_kernel<detail::axpy_kernel<T>>(detail::grid_for(n), detail::kThreads, alpha,
+                                                x.data(), y.data(), n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -163,8 +163,8 @@ template <class T>
 void scale(const Tensor<T, cuda>& t, T alpha) {
   const index_t n = t.numel();
   if (n == 0) return;
-  detail::scale_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(t.data(),
-                                                                                      alpha, n);
+  detail::launch_kernel<detail::scale_kernel<T>>(detail::grid_for(n), detail::kThreads, t.data(),
+                                                 alpha, n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -172,8 +172,8 @@ template <class T>
 void fill(const Tensor<T, cuda>& t, T value) {
   const index_t n = t.numel();
   if (n == 0) return;
-  detail::fill_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(t.data(),
-                                                                                     value, n);
+  detail::launch_kernel<detail::fill_kernel<T>>(detail::grid_for(n), detail::kThreads, t.data(),
+                                                value, n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -184,8 +184,8 @@ void check_finite(const char* op, const char* what, const Tensor<T, cuda>& t) {
   const index_t n = t.numel();
   if (n == 0) return;
   detail::FirstIndexFlag first;
-  detail::first_non_finite_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      t.data(), n, first.get());
+  detail::launch_kernel<detail::first_non_finite_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                            t.data(), n, first.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t i = first.read();
   if (i >= 0)
@@ -220,9 +220,8 @@ void accumulate_dot(const Tensor<T, cuda>& a, const Tensor<T, cuda>& b, T alpha,
   detail::check_same_size("accumulate_dot", a, b);
   GRAPHMOE_CHECK(d.numel() == 1, "accumulate_dot", "the destination has shape ", d.shape(),
                  ", expected one element");
-  detail::accumulate_dot_kernel<<<1, detail::kThreads, 0, cuda_stream()>>>(a.data(), b.data(),
-                                                                             a.numel(), alpha,
-                                                                             d.data());
+  detail::launch_kernel<detail::accumulate_dot_kernel<T>>(1, detail::kThreads, a.data(), b.data(),
+                                                          a.numel(), alpha, d.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -230,9 +229,9 @@ template <class T>
 void normalize_rows(const Tensor<T, cuda>& x, Tensor<T, cuda>& norms, T eps) {
   prepare_output("normalize_rows", "norms", norms, Shape{x.rows()});
   if (x.rows() == 0) return;
-  detail::normalize_rows_kernel<<<detail::grid_for_rows(x.rows()),
-                                  detail::threads_for_row(x.cols()), 0, cuda_stream()>>>(
-      x.data(), norms.data(), x.rows(), x.cols(), eps);
+  detail::launch_kernel<detail::normalize_rows_kernel<T>>(
+      detail::grid_for_rows(x.rows()), detail::threads_for_row(x.cols()), x.data(), norms.data(),
+      x.rows(), x.cols(), eps);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -241,10 +240,9 @@ void normalize_rows_backward(const Tensor<T, cuda>& y, const Tensor<T, cuda>& no
                              const Tensor<T, cuda>& dy) {
   check_shape("normalize_rows_backward", "dy", dy, y.shape());
   if (y.rows() == 0) return;
-  detail::normalize_rows_backward_kernel<<<detail::grid_for_rows(y.rows()),
-                                           detail::threads_for_row(y.cols()), 0,
-                                           cuda_stream()>>>(y.data(), norms.data(), dy.data(),
-                                                            y.rows(), y.cols(), eps);
+  detail::launch_kernel<detail::normalize_rows_backward_kernel<T>>(
+      detail::grid_for_rows(y.rows()), detail::threads_for_row(y.cols()), y.data(), norms.data(),
+      dy.data(), y.rows(), y.cols(), eps);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -258,8 +256,9 @@ void patchify(const Tensor<T, cuda>& images, index_t patch, index_t height, inde
   prepare_output("patchify", "patches", patches, Shape{b * np, pd});
   const index_t n = patches.numel();
   if (n == 0) return;
-  detail::patchify_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      images.data(), patches.data(), n, patch, width, channels, per_image, pw, np, pd);
+  detail::launch_kernel<detail::patchify_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                    images.data(), patches.data(), n, patch, width,
+                                                    channels, per_image, pw, np, pd);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

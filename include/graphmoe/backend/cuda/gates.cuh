@@ -89,8 +89,9 @@ void renormalized_gates(const Tensor<T, cuda>& values, const Tensor<std::uint8_t
   prepare_output("renormalized_gates", "gates", gates, values.shape());
   const index_t n = values.rows(), k = values.cols();
   detail::FirstIndexFlag bad;
-  detail::renormalized_gates_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      values.data(), keep.data(), gates.data(), n, k, bad.get());
+  detail::launch_kernel<detail::renormalized_gates_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                              values.data(), keep.data(),
+                                                              gates.data(), n, k, bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t i = bad.read();
   if (i >= 0) {
@@ -112,10 +113,9 @@ void renormalized_gates_backward(const Tensor<T, cuda>& values,
   check_shape("TopK::backward", "dgates", dgates, gates.shape());
   const index_t n = values.rows(), k = values.cols();
   prepare_output("TopK::backward", "dp", dp, Shape{n, num_experts});
-  detail::renormalized_gates_backward_kernel<<<detail::grid_for(n), detail::kThreads, 0,
-                                               cuda_stream()>>>(
-      values.data(), indices.data(), keep.data(), gates.data(), dgates.data(), dp.data(), n, k,
-      num_experts);
+  detail::launch_kernel<detail::renormalized_gates_backward_kernel<T>>(
+      detail::grid_for(n), detail::kThreads, values.data(), indices.data(), keep.data(),
+      gates.data(), dgates.data(), dp.data(), n, k, num_experts);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -126,8 +126,8 @@ inline void route_dropped_to(const Tensor<std::int32_t, cuda>& indices,
   prepare_output("route_dropped_to", "ids", ids, indices.shape());
   const index_t n = indices.numel();
   if (n == 0) return;
-  detail::route_dropped_to_kernel<<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      indices.data(), keep.data(), bucket, ids.data(), n);
+  detail::launch_kernel<detail::route_dropped_to_kernel<std::int32_t>>(
+      detail::grid_for(n), detail::kThreads, indices.data(), keep.data(), bucket, ids.data(), n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -202,10 +202,9 @@ void layernorm_forward(const Tensor<T, cuda>& x, const Tensor<T, cuda>& gamma,
       return detail::layernorm_prepare_forward(op, x, gamma, beta, eps, y, mean, rstd);
   }();
   if (s.n == 0) return;
-  detail::layernorm_forward_kernel<T, S>
-      <<<detail::grid_for_rows(s.n), detail::threads_for_row(s.d), 0, cuda_stream()>>>(
-          x.data(), gamma.data(), beta.data(), detail::to_acc(eps), s.n, s.d, y.data(),
-          mean.data(), rstd.data());
+  detail::launch_kernel<detail::layernorm_forward_kernel<T, S>>(
+      detail::grid_for_rows(s.n), detail::threads_for_row(s.d), x.data(), gamma.data(), beta.data(),
+      detail::to_acc(eps), s.n, s.d, y.data(), mean.data(), rstd.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -248,9 +247,9 @@ void layernorm_backward(const Tensor<T, cuda>& x, const Tensor<T, cuda>& gamma,
   }
   // 3. dx
   if (n == 0) return;
-  detail::layernorm_backward_dx_kernel<T, S>
-      <<<detail::grid_for_rows(n), detail::threads_for_row(d), 0, cuda_stream()>>>(
-          x.data(), gamma.data(), mean.data(), rstd.data(), dy.data(), n, d, dx.data());
+  detail::launch_kernel<detail::layernorm_backward_dx_kernel<T, S>>(
+      detail::grid_for_rows(n), detail::threads_for_row(d), x.data(), gamma.data(), mean.data(),
+      rstd.data(), dy.data(), n, d, dx.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -141,8 +141,8 @@ struct OptimKernels<cuda> {
                     T* m, T* v) {
     const index_t n = chunks.size();
     if (n == 0) return;
-    adamw_kernel<T><<<grid_for_chunks(n), kThreads, 0, cuda_stream()>>>(chunks.table.data(), n,
-                                                                         u, p, g, m, v);
+    launch_kernel<adamw_kernel<T>>(grid_for_chunks(n), kThreads, chunks.table.data(), n, u, p, g, m,
+                                   v);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
 
@@ -154,11 +154,11 @@ struct OptimKernels<cuda> {
     const OptimChunk* table = chunks.table.data();
     const unsigned grid = grid_for_chunks(n);
     if (!u.use_momentum)
-      sgd_kernel<T, false, false><<<grid, kThreads, 0, cuda_stream()>>>(table, n, u, p, g, buf);
+      launch_kernel<sgd_kernel<T, false, false>>(grid, kThreads, table, n, u, p, g, buf);
     else if (u.nesterov)
-      sgd_kernel<T, true, true><<<grid, kThreads, 0, cuda_stream()>>>(table, n, u, p, g, buf);
+      launch_kernel<sgd_kernel<T, true, true>>(grid, kThreads, table, n, u, p, g, buf);
     else
-      sgd_kernel<T, true, false><<<grid, kThreads, 0, cuda_stream()>>>(table, n, u, p, g, buf);
+      launch_kernel<sgd_kernel<T, true, false>>(grid, kThreads, table, n, u, p, g, buf);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
 };
@@ -179,16 +179,16 @@ double clip_grad_norm(ParameterArena<T, cuda>& arena, double max_norm) {
   T* const gv = arena.grads().data();
   constexpr index_t per_block = detail::kThreads / detail::kSumsqLanes;
   const unsigned grid = detail::grid_for_chunks((n + per_block - 1) / per_block);
-  detail::chunk_sumsq_kernel<T><<<grid, detail::kThreads, 0, cuda_stream()>>>(table.data(), n, gv,
-                                                                            partial.data());
+  detail::launch_kernel<detail::chunk_sumsq_kernel<T>>(grid, detail::kThreads, table.data(), n, gv,
+                                                       partial.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  detail::ordered_sum_kernel<double><<<1, 1, 0, cuda_stream()>>>(partial.data(), n, sumsq.data());
+  detail::launch_kernel<detail::ordered_sum_kernel<double>>(1, 1, partial.data(), n, sumsq.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const double norm = detail::checked_norm(detail::read_device_value(sumsq.data()));
   if (max_norm > 0 && norm > max_norm) {
     const T scale = static_cast<T>(max_norm / norm);
-    detail::scale_chunks_kernel<T><<<detail::grid_for_chunks(n), detail::kThreads, 0,
-                                     cuda_stream()>>>(table.data(), n, gv, scale);
+    detail::launch_kernel<detail::scale_chunks_kernel<T>>(
+        detail::grid_for_chunks(n), detail::kThreads, table.data(), n, gv, scale);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
   return norm;

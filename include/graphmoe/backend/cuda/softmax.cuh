@@ -129,8 +129,8 @@ void softmax_forward_impl(const char* op, const Tensor<T, cuda>& x, Tensor<T, cu
   const index_t rows = x.rows(), cols = x.cols();
   if (x.numel() == 0) return;
   FirstIndexFlag bad;
-  softmax_forward_kernel<T, Log><<<grid_for_rows(rows), threads_for_row(cols), 0, cuda_stream()>>>(
-      x.data(), y.data(), rows, cols, bad.get());
+  launch_kernel<softmax_forward_kernel<T, Log>>(grid_for_rows(rows), threads_for_row(cols),
+                                                x.data(), y.data(), rows, cols, bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t r = bad.read();
   if (r >= 0) softmax_throw_bad_row(op, "x", x, r);
@@ -145,8 +145,8 @@ void softmax_backward_impl(const char* op, const Tensor<T, cuda>& y, const Tenso
   prepare_output(op, "dx", dx, y.shape());
   const index_t rows = y.rows(), cols = y.cols();
   if (y.numel() == 0) return;
-  softmax_backward_kernel<T, Log><<<grid_for_rows(rows), threads_for_row(cols), 0, cuda_stream()>>>(
-      y.data(), dy.data(), dx.data(), rows, cols);
+  launch_kernel<softmax_backward_kernel<T, Log>>(grid_for_rows(rows), threads_for_row(cols),
+                                                 y.data(), dy.data(), dx.data(), rows, cols);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

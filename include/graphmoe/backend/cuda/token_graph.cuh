@@ -475,9 +475,9 @@ void similarity_forward_cuda(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
                              index_t len, T inv_tau, bool causal) {
   const index_t n = u.rows(), nseq = n / len, tiles = (len + tgm::kOwnTile - 1) / tgm::kOwnTile;
   if (n == 0) return;
-  similarity_forward_kernel<T><<<graph_tile_blocks(nseq, len), tgm::kThreads, 0, cuda_stream()>>>(
-      u.data(), r.data(), p.data(), lse.data(), entropy.data(), len, tiles, u.cols(), r.cols(),
-      inv_tau, causal);
+  launch_kernel<similarity_forward_kernel<T>>(graph_tile_blocks(nseq, len), tgm::kThreads, u.data(),
+                                              r.data(), p.data(), lse.data(), entropy.data(), len,
+                                              tiles, u.cols(), r.cols(), inv_tau, causal);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -494,16 +494,17 @@ void similarity_backward_cuda(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r
   Tensor<T, cuda> c;
   if (du != nullptr) {
     c = Tensor<T, cuda>(Shape{n});
-    graph_row_dot_kernel<T><<<graph_warp_rows_blocks(n), kThreads, 0, cuda_stream()>>>(
-        dp.data(), p.data(), c.data(), n, e);
+    launch_kernel<graph_row_dot_kernel<T>>(graph_warp_rows_blocks(n), kThreads, dp.data(), p.data(),
+                                           c.data(), n, e);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
-    similarity_backward_rows_kernel<T><<<blocks, tgm::kThreads, 0, cuda_stream()>>>(
-        u.data(), r.data(), dp.data(), c.data(), lse.data(), du, len, tiles, d, e, inv_tau, causal);
+    launch_kernel<similarity_backward_rows_kernel<T>>(blocks, tgm::kThreads, u.data(), r.data(),
+                                                      dp.data(), c.data(), lse.data(), du, len,
+                                                      tiles, d, e, inv_tau, causal);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
-  similarity_backward_cols_kernel<T><<<blocks, tgm::kThreads, 0, cuda_stream()>>>(
-      u.data(), r.data(), dp.data(), c.data(), lse.data(), dr.data(), du, len, tiles, d, e,
-      inv_tau, causal, du != nullptr);
+  launch_kernel<similarity_backward_cols_kernel<T>>(
+      blocks, tgm::kThreads, u.data(), r.data(), dp.data(), c.data(), lse.data(), dr.data(), du,
+      len, tiles, d, e, inv_tau, causal, du != nullptr);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -511,8 +512,8 @@ void similarity_backward_cuda(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r
 template <class T>
 void graph_row_dot_cuda(const Tensor<T, cuda>& x, const Tensor<T, cuda>& y, Tensor<T, cuda>& out) {
   if (x.rows() == 0) return;
-  graph_row_dot_kernel<T><<<graph_warp_rows_blocks(x.rows()), kThreads, 0, cuda_stream()>>>(
-      x.data(), y.data(), out.data(), x.rows(), x.cols());
+  launch_kernel<graph_row_dot_kernel<T>>(graph_warp_rows_blocks(x.rows()), kThreads, x.data(),
+                                         y.data(), out.data(), x.rows(), x.cols());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

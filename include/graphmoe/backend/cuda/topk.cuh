@@ -100,8 +100,9 @@ void topk_forward(const Tensor<T, cuda>& x, index_t k, Tensor<T, cuda>& values,
   prepare_output(op, "indices", indices, Shape{n, k});
   if (n == 0) return;
   detail::FirstIndexFlag bad;
-  detail::topk_forward_kernel<T><<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      x.data(), n, e, k, values.data(), indices.data(), bad.get());
+  detail::launch_kernel<detail::topk_forward_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                        x.data(), n, e, k, values.data(),
+                                                        indices.data(), bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t r = bad.read();
   if (r >= 0) {
@@ -133,8 +134,9 @@ void topk_backward(const Tensor<std::int32_t, cuda>& indices, const Tensor<T, cu
                  indices.shape(), " have ", n, " rows");
   if (n == 0) return;
   detail::FirstIndexFlag bad;
-  detail::topk_backward_kernel<T><<<detail::grid_for(n), detail::kThreads, 0, cuda_stream()>>>(
-      indices.data(), dvalues.data(), n, k, e, dx.data(), bad.get());
+  detail::launch_kernel<detail::topk_backward_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                         indices.data(), dvalues.data(), n, k, e,
+                                                         dx.data(), bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t i = bad.read();
   if (i >= 0) {

@@ -28,7 +28,9 @@
 #include "graphmoe/backend/cuda/device.cuh"
 #include "graphmoe/core/tensor.hpp"
 
-#if !defined(__CUDACC__)
+// GRAPHMOE_CUDA_EMULATION: the tests' CPU emulation of CUDA (tests/cuda/emulation), which
+// compiles these headers with the C++ compiler and runs the kernels on the host.
+#if !defined(__CUDACC__) && !defined(GRAPHMOE_CUDA_EMULATION)
 #error "graphmoe/backend/cuda/*.cuh kernels must be compiled by nvcc (a .cu translation unit)"
 #endif
 
@@ -116,6 +118,19 @@ inline int threads_for_row(index_t cols) {
 // Blocks for one block per row, grid-striding beyond 2^20 rows.
 inline unsigned grid_for_rows(index_t rows) {
   return static_cast<unsigned>(std::clamp<index_t>(rows, 1, index_t(1) << 20));
+}
+
+// Launches Kernel on cuda_stream(): `grid` blocks of `block` threads, no dynamic shared memory,
+// asynchronous (check with GRAPHMOE_CUDA_CHECK_LAUNCH() after it). Every kernel of the backend is
+// launched here, so that the tests' CPU emulation can run it instead (it reads the kernel's name
+// from this function's signature for its messages).
+template <auto Kernel, class... Args>
+void launch_kernel(dim3 grid, dim3 block, const Args&... args) {
+#if defined(GRAPHMOE_CUDA_EMULATION)
+  graphmoe_cuda_emulation::launch(__PRETTY_FUNCTION__, grid, block, [&] { Kernel(args...); });
+#else
+  Kernel<<<grid, block, 0, cuda_stream()>>>(args...);
+#endif
 }
 
 // exp and log in T's precision (expf / logf for float), never a silent promotion to double.

@@ -1,0 +1,678 @@
+// tests/cuda/emulation/runtime.cpp: the CPU side of the CUDA emulation (see cuda_emulation.hpp):
+// the block scheduler (fibers), and the parts of the CUDA runtime and cuBLAS the backend calls,
+// implemented on host memory. Linked instead of libcudart and libcublas.
+#include "cuda_emulation.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+extern "C" {
+uint3 threadIdx;
+uint3 blockIdx;
+dim3 blockDim;
+dim3 gridDim;
+int warpSize = 32;
+}
+
+// ---- context switches --------------------------------------------------------------------------
+// x86-64: a switch saves the callee-saved registers, MXCSR and the x87 control word on the old
+// stack and loads them from the new one (glibc's swapcontext also saves the signal mask with a
+// system call, which made it 80% of the emulation's time). Elsewhere: ucontext.
+#if defined(__x86_64__)
+extern "C" void graphmoe_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .globl graphmoe_emu_switch
+  .type graphmoe_emu_switch, @function
+graphmoe_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $16, %rsp
+  stmxcsr 8(%rsp)
+  fnstcw (%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr 8(%rsp)
+  fldcw (%rsp)
+  addq $16, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size graphmoe_emu_switch, .-graphmoe_emu_switch
+)");
+#endif
+
+namespace graphmoe_cuda_emulation {
+namespace {
+
+struct Context {
+#if defined(__x86_64__)
+  void* sp = nullptr;
+#else
+  ucontext_t uc;
+#endif
+};
+
+// Makes `c` start entry() on the stack [stack, stack + bytes) at the first switch to it.
+void make_context(Context& c, char* stack, std::size_t bytes, void (*entry)()) {
+#if defined(__x86_64__)
+  auto top = reinterpret_cast<std::uintptr_t>(stack + bytes) & ~std::uintptr_t(15);
+  auto* words = reinterpret_cast<std::uint64_t*>(top);
+  words[-1] = 0;                                           // entry's (absent) return address
+  words[-2] = reinterpret_cast<std::uint64_t>(entry);      // where graphmoe_emu_switch returns
+  for (int r = 3; r <= 8; ++r) words[-r] = 0;              // rbp rbx r12 r13 r14 r15
+  std::uint32_t mxcsr = 0;
+  std::uint16_t fpucw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  words[-9] = mxcsr;                                       // 8(%rsp) after the switch
+  words[-10] = fpucw;                                      // (%rsp)
+  c.sp = &words[-10];
+#else
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+#endif
+}
+
+// Saves the running context in `from` and resumes `to`.
+void switch_context(Context& from, Context& to) {
+#if defined(__x86_64__)
+  graphmoe_emu_switch(&from.sp, to.sp);
+#else
+  swapcontext(&from.uc, &to.uc);
+#endif
+}
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::runtime_error("CUDA emulation: " + what);
+}
+
+// ---- block scheduler ----------------------------------------------------------------------------
+
+enum class State { ready, at_block_barrier, at_warp_barrier, done };
+
+struct Fiber {
+  Context context;
+  State state = State::ready;
+  unsigned mask = 0;       // lanes named by the shuffle this fiber waits in
+  unsigned shuffles = 0;   // shuffles done: its parity picks the exchange buffer
+};
+
+constexpr std::size_t kStackBytes = std::size_t(256) << 10;
+constexpr std::size_t kGuardBytes = 4096;
+constexpr unsigned kMaxThreads = 1024;
+
+struct Scheduler {
+  const char* kernel = nullptr;
+  const std::function<void()>* body = nullptr;
+  std::vector<Fiber> fibers;
+  unsigned threads = 0;
+  unsigned current = 0;
+  Context main_context;
+  std::exception_ptr error;
+  // exchange[warp][parity][lane]: 16 bytes per lane, two buffers (see warp_exchange).
+  std::vector<std::array<std::array<std::array<unsigned char, 16>, 32>, 2>> exchange;
+  char* stacks = nullptr;  // kMaxThreads stacks, each below a guard page
+
+  char* stack(unsigned t) {
+    if (stacks == nullptr) {
+      const std::size_t bytes = kMaxThreads * (kStackBytes + kGuardBytes);
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) fail("cannot map the fiber stacks");
+      stacks = static_cast<char*>(p);
+      for (unsigned i = 0; i < kMaxThreads; ++i)
+        mprotect(stacks + i * (kStackBytes + kGuardBytes), kGuardBytes, PROT_NONE);
+    }
+    return stacks + t * (kStackBytes + kGuardBytes) + kGuardBytes;
+  }
+};
+
+Scheduler& scheduler() {
+  static Scheduler s;
+  return s;
+}
+
+bool in_kernel = false;
+
+void set_thread_index(unsigned t) {
+  threadIdx.x = t % blockDim.x;
+  threadIdx.y = (t / blockDim.x) % blockDim.y;
+  threadIdx.z = t / (blockDim.x * blockDim.y);
+}
+
+void fiber_main() {
+  Scheduler& s = scheduler();
+  try {
+    (*s.body)();
+  } catch (...) {
+    if (!s.error) s.error = std::current_exception();
+  }
+  s.fibers[s.current].state = State::done;
+  switch_context(s.fibers[s.current].context, s.main_context);  // never resumed
+  std::abort();
+}
+
+// Back to the scheduler until the barrier this fiber waits at is released.
+void yield(State wait, unsigned mask = 0) {
+  Scheduler& s = scheduler();
+  if (!in_kernel) fail("a barrier or shuffle called outside a kernel");
+  Fiber& f = s.fibers[s.current];
+  f.state = wait;
+  f.mask = mask;
+  switch_context(f.context, s.main_context);
+}
+
+std::string where(const Scheduler& s) {
+  return std::string(s.kernel) + " block (" + std::to_string(blockIdx.x) + ", " +
+         std::to_string(blockIdx.y) + ", " + std::to_string(blockIdx.z) + ")";
+}
+
+// Releases the barriers every participant has reached; false when none could be released.
+bool release(Scheduler& s) {
+  bool released = false;
+  // Warp barriers: every lane named in the mask must be waiting in the same shuffle.
+  for (unsigned t = 0; t < s.threads; ++t) {
+    const Fiber& f = s.fibers[t];
+    if (f.state != State::at_warp_barrier) continue;
+    const unsigned warp = t / 32;
+    bool all = true;
+    for (unsigned lane = 0; lane < 32; ++lane) {
+      if ((f.mask >> lane & 1u) == 0) continue;
+      const unsigned u = warp * 32 + lane;
+      if (u >= s.threads)
+        fail(where(s) + ": a shuffle's mask names lane " + std::to_string(lane) +
+             ", which does not exist (blockDim " + std::to_string(s.threads) + ")");
+      if (s.fibers[u].state == State::done)
+        fail(where(s) + ": a shuffle's mask names lane " + std::to_string(lane) + " of warp " +
+             std::to_string(warp) + ", which has exited");
+      if (s.fibers[u].state != State::at_warp_barrier) all = false;
+    }
+    if (!all) continue;
+    for (unsigned lane = 0; lane < 32; ++lane)
+      if (f.mask >> lane & 1u) s.fibers[warp * 32 + lane].state = State::ready;
+    released = true;
+  }
+  if (released) return true;
+  // The block barrier: every thread of the block must be waiting at it.
+  unsigned waiting = 0, exited = 0;
+  for (const Fiber& f : s.fibers) {
+    waiting += f.state == State::at_block_barrier;
+    exited += f.state == State::done;
+  }
+  if (waiting == 0) return false;
+  if (waiting + exited != s.threads) return false;
+  if (exited != 0)
+    fail(where(s) + ": __syncthreads() reached by " + std::to_string(waiting) + " of " +
+         std::to_string(s.threads) + " threads; the others have exited");
+  for (Fiber& f : s.fibers) f.state = State::ready;
+  return true;
+}
+
+void run_block(Scheduler& s) {
+  for (unsigned t = 0; t < s.threads; ++t) {
+    Fiber& f = s.fibers[t];
+    f = Fiber{};
+    make_context(f.context, s.stack(t), kStackBytes, fiber_main);
+  }
+  for (unsigned pass = 0;; ++pass) {
+    // Alternate the order in which threads run between barriers, so that a missing barrier is
+    // more likely to show as a wrong result.
+    for (unsigned i = 0; i < s.threads; ++i) {
+      const unsigned t = pass % 2 == 0 ? i : s.threads - 1 - i;
+      if (s.fibers[t].state != State::ready) continue;
+      s.current = t;
+      set_thread_index(t);
+      switch_context(s.main_context, s.fibers[t].context);
+      if (s.error) return;
+    }
+    bool all_done = true;
+    for (const Fiber& f : s.fibers) all_done = all_done && f.state == State::done;
+    if (all_done) return;
+    if (!release(s))
+      fail(where(s) + ": deadlock: threads wait at barriers or shuffles that the others never "
+                      "reach");
+  }
+}
+
+}  // namespace
+
+namespace {
+// "graphmoe::detail::softmax_forward_kernel<float, false>" from launch_kernel's signature
+// ("void graphmoe::detail::launch_kernel(...) [with auto Kernel = <name>; Args = ...]").
+std::string kernel_name(const char* signature) {
+  const std::string s = signature;
+  const std::string key = "Kernel = ";
+  const std::size_t b = s.find(key);
+  if (b == std::string::npos) return s;
+  std::size_t e = s.find("; ", b);
+  if (e == std::string::npos) e = s.find(']', b);
+  std::string name = s.substr(b + key.size(), e - b - key.size());
+  if (name.rfind("& ", 0) == 0 || name.rfind("&", 0) == 0) name.erase(0, name.find_first_not_of("& "));
+  return name;
+}
+std::string current_kernel;
+}  // namespace
+
+void launch(const char* signature, dim3 grid, dim3 block, const std::function<void()>& body) {
+  Scheduler& s = scheduler();
+  current_kernel = kernel_name(signature);
+  const char* kernel = current_kernel.c_str();
+  if (in_kernel) fail(std::string("launch of ") + kernel + " from inside a kernel");
+  const unsigned long long threads =
+      static_cast<unsigned long long>(block.x) * block.y * block.z;
+  if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 ||
+      grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+    fail(std::string(kernel) + ": invalid launch configuration: grid (" +
+         std::to_string(grid.x) + ", " + std::to_string(grid.y) + ", " + std::to_string(grid.z) +
+         "), block (" + std::to_string(block.x) + ", " + std::to_string(block.y) + ", " +
+         std::to_string(block.z) + ")");
+  s.kernel = kernel;
+  s.body = &body;
+  s.threads = static_cast<unsigned>(threads);
+  s.fibers.assign(s.threads, Fiber{});
+  s.exchange.resize((s.threads + 31) / 32);
+  s.error = nullptr;
+  gridDim = grid;
+  blockDim = block;
+  in_kernel = true;
+  struct Reset {
+    ~Reset() { in_kernel = false; }
+  } reset;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = uint3{x, y, z};
+        run_block(s);
+        if (s.error) {
+          try {
+            std::rethrow_exception(s.error);
+          } catch (const std::exception& e) {
+            fail(where(s) + " thread " + std::to_string(s.current) + ": " + e.what());
+          }
+        }
+      }
+}
+
+void block_barrier() { yield(State::at_block_barrier); }
+
+void warp_exchange(unsigned mask, const void* value, std::size_t size, int src_lane, void* out) {
+  Scheduler& s = scheduler();
+  if (!in_kernel) fail("a shuffle called outside a kernel");
+  const unsigned t = s.current, warp = t / 32, lane = t % 32;
+  if ((mask >> lane & 1u) == 0)
+    fail(where(s) + ": thread " + std::to_string(t) + " shuffles with a mask that excludes it");
+  if (src_lane < 0 || src_lane >= 32 || (mask >> src_lane & 1u) == 0)
+    fail(where(s) + ": a shuffle reads lane " + std::to_string(src_lane) + ", not in its mask");
+  // Two buffers by parity: a lane can only write buffer p again after the next shuffle's barrier,
+  // which every lane passes only once it has read buffer p.
+  Fiber& f = s.fibers[t];
+  const unsigned parity = f.shuffles++ % 2;
+  std::memcpy(s.exchange[warp][parity][lane].data(), value, size);
+  yield(State::at_warp_barrier, mask);
+  std::memcpy(out, s.exchange[warp][parity][static_cast<unsigned>(src_lane)].data(), size);
+}
+
+}  // namespace graphmoe_cuda_emulation
+
+// ---- CUDA runtime on host memory ----------------------------------------------------------------
+
+namespace {
+
+std::mutex allocations_mutex;
+std::map<std::uintptr_t, std::size_t>& allocations() {
+  static std::map<std::uintptr_t, std::size_t> m;
+  return m;
+}
+
+// Whether [p, p + n) lies inside one live cudaMalloc allocation.
+bool is_device_range(const void* p, std::size_t n) {
+  std::lock_guard<std::mutex> lock(allocations_mutex);
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  auto it = allocations().upper_bound(a);
+  if (it == allocations().begin()) return false;
+  --it;
+  return a >= it->first && a + n <= it->first + it->second;
+}
+
+cudaError_t last_error = cudaSuccess;
+
+cudaError_t record(cudaError_t e) {
+  if (e != cudaSuccess) last_error = e;
+  return e;
+}
+
+cudaError_t check_copy(void* dst, const void* src, std::size_t n, cudaMemcpyKind kind) {
+  if (n == 0) return cudaSuccess;
+  const bool dst_dev = is_device_range(dst, n), src_dev = is_device_range(src, n);
+  bool ok = true;
+  switch (kind) {
+    case cudaMemcpyHostToDevice: ok = dst_dev && !src_dev; break;
+    case cudaMemcpyDeviceToHost: ok = src_dev && !dst_dev; break;
+    case cudaMemcpyDeviceToDevice: ok = src_dev && dst_dev; break;
+    case cudaMemcpyHostToHost: ok = !src_dev && !dst_dev; break;
+    case cudaMemcpyDefault: ok = true; break;
+    default: ok = false;
+  }
+  return ok ? cudaSuccess : record(cudaErrorInvalidValue);
+}
+
+}  // namespace
+
+extern "C" {
+
+cudaError_t cudaMalloc(void** ptr, size_t size) {
+  if (ptr == nullptr) return record(cudaErrorInvalidValue);
+  const std::size_t bytes = (size + 255) / 256 * 256;
+  void* p = std::aligned_alloc(256, bytes == 0 ? 256 : bytes);
+  if (p == nullptr) return record(cudaErrorMemoryAllocation);
+  std::memset(p, 0xA5, bytes == 0 ? 256 : bytes);  // device memory is not zeroed
+  {
+    std::lock_guard<std::mutex> lock(allocations_mutex);
+    allocations()[reinterpret_cast<std::uintptr_t>(p)] = size;
+  }
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* ptr) {
+  if (ptr == nullptr) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(allocations_mutex);
+    if (allocations().erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0)
+      return record(cudaErrorInvalidValue);
+  }
+  std::free(ptr);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
+  if (const cudaError_t e = check_copy(dst, src, count, kind); e != cudaSuccess) return e;
+  if (count != 0) std::memmove(dst, src, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
+                            cudaStream_t) {
+  return cudaMemcpy(dst, src, count, kind);
+}
+
+cudaError_t cudaMemset(void* dst, int value, size_t count) {
+  if (count != 0 && !is_device_range(dst, count)) return record(cudaErrorInvalidValue);
+  std::memset(dst, value, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t) {
+  return cudaMemset(dst, value, count);
+}
+
+cudaError_t cudaGetLastError(void) {
+  const cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaPeekAtLastError(void) { return last_error; }
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  return device == 0 ? cudaSuccess : record(cudaErrorInvalidDevice);
+}
+
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (device != 0) return record(cudaErrorInvalidDevice);
+  *prop = cudaDeviceProp{};
+  std::strncpy(prop->name, "graphmoe CUDA emulation (CPU)", sizeof(prop->name) - 1);
+  prop->major = 9;
+  prop->minor = 0;
+  prop->totalGlobalMem = std::size_t(1) << 30;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  prop->multiProcessorCount = 1;
+  return cudaSuccess;
+}
+
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    default: return "cudaError (emulation)";
+  }
+}
+
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return "error (CUDA emulation)";
+  }
+}
+
+}  // extern "C"
+
+// ---- cuBLAS, naively, accumulating in double ----------------------------------------------------
+
+namespace {
+
+struct CublasContext {};
+
+double load(const void* p, cudaDataType t, std::size_t i) {
+  switch (t) {
+    case CUDA_R_32F: return static_cast<const float*>(p)[i];
+    case CUDA_R_64F: return static_cast<const double*>(p)[i];
+    case CUDA_R_16BF: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case CUDA_R_16F: return __half2float(static_cast<const __half*>(p)[i]);
+    default: throw std::runtime_error("CUDA emulation: cuBLAS data type not emulated");
+  }
+}
+
+void store(void* p, cudaDataType t, std::size_t i, double v) {
+  switch (t) {
+    case CUDA_R_32F: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    case CUDA_R_64F: static_cast<double*>(p)[i] = v; break;
+    case CUDA_R_16BF:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(static_cast<float>(v));
+      break;
+    case CUDA_R_16F: static_cast<__half*>(p)[i] = __float2half_rn(static_cast<float>(v)); break;
+    default: throw std::runtime_error("CUDA emulation: cuBLAS data type not emulated");
+  }
+}
+
+std::size_t type_size(cudaDataType t) {
+  switch (t) {
+    case CUDA_R_32F: return 4;
+    case CUDA_R_64F: return 8;
+    case CUDA_R_16BF:
+    case CUDA_R_16F: return 2;
+    default: return 0;
+  }
+}
+
+// C (m x n, column-major) = alpha op(A) op(B) + beta C, batch times with strides (elements),
+// with cuBLAS's argument checks; every matrix must lie in device memory.
+cublasStatus_t gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m,
+                    int n, int k, double alpha, const void* a, cudaDataType at, int lda,
+                    long long sa, const void* b, cudaDataType bt, int ldb, long long sb,
+                    double beta, void* c, cudaDataType ct, int ldc, long long sc, int batch) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if ((ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
+  const int b_rows = tb == CUBLAS_OP_N ? k : n, b_cols = tb == CUBLAS_OP_N ? n : k;
+  if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < std::max(1, a_rows) ||
+      ldb < std::max(1, b_rows) || ldc < std::max(1, m))
+    return CUBLAS_STATUS_INVALID_VALUE;
+  if (type_size(at) == 0 || type_size(bt) == 0 || type_size(ct) == 0)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
+  auto extent = [](int ld, int rows, int cols) {
+    return cols == 0 || rows == 0 ? std::size_t(0)
+                                  : static_cast<std::size_t>(ld) * (cols - 1) + rows;
+  };
+  for (int p = 0; p < batch; ++p) {
+    const char* ap = static_cast<const char*>(a) + p * sa * static_cast<long long>(type_size(at));
+    const char* bp = static_cast<const char*>(b) + p * sb * static_cast<long long>(type_size(bt));
+    char* cp = static_cast<char*>(c) + p * sc * static_cast<long long>(type_size(ct));
+    if ((k > 0 && (!is_device_range(ap, extent(lda, a_rows, a_cols) * type_size(at)) ||
+                   !is_device_range(bp, extent(ldb, b_rows, b_cols) * type_size(bt)))) ||
+        !is_device_range(cp, extent(ldc, m, n) * type_size(ct)))
+      throw std::runtime_error(
+          "CUDA emulation: a cuBLAS GEMM reads or writes outside device memory (m " +
+          std::to_string(m) + ", n " + std::to_string(n) + ", k " + std::to_string(k) +
+          ", lda " + std::to_string(lda) + ", ldb " + std::to_string(ldb) + ", ldc " +
+          std::to_string(ldc) + ", batch " + std::to_string(p) + ")");
+    // op(A) as m rows of k and op(B) transposed as n rows of k, in double, so that the inner
+    // loop runs over contiguous memory.
+    std::vector<double> oa(std::size_t(m) * k), ob(std::size_t(n) * k);
+    for (int i = 0; i < m; ++i)
+      for (int l = 0; l < k; ++l)
+        oa[std::size_t(i) * k + l] = load(ap, at, ta == CUBLAS_OP_N ? i + std::size_t(l) * lda
+                                                                    : l + std::size_t(i) * lda);
+    for (int j = 0; j < n; ++j)
+      for (int l = 0; l < k; ++l)
+        ob[std::size_t(j) * k + l] = load(bp, bt, tb == CUBLAS_OP_N ? l + std::size_t(j) * ldb
+                                                                    : j + std::size_t(l) * ldb);
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < m; ++i) {
+        const double* x = &oa[std::size_t(i) * k];
+        const double* y = &ob[std::size_t(j) * k];
+        double sum = 0;
+        for (int l = 0; l < k; ++l) sum += x[l] * y[l];
+        const std::size_t ci = i + std::size_t(j) * ldc;
+        const double old = beta == 0 ? 0.0 : load(cp, ct, ci);  // beta = 0: C is not read
+        store(cp, ct, ci, alpha * sum + (beta == 0 ? 0.0 : beta * old));
+      }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" {
+
+cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
+  static CublasContext context;
+  *handle = reinterpret_cast<cublasHandle_t>(&context);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasDestroy_v2(cublasHandle_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetStream_v2(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetMathMode(cublasHandle_t, cublasMath_t) { return CUBLAS_STATUS_SUCCESS; }
+
+const char* cublasGetStatusName(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "CUBLAS_STATUS (emulation)";
+  }
+}
+const char* cublasGetStatusString(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "success";
+    case CUBLAS_STATUS_INVALID_VALUE: return "an invalid value was used as an argument";
+    default: return "error (CUDA emulation)";
+  }
+}
+
+cublasStatus_t cublasSgemm_v2(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                              int n, int k, const float* alpha, const float* a, int lda,
+                              const float* b, int ldb, const float* beta, float* c, int ldc) {
+  return gemm(h, ta, tb, m, n, k, *alpha, a, CUDA_R_32F, lda, 0, b, CUDA_R_32F, ldb, 0, *beta, c,
+              CUDA_R_32F, ldc, 0, 1);
+}
+
+cublasStatus_t cublasDgemm_v2(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                              int n, int k, const double* alpha, const double* a, int lda,
+                              const double* b, int ldb, const double* beta, double* c, int ldc) {
+  return gemm(h, ta, tb, m, n, k, *alpha, a, CUDA_R_64F, lda, 0, b, CUDA_R_64F, ldb, 0, *beta, c,
+              CUDA_R_64F, ldc, 0, 1);
+}
+
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const float* alpha, const float* a, int lda,
+                                         long long sa, const float* b, int ldb, long long sb,
+                                         const float* beta, float* c, int ldc, long long sc,
+                                         int batch) {
+  return gemm(h, ta, tb, m, n, k, *alpha, a, CUDA_R_32F, lda, sa, b, CUDA_R_32F, ldb, sb, *beta,
+              c, CUDA_R_32F, ldc, sc, batch);
+}
+
+cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const double* alpha, const double* a, int lda,
+                                         long long sa, const double* b, int ldb, long long sb,
+                                         const double* beta, double* c, int ldc, long long sc,
+                                         int batch) {
+  return gemm(h, ta, tb, m, n, k, *alpha, a, CUDA_R_64F, lda, sa, b, CUDA_R_64F, ldb, sb, *beta,
+              c, CUDA_R_64F, ldc, sc, batch);
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                            int n, int k, const void* alpha, const void* a, cudaDataType at,
+                            int lda, const void* b, cudaDataType bt, int ldb, const void* beta,
+                            void* c, cudaDataType ct, int ldc, cublasComputeType_t compute,
+                            cublasGemmAlgo_t) {
+  double al = 0, be = 0;
+  switch (compute) {
+    case CUBLAS_COMPUTE_32F:
+    case CUBLAS_COMPUTE_32F_PEDANTIC:
+      al = *static_cast<const float*>(alpha);
+      be = *static_cast<const float*>(beta);
+      break;
+    case CUBLAS_COMPUTE_64F:
+    case CUBLAS_COMPUTE_64F_PEDANTIC:
+      al = *static_cast<const double*>(alpha);
+      be = *static_cast<const double*>(beta);
+      break;
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  if (at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
+  return gemm(h, ta, tb, m, n, k, al, a, at, lda, 0, b, bt, ldb, 0, be, c, ct, ldc, 0, 1);
+}
+
+}  // extern "C"

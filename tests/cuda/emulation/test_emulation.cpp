@@ -1,0 +1,180 @@
+// The CUDA emulation itself (cuda_emulation.hpp, runtime.cpp): that its blocks, barriers, shuffles
+// and shared memory behave as on a GPU where the CUDA programming model defines the result, that
+// it reports the errors a GPU leaves undefined (divergent barriers, shuffles with exited lanes, bad
+// launch shapes), and that its runtime and cuBLAS stand-ins check their arguments like CUDA's.
+#include <doctest/doctest.h>
+
+#include <cublas_v2.h>
+
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/gemm.cuh"
+
+using namespace graphmoe;
+
+namespace {
+
+// out[block] = sum of in[block * blockDim.x + t] over the block's threads (block_reduce).
+__global__ void block_sum_kernel(const double* in, double* out) {
+  const double v = in[blockIdx.x * blockDim.x + threadIdx.x];
+  const double s = detail::block_reduce(v, detail::SumOp{}, 0.0);
+  if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+// Each thread stores its index in shared memory and reads its right neighbour's, with or without
+// the barrier between the two.
+template <bool Barrier>
+__global__ void neighbour_kernel(int* out) {
+  __shared__ int slot[64];
+  slot[threadIdx.x] = static_cast<int>(threadIdx.x + 1000 * blockIdx.x);
+  if constexpr (Barrier) __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = slot[(threadIdx.x + 1) % blockDim.x];
+}
+
+__global__ void early_exit_then_barrier_kernel(int* out) {
+  if (threadIdx.x >= 16) return;
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+__global__ void early_exit_then_shuffle_kernel(float* out) {
+  if (threadIdx.x == 7) return;
+  out[threadIdx.x] = detail::warp_reduce(1.0f, detail::SumOp{});
+}
+
+__global__ void shuffle_kernel(float* out) {
+  out[threadIdx.x] = detail::warp_reduce(1.0f, detail::SumOp{});
+}
+
+// Half of warp 0 waits at the block barrier, the other half in a shuffle that needs the first.
+__global__ void divergent_barriers_kernel(float* out) {
+  if (threadIdx.x < 16)
+    __syncthreads();
+  else
+    out[threadIdx.x] = detail::warp_reduce(1.0f, detail::SumOp{});
+}
+
+__global__ void index_kernel(unsigned* out) {
+  const unsigned t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  out[b * blockDim.x * blockDim.y * blockDim.z + t] = b * 1000 + t;
+}
+
+std::string what_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
+
+}  // namespace
+
+TEST_CASE("emulation: blocks, block_reduce over shuffles and shared memory, grid indices") {
+  const int blocks = 5, threads = 256;
+  std::vector<double> in(blocks * threads);
+  std::iota(in.begin(), in.end(), 1.0);
+  Tensor<double> h_in({blocks * threads});
+  std::copy(in.begin(), in.end(), h_in.data());
+  const auto d_in = to_device(h_in);
+  Tensor<double, cuda> d_out(Shape{blocks});
+  detail::launch_kernel<block_sum_kernel>(blocks, threads, d_in.data(), d_out.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const auto out = to_host(d_out);
+  for (int b = 0; b < blocks; ++b) {
+    double want = 0;
+    for (int t = 0; t < threads; ++t) want += in[b * threads + t];
+    CHECK(out.data()[b] == want);
+  }
+
+  // Three-dimensional grids and blocks: every (block, thread) pair runs exactly once.
+  const dim3 grid(2, 3, 2), block(4, 2, 8);
+  const unsigned n = 12 * 64;
+  Tensor<unsigned, cuda> d_idx(Shape{n});
+  detail::launch_kernel<index_kernel>(grid, block, d_idx.data());
+  const auto idx = to_host(d_idx);
+  for (unsigned i = 0; i < n; ++i) CHECK(idx.data()[i] == (i / 64) * 1000 + i % 64);
+}
+
+TEST_CASE("emulation: a missing __syncthreads shows as a wrong result, the barrier fixes it") {
+  Tensor<int, cuda> d_out(Shape{2 * 64});
+  detail::launch_kernel<neighbour_kernel<true>>(2, 64, d_out.data());
+  auto out = to_host(d_out);
+  for (int b = 0; b < 2; ++b)
+    for (int t = 0; t < 64; ++t) CHECK(out.data()[b * 64 + t] == (t + 1) % 64 + 1000 * b);
+  detail::launch_kernel<neighbour_kernel<false>>(2, 64, d_out.data());
+  out = to_host(d_out);
+  int right = 0;
+  for (int b = 0; b < 2; ++b)
+    for (int t = 0; t < 64; ++t) right += out.data()[b * 64 + t] == (t + 1) % 64 + 1000 * b;
+  CHECK(right < 2 * 64);  // threads ran one after the other: most read a stale neighbour
+}
+
+TEST_CASE("emulation: undefined behaviour on a GPU is an error naming the kernel") {
+  Tensor<int, cuda> ints(Shape{256});
+  Tensor<float, cuda> floats(Shape{256});
+  std::string msg = what_of([&] {
+    detail::launch_kernel<early_exit_then_barrier_kernel>(1, 64, ints.data());
+  });
+  CHECK(msg.find("early_exit_then_barrier_kernel") != std::string::npos);
+  CHECK(msg.find("__syncthreads() reached by 16 of 64 threads") != std::string::npos);
+
+  msg = what_of([&] {
+    detail::launch_kernel<early_exit_then_shuffle_kernel>(1, 32, floats.data());
+  });
+  CHECK(msg.find("early_exit_then_shuffle_kernel") != std::string::npos);
+  CHECK(msg.find("lane 7 of warp 0, which has exited") != std::string::npos);
+
+  msg = what_of([&] { detail::launch_kernel<shuffle_kernel>(1, 16, floats.data()); });
+  CHECK(msg.find("lane 16, which does not exist") != std::string::npos);
+
+  msg = what_of([&] { detail::launch_kernel<divergent_barriers_kernel>(1, 32, floats.data()); });
+  CHECK(msg.find("deadlock") != std::string::npos);
+
+  msg = what_of([&] { detail::launch_kernel<early_exit_then_barrier_kernel>(1, 2048, ints.data()); });
+  CHECK(msg.find("invalid launch configuration") != std::string::npos);
+  msg = what_of([&] { detail::launch_kernel<early_exit_then_barrier_kernel>(0, 32, ints.data()); });
+  CHECK(msg.find("invalid launch configuration") != std::string::npos);
+
+  // After a failed launch the emulation runs the next kernel normally.
+  detail::launch_kernel<neighbour_kernel<true>>(1, 64, ints.data());
+  CHECK(to_host(ints).data()[63] == 0);
+}
+
+TEST_CASE("emulation: the runtime and cuBLAS stand-ins check their arguments") {
+  // Exact allocations (the caching allocator behind Tensor rounds sizes up).
+  float *d = nullptr, *a = nullptr, *c = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&d), 32) == cudaSuccess);
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&a), 12 * sizeof(float)) == cudaSuccess);
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&c), 16 * sizeof(float)) == cudaSuccess);
+  std::vector<float> host(9, 1.0f);
+  // Copies must name the memory spaces they touch and stay inside the allocation.
+  CHECK(cudaMemcpy(host.data(), d, 32, cudaMemcpyHostToDevice) == cudaErrorInvalidValue);
+  CHECK(cudaMemcpy(d, host.data(), 36, cudaMemcpyHostToDevice) == cudaErrorInvalidValue);
+  CHECK(cudaMemcpy(d, host.data(), 32, cudaMemcpyHostToDevice) == cudaSuccess);
+  CHECK(cudaGetLastError() == cudaErrorInvalidValue);  // the last error, then cleared
+  CHECK(cudaGetLastError() == cudaSuccess);
+
+  cublasHandle_t h = detail::cublas_handle();
+  const float one = 1, zero = 0;
+  // lda smaller than the rows of A (column-major m = 4): rejected as cuBLAS does.
+  CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, 4, 4, 3, &one, a, 3, a, 4, &zero, c, 4) ==
+        CUBLAS_STATUS_INVALID_VALUE);
+  CHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, 4, 4, 3, &one, a, 4, a, 4, &zero, c, 4) ==
+        CUBLAS_STATUS_SUCCESS);
+  // A matrix that runs past its allocation (a wrong leading dimension or size) throws.
+  CHECK(what_of([&] {
+          (void)cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, a, 4, a, 4, &zero, c, 4);
+        }).find("outside device memory") != std::string::npos);
+  CHECK(cudaFree(d) == cudaSuccess);
+  CHECK(cudaFree(a) == cudaSuccess);
+  CHECK(cudaFree(c) == cudaSuccess);
+  CHECK(cudaFree(c) == cudaErrorInvalidValue);  // freed twice
+  (void)cudaGetLastError();
+}
