@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/backend/cpu/topk.hpp"
@@ -31,6 +32,7 @@
 #include "graphmoe/backend/cuda/device.cuh"
 #include "graphmoe/backend/cuda/dispatch.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/backend/cuda/grouped.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
 #include "cuda/cuda_test_support.cuh"
@@ -401,6 +403,87 @@ TEST_CASE_TEMPLATE("cuda vs cpu: dispatch plan, dispatch and combine, forward an
       }
     }
   }
+}
+
+// The expert bank's grouped ops against one CPU gemm / bias / column sum per expert, on a plan
+// with empty experts and (E_bank < plan E) a capacity-drop bucket whose rows must stay untouched.
+TEST_CASE_TEMPLATE("cuda vs cpu: grouped gemm, expert biases and expert column sums", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(61);
+  const index_t n = 150, k = 2, e = 6, bank = 5, d = 13, f = 9;  // expert 5 = the drop bucket
+  const auto idx = random_ids(n, k, e, rng);
+  for (index_t i = 0; i < n * k; ++i)  // experts 1 and 3 get no rows
+    if (idx.data()[i] == 1 || idx.data()[i] == 3) idx.data()[i] = 0;
+  DispatchPlan plan;
+  make_dispatch_plan(idx, e, plan);
+  CudaDispatchPlan dplan;
+  make_dispatch_plan(to_device(idx), e, dplan);
+  const index_t rows = plan.offset(bank);
+  REQUIRE(rows > 0);
+  REQUIRE(rows < n * k);
+
+  const auto x = random_tensor<T>({n * k, d}, rng), w = random_tensor<T>({bank, f, d}, rng);
+  const auto dy = random_tensor<T>({n * k, f}, rng);
+  const auto dx = to_device(x), dw = to_device(w), ddy = to_device(dy);
+  for (const bool transposed : {false, true}) {
+    CAPTURE(transposed);
+    // forward form: H_e = X_e W_e^T; backward forms: dX_e = dY_e W_e, dW_e += dY_e^T X_e
+    auto h = random_tensor<T>({n * k, f}, rng), gx = random_tensor<T>({n * k, d}, rng);
+    auto gw = random_tensor<T>({bank, f, d}, rng);
+    auto dh = to_device(h), dgx = to_device(gx), dgw = to_device(gw);
+    std::vector<Tensor<T, cuda>> a, b, c, a2, b2, c2, a3, b3, c3;
+    for (index_t x_e = 0; x_e < bank; ++x_e) {
+      const index_t r0 = plan.offset(x_e), r1 = plan.offset(x_e + 1);
+      Tensor<T> hs = h.slice(r0, r1), gxs = gx.slice(r0, r1), gws = gw[x_e];
+      if (!transposed) {
+        gemm(Trans::N, Trans::T, T(1), x.slice(r0, r1), w[x_e], T(0), hs);
+        a.push_back(dx.slice(r0, r1)), b.push_back(dw[x_e]), c.push_back(dh.slice(r0, r1));
+      } else {
+        gemm(Trans::N, Trans::N, T(1), dy.slice(r0, r1), w[x_e], T(0), gxs);
+        gemm(Trans::T, Trans::N, T(0.5), dy.slice(r0, r1), x.slice(r0, r1), T(1), gws);
+        a2.push_back(ddy.slice(r0, r1)), b2.push_back(dw[x_e]), c2.push_back(dgx.slice(r0, r1));
+        a3.push_back(ddy.slice(r0, r1)), b3.push_back(dx.slice(r0, r1)), c3.push_back(dgw[x_e]);
+      }
+    }
+    if (!transposed) {
+      grouped_gemm(Trans::N, Trans::T, T(1), a, b, T(0), c);
+      check_close("grouped gemm N T", h, dh);
+    } else {
+      grouped_gemm(Trans::N, Trans::N, T(1), a2, b2, T(0), c2);
+      grouped_gemm(Trans::T, Trans::N, T(0.5), a3, b3, T(1), c3);
+      check_close("grouped gemm N N", gx, dgx);
+      check_close("grouped gemm T N, beta = 1", gw, dgw);
+    }
+  }
+
+  // Biases per expert row and column sums per expert.
+  const auto bias = random_tensor<T>({bank, f}, rng);
+  auto y = random_tensor<T>({n * k, f}, rng);
+  auto db = random_tensor<T>({bank, f}, rng);
+  auto dyv = to_device(y), ddb = to_device(db);
+  for (index_t x_e = 0; x_e < bank; ++x_e) {
+    const index_t r0 = plan.offset(x_e), r1 = plan.offset(x_e + 1);
+    if (r1 == r0) continue;
+    Tensor<T> ys = y.slice(r0, r1), dbs = db[x_e];
+    add_row_vector(bias[x_e], ys);
+    accumulate_column_sums(dy.slice(r0, r1), dbs);
+  }
+  add_expert_rows(to_device(bias), dplan, dyv.slice(0, rows));
+  accumulate_expert_column_sums(ddy.slice(0, rows), dplan, ddb);
+  check_close("add_expert_rows (drop bucket untouched)", y, dyv);
+  check_close("accumulate_expert_column_sums", db, ddb);
+
+  // Bad input: mismatched lists, a C of the wrong shape, more rows than the experts cover.
+  std::vector<Tensor<T, cuda>> one{dx.slice(0, 2)}, none;
+  CHECK(error_of([&] { grouped_gemm(Trans::N, Trans::T, T(1), one, none, T(0), none); })
+            .find("got 1 A, 0 B and 0 C matrices") != std::string::npos);
+  std::vector<Tensor<T, cuda>> wb{dw[0]}, bad_c{Tensor<T, cuda>(Shape{2, f + 1})};
+  CHECK(error_of([&] { grouped_gemm(Trans::N, Trans::T, T(1), one, wb, T(0), bad_c); })
+            .find("C has shape (2, 10)") != std::string::npos);
+  CHECK(error_of([&] {
+          add_expert_rows(to_device(bias), dplan, Tensor<T, cuda>(Shape{n * k + 1, f}));
+        }).find("y covers 301 rows and 5 experts; the plan has 300 slots") != std::string::npos);
 }
 
 TEST_CASE("cuda vs cpu: dispatch plan reuse and bad expert ids") {

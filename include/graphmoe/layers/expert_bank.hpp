@@ -6,7 +6,10 @@
 // For expert e and its block of rows X_e of the dispatched tokens xs (see DispatchPlan):
 //   H_e = X_e w1_e^T + b1_e,  A_e = gelu(H_e),  Y_e = A_e w2_e^T + b2_e
 // One GEMM pair per expert on its rows only: never a dense all-experts pass. Experts with id >= E
-// in the plan (the capacity-drop bucket) are skipped and their rows of ys set to zero.
+// in the plan (the capacity-drop bucket) are skipped and their rows of ys set to zero. On the CPU
+// the experts run one after another or across threads (ExpertParallelism); on the GPU each step
+// runs for all experts at once (grouped GEMMs, one bias / GELU launch over all expert rows), so
+// that a layer's launches do not grow with E.
 //
 // Compute type C (default T): the scalar type of the GEMM operands. With T = float and C =
 // __nv_bfloat16 (or __half) on graphmoe::cuda, the parameters, biases, activations and gradients
@@ -17,8 +20,8 @@
 #pragma once
 
 #include <string>
-
 #include <type_traits>
+#include <vector>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cpu/elementwise.hpp"
@@ -37,7 +40,7 @@ enum class ExpertParallelism {
 
 // One implementation for every backend. The plan is the backend's dispatch plan (DispatchPlan on
 // the CPU, CudaDispatchPlan on the GPU), whose expert offsets are on the host. On the GPU the
-// experts' GEMMs are queued one after another on the backend's stream (ExpertParallelism only
+// steps are grouped over the experts (forward_grouped / backward_grouped; ExpertParallelism only
 // applies to the CPU).
 template <class T, class B = cpu, class C = T>
 class ExpertBank {
@@ -92,15 +95,19 @@ class ExpertBank {
     if constexpr (!std::is_same_v<C, T>) {
       if (ac_.empty() || ac_.rows() != s) ac_ = Tensor<C, B>(Shape{s, f_});
     }
-    for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
-      Tensor<T, B> h = h_.slice(r0, r1), a = a_.slice(r0, r1), y = ys.slice(r0, r1);
-      gemm(Trans::N, Trans::T, T(1), xc_.slice(r0, r1), w1c_[e], T(0), h);
-      add_row_vector(b1_[e], h);
-      gelu_forward(gelu_, h, a);
-      const Tensor<C, B> ac = compute_rows(a, r0, r1);
-      gemm(Trans::N, Trans::T, T(1), ac, w2c_[e], T(0), y);
-      add_row_vector(b2_[e], y);
-    });
+    if constexpr (std::is_same_v<B, cpu>) {
+      for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
+        Tensor<T, B> h = h_.slice(r0, r1), a = a_.slice(r0, r1), y = ys.slice(r0, r1);
+        gemm(Trans::N, Trans::T, T(1), xc_.slice(r0, r1), w1c_[e], T(0), h);
+        add_row_vector(b1_[e], h);
+        gelu_forward(gelu_, h, a);
+        const Tensor<C, B> ac = compute_rows(a, r0, r1);
+        gemm(Trans::N, Trans::T, T(1), ac, w2c_[e], T(0), y);
+        add_row_vector(b2_[e], y);
+      });
+    } else {
+      forward_grouped(plan, ys);
+    }
     if (plan.num_experts > e_) {  // drop bucket
       const index_t r0 = plan.offset(e_), r1 = plan.offset(plan.num_experts);
       if (r1 > r0) ys.slice(r0, r1).zero();
@@ -121,6 +128,10 @@ class ExpertBank {
     Tensor<C, B> dyc_all = to_compute(dys, Tensor<C, B>());
     Tensor<C, B> dhc_all;
     if constexpr (!std::is_same_v<C, T>) dhc_all = Tensor<C, B>(Shape{xs.rows(), f_});
+    if constexpr (!std::is_same_v<B, cpu>) {
+      backward_grouped(plan, dys, dxs, dh_all, dyc_all, dhc_all);
+      return;
+    }
     for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
       Tensor<T, B> h = h_.slice(r0, r1), dy = dys.slice(r0, r1), dx = dxs.slice(r0, r1);
       Tensor<T, B> dh = dh_all.slice(r0, r1), dw1 = dw1_[e], dw2 = dw2_[e];
@@ -174,6 +185,100 @@ class ExpertBank {
       return dst;
     }
   }
+  // The GPU's forward: the same math with every step for all experts at once (grouped GEMMs over
+  // the experts' row blocks, one bias / GELU / conversion launch over all their rows), so that the
+  // launches per layer do not grow with E (backend/cuda/grouped.cuh).
+  template <class Plan>
+  void forward_grouped(const Plan& plan, Tensor<T, B>& ys) {
+    const index_t rows = plan.offset(e_);  // the experts' slots; the drop bucket follows
+    if (rows == 0) return;
+    std::vector<Tensor<C, B>> lhs, rhs;
+    std::vector<Tensor<T, B>> out;
+    auto problems = [&](auto&& add) {
+      lhs.clear();
+      rhs.clear();
+      out.clear();
+      for_each_expert(plan, add);
+    };
+    problems([&](index_t e, index_t r0, index_t r1) {  // H_e = X_e w1_e^T
+      lhs.push_back(xc_.slice(r0, r1));
+      rhs.push_back(w1c_[e]);
+      out.push_back(h_.slice(r0, r1));
+    });
+    grouped_gemm(Trans::N, Trans::T, T(1), lhs, rhs, T(0), out);
+    Tensor<T, B> h = h_.slice(0, rows), a = a_.slice(0, rows);
+    add_expert_rows(b1_, plan, h);
+    gelu_forward(gelu_, h, a);
+    const Tensor<C, B> ac = compute_rows(a, 0, rows);
+    problems([&](index_t e, index_t r0, index_t r1) {  // Y_e = A_e w2_e^T
+      lhs.push_back(ac.slice(r0, r1));
+      rhs.push_back(w2c_[e]);
+      out.push_back(ys.slice(r0, r1));
+    });
+    grouped_gemm(Trans::N, Trans::T, T(1), lhs, rhs, T(0), out);
+    add_expert_rows(b2_, plan, ys.slice(0, rows));
+  }
+
+  // The GPU's backward, grouped like forward_grouped.
+  template <class Plan>
+  void backward_grouped(const Plan& plan, const Tensor<T, B>& dys, Tensor<T, B>& dxs,
+                        Tensor<T, B>& dh_all, const Tensor<C, B>& dyc_all,
+                        Tensor<C, B>& dhc_all) {
+    const index_t rows = plan.offset(e_);
+    if (rows == 0) return;
+    Tensor<C, B> ac_all;
+    if constexpr (std::is_same_v<C, T>) {
+      ac_all = a_;
+    } else {
+      ac_all = ac_;
+    }
+    std::vector<Tensor<C, B>> lhs, rhs;
+    std::vector<Tensor<T, B>> out;
+    auto problems = [&](auto&& add) {
+      lhs.clear();
+      rhs.clear();
+      out.clear();
+      for_each_expert(plan, add);
+    };
+    // y = a w2^T + b2
+    accumulate_expert_column_sums(dys.slice(0, rows), plan, db2_);
+    problems([&](index_t e, index_t r0, index_t r1) {  // dw2_e += dy_e^T a_e
+      lhs.push_back(dyc_all.slice(r0, r1));
+      rhs.push_back(ac_all.slice(r0, r1));
+      out.push_back(dw2_[e]);
+    });
+    grouped_gemm(Trans::T, Trans::N, T(1), lhs, rhs, T(1), out);
+    problems([&](index_t e, index_t r0, index_t r1) {  // da_e = dy_e w2_e (into dh)
+      lhs.push_back(dyc_all.slice(r0, r1));
+      rhs.push_back(w2c_[e]);
+      out.push_back(dh_all.slice(r0, r1));
+    });
+    grouped_gemm(Trans::N, Trans::N, T(1), lhs, rhs, T(0), out);
+    Tensor<T, B> dh = dh_all.slice(0, rows);
+    gelu_backward(gelu_, h_.slice(0, rows), dh, dh);  // dh = gelu'(h) da
+    accumulate_expert_column_sums(dh, plan, db1_);
+    Tensor<C, B> dhc;
+    if constexpr (std::is_same_v<C, T>) {
+      dhc = dh_all;
+    } else {
+      dhc = dhc_all;
+      Tensor<C, B> dst = dhc_all.slice(0, rows);
+      convert(dh, dst);
+    }
+    problems([&](index_t e, index_t r0, index_t r1) {  // dw1_e += dh_e^T x_e
+      lhs.push_back(dhc.slice(r0, r1));
+      rhs.push_back(xc_.slice(r0, r1));
+      out.push_back(dw1_[e]);
+    });
+    grouped_gemm(Trans::T, Trans::N, T(1), lhs, rhs, T(1), out);
+    problems([&](index_t e, index_t r0, index_t r1) {  // dx_e = dh_e w1_e
+      lhs.push_back(dhc.slice(r0, r1));
+      rhs.push_back(w1c_[e]);
+      out.push_back(dxs.slice(r0, r1));
+    });
+    grouped_gemm(Trans::N, Trans::N, T(1), lhs, rhs, T(0), out);
+  }
+
   template <class Plan, class Fn>
   void for_each_expert(const Plan& plan, Fn&& fn) {
     auto run = [&](index_t e) {

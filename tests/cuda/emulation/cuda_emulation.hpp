@@ -16,7 +16,11 @@
 //   __shared__      a static variable: shared by the threads of the one block that runs at a time.
 //   shuffles        __shfl_xor_sync exchanges values through the warp's slots (one warp barrier).
 //   atomics         plain read-modify-write (only one fiber runs at a time).
-//   runtime         cudaMalloc / cudaMemcpyAsync / ... on host memory (runtime.cpp), one device.
+//   runtime         cudaMalloc / cudaMemcpyAsync / ... on host memory (runtime.cpp), one device;
+//                   copies and cuBLAS operands must lie inside one live allocation (a tensor's
+//                   own bytes for the caching allocator's blocks).
+//   memory          tensors start as NaN bytes, the bytes past their end are a canary checked when
+//                   they are freed, freed blocks read as NaN (on_tensor_allocate / on_tensor_free).
 //   cuBLAS          cublasSgemm / Dgemm / GemmEx / *StridedBatched evaluated naively on the host,
 //                   accumulating in double (runtime.cpp).
 //   Thrust          the CPP device system (THRUST_DEVICE_SYSTEM_CPP).
@@ -68,6 +72,25 @@ void block_barrier();
 // The current thread publishes `size` bytes at `value` in its warp's exchange slot, waits for the
 // lanes in `mask`, and copies lane `src_lane`'s value into `out`.
 void warp_exchange(unsigned mask, const void* value, std::size_t size, int src_lane, void* out);
+
+// What the program has asked of the "device" so far: kernel launches and cuBLAS GEMM calls (a
+// grouped GEMM counts once). Tests use them as a proxy for launch overhead, which the emulation
+// cannot time.
+struct Counters {
+  unsigned long long kernel_launches = 0;
+  unsigned long long cublas_calls = 0;
+};
+Counters counters();
+
+// Called by the caching allocator (backend/cuda/allocator.cuh) when it hands out `block` bytes at
+// p for a tensor of `requested` bytes, and when it takes them back. Allocation fills the whole
+// block with 0xFF bytes (NaN as float or double, -1 as an integer), so that a kernel reading
+// uninitialised memory or past a tensor's end gets NaN; freeing checks that the bytes past the
+// end are still 0xFF (else a kernel wrote out of bounds: the next launch throws, and the program
+// fails at exit if none follows) and fills the block again, so that reading freed memory gives NaN
+// too. Copies and cuBLAS calls are checked against `requested` bytes, not the whole block.
+void on_tensor_allocate(void* p, std::size_t requested, std::size_t block) noexcept;
+void on_tensor_free(void* p, std::size_t requested, std::size_t block) noexcept;
 
 }  // namespace graphmoe_cuda_emulation
 

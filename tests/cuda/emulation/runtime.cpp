@@ -10,8 +10,10 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <map>
@@ -63,6 +65,13 @@ graphmoe_emu_switch:
   .size graphmoe_emu_switch, .-graphmoe_emu_switch
 )");
 #endif
+
+namespace {
+std::string& pending_corruption();  // below, with the memory checks
+graphmoe_cuda_emulation::Counters counted;
+}  // namespace
+
+graphmoe_cuda_emulation::Counters graphmoe_cuda_emulation::counters() { return counted; }
 
 namespace graphmoe_cuda_emulation {
 namespace {
@@ -281,7 +290,13 @@ std::string current_kernel;
 
 void launch(const char* signature, dim3 grid, dim3 block, const std::function<void()>& body) {
   Scheduler& s = scheduler();
+  ++counted.kernel_launches;
   current_kernel = kernel_name(signature);
+  if (const std::string& bad = pending_corruption(); !bad.empty()) {
+    const std::string message = bad;
+    pending_corruption().clear();
+    fail(message + "; found before launching " + current_kernel);
+  }
   const char* kernel = current_kernel.c_str();
   if (in_kernel) fail(std::string("launch of ") + kernel + " from inside a kernel");
   const unsigned long long threads =
@@ -344,21 +359,84 @@ void warp_exchange(unsigned mask, const void* value, std::size_t size, int src_l
 
 namespace {
 
+// The bytes of a cudaMalloc allocation that may be touched: all of them for a raw allocation, the
+// tensor's own bytes while the caching allocator has handed the block out, none while the block
+// sits in its free lists (use after free).
+struct Allocation {
+  std::size_t size = 0;
+  enum class Use { raw, tensor, cached } use = Use::raw;
+  std::size_t tensor_bytes = 0;
+};
+
 std::mutex allocations_mutex;
-std::map<std::uintptr_t, std::size_t>& allocations() {
-  static std::map<std::uintptr_t, std::size_t> m;
+std::map<std::uintptr_t, Allocation>& allocations() {
+  static std::map<std::uintptr_t, Allocation> m;
   return m;
 }
 
-// Whether [p, p + n) lies inside one live cudaMalloc allocation.
+// Whether [p, p + n) lies inside the usable bytes of one live cudaMalloc allocation.
 bool is_device_range(const void* p, std::size_t n) {
   std::lock_guard<std::mutex> lock(allocations_mutex);
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   auto it = allocations().upper_bound(a);
   if (it == allocations().begin()) return false;
   --it;
-  return a >= it->first && a + n <= it->first + it->second;
+  const Allocation& al = it->second;
+  const std::size_t usable = al.use == Allocation::Use::raw      ? al.size
+                             : al.use == Allocation::Use::tensor ? al.tensor_bytes
+                                                                 : 0;
+  return usable > 0 && a - it->first + n <= usable;
 }
+
+// A kernel wrote past a tensor's end (found when the tensor was freed): reported by the next
+// launch, or at exit.
+std::string& pending_corruption() {
+  static std::string message;
+  return message;
+}
+
+struct ReportAtExit {
+  ~ReportAtExit() {
+    if (!pending_corruption().empty()) {
+      std::fprintf(stderr, "CUDA emulation: %s\n", pending_corruption().c_str());
+      std::_Exit(3);
+    }
+  }
+} report_at_exit;
+
+}  // namespace
+
+namespace graphmoe_cuda_emulation {
+
+constexpr unsigned char kPoison = 0xFF;
+
+void on_tensor_allocate(void* p, std::size_t requested, std::size_t block) noexcept {
+  std::memset(p, kPoison, block);
+  std::lock_guard<std::mutex> lock(allocations_mutex);
+  auto it = allocations().find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == allocations().end()) return;
+  it->second.use = Allocation::Use::tensor;
+  it->second.tensor_bytes = requested;
+}
+
+void on_tensor_free(void* p, std::size_t requested, std::size_t block) noexcept {
+  const auto* bytes = static_cast<const unsigned char*>(p);
+  for (std::size_t i = requested; i < block; ++i)
+    if (bytes[i] != kPoison && pending_corruption().empty()) {
+      pending_corruption() = "a kernel wrote past the end of a device tensor of " +
+                             std::to_string(requested) + " bytes (byte " + std::to_string(i) +
+                             " of its " + std::to_string(block) + "-byte block changed)";
+      break;
+    }
+  std::memset(p, kPoison, block);
+  std::lock_guard<std::mutex> lock(allocations_mutex);
+  auto it = allocations().find(reinterpret_cast<std::uintptr_t>(p));
+  if (it != allocations().end()) it->second.use = Allocation::Use::cached;
+}
+
+}  // namespace graphmoe_cuda_emulation
+
+namespace {
 
 cudaError_t last_error = cudaSuccess;
 
@@ -394,7 +472,7 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
   std::memset(p, 0xA5, bytes == 0 ? 256 : bytes);  // device memory is not zeroed
   {
     std::lock_guard<std::mutex> lock(allocations_mutex);
-    allocations()[reinterpret_cast<std::uintptr_t>(p)] = size;
+    allocations()[reinterpret_cast<std::uintptr_t>(p)] = Allocation{size};
   }
   *ptr = p;
   return cudaSuccess;
@@ -537,6 +615,7 @@ cublasStatus_t gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation
                     long long sa, const void* b, cudaDataType bt, int ldb, long long sb,
                     double beta, void* c, cudaDataType ct, int ldc, long long sc, int batch) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  ++counted.cublas_calls;
   if ((ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
     return CUBLAS_STATUS_INVALID_VALUE;
   const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
@@ -673,6 +752,88 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
   }
   if (at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
   return gemm(h, ta, tb, m, n, k, al, a, at, lda, 0, b, bt, ldb, 0, be, c, ct, ldc, 0, 1);
+}
+
+// Grouped GEMMs: Aarray, Barray and Carray are device arrays of device pointers (one per
+// problem); the other arrays are on the host, one entry per group. Like the single GEMMs, each
+// problem goes through gemm() with cuBLAS's argument checks. The emulation answers
+// CUBLAS_STATUS_NOT_SUPPORTED for half A/B with a float C (and accepts bf16 A/B with float C), so
+// that both the grouped call and grouped_gemm's fallback to single GEMMs run in the tests.
+namespace {
+cublasStatus_t grouped(cublasHandle_t h, const cublasOperation_t* ta, const cublasOperation_t* tb,
+                       const int* m, const int* n, const int* k, const void* alpha,
+                       const void* const* a, cudaDataType at, const int* lda, const void* const* b,
+                       cudaDataType bt, const int* ldb, const void* beta, void* const* c,
+                       cudaDataType ct, const int* ldc, int groups, const int* sizes,
+                       bool double_scalars) {
+  if (groups < 0) return CUBLAS_STATUS_INVALID_VALUE;
+  int problems = 0;
+  for (int g = 0; g < groups; ++g) {
+    if (sizes[g] < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    problems += sizes[g];
+  }
+  if (problems == 0) return CUBLAS_STATUS_SUCCESS;
+  const unsigned long long calls = counted.cublas_calls;
+  struct Restore {  // a grouped call counts once, not once per problem
+    unsigned long long target;
+    ~Restore() { counted.cublas_calls = target; }
+  } restore{calls + 1};
+  const std::size_t bytes = sizeof(void*) * static_cast<std::size_t>(problems);
+  if (!is_device_range(a, bytes) || !is_device_range(b, bytes) || !is_device_range(c, bytes))
+    throw std::runtime_error(
+        "CUDA emulation: a grouped GEMM's Aarray, Barray or Carray is not in device memory");
+  int p = 0;
+  for (int g = 0; g < groups; ++g)
+    for (int i = 0; i < sizes[g]; ++i, ++p) {
+      const double al = double_scalars ? static_cast<const double*>(alpha)[g]
+                                       : static_cast<const float*>(alpha)[g];
+      const double be = double_scalars ? static_cast<const double*>(beta)[g]
+                                       : static_cast<const float*>(beta)[g];
+      const cublasStatus_t s = gemm(h, ta[g], tb[g], m[g], n[g], k[g], al, a[p], at, lda[g], 0,
+                                    b[p], bt, ldb[g], 0, be, c[p], ct, ldc[g], 0, 1);
+      if (s != CUBLAS_STATUS_SUCCESS) return s;
+    }
+  return CUBLAS_STATUS_SUCCESS;
+}
+}  // namespace
+
+cublasStatus_t cublasSgemmGroupedBatched(cublasHandle_t h, const cublasOperation_t ta[],
+                                         const cublasOperation_t tb[], const int m[],
+                                         const int n[], const int k[], const float alpha[],
+                                         const float* const a[], const int lda[],
+                                         const float* const b[], const int ldb[],
+                                         const float beta[], float* const c[], const int ldc[],
+                                         int groups, const int sizes[]) {
+  return grouped(h, ta, tb, m, n, k, alpha, reinterpret_cast<const void* const*>(a), CUDA_R_32F,
+                 lda, reinterpret_cast<const void* const*>(b), CUDA_R_32F, ldb, beta,
+                 reinterpret_cast<void* const*>(c), CUDA_R_32F, ldc, groups, sizes, false);
+}
+
+cublasStatus_t cublasDgemmGroupedBatched(cublasHandle_t h, const cublasOperation_t ta[],
+                                         const cublasOperation_t tb[], const int m[],
+                                         const int n[], const int k[], const double alpha[],
+                                         const double* const a[], const int lda[],
+                                         const double* const b[], const int ldb[],
+                                         const double beta[], double* const c[], const int ldc[],
+                                         int groups, const int sizes[]) {
+  return grouped(h, ta, tb, m, n, k, alpha, reinterpret_cast<const void* const*>(a), CUDA_R_64F,
+                 lda, reinterpret_cast<const void* const*>(b), CUDA_R_64F, ldb, beta,
+                 reinterpret_cast<void* const*>(c), CUDA_R_64F, ldc, groups, sizes, true);
+}
+
+cublasStatus_t cublasGemmGroupedBatchedEx(cublasHandle_t h, const cublasOperation_t ta[],
+                                          const cublasOperation_t tb[], const int m[],
+                                          const int n[], const int k[], const void* alpha,
+                                          const void* const a[], cudaDataType_t at,
+                                          const int lda[], const void* const b[],
+                                          cudaDataType_t bt, const int ldb[], const void* beta,
+                                          void* const c[], cudaDataType_t ct, const int ldc[],
+                                          int groups, const int sizes[],
+                                          cublasComputeType_t compute) {
+  if (compute != CUBLAS_COMPUTE_32F || at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (at == CUDA_R_16F && ct == CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;  // see above
+  return grouped(h, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc, groups,
+                 sizes, false);
 }
 
 }  // extern "C"

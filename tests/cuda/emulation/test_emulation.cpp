@@ -9,11 +9,10 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "graphmoe/backend/cuda/copy.cuh"
-#include "graphmoe/backend/cuda/detail/kernel.cuh"
-#include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/cuda.cuh"
 
 using namespace graphmoe;
 
@@ -83,7 +82,7 @@ TEST_CASE("emulation: blocks, block_reduce over shuffles and shared memory, grid
   Tensor<double> h_in({blocks * threads});
   std::copy(in.begin(), in.end(), h_in.data());
   const auto d_in = to_device(h_in);
-  Tensor<double, cuda> d_out(Shape{blocks});
+  Tensor<double, graphmoe::cuda> d_out(Shape{blocks});
   detail::launch_kernel<block_sum_kernel>(blocks, threads, d_in.data(), d_out.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const auto out = to_host(d_out);
@@ -96,14 +95,14 @@ TEST_CASE("emulation: blocks, block_reduce over shuffles and shared memory, grid
   // Three-dimensional grids and blocks: every (block, thread) pair runs exactly once.
   const dim3 grid(2, 3, 2), block(4, 2, 8);
   const unsigned n = 12 * 64;
-  Tensor<unsigned, cuda> d_idx(Shape{n});
+  Tensor<unsigned, graphmoe::cuda> d_idx(Shape{n});
   detail::launch_kernel<index_kernel>(grid, block, d_idx.data());
   const auto idx = to_host(d_idx);
   for (unsigned i = 0; i < n; ++i) CHECK(idx.data()[i] == (i / 64) * 1000 + i % 64);
 }
 
 TEST_CASE("emulation: a missing __syncthreads shows as a wrong result, the barrier fixes it") {
-  Tensor<int, cuda> d_out(Shape{2 * 64});
+  Tensor<int, graphmoe::cuda> d_out(Shape{2 * 64});
   detail::launch_kernel<neighbour_kernel<true>>(2, 64, d_out.data());
   auto out = to_host(d_out);
   for (int b = 0; b < 2; ++b)
@@ -117,8 +116,8 @@ TEST_CASE("emulation: a missing __syncthreads shows as a wrong result, the barri
 }
 
 TEST_CASE("emulation: undefined behaviour on a GPU is an error naming the kernel") {
-  Tensor<int, cuda> ints(Shape{256});
-  Tensor<float, cuda> floats(Shape{256});
+  Tensor<int, graphmoe::cuda> ints(Shape{256});
+  Tensor<float, graphmoe::cuda> floats(Shape{256});
   std::string msg = what_of([&] {
     detail::launch_kernel<early_exit_then_barrier_kernel>(1, 64, ints.data());
   });
@@ -177,4 +176,77 @@ TEST_CASE("emulation: the runtime and cuBLAS stand-ins check their arguments") {
   CHECK(cudaFree(c) == cudaSuccess);
   CHECK(cudaFree(c) == cudaErrorInvalidValue);  // freed twice
   (void)cudaGetLastError();
+}
+
+namespace {
+// Writes one element past the end of its n elements.
+__global__ void write_past_end_kernel(float* x, index_t n) {
+  if (threadIdx.x == 0) x[n] = 1.0f;
+}
+__global__ void read_kernel(const float* x, float* out) {
+  if (threadIdx.x == 0) out[0] = x[0];
+}
+}  // namespace
+
+TEST_CASE("emulation: device memory is poisoned, and writes past a tensor's end are reported") {
+  Tensor<float, graphmoe::cuda> out(Shape{1});
+  {
+    // A tensor's bytes beyond its end read as NaN (as uninitialised or freed memory does).
+    float* raw = static_cast<float*>(detail::CudaCachingAllocator::instance().allocate(12));
+    detail::launch_kernel<read_kernel>(1, 32, raw + 3, out.data());
+    CHECK(std::isnan(to_host(out).data()[0]));
+    detail::CudaCachingAllocator::instance().deallocate(raw);
+  }
+  {
+    Tensor<float, graphmoe::cuda> x(Shape{3});
+    detail::launch_kernel<write_past_end_kernel>(1, 32, x.data(), index_t(3));
+  }  // freed here: the canary after the 12 bytes changed
+  const std::string msg = what_of([&] { detail::launch_kernel<read_kernel>(1, 32, out.data(), out.data()); });
+  CHECK(msg.find("wrote past the end of a device tensor of 12 bytes") != std::string::npos);
+  CHECK(msg.find("read_kernel") != std::string::npos);
+  // Copies are checked against the tensor's bytes, not its block's.
+  Tensor<float, graphmoe::cuda> y(Shape{3});
+  std::vector<float> host(4, 0.0f);
+  CHECK(cudaMemcpy(host.data(), y.data(), 16, cudaMemcpyDeviceToHost) == cudaErrorInvalidValue);
+  CHECK(cudaMemcpy(host.data(), y.data(), 12, cudaMemcpyDeviceToHost) == cudaSuccess);
+  (void)cudaGetLastError();
+}
+
+// The GPU expert bank groups its steps over the experts: an MoE layer's forward and backward issue
+// the same number of kernel launches and cuBLAS calls for 4 experts as for 16 (the proxy for
+// launch overhead that the emulation can measure; per-expert GEMMs issued 6 per expert).
+TEST_CASE("emulation: an MoE layer's launches and cuBLAS calls do not grow with the experts") {
+  auto count = [](index_t experts) {
+    MoEConfig cfg;
+    cfg.d_model = 16;
+    cfg.d_ff = 24;
+    cfg.router.num_experts = experts;
+    cfg.router.k = 2;
+    ParameterArena<float, graphmoe::cuda> arena;
+    MoELayer<SoftmaxRouter, float, graphmoe::cuda> layer;
+    layer.declare(arena, "moe.", cfg);
+    arena.allocate();
+    layer.bind(arena);
+    Rng rng(3);
+    layer.init(rng);
+    Tensor<float> u({64, cfg.d_model});
+    for (index_t i = 0; i < u.numel(); ++i) u.data()[i] = static_cast<float>(rng.normal());
+    const auto du = to_device(u);
+    GraphContext<float, graphmoe::cuda> ctx{16, nullptr};
+    Tensor<float, graphmoe::cuda> y, dx;
+    layer.forward(du, ctx, y);  // warm-up: buffers allocated once
+    layer.backward(du, dx);
+    const auto before = graphmoe_cuda_emulation::counters();
+    layer.forward(du, ctx, y);
+    layer.backward(du, dx);
+    const auto after = graphmoe_cuda_emulation::counters();
+    MESSAGE(experts, " experts: ", after.kernel_launches - before.kernel_launches, " launches, ",
+            after.cublas_calls - before.cublas_calls, " cuBLAS calls");
+    return std::pair{after.kernel_launches - before.kernel_launches,
+                     after.cublas_calls - before.cublas_calls};
+  };
+  const auto few = count(4), many = count(16);
+  CHECK(few.first == many.first);
+  CHECK(few.second == many.second);
+  CHECK(many.second <= 12);  // 6 grouped expert GEMMs + the router's
 }

@@ -18,6 +18,10 @@
 // The allocator is thread-safe (one mutex) and deliberately never destroyed, so tensors that
 // outlive main() (statics) can still be freed. Errors are graphmoe::Error naming the CUDA call.
 //
+// Under the tests' CPU emulation of CUDA (tests/cuda/emulation) the allocator tells it about every
+// block handed out and returned, so that it can fill the bytes past a tensor's end with a canary
+// and report a kernel that wrote there.
+//
 // zero() and copy() are stream-ordered (cudaMemsetAsync, cudaMemcpyAsync device to device on the
 // backend's stream), like the kernels.
 #pragma once
@@ -92,7 +96,10 @@ class CudaCachingAllocator {
       }
       ++stats_.cuda_malloc_calls;
     }
-    live_[p] = Block{size, device};
+    live_[p] = Block{size, device, bytes};
+#if defined(GRAPHMOE_CUDA_EMULATION)
+    graphmoe_cuda_emulation::on_tensor_allocate(p, bytes, size);  // poisons the block with NaN
+#endif
     stats_.bytes_in_use += size;
     if (stats_.bytes_in_use > stats_.peak_bytes_in_use) stats_.peak_bytes_in_use = stats_.bytes_in_use;
     return p;
@@ -108,6 +115,9 @@ class CudaCachingAllocator {
     }
     const Block b = it->second;
     live_.erase(it);
+#if defined(GRAPHMOE_CUDA_EMULATION)
+    graphmoe_cuda_emulation::on_tensor_free(p, b.requested, b.size);  // checks the canary
+#endif
     stats_.bytes_in_use -= b.size;
     stats_.bytes_cached += b.size;
     free_[{b.device, b.size}].push_back(p);
@@ -126,8 +136,9 @@ class CudaCachingAllocator {
 
  private:
   struct Block {
-    std::size_t size;
+    std::size_t size;       // the size class
     int device;
+    std::size_t requested;  // the bytes asked for
   };
 
   CudaCachingAllocator() = default;

@@ -1,0 +1,214 @@
+// graphmoe/backend/cuda/grouped.cuh: the expert bank's ops for all experts at once, on rows
+// grouped by expert (a CudaDispatchPlan's slots), so that an MoE layer's launches do not grow
+// with the number of experts.
+//
+//   grouped_gemm(ta, tb, alpha, A[], B[], beta, C[])   C_g = alpha op(A_g) op(B_g) + beta C_g for
+//                          every problem g: one cublas<S|D>gemmGroupedBatched / GemmGroupedBatchedEx
+//                          call (cuBLAS >= 12.5), else (older cuBLAS, or a type combination it
+//                          reports CUBLAS_STATUS_NOT_SUPPORTED for) one gemm per problem
+//   add_expert_rows(b, plan, y)            y[s] += b[expert of slot s] for the first y.rows() slots
+//   accumulate_expert_column_sums(dy, plan, db)
+//                                          db[e] += the column sums of expert e's rows of dy
+//                                          (one thread per (e, column), rows in order: the same
+//                                          sums on every run)
+//
+// Slots of the capacity-drop bucket (expert id >= db.rows() / b.rows()) are left alone.
+#pragma once
+
+#include <cublas_v2.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/dispatch.cuh"
+#include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+namespace detail {
+
+template <class T>
+__global__ void add_expert_rows_kernel(const T* b, const std::int32_t* slot_expert, T* y,
+                                       index_t rows, index_t cols, index_t num_experts) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, rows * cols) {
+    const index_t e = slot_expert[i / cols];
+    if (e < num_experts) y[i] = from_acc<T>(to_acc(y[i]) + to_acc(b[e * cols + i % cols]));
+  }
+}
+
+template <class T>
+__global__ void expert_column_sums_kernel(const T* dy, const std::int32_t* offsets, T* db,
+                                          index_t num_experts, index_t cols) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, num_experts * cols) {
+    const index_t e = i / cols, c = i % cols;
+    acc_t<T> s = 0;
+    for (index_t r = offsets[e]; r < offsets[e + 1]; ++r) s += to_acc(dy[r * cols + c]);
+    db[i] = from_acc<T>(to_acc(db[i]) + s);
+  }
+}
+
+inline void check_expert_rows(const char* op, const char* what, const CudaDispatchPlan& plan,
+                              index_t rows, index_t experts) {
+  GRAPHMOE_CHECK(rows <= plan.num_slots() && experts <= plan.num_experts, op, what, " covers ",
+                 rows, " rows and ", experts, " experts; the plan has ", plan.num_slots(),
+                 " slots and ", plan.num_experts, " experts");
+}
+
+#if CUBLAS_VERSION >= 120500
+#define GRAPHMOE_CUBLAS_GROUPED_GEMM 1
+#else
+#define GRAPHMOE_CUBLAS_GROUPED_GEMM 0
+#endif
+
+// Whether cuBLAS answered CUBLAS_STATUS_NOT_SUPPORTED for grouped GEMMs of these types once (then
+// the loop of single GEMMs runs without asking again).
+template <class TA, class TC>
+bool& grouped_gemm_unsupported() {
+  static bool unsupported = false;
+  return unsupported;
+}
+
+#if GRAPHMOE_CUBLAS_GROUPED_GEMM
+// The grouped call for problems already in cuBLAS's column-major terms (see gemm: C^T = op(B)^T
+// op(A)^T); `pointers` holds the device arrays of A, B and C pointers, problem by problem.
+template <class TA, class TC>
+cublasStatus_t cublas_grouped_gemm(cublasHandle_t h, const std::vector<cublasOperation_t>& ta,
+                                   const std::vector<cublasOperation_t>& tb,
+                                   const std::vector<int>& m, const std::vector<int>& n,
+                                   const std::vector<int>& k, const std::vector<int>& lda,
+                                   const std::vector<int>& ldb, const std::vector<int>& ldc,
+                                   const void* const* a, const void* const* b, void* const* c,
+                                   decltype(cublas_scalar(TC{})) alpha,
+                                   decltype(cublas_scalar(TC{})) beta) {
+  using S = decltype(cublas_scalar(TC{}));
+  const int groups = static_cast<int>(m.size());
+  const std::vector<S> alphas(m.size(), alpha), betas(m.size(), beta);
+  const std::vector<int> sizes(m.size(), 1);
+  if constexpr (std::is_same_v<TA, float> && std::is_same_v<TC, float>) {
+    return cublasSgemmGroupedBatched(h, ta.data(), tb.data(), m.data(), n.data(), k.data(),
+                                     alphas.data(), reinterpret_cast<const float* const*>(a),
+                                     lda.data(), reinterpret_cast<const float* const*>(b),
+                                     ldb.data(), betas.data(), reinterpret_cast<float* const*>(c),
+                                     ldc.data(), groups, sizes.data());
+  } else if constexpr (std::is_same_v<TA, double> && std::is_same_v<TC, double>) {
+    return cublasDgemmGroupedBatched(h, ta.data(), tb.data(), m.data(), n.data(), k.data(),
+                                     alphas.data(), reinterpret_cast<const double* const*>(a),
+                                     lda.data(), reinterpret_cast<const double* const*>(b),
+                                     ldb.data(), betas.data(), reinterpret_cast<double* const*>(c),
+                                     ldc.data(), groups, sizes.data());
+  } else {
+    return cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m.data(), n.data(), k.data(),
+                                      alphas.data(), a, cuda_data_type_v<TA>, lda.data(), b,
+                                      cuda_data_type_v<TA>, ldb.data(), betas.data(), c,
+                                      std::is_same_v<TC, float> ? CUDA_R_32F : cuda_data_type_v<TC>,
+                                      ldc.data(), groups, sizes.data(),
+                                      CUBLAS_COMPUTE_32F);
+  }
+}
+#endif
+
+}  // namespace detail
+
+// C_g = alpha op(A_g) op(B_g) + beta C_g for g = 0, 1, ...: the same transposes and scalars for
+// every problem, shapes per problem (each checked as gemm checks it; every C_g must already have
+// its shape). TA = TC (float, double, bf16, half), or 16-bit TA with float TC (mixed precision).
+template <class TA, class TC>
+void grouped_gemm(Trans ta, Trans tb, TC alpha, const std::vector<Tensor<TA, cuda>>& a,
+                  const std::vector<Tensor<TA, cuda>>& b, TC beta,
+                  const std::vector<Tensor<TC, cuda>>& c) {
+  GRAPHMOE_CHECK(a.size() == b.size() && a.size() == c.size(), "grouped_gemm", "got ", a.size(),
+                 " A, ", b.size(), " B and ", c.size(), " C matrices");
+  std::vector<cublasOperation_t> opa, opb;
+  std::vector<int> m, n, k, lda, ldb, ldc;
+  std::vector<std::size_t> live;      // the problems with a non-empty C
+  for (std::size_t g = 0; g < a.size(); ++g) {
+    GRAPHMOE_CHECK(!c[g].empty(), "grouped_gemm", "C of problem ", g, " is empty");
+    Tensor<TC, cuda> cg = c[g];
+    TC unused_beta = beta;
+    index_t mg = 0, ng = 0, kg = 0;
+    detail::gemm_prepare(ta, tb, a[g], b[g], cg, unused_beta, mg, ng, kg);
+    if (mg == 0 || ng == 0) continue;
+    live.push_back(g);
+    opa.push_back(detail::cublas_op(tb));
+    opb.push_back(detail::cublas_op(ta));
+    m.push_back(static_cast<int>(ng));
+    n.push_back(static_cast<int>(mg));
+    k.push_back(static_cast<int>(kg));
+    lda.push_back(detail::cublas_ld(b[g].cols()));
+    ldb.push_back(detail::cublas_ld(a[g].cols()));
+    ldc.push_back(static_cast<int>(ng));
+  }
+  if (live.empty()) return;
+  auto one_by_one = [&] {
+    for (std::size_t g : live) {
+      Tensor<TC, cuda> cg = c[g];
+      gemm(ta, tb, alpha, a[g], b[g], beta, cg);
+    }
+  };
+#if GRAPHMOE_CUBLAS_GROUPED_GEMM
+  bool& unsupported = detail::grouped_gemm_unsupported<TA, TC>();
+  if (live.size() == 1 || unsupported) return one_by_one();
+  const std::size_t p = live.size();
+  std::vector<const void*> pointers(3 * p);  // cuBLAS's A (our B) pointers, then B, then C
+  for (std::size_t i = 0; i < p; ++i) {
+    pointers[i] = b[live[i]].data();
+    pointers[p + i] = a[live[i]].data();
+    pointers[2 * p + i] = c[live[i]].data();
+  }
+  Tensor<std::uint64_t, cuda> device_pointers(Shape{static_cast<index_t>(3 * p)});
+  static_assert(sizeof(const void*) == sizeof(std::uint64_t));
+  GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(device_pointers.data(), pointers.data(),
+                                      3 * p * sizeof(const void*), cudaMemcpyHostToDevice,
+                                      cuda_stream()));
+  const auto* dp = reinterpret_cast<const void* const*>(device_pointers.data());
+  const cublasStatus_t status = detail::cublas_grouped_gemm<TA, TC>(
+      detail::cublas_handle(), opa, opb, m, n, k, lda, ldb, ldc, dp, dp + p,
+      const_cast<void* const*>(dp + 2 * p), detail::cublas_scalar(alpha),
+      detail::cublas_scalar(beta));
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    unsupported = true;
+    return one_by_one();
+  }
+  GRAPHMOE_CUBLAS_CHECK(status);
+#else
+  one_by_one();
+#endif
+}
+
+// y[s] += b[e] for every slot s < y.rows() of an expert e < b.rows() (the plan's slot_expert).
+template <class T>
+void add_expert_rows(const Tensor<T, cuda>& b, const CudaDispatchPlan& plan,
+                     const Tensor<T, cuda>& y) {
+  GRAPHMOE_CHECK(b.rank() == 2 && y.rank() == 2 && b.cols() == y.cols(), "add_expert_rows",
+                 "b has shape ", b.shape(), " and y ", y.shape(), ", expected (E, D) and (S, D)");
+  detail::check_expert_rows("add_expert_rows", "y", plan, y.rows(), b.rows());
+  const index_t n = y.numel();
+  if (n == 0) return;
+  detail::launch_kernel<detail::add_expert_rows_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                           b.data(), plan.slot_expert.data(),
+                                                           y.data(), y.rows(), y.cols(), b.rows());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// db[e] += sum of dy's rows of expert e, for e < db.rows() (the plan's expert offsets).
+template <class T>
+void accumulate_expert_column_sums(const Tensor<T, cuda>& dy, const CudaDispatchPlan& plan,
+                                   const Tensor<T, cuda>& db) {
+  GRAPHMOE_CHECK(db.rank() == 2 && dy.rank() == 2 && db.cols() == dy.cols(),
+                 "accumulate_expert_column_sums", "dy has shape ", dy.shape(), " and db ",
+                 db.shape(), ", expected (S, D) and (E, D)");
+  detail::check_expert_rows("accumulate_expert_column_sums", "dy", plan, dy.rows(), db.rows());
+  GRAPHMOE_CHECK(dy.rows() >= plan.offset(db.rows()), "accumulate_expert_column_sums",
+                 "dy has ", dy.rows(), " rows; experts 0..", db.rows() - 1, " need ",
+                 plan.offset(db.rows()));
+  const index_t n = db.numel();
+  if (n == 0) return;
+  detail::launch_kernel<detail::expert_column_sums_kernel<T>>(
+      detail::grid_for(n), detail::kThreads, dy.data(), plan.expert_offsets.data(), db.data(),
+      db.rows(), db.cols());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace graphmoe
