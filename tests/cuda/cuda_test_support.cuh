@@ -124,23 +124,36 @@ double max_abs(const Tensor<T, cpu>& t) {
 }
 
 // Compares the gradients (grads = true) or the values of two parameter arenas declared alike,
-// parameter by parameter, with check_close. A parameter with has_zero_gradient(name) instead
+// parameter by parameter, with check_close (arena_scale: max |difference| relative to the
+// arena's largest entry instead of the parameter's own). A parameter with has_zero_gradient(name) instead
 // needs |gradient| <= tol * (the arena's largest gradient) on both backends, and its values may
 // differ by zero_grad_slack (after optimizer steps: AdamW turns round-off into steps of up to lr).
 template <class HostArena, class DevArena>
 void check_arenas(const std::string& what, const HostArena& host, const DevArena& dev, bool grads,
-                  double tol, double zero_grad_slack = 0) {
+                  double tol, double zero_grad_slack = 0, bool arena_scale = false) {
   REQUIRE(host.size() == dev.size());
   double scale = 0;
-  if (grads)
-    for (index_t i = 0; i < host.size(); ++i) scale = std::max(scale, max_abs(host.grad(i)));
+  for (index_t i = 0; i < host.size(); ++i)
+    scale = std::max(scale, max_abs(grads ? host.grad(i) : host.value(i)));
   for (index_t i = 0; i < host.size(); ++i) {
     const std::string name = host.params()[static_cast<std::size_t>(i)].name;
     if (!has_zero_gradient(name)) {
-      if (grads)
-        check_close(what + " d" + name, host.grad(i), dev.grad(i), tol);
-      else
-        check_close(what + " " + name, host.value(i), dev.value(i), tol);
+      const auto ref = grads ? host.grad(i) : host.value(i);
+      const auto got = to_host(grads ? dev.grad(i) : dev.value(i));
+      if (!arena_scale) {
+        check_close(what + (grads ? " d" : " ") + name, ref, grads ? dev.grad(i) : dev.value(i),
+                    tol);
+        continue;
+      }
+      double diff = 0;
+      for (index_t j = 0; j < ref.numel(); ++j) {
+        const double r = static_cast<double>(ref.data()[j]), g = static_cast<double>(got.data()[j]);
+        diff = std::isfinite(g) == std::isfinite(r) ? std::max(diff, std::abs(g - r))
+                                                    : std::numeric_limits<double>::infinity();
+      }
+      const double err = diff / std::max(max_abs(ref), scale);
+      CHECK_MESSAGE(err <= tol, what, (grads ? " d" : " "), name, ": error ", err,
+                    " (relative to the arena's largest entry ", scale, ") > tolerance ", tol);
     } else if (grads) {
       const double h = max_abs(host.grad(i)), d = max_abs(to_host(dev.grad(i)));
       CHECK_MESSAGE(h <= tol * scale, what, " d", name, ": CPU round-off ", h, " vs scale ", scale);

@@ -31,8 +31,9 @@ double model_tolerance() {
 
 template <class T>
 void check_arena(const std::string& what, const ParameterArena<T, cpu>& host,
-                 const ParameterArena<T, graphmoe::cuda>& dev, bool grads, double slack = 0) {
-  check_arenas(what, host, dev, grads, model_tolerance<T>(), slack);
+                 const ParameterArena<T, graphmoe::cuda>& dev, bool grads, double slack = 0,
+                 bool arena_scale = false) {
+  check_arenas(what, host, dev, grads, model_tolerance<T>(), slack, arena_scale);
 }
 
 TransformerLMConfig tiny_lm(MoELayout layout) {
@@ -89,8 +90,13 @@ void compare_lm(MoELayout layout) {
     CHECK(dn == doctest::Approx(hn).epsilon(model_tolerance<T>()));
     host_opt.step(host.arena);
     dev_opt.step(dev.arena);
-    // k_proj.bias: its round-off gradients take AdamW steps of up to lr on each backend
-    check_arena("after AdamW", host.arena, dev.arena, false, 2 * oc.lr * (step + 1));
+    // Relative to the arena's largest value: Adam divides by sqrt(v), so a gradient entry near 0
+    // (an expert bias column that sums to almost nothing) turns the backends' different float
+    // round-off into update differences of order lr, large beside a parameter that is itself of
+    // order lr (biases start at 0) but not beside the model's weights. The gradients are compared
+    // per parameter above, the AdamW math bit for bit in test_host_optim. k_proj.bias: its
+    // round-off gradients take AdamW steps of up to lr on each backend.
+    check_arena("after AdamW", host.arena, dev.arena, false, 2 * oc.lr * (step + 1), true);
   }
 }
 

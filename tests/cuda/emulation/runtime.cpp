@@ -370,8 +370,9 @@ struct Allocation {
 
 std::mutex allocations_mutex;
 std::map<std::uintptr_t, Allocation>& allocations() {
-  static std::map<std::uintptr_t, Allocation> m;
-  return m;
+  // Never destroyed: tensors in statics are freed after main returns.
+  static auto* m = new std::map<std::uintptr_t, Allocation>();
+  return *m;
 }
 
 // Whether [p, p + n) lies inside the usable bytes of one live cudaMalloc allocation.
@@ -391,8 +392,8 @@ bool is_device_range(const void* p, std::size_t n) {
 // A kernel wrote past a tensor's end (found when the tensor was freed): reported by the next
 // launch, or at exit.
 std::string& pending_corruption() {
-  static std::string message;
-  return message;
+  static std::string* message = new std::string();  // never destroyed: read at exit
+  return *message;
 }
 
 struct ReportAtExit {
