@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -546,6 +547,38 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   prop->warpSize = 32;
   prop->maxThreadsPerBlock = 1024;
   prop->multiProcessorCount = 1;
+  return cudaSuccess;
+}
+
+// Events: the host's clock when recorded (every operation has finished by then: the emulation
+// is synchronous), so that bench_cuda's timing code runs too.
+cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  if (event == nullptr) return record(cudaErrorInvalidValue);
+  *event = reinterpret_cast<cudaEvent_t>(new std::chrono::steady_clock::time_point());
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  delete reinterpret_cast<std::chrono::steady_clock::time_point*>(event);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
+  if (event == nullptr) return record(cudaErrorInvalidValue);
+  *reinterpret_cast<std::chrono::steady_clock::time_point*>(event) =
+      std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  return event == nullptr ? record(cudaErrorInvalidValue) : cudaSuccess;
+}
+
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (ms == nullptr || start == nullptr || end == nullptr) return record(cudaErrorInvalidValue);
+  const auto* a = reinterpret_cast<std::chrono::steady_clock::time_point*>(start);
+  const auto* b = reinterpret_cast<std::chrono::steady_clock::time_point*>(end);
+  *ms = std::chrono::duration<float, std::milli>(*b - *a).count();
   return cudaSuccess;
 }
 
