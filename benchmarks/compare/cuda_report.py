@@ -226,9 +226,9 @@ def main():
         frac = ratio(rate, gemm_rate.get((dtype, SQUARE)))
         frac_slots = ratio(rate, gemm_rate.get((dtype, SLOTS)))
         if frac is None:
-            why = ("no bf16 MoE layer benchmark (the layers are float/double only)"
-                   if dtype == "bf16" and not any(k[0] == "bf16" for k in moe)
-                   else "missing MoE or square-GEMM result")
+            why = (f"no moe/{dtype}/softmax/fwdbwd result in this file"
+                   if (dtype, "softmax", "fwdbwd") not in moe
+                   else f"no gemm/{dtype}/{SQUARE} result in this file")
             print(f"(a) {dtype}: not measured: {why}")
             continue
         verdict = ""
