@@ -20,6 +20,7 @@
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -192,38 +193,23 @@ class ExpertBank {
   void forward_grouped(const Plan& plan, Tensor<T, B>& ys) {
     const index_t rows = plan.offset(e_);  // the experts' slots; the drop bucket follows
     if (rows == 0) return;
-    std::vector<Tensor<C, B>> lhs, rhs;
-    std::vector<Tensor<T, B>> out;
-    auto problems = [&](auto&& add) {
-      lhs.clear();
-      rhs.clear();
-      out.clear();
-      for_each_expert(plan, add);
-    };
-    problems([&](index_t e, index_t r0, index_t r1) {  // H_e = X_e w1_e^T
-      lhs.push_back(xc_.slice(r0, r1));
-      rhs.push_back(w1c_[e]);
-      out.push_back(h_.slice(r0, r1));
+    expert_gemm(plan, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
+      return std::tuple{xc_.slice(r0, r1), w1c_[e], h_.slice(r0, r1)};  // H_e = X_e w1_e^T
     });
-    grouped_gemm(Trans::N, Trans::T, T(1), lhs, rhs, T(0), out);
     Tensor<T, B> h = h_.slice(0, rows), a = a_.slice(0, rows);
     add_expert_rows(b1_, plan, h);
     gelu_forward(gelu_, h, a);
     const Tensor<C, B> ac = compute_rows(a, 0, rows);
-    problems([&](index_t e, index_t r0, index_t r1) {  // Y_e = A_e w2_e^T
-      lhs.push_back(ac.slice(r0, r1));
-      rhs.push_back(w2c_[e]);
-      out.push_back(ys.slice(r0, r1));
+    expert_gemm(plan, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
+      return std::tuple{ac.slice(r0, r1), w2c_[e], ys.slice(r0, r1)};  // Y_e = A_e w2_e^T
     });
-    grouped_gemm(Trans::N, Trans::T, T(1), lhs, rhs, T(0), out);
     add_expert_rows(b2_, plan, ys.slice(0, rows));
   }
 
   // The GPU's backward, grouped like forward_grouped.
   template <class Plan>
   void backward_grouped(const Plan& plan, const Tensor<T, B>& dys, Tensor<T, B>& dxs,
-                        Tensor<T, B>& dh_all, const Tensor<C, B>& dyc_all,
-                        Tensor<C, B>& dhc_all) {
+                        Tensor<T, B>& dh_all, const Tensor<C, B>& dyc_all, Tensor<C, B>& dhc_all) {
     const index_t rows = plan.offset(e_);
     if (rows == 0) return;
     Tensor<C, B> ac_all;
@@ -232,28 +218,14 @@ class ExpertBank {
     } else {
       ac_all = ac_;
     }
-    std::vector<Tensor<C, B>> lhs, rhs;
-    std::vector<Tensor<T, B>> out;
-    auto problems = [&](auto&& add) {
-      lhs.clear();
-      rhs.clear();
-      out.clear();
-      for_each_expert(plan, add);
-    };
     // y = a w2^T + b2
     accumulate_expert_column_sums(dys.slice(0, rows), plan, db2_);
-    problems([&](index_t e, index_t r0, index_t r1) {  // dw2_e += dy_e^T a_e
-      lhs.push_back(dyc_all.slice(r0, r1));
-      rhs.push_back(ac_all.slice(r0, r1));
-      out.push_back(dw2_[e]);
+    expert_gemm(plan, Trans::T, Trans::N, T(1), [&](index_t e, index_t r0, index_t r1) {
+      return std::tuple{dyc_all.slice(r0, r1), ac_all.slice(r0, r1), dw2_[e]};  // dw2 += dy^T a
     });
-    grouped_gemm(Trans::T, Trans::N, T(1), lhs, rhs, T(1), out);
-    problems([&](index_t e, index_t r0, index_t r1) {  // da_e = dy_e w2_e (into dh)
-      lhs.push_back(dyc_all.slice(r0, r1));
-      rhs.push_back(w2c_[e]);
-      out.push_back(dh_all.slice(r0, r1));
+    expert_gemm(plan, Trans::N, Trans::N, T(0), [&](index_t e, index_t r0, index_t r1) {
+      return std::tuple{dyc_all.slice(r0, r1), w2c_[e], dh_all.slice(r0, r1)};  // da = dy w2
     });
-    grouped_gemm(Trans::N, Trans::N, T(1), lhs, rhs, T(0), out);
     Tensor<T, B> dh = dh_all.slice(0, rows);
     gelu_backward(gelu_, h_.slice(0, rows), dh, dh);  // dh = gelu'(h) da
     accumulate_expert_column_sums(dh, plan, db1_);
@@ -265,18 +237,27 @@ class ExpertBank {
       Tensor<C, B> dst = dhc_all.slice(0, rows);
       convert(dh, dst);
     }
-    problems([&](index_t e, index_t r0, index_t r1) {  // dw1_e += dh_e^T x_e
-      lhs.push_back(dhc.slice(r0, r1));
-      rhs.push_back(xc_.slice(r0, r1));
-      out.push_back(dw1_[e]);
+    expert_gemm(plan, Trans::T, Trans::N, T(1), [&](index_t e, index_t r0, index_t r1) {
+      return std::tuple{dhc.slice(r0, r1), xc_.slice(r0, r1), dw1_[e]};  // dw1 += dh^T x
     });
-    grouped_gemm(Trans::T, Trans::N, T(1), lhs, rhs, T(1), out);
-    problems([&](index_t e, index_t r0, index_t r1) {  // dx_e = dh_e w1_e
-      lhs.push_back(dhc.slice(r0, r1));
-      rhs.push_back(w1c_[e]);
-      out.push_back(dxs.slice(r0, r1));
+    expert_gemm(plan, Trans::N, Trans::N, T(0), [&](index_t e, index_t r0, index_t r1) {
+      return std::tuple{dhc.slice(r0, r1), w1c_[e], dxs.slice(r0, r1)};  // dx = dh w1
     });
-    grouped_gemm(Trans::N, Trans::N, T(1), lhs, rhs, T(0), out);
+  }
+
+  // One grouped GEMM over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e, where
+  // operands(e, r0, r1) returns (A_e, B_e, C_e) for expert e's rows [r0, r1).
+  template <class Plan, class Operands>
+  void expert_gemm(const Plan& plan, Trans ta, Trans tb, T beta, Operands&& operands) {
+    std::vector<Tensor<C, B>> lhs, rhs;
+    std::vector<Tensor<T, B>> out;
+    for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
+      auto [a, b, c] = operands(e, r0, r1);
+      lhs.push_back(a);
+      rhs.push_back(b);
+      out.push_back(c);
+    });
+    grouped_gemm(ta, tb, T(1), lhs, rhs, beta, out);
   }
 
   template <class Plan, class Fn>
