@@ -116,6 +116,18 @@ inline bool has_zero_gradient(const std::string& name) {
          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// max_i |a_i - b_i|; +inf where exactly one of a_i, b_i is finite.
+template <class T>
+double max_abs_difference(const Tensor<T, cpu>& a, const Tensor<T, cpu>& b) {
+  double diff = 0;
+  for (index_t j = 0; j < a.numel(); ++j) {
+    const double x = static_cast<double>(a.data()[j]), y = static_cast<double>(b.data()[j]);
+    diff = std::isfinite(x) == std::isfinite(y) ? std::max(diff, std::abs(x - y))
+                                                : std::numeric_limits<double>::infinity();
+  }
+  return diff;
+}
+
 template <class T>
 double max_abs(const Tensor<T, cpu>& t) {
   double m = 0;
@@ -139,18 +151,12 @@ void check_arenas(const std::string& what, const HostArena& host, const DevArena
     const std::string name = host.params()[static_cast<std::size_t>(i)].name;
     if (!has_zero_gradient(name)) {
       const auto ref = grads ? host.grad(i) : host.value(i);
-      const auto got = to_host(grads ? dev.grad(i) : dev.value(i));
       if (!arena_scale) {
         check_close(what + (grads ? " d" : " ") + name, ref, grads ? dev.grad(i) : dev.value(i),
                     tol);
         continue;
       }
-      double diff = 0;
-      for (index_t j = 0; j < ref.numel(); ++j) {
-        const double r = static_cast<double>(ref.data()[j]), g = static_cast<double>(got.data()[j]);
-        diff = std::isfinite(g) == std::isfinite(r) ? std::max(diff, std::abs(g - r))
-                                                    : std::numeric_limits<double>::infinity();
-      }
+      const double diff = max_abs_difference(ref, to_host(grads ? dev.grad(i) : dev.value(i)));
       const double err = diff / std::max(max_abs(ref), scale);
       CHECK_MESSAGE(err <= tol, what, (grads ? " d" : " "), name, ": error ", err,
                     " (relative to the arena's largest entry ", scale, ") > tolerance ", tol);
@@ -160,11 +166,7 @@ void check_arenas(const std::string& what, const HostArena& host, const DevArena
       CHECK_MESSAGE(d <= tol * scale, what, " d", name, ": CUDA round-off ", d, " vs scale ", scale);
     } else {
       const auto h = host.value(i);
-      const auto d = to_host(dev.value(i));
-      double diff = 0;
-      for (index_t j = 0; j < h.numel(); ++j)
-        diff = std::max(diff, std::abs(static_cast<double>(h.data()[j]) -
-                                       static_cast<double>(d.data()[j])));
+      const double diff = max_abs_difference(h, to_host(dev.value(i)));
       CHECK_MESSAGE(diff <= zero_grad_slack + tol * max_abs(h), what, " ", name, ": values differ by ",
                     diff, " (slack ", zero_grad_slack, ")");
     }

@@ -643,13 +643,15 @@ std::size_t type_size(cudaDataType t) {
 }
 
 // C (m x n, column-major) = alpha op(A) op(B) + beta C, batch times with strides (elements),
-// with cuBLAS's argument checks; every matrix must lie in device memory.
+// with cuBLAS's argument checks; every matrix must lie in device memory. `count`: one cuBLAS
+// call for the counters (a grouped call counts itself once, not each problem).
 cublasStatus_t gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m,
                     int n, int k, double alpha, const void* a, cudaDataType at, int lda,
                     long long sa, const void* b, cudaDataType bt, int ldb, long long sb,
-                    double beta, void* c, cudaDataType ct, int ldc, long long sc, int batch) {
+                    double beta, void* c, cudaDataType ct, int ldc, long long sc, int batch,
+                    bool count = true) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  ++counted.cublas_calls;
+  if (count) ++counted.cublas_calls;
   if ((ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
     return CUBLAS_STATUS_INVALID_VALUE;
   const int a_rows = ta == CUBLAS_OP_N ? m : k, a_cols = ta == CUBLAS_OP_N ? k : m;
@@ -807,11 +809,7 @@ cublasStatus_t grouped(cublasHandle_t h, const cublasOperation_t* ta, const cubl
     problems += sizes[g];
   }
   if (problems == 0) return CUBLAS_STATUS_SUCCESS;
-  const unsigned long long calls = counted.cublas_calls;
-  struct Restore {  // a grouped call counts once, not once per problem
-    unsigned long long target;
-    ~Restore() { counted.cublas_calls = target; }
-  } restore{calls + 1};
+  ++counted.cublas_calls;
   const std::size_t bytes = sizeof(void*) * static_cast<std::size_t>(problems);
   if (!is_device_range(a, bytes) || !is_device_range(b, bytes) || !is_device_range(c, bytes))
     throw std::runtime_error(
@@ -824,7 +822,7 @@ cublasStatus_t grouped(cublasHandle_t h, const cublasOperation_t* ta, const cubl
       const double be = double_scalars ? static_cast<const double*>(beta)[g]
                                        : static_cast<const float*>(beta)[g];
       const cublasStatus_t s = gemm(h, ta[g], tb[g], m[g], n[g], k[g], al, a[p], at, lda[g], 0,
-                                    b[p], bt, ldb[g], 0, be, c[p], ct, ldc[g], 0, 1);
+                                    b[p], bt, ldb[g], 0, be, c[p], ct, ldc[g], 0, 1, false);
       if (s != CUBLAS_STATUS_SUCCESS) return s;
     }
   return CUBLAS_STATUS_SUCCESS;
