@@ -12,7 +12,7 @@ apt_packages=(
   libeigen3-dev doctest-dev libbenchmark-dev
   libopenblas-dev
   nlohmann-json3-dev libcli11-dev
-  python3 python3-numpy
+  python3 python3-numpy python3-matplotlib
   zlib1g-dev dataset-fashion-mnist
   bible-kjv bible-kjv-text
 )

@@ -13,6 +13,7 @@
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
+#include "graphmoe/train/text_attack.hpp"
 #include "train_lm/options.hpp"
 
 using namespace graphmoe;
@@ -51,7 +52,8 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", m.router.k, "experts per token k")->check(CLI::PositiveNumber);
   app.add_option("--seq", m.max_seq_len, "sequence length")->check(CLI::PositiveNumber);
   app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature (paper: 1)")->check(CLI::PositiveNumber);
-  app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D)")->check(CLI::IsMember({"fixed", "scaled"}));
+  app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau (CPU)")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
+  app.add_flag("--graph-exclude-self", m.router.similarity_exclude_self, "Similarity graph: leave S[i,i] out of each row (CPU)");
   app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma (paper: 1)")->check(CLI::PositiveNumber);
   app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(CLI::NonNegativeNumber);
   app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(CLI::NonNegativeNumber);
@@ -72,10 +74,16 @@ int main(int argc, char** argv) {
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
+  app.add_flag("--keep-checkpoints", opt.keep_checkpoints, "also keep <out>/checkpoint-step<N>.safetensors at every checkpoint (routing_report compares them)");
+  app.add_option("--attack-rate", opt.attack_rate, "robustness: also report the test perplexity with this share of the input words replaced by --attack-word, targets clean (paper: 0.1; 0 = off)")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--attack-seed", opt.attack_seed, "seed choosing the attacked positions");
+  app.add_option("--attack-word", opt.attack_word, "the replacement word (paper: AAA; out-of-vocabulary words become <unk>)");
   CLI11_PARSE(app, argc, argv);
 
   m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
-  m.router.tau_mode = tau_mode == "scaled" ? TauMode::ScaledSqrtD : TauMode::Fixed;
+  m.router.tau_mode = tau_mode == "scaled"    ? TauMode::ScaledSqrtD
+                     : tau_mode == "learned" ? TauMode::Learned
+                                             : TauMode::Fixed;
   if (opt.router.rfind("smoe-dropout", 0) == 0) {
     m.router.k_max = std::max(m.router.k_max, m.router.k);
     m.router.schedule_steps = opt.steps;
@@ -89,6 +97,16 @@ int main(int argc, char** argv) {
       data.valid.assign(data.train.begin() + static_cast<std::ptrdiff_t>(cut), data.train.end());
       data.train.resize(cut);
     };
+    GRAPHMOE_CHECK(opt.attack_rate == 0.0 || !opt.test_path.empty(), "train_lm",
+                   "--attack-rate needs a test set (--test)");
+    auto attack = [&](std::int32_t word, std::vector<std::int32_t> keep, const char* word_text) {
+      if (opt.attack_rate == 0.0) return;
+      AttackStats st;
+      data.attacked_test = attack_stream(data.test, opt.attack_rate, word, opt.attack_seed, keep, &st);
+      std::fprintf(stderr, "train_lm: attacked test: %zu of %zu words replaced by '%s' (id %d), seed %llu\n",
+                   st.replaced, st.attackable, word_text, static_cast<int>(word),
+                   static_cast<unsigned long long>(opt.attack_seed));
+    };
     if (opt.char_level) {
       const CharTokenizer tok = CharTokenizer::build(opt.train_path);
       data.train = tok.encode_file(opt.train_path);
@@ -97,6 +115,10 @@ int main(int argc, char** argv) {
       data.vocab_size = tok.size();
       std::filesystem::create_directories(opt.out_dir);
       tok.save(opt.out_dir + "/vocab.txt");
+      const std::vector<std::int32_t> w = tok.encode(opt.attack_word);
+      GRAPHMOE_CHECK(opt.attack_rate == 0.0 || w.size() == 1, "train_lm",
+                     "--attack-word must be one character with --char, got '", opt.attack_word, "'");
+      if (opt.attack_rate > 0.0) attack(w.front(), {}, opt.attack_word.c_str());
     } else {
       const WordTokenizer tok = WordTokenizer::build(opt.train_path, opt.max_vocab);
       data.train = tok.encode_file(opt.train_path);
@@ -105,6 +127,11 @@ int main(int argc, char** argv) {
       data.vocab_size = tok.size();
       std::filesystem::create_directories(opt.out_dir);
       tok.save(opt.out_dir + "/vocab.txt");
+      const std::vector<std::int32_t> w = tok.encode_line(opt.attack_word);
+      GRAPHMOE_CHECK(opt.attack_rate == 0.0 || w.size() == 1, "train_lm",
+                     "--attack-word must be one word, got '", opt.attack_word, "'");
+      if (opt.attack_rate > 0.0)
+        attack(w.front(), {tok.eos()}, tok.contains(opt.attack_word) ? opt.attack_word.c_str() : "<unk>");
     }
     split_valid();
     std::fprintf(stderr, "train_lm: router %s, %zu train / %zu valid / %zu test tokens, vocabulary %zu\n",

@@ -32,10 +32,17 @@ struct Options {
   std::string device = "cpu";  // cpu, or cuda when built with GRAPHMOE_ENABLE_CUDA
   std::string out_dir = "runs/lm";
   bool resume = false;
+  bool keep_checkpoints = false;  // also keep checkpoint-step<N>.safetensors at every checkpoint
+  // robustness: the test set again with attack_rate of its words replaced by attack_word (the
+  // seed paper's attacked WikiText; graphmoe/train/text_attack.hpp). 0 = no attacked evaluation.
+  double attack_rate = 0.0;
+  std::uint64_t attack_seed = 1;
+  std::string attack_word = "AAA";
 };
 
 struct Data {
   std::vector<std::int32_t> train, valid, test;
+  std::vector<std::int32_t> attacked_test;  // test with attacked inputs (empty: no attack)
   std::size_t vocab_size = 0;
 };
 

@@ -20,6 +20,7 @@
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
+#include "graphmoe/train/text_attack.hpp"
 #include "common/device.hpp"
 #include "common/lm_config.hpp"
 #include "train_lm/options.hpp"
@@ -37,13 +38,15 @@ inline nlohmann::json config_json(const Options& opt, const TransformerLMConfig&
   return j;
 }
 
-// Mean cross-entropy over the first `max_batches` (0 = all) batches of a stream.
+// Mean cross-entropy over the first `max_batches` (0 = all) batches of a stream; with `attacked`,
+// the inputs come from the attacked stream and the targets from the clean one.
 template <class B, class Model>
-double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches) {
+double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches,
+                const LMBatcher* attacked = nullptr) {
   const index_t nb = max_batches > 0 ? std::min(max_batches, batches.num_batches()) : batches.num_batches();
   double sum = 0;
   for (index_t i = 0; i < nb; ++i) {
-    const LMBatch b = batches.batch(i);
+    const LMBatch b = attacked ? attacked_batch(batches, *attacked, i) : batches.batch(i);
     sum += static_cast<double>(
         lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)));
   }
@@ -85,9 +88,14 @@ int run(const Options& opt, const Data& data) {
     std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
   auto save = [&](std::int64_t at_step) {
-    save_training_state(ckpt, lm.arena, adam,
-                        {{"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
-                         {"format", "graphmoe-lm-1"}});
+    const std::map<std::string, std::string> meta = {
+        {"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
+        {"format", "graphmoe-lm-1"}};
+    if (opt.keep_checkpoints)
+      save_training_state((fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +
+                                                    ".safetensors")).string(),
+                          lm.arena, adam, meta);
+    save_training_state(ckpt, lm.arena, adam, meta);
   };
 
   // metrics.csv: one row per evaluation; routing metrics per MoE layer on a fixed probe batch
@@ -113,6 +121,7 @@ int run(const Options& opt, const Data& data) {
   ProgressBar bar(opt.steps, "train " + opt.router, step);
   const std::int64_t first_step = step;
   double loss_ema = 0, last_norm = 0, last_loss = 0;
+  std::vector<double> last_fluctuation(moe_layers.size(), std::nan(""));
   const double tokens_per_step = static_cast<double>(opt.batch * seq);
   for (; step < opt.steps; ++step) {
     if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
@@ -150,6 +159,7 @@ int run(const Options& opt, const Data& data) {
         double fl = std::nan("");
         if (!prev_probe[i].empty() && prev_probe[i].shape() == indices.shape())
           fl = routing_fluctuation(prev_probe[i], indices).changed_tokens;
+        last_fluctuation[i] = fl;
         prev_probe[i] = indices.clone();
         row.insert(row.end(), {mean_entropy(examples::host_values(r.r)),
                                mean_entropy(examples::host_values(r.p)), r.graph_entropy, fl,
@@ -170,10 +180,19 @@ int run(const Options& opt, const Data& data) {
   double graph_entropy = 0;
   for (index_t l : moe_layers) graph_entropy += lm.block(l).moe().routing().graph_entropy;
   if (!moe_layers.empty()) graph_entropy /= static_cast<double>(moe_layers.size());
-  std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f", opt.router.c_str(), std::exp(vloss), graph_entropy);
+  // mean over MoE layers of the probe batch's fluctuation between the last two evaluations
+  double fluctuation = 0;
+  for (double f : last_fluctuation) fluctuation += f;
+  if (!moe_layers.empty()) fluctuation /= static_cast<double>(moe_layers.size());
+  std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f fluctuation=%.4f", opt.router.c_str(),
+              std::exp(vloss), graph_entropy, fluctuation);
   if (!data.test.empty()) {
     LMBatcher test(data.test, opt.batch, seq);
-    if (test.num_batches() > 0) std::printf(" test_ppl=%.3f", std::exp(evaluate<B>(lm, test, 0)));
+    std::printf(" test_ppl=%.3f", std::exp(evaluate<B>(lm, test, 0)));
+    if (!data.attacked_test.empty()) {
+      LMBatcher attacked(data.attacked_test, opt.batch, seq);
+      std::printf(" attacked_test_ppl=%.3f", std::exp(evaluate<B>(lm, test, 0, &attacked)));
+    }
   }
   std::printf("\n");
   return 0;

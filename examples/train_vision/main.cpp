@@ -4,7 +4,10 @@
 //   train_vision --router similarity --epochs 2
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
@@ -54,10 +57,33 @@ int main(int argc, char** argv) {
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors");
+  std::string corrupt;
+  app.add_option("--corrupt", corrupt,
+                 "after training, also test on corrupted test images: comma-separated "
+                 "gaussian_noise, blur, contrast, or all");
+  app.add_option("--severity", opt.severity, "corruption severity (ImageNet-C levels)")->check(CLI::Range(1, 5));
+  app.add_option("--corrupt-seed", opt.corrupt_seed, "seed of the corruptions' noise");
   CLI11_PARSE(app, argc, argv);
   m.layout = layout == "alternating" ? VisionLayout::Alternating : VisionLayout::Last;
   if (opt.router.rfind("smoe-dropout", 0) == 0) m.router.k_max = std::max(m.router.k_max, m.router.k);
   try {
+    // --corrupt: names in the order given, each once; "all" = every corruption
+    for (std::size_t at = 0; !corrupt.empty() && at <= corrupt.size();) {
+      const std::size_t comma = std::min(corrupt.find(',', at), corrupt.size());
+      const std::string name = corrupt.substr(at, comma - at);
+      at = comma + 1;
+      std::vector<Corruption> named(all_corruptions.begin(), all_corruptions.end());
+      if (name != "all") {
+        try {
+          named = {parse_corruption(name)};
+        } catch (const Error& e) {
+          throw Error(std::string("--corrupt: ") + e.what() + ", or all");
+        }
+      }
+      for (Corruption c : named)
+        if (std::find(opt.corruptions.begin(), opt.corruptions.end(), c) == opt.corruptions.end())
+          opt.corruptions.push_back(c);
+    }
     train_vision::Data data;
     if (dataset == "digits") {
       const ImageDataset all = read_digits_csv(data_dir() + "/digits/digits.csv.gz");

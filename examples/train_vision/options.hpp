@@ -2,8 +2,10 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "graphmoe/models/vision_moe.hpp"
+#include "graphmoe/train/image_corruptions.hpp"
 #include "graphmoe/train/image_datasets.hpp"
 
 namespace train_vision {
@@ -22,6 +24,10 @@ struct Options {
   std::string device = "cpu";  // cpu, or cuda when built with CUDA (see examples/CMakeLists.txt)
   std::string out_dir = "runs/vision";
   bool resume = false;
+  // after training: the test accuracy under each of these corruptions (robustness.csv)
+  std::vector<graphmoe::Corruption> corruptions;
+  int severity = 3;               // 1..5 (ImageNet-C's levels)
+  std::uint64_t corrupt_seed = 1;  // the Gaussian noise's seed
 };
 
 struct Data {

@@ -6,9 +6,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
+#include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "graphmoe/train/image_corruptions.hpp"
 #include "graphmoe/train/training_state.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
@@ -57,6 +60,43 @@ double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channel
     }
   }
   return static_cast<double>(correct) / static_cast<double>(ds.count);
+}
+
+// The test set with every image corrupted (on the host; accuracy() moves the batches to B).
+inline ImageDataset corrupted(const ImageDataset& ds, Corruption c, int severity, std::uint64_t seed) {
+  Tensor<Scalar, cpu> x(Shape{ds.count, ds.rows, ds.cols, 1});  // (N, H, W, 1): grey-scale
+  std::copy(ds.pixels.begin(), ds.pixels.end(), x.data());
+  const Tensor<Scalar, cpu> y = corrupt_images(x, c, severity, seed);
+  ImageDataset out;
+  out.count = ds.count;
+  out.rows = ds.rows;
+  out.cols = ds.cols;
+  out.pixels.assign(y.data(), y.data() + y.numel());
+  out.labels = ds.labels;
+  return out;
+}
+
+// load.csv: the tokens routed to each expert of every MoE layer on the first n images of ds,
+// share = tokens / the layer's total (k per token).
+template <class B, class Model>
+void write_layer_loads(Model& m, const ImageDataset& ds, index_t n, const VisionMoEConfig& mc,
+                       const std::string& path) {
+  std::vector<index_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), index_t{0});
+  Tensor<Scalar, cpu> x;
+  Tensor<std::int32_t, cpu> y;
+  make_batch(ds, order, 0, n, mc.channels, x, y);
+  m.forward(examples::on_backend<B>(x), Tensor<std::int32_t, B>());
+  CsvLog csv(path, {"layer", "expert", "tokens", "share"});
+  for (index_t l = 0; l < mc.num_layers; ++l) {
+    if (!m.block(l).is_moe()) continue;
+    const auto load = expert_load(examples::host_values(m.block(l).moe().routing().selection.indices),
+                                  mc.router.num_experts);
+    const index_t total = std::accumulate(load.begin(), load.end(), index_t{0});
+    for (std::size_t e = 0; e < load.size(); ++e)
+      csv.row({static_cast<double>(l), static_cast<double>(e), static_cast<double>(load[e]),
+               total > 0 ? static_cast<double>(load[e]) / static_cast<double>(total) : 0.0});
+  }
 }
 
 template <class Policy, class B>
@@ -142,7 +182,24 @@ int run(const Options& opt, const Data& data) {
     }
   }
   bar.finish();
-  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy<B>(model, data.test, 256, mc.channels));
+  const double clean = accuracy<B>(model, data.test, 256, mc.channels);
+  std::printf("router=%s test_accuracy=%.4f", opt.router.c_str(), clean);
+  // robustness.csv: the clean test accuracy (severity 0) and one row per --corrupt corruption; the
+  // seed column is --corrupt-seed on every row (only the noise uses it)
+  CsvLog robustness((fs::path(opt.out_dir) / "robustness.csv").string(),
+                    {"corruption", "severity", "seed", "accuracy"});
+  const std::string seed = std::to_string(opt.corrupt_seed);
+  robustness.row(std::vector<std::string>{"clean", "0", seed, CsvLog::format(clean)});
+  for (Corruption c : opt.corruptions) {
+    const double acc = accuracy<B>(model, corrupted(data.test, c, opt.severity, opt.corrupt_seed), 256,
+                                   mc.channels);
+    std::printf(" %s_accuracy=%.4f", corruption_name(c), acc);
+    robustness.row(std::vector<std::string>{corruption_name(c), std::to_string(opt.severity), seed,
+                                            CsvLog::format(acc)});
+  }
+  std::printf("\n");
+  write_layer_loads<B>(model, data.test, std::min<index_t>(256, data.test.count), mc,
+                       (fs::path(opt.out_dir) / "load.csv").string());
   return 0;
 }
 

@@ -54,10 +54,13 @@
 // train: optimizers, schedules, checkpoints, data, metrics, progress
 #include "graphmoe/train/checkpoint.hpp"
 #include "graphmoe/train/datasets.hpp"
+#include "graphmoe/train/image_corruptions.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
+#include "graphmoe/train/routing_report.hpp"
 #include "graphmoe/train/schedule.hpp"
+#include "graphmoe/train/text_attack.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 #include "graphmoe/train/training_state.hpp"

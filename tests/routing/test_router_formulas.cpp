@@ -19,7 +19,8 @@ namespace {
 // (j, j' <= i when causal);  p_i = sum_j S[i,j] r_j.
 std::vector<std::vector<double>> naive_similarity(const Tensor<double>& u, const Tensor<double>& r,
                                                   index_t len, double tau, bool causal,
-                                                  std::vector<double>* entropy = nullptr) {
+                                                  std::vector<double>* entropy = nullptr,
+                                                  bool exclude_self = false) {
   const index_t n = u.rows(), d = u.cols(), e = r.cols();
   std::vector<std::vector<double>> p(static_cast<std::size_t>(n), std::vector<double>(static_cast<std::size_t>(e), 0.0));
   for (index_t i = 0; i < n; ++i) {
@@ -30,7 +31,9 @@ std::vector<std::vector<double>> naive_similarity(const Tensor<double>& u, const
     for (index_t j = s0; j < jend; ++j) {
       long double dot = 0;
       for (index_t c = 0; c < d; ++c) dot += static_cast<long double>(u(i, c)) * u(j, c);
-      w.push_back(std::exp(dot / tau));
+      // exclude_self: S[i,i] = 0 unless i has no other entry in its row
+      const bool drop = exclude_self && j == i && jend - s0 > 1;
+      w.push_back(drop ? 0.0L : std::exp(dot / tau));
       z += w.back();
     }
     double h = 0;
@@ -127,6 +130,96 @@ TEST_CASE("similarity graph: matches Definition 2 evaluated loop by loop") {
       CHECK(g.mean_entropy() == doctest::Approx(ent_mean).epsilon(1e-10));
     }
   }
+}
+
+TEST_CASE("similarity graph: exclude_self matches Definition 2 without the diagonal") {
+  Rng rng(12);
+  for (bool causal : {false, true}) {
+    for (index_t len : {1, 7, 150}) {
+      for (bool recompute : {false, true}) {
+        CAPTURE(causal);
+        CAPTURE(len);
+        CAPTURE(recompute);
+        const index_t nb = 2, d = 5, e = 4;
+        auto u = random_normal<double>({nb * len, d}, rng, 0.7);
+        auto r = random_probs<double>(nb * len, e, rng);
+        RouterConfig cfg;
+        cfg.num_experts = e;
+        cfg.similarity_tau = 0.9;
+        cfg.causal = causal;
+        cfg.similarity_recompute = recompute;
+        cfg.similarity_exclude_self = true;
+        GraphImpl<Similarity, double> g;
+        g.configure(d, cfg);
+        Tensor<double> p;
+        g.forward(u, r, {len, nullptr}, p);
+        std::vector<double> ent;
+        auto ref = naive_similarity(u, r, len, 0.9, causal, &ent, true);
+        double worst = 0, ent_mean = 0, self = 0;
+        for (index_t i = 0; i < nb * len; ++i) {
+          ent_mean += ent[static_cast<std::size_t>(i)] / static_cast<double>(nb * len);
+          // only a row without another entry keeps its self-weight (1)
+          const bool alone = len == 1 || (causal && i % len == 0);
+          self += alone ? 1.0 / static_cast<double>(nb * len) : 0.0;
+          for (index_t c = 0; c < e; ++c)
+            worst = std::max(worst, std::abs(p(i, c) - ref[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)]));
+        }
+        CHECK(worst < 1e-12);
+        CHECK(g.mean_entropy() == doctest::Approx(ent_mean).epsilon(1e-10));
+        CHECK(g.mean_self_weight() == doctest::Approx(self).epsilon(1e-12));
+        // without the option, the self-weight is the diagonal of Definition 2's S
+        cfg.similarity_exclude_self = false;
+        GraphImpl<Similarity, double> plain;
+        plain.configure(d, cfg);
+        plain.forward(u, r, {len, nullptr}, p);
+        if (len > 1) CHECK(plain.mean_self_weight() > self);
+      }
+    }
+  }
+}
+
+TEST_CASE("similarity graph: a learned temperature is exp(log_tau), read at every forward") {
+  Rng rng(13);
+  const index_t len = 9, nb = 2, d = 4, e = 3;
+  auto u = random_normal<double>({nb * len, d}, rng, 0.7);
+  auto r = random_probs<double>(nb * len, e, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.similarity_tau = 2.5;
+  cfg.tau_mode = TauMode::Learned;
+  ParameterArena<double> arena;
+  GraphImpl<Similarity, double> g;
+  g.declare(arena, "graph.", d, cfg);
+  arena.allocate();
+  g.bind(arena);
+  g.init(rng);
+  REQUIRE(arena.contains("graph.log_tau"));
+  CHECK(arena.value("graph.log_tau")(0) == doctest::Approx(std::log(2.5)));
+  Tensor<double> p;
+  g.forward(u, r, {len, nullptr}, p);
+  CHECK(g.tau() == doctest::Approx(2.5));
+  arena.value("graph.log_tau")(0) = std::log(0.6);
+  g.forward(u, r, {len, nullptr}, p);
+  CHECK(g.tau() == doctest::Approx(0.6));
+  auto ref = naive_similarity(u, r, len, 0.6, false);
+  double worst = 0;
+  for (index_t i = 0; i < nb * len; ++i)
+    for (index_t c = 0; c < e; ++c)
+      worst = std::max(worst, std::abs(p(i, c) - ref[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)]));
+  CHECK(worst < 1e-12);
+  // configure alone cannot learn: a clear error, not a silent fixed tau
+  GraphImpl<Similarity, double> bare;
+  bare.configure(d, cfg);
+  CHECK_THROWS_WITH_AS(bare.forward(u, r, {len, nullptr}, p), doctest::Contains("declare and bind"), Error);
+  // a router declares it under "<prefix>graph.log_tau"
+  ParameterArena<double> ra;
+  RouterImpl<SimilarityRouter, double> router;
+  router.declare(ra, "router.", d, cfg);
+  ra.allocate();
+  router.bind(ra);
+  router.init(rng);
+  CHECK(ra.contains("router.graph.log_tau"));
+  CHECK(ra.value("router.graph.log_tau")(0) == doctest::Approx(std::log(2.5)));
 }
 
 TEST_CASE("similarity graph: tau scaled with the width uses tau * sqrt(D)") {

@@ -110,6 +110,54 @@ TEST_CASE("similarity graph gradient check: causal, non-causal, across row block
   }
 }
 
+TEST_CASE("similarity graph gradient check: exclude_self and a learned temperature") {
+  struct Case { index_t len; bool causal, recompute, exclude, learned; };
+  for (Case cs : {Case{6, false, false, true, false}, Case{6, true, false, true, false},
+                  Case{70, true, true, true, false}, Case{6, false, false, false, true},
+                  Case{70, true, true, false, true}, Case{6, true, false, true, true}}) {
+    CAPTURE(cs.len);
+    CAPTURE(cs.causal);
+    CAPTURE(cs.recompute);
+    CAPTURE(cs.exclude);
+    CAPTURE(cs.learned);
+    Rng rng(23);
+    const index_t nb = 2, e = 3, d = 3;
+    auto u = random_normal<double>({nb * cs.len, d}, rng, 0.8);
+    auto r = random_probs<double>(nb * cs.len, e, rng);
+    auto w = random_normal<double>({nb * cs.len, e}, rng);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.similarity_tau = 0.7;
+    cfg.causal = cs.causal;
+    cfg.similarity_recompute = cs.recompute;
+    cfg.similarity_exclude_self = cs.exclude;
+    cfg.tau_mode = cs.learned ? TauMode::Learned : TauMode::Fixed;
+    ParameterArena<double> arena;
+    GraphImpl<Similarity, double> g;
+    g.declare(arena, "graph.", d, cfg);
+    arena.allocate();
+    g.bind(arena);
+    g.init(rng);
+    CHECK(arena.size() == (cs.learned ? 1 : 0));
+    GraphContext<double> ctx{cs.len, nullptr};
+    auto loss = [&] {
+      Tensor<double> p;
+      g.forward(u, r, ctx, p);
+      return weighted_sum(p, w);
+    };
+    Tensor<double> p, dr, du(u.shape());
+    g.forward(u, r, ctx, p);
+    arena.zero_grad();
+    g.backward(u, r, p, w, ctx, dr, du);
+    check_gradient("dr", r, dr, loss);
+    check_gradient("du", u, du, loss);
+    if (cs.learned) {
+      CHECK(std::abs(arena.grad("graph.log_tau")(0)) > 1e-6);
+      check_arena(arena, loss);
+    }
+  }
+}
+
 TEST_CASE("attention graph gradient check: into r, the attention probabilities, values, output map and output") {
   for (bool causal : {false, true}) {
     for (HeadChoice hc : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {

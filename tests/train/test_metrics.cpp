@@ -1,4 +1,5 @@
-// Routing metrics against naive loops and hand-made examples (fluctuation, entropy, expert load);
+// Routing metrics against naive loops and hand-made examples (fluctuation, entropy, expert load,
+// selection change); the routing report on hand-made routing histories; the seeded text attack;
 // CsvLog (header once, append, full precision, quoting); bad input.
 #include <doctest/doctest.h>
 
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include "graphmoe/train/metrics.hpp"
+#include "graphmoe/train/routing_report.hpp"
+#include "graphmoe/train/text_attack.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;
@@ -97,6 +100,12 @@ TEST_CASE("routing_fluctuation: identical, permuted, disjoint and mixed routings
   Fluctuation top1 = routing_fluctuation(idx(5, 1, {0, 1, 2, 3, 4}), idx(5, 1, {0, 1, 3, 3, 0}));
   CHECK(top1.changed_tokens == 0.4);
   CHECK(top1.switch_fraction == 0.4);
+  CHECK(top1.top1_changed == 0.4);
+  // top-1 reads slot 0: a swapped pair keeps the set but changes the first choice
+  CHECK(perm.top1_changed == 1.0);
+  CHECK(same.top1_changed == 0.0);
+  // x vs y: token 0 (0 vs 1) and token 2 (4 vs 7) change their first expert
+  CHECK(mixed.top1_changed == 0.5);
 }
 
 TEST_CASE("routing_fluctuation: matches a naive loop on random routings") {
@@ -123,7 +132,201 @@ TEST_CASE("routing_fluctuation: matches a naive loop on random routings") {
     CHECK(f.switch_fraction == doctest::Approx(sw / n).epsilon(1e-14));
     CHECK(f.switch_fraction <= f.changed_tokens);
     CHECK(f.changed_tokens > 0);
+    double top1 = 0;
+    for (index_t i = 0; i < n; ++i) top1 += a(i, 0) != b(i, 0) ? 1 : 0;
+    CHECK(f.top1_changed == doctest::Approx(top1 / n).epsilon(1e-14));
   }
+}
+
+TEST_CASE("selection_change: hand-made rows, ties, and a naive top-k") {
+  // rows of r (E = 4); the selection says which experts p chose
+  auto r = Tensor<double, cpu>::from({4, 4}, {0.4, 0.3, 0.2, 0.1,     // top-2 = {0, 1}
+                                              0.1, 0.2, 0.3, 0.4,     // top-2 = {3, 2}
+                                              0.25, 0.25, 0.25, 0.25, // tie: lower ids, {0, 1}
+                                              0.5, 0.2, 0.2, 0.1});   // tie for 2nd: {0, 1}
+  CHECK(selection_change(r, idx(4, 2, {1, 0, 2, 3, 0, 1, 0, 1})) == 0.0);
+  CHECK(selection_change(r, idx(4, 2, {0, 2, 2, 3, 0, 1, 0, 1})) == 0.25);
+  // the tied rows: {0, 2} is not what top-k of r picks ({0, 1}); nor is {2, 3} for row 2
+  CHECK(selection_change(r, idx(4, 2, {0, 1, 2, 3, 2, 3, 0, 2})) == 0.5);
+  CHECK(selection_change(r, idx(4, 1, {0, 3, 0, 0})) == 0.0);
+  CHECK(selection_change(r, idx(4, 1, {1, 2, 1, 1})) == 1.0);
+  // against a naive top-k (sort by descending value, then ascending id)
+  Rng rng(3);
+  const index_t n = 300, e = 8;
+  for (index_t k : {1, 2, 3}) {
+    CAPTURE(k);
+    auto probs = random_probs<float>(n, e, rng, 1.0);
+    auto sel = random_routing(n, k, e, rng);
+    for (index_t i = 0; i < n; i += 3) {  // a third of the rows select the true top-k
+      std::vector<index_t> ids(static_cast<std::size_t>(e));
+      for (index_t j = 0; j < e; ++j) ids[static_cast<std::size_t>(j)] = j;
+      std::stable_sort(ids.begin(), ids.end(), [&](index_t a, index_t b) { return probs(i, a) > probs(i, b); });
+      for (index_t j = 0; j < k; ++j) sel(i, j) = static_cast<std::int32_t>(ids[static_cast<std::size_t>(k - 1 - j)]);
+    }
+    double changed = 0;
+    for (index_t i = 0; i < n; ++i) {
+      std::vector<index_t> ids(static_cast<std::size_t>(e));
+      for (index_t j = 0; j < e; ++j) ids[static_cast<std::size_t>(j)] = j;
+      std::stable_sort(ids.begin(), ids.end(), [&](index_t a, index_t b) { return probs(i, a) > probs(i, b); });
+      std::set<std::int32_t> top, chosen;
+      for (index_t j = 0; j < k; ++j) {
+        top.insert(static_cast<std::int32_t>(ids[static_cast<std::size_t>(j)]));
+        chosen.insert(sel(i, j));
+      }
+      changed += top != chosen ? 1 : 0;
+    }
+    CHECK(selection_change(probs, sel) == doctest::Approx(changed / n).epsilon(1e-14));
+    CHECK(changed > 0);
+    CHECK(changed < n);
+  }
+}
+
+TEST_CASE("selection_change: bad input") {
+  auto r = Tensor<double, cpu>::from({2, 3}, {0.5, 0.3, 0.2, 0.1, 0.1, 0.8});
+  CHECK_THROWS_WITH_AS(selection_change(r, idx(3, 1, {0, 1, 2})), doctest::Contains("same N"), Error);
+  CHECK_THROWS_WITH_AS(selection_change(r, idx(2, 4, {0, 1, 2, 3, 0, 1, 2, 3})),
+                       doctest::Contains("1 <= k <= E"), Error);
+  CHECK_THROWS_WITH_AS(selection_change(r, idx(2, 1, {0, 3})), doctest::Contains("out of range"), Error);
+  CHECK_THROWS_WITH_AS(selection_change(r, idx(2, 2, {0, 0, 1, 2})), doctest::Contains("twice"), Error);
+  r(1, 1) = std::nan("");
+  CHECK_THROWS_WITH_AS(selection_change(r, idx(2, 1, {0, 2})), doctest::Contains("scores row 1"), Error);
+}
+
+namespace {
+// Hand-made routing histories: two MoE layers (blocks 1 and 3), E = 4, k = 2, two batches of 2 tokens.
+Tensor<double, cpu> rows(index_t n, const std::vector<double>& v) { return Tensor<double, cpu>::from({n, 4}, v); }
+}  // namespace
+
+TEST_CASE("routing_report: known answers on hand-made routing histories") {
+  const auto uniform = rows(2, {0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25});
+  const auto peaked = rows(2, {1, 0, 0, 0, 0, 1, 0, 0});
+  const auto half = rows(2, {0.5, 0.5, 0, 0, 0, 0, 0.5, 0.5});
+  RoutingProbe model, earlier, base;
+  // model: layer 1 r uniform, p = half; layer 3 r = p = peaked. Batches differ in selections.
+  model.record(0, 1, uniform, half, idx(2, 2, {0, 1, 2, 3}), 0.5, 0.75);
+  model.record(1, 3, peaked, peaked, idx(2, 2, {0, 1, 1, 0}), 0.0, 1.0);
+  model.record(0, 1, uniform, half, idx(2, 2, {1, 0, 3, 2}), 1.5, 0.25);
+  model.record(1, 3, peaked, peaked, idx(2, 2, {0, 2, 1, 3}), 0.0, 1.0);
+  // earlier checkpoint: layer 1 token 0 swaps order (same set), token 2 changes a slot
+  earlier.record(0, 1, uniform, uniform, idx(2, 2, {1, 0, 2, 3}), 0, 1);
+  earlier.record(1, 3, peaked, peaked, idx(2, 2, {0, 1, 1, 0}), 0, 1);
+  earlier.record(0, 1, uniform, uniform, idx(2, 2, {1, 0, 3, 0}), 0, 1);
+  earlier.record(1, 3, peaked, peaked, idx(2, 2, {0, 2, 1, 3}), 0, 1);
+  // baseline: r = p = half everywhere
+  for (int b = 0; b < 2; ++b) {
+    base.record(0, 1, half, half, idx(2, 2, {0, 1, 2, 3}), 0, 1);
+    base.record(1, 3, half, half, idx(2, 2, {0, 1, 2, 3}), 0, 1);
+  }
+  const auto reps = routing_report(model, &earlier, &base);
+  REQUIRE(reps.size() == 2);
+  const LayerReport& a = reps[0];
+  const LayerReport& b = reps[1];
+  CHECK(a.layer == 1);
+  CHECK(b.layer == 3);
+  CHECK(a.tokens == 4);
+  CHECK(a.entropy_r == doctest::Approx(std::log(4.0)));
+  CHECK(a.entropy_p == doctest::Approx(std::log(2.0)));
+  CHECK(a.entropy_r_ratio == doctest::Approx(2.0));  // log 4 / log 2
+  CHECK(a.entropy_p_ratio == doctest::Approx(1.0));
+  CHECK(a.graph_entropy == doctest::Approx(1.0));    // (0.5 * 2 + 1.5 * 2) / 4
+  CHECK(a.self_weight == doctest::Approx(0.5));
+  // r uniform: top-2 of r is {0, 1} for every token (ties to lower ids); tokens 1, 2, 3 chose else
+  CHECK(a.graph_changed_selection == doctest::Approx(0.5));  // tokens 1 and 3
+  CHECK(a.fluct_topk == doctest::Approx(0.25));      // token 3: {3, 2} vs {3, 0}
+  CHECK(a.fluct_top1 == doctest::Approx(0.25));      // token 0: first choice 0 vs 1
+  CHECK(a.load == std::vector<index_t>{2, 2, 2, 2});
+  CHECK(a.max_load_share == doctest::Approx(0.25));
+  CHECK(b.entropy_r == doctest::Approx(0.0));
+  CHECK(b.entropy_p_ratio == doctest::Approx(0.0));
+  CHECK(b.graph_entropy == 0.0);
+  CHECK(b.self_weight == 1.0);
+  CHECK(b.fluct_topk == 0.0);
+  CHECK(b.fluct_top1 == 0.0);
+  CHECK(b.load == std::vector<index_t>{3, 3, 1, 1});
+  CHECK(b.max_load_share == doctest::Approx(3.0 / 8.0));
+  // peaked r: token 0 picks 0 (1.0) then 1 (tie at 0, lower id): {0, 1} -> unchanged; token 1
+  // {1, 0} unchanged; token 2 chose {0, 2}: changed; token 3 {1, 3}: changed
+  CHECK(b.graph_changed_selection == doctest::Approx(0.5));
+  // without compare / baseline: NaN
+  const auto alone = routing_report(model);
+  CHECK(std::isnan(alone[0].fluct_topk));
+  CHECK(std::isnan(alone[0].entropy_p_ratio));
+  // the CSV files
+  const std::string dir = std::filesystem::temp_directory_path() / ("graphmoe_report_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  write_routing_report(dir + "/r.csv", reps);
+  write_expert_load(dir + "/l.csv", reps);
+  const std::string csv = read_all(dir + "/r.csv");
+  CHECK(csv.rfind("layer,tokens,entropy_r,entropy_p,entropy_r_ratio,entropy_p_ratio,graph_entropy,"
+                  "self_weight,graph_changed_selection,fluct_top1,fluct_topk,max_load_share\n1,4,", 0) == 0);
+  const std::string load = read_all(dir + "/l.csv");
+  CHECK(load.find("3,1,3,0.375\n") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("routing_report: mismatched models and bad records") {
+  const auto u = rows(2, {0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25});
+  RoutingProbe a, b, empty;
+  a.record(0, 1, u, u, idx(2, 2, {0, 1, 0, 1}), 0, 1);
+  b.record(0, 2, u, u, idx(2, 2, {0, 1, 0, 1}), 0, 1);
+  CHECK_THROWS_WITH_AS(routing_report(empty), doctest::Contains("no recorded MoE layer"), Error);
+  CHECK_THROWS_WITH_AS(routing_report(a, &b), doctest::Contains("compare model routes layer 2"), Error);
+  CHECK_THROWS_WITH_AS(routing_report(a, nullptr, &empty), doctest::Contains("baseline model has 0 MoE layers"), Error);
+  CHECK_THROWS_WITH_AS(a.record(2, 1, u, u, idx(2, 2, {0, 1, 0, 1}), 0, 1), doctest::Contains("skips past"), Error);
+  CHECK_THROWS_WITH_AS(a.record(0, 4, u, u, idx(2, 2, {0, 1, 0, 1}), 0, 1), doctest::Contains("holds layer 1, not 4"), Error);
+  CHECK_THROWS_WITH_AS(a.record(0, 1, u, u, idx(3, 2, {0, 1, 0, 1, 0, 1}), 0, 1), doctest::Contains("same N"), Error);
+  CHECK_THROWS_WITH_AS(a.record(0, 1, u, u, idx(2, 2, {0, 1, 0, 1}), std::nan(""), 1), doctest::Contains("not finite"), Error);
+}
+
+TEST_CASE("attack_stream: seeded, exact count, kept tokens untouched, targets clean") {
+  std::vector<std::int32_t> stream(1000);
+  for (std::size_t i = 0; i < stream.size(); ++i) stream[i] = i % 10 == 9 ? 1 : static_cast<std::int32_t>(2 + i % 7);
+  AttackStats st;
+  const auto a = attack_stream(stream, 0.1, 42, 7, {1}, &st);
+  CHECK(st.attackable == 900);
+  CHECK(st.replaced == 90);
+  std::size_t changed = 0;
+  for (std::size_t i = 0; i < stream.size(); ++i) {
+    if (a[i] != stream[i]) {
+      ++changed;
+      CHECK(a[i] == 42);
+    }
+    if (stream[i] == 1) CHECK(a[i] == 1);  // eos never replaced
+  }
+  CHECK(changed == 90);
+  CHECK(attack_stream(stream, 0.1, 42, 7, {1}) == a);  // same seed, same attack
+  const auto other = attack_stream(stream, 0.1, 42, 8, {1});
+  CHECK(other != a);
+  CHECK(attack_stream(stream, 0.0, 42, 7) == stream);
+  const auto all = attack_stream(stream, 1.0, 42, 7, {1});
+  for (std::size_t i = 0; i < stream.size(); ++i) CHECK(all[i] == (stream[i] == 1 ? 1 : 42));
+  // uniform over positions: each tenth of the stream gets about a tenth of 300 replacements
+  const auto many = attack_stream(stream, 1.0 / 3.0, 42, 11, {1}, &st);
+  CHECK(st.replaced == 300);
+  for (int part = 0; part < 10; ++part) {
+    int c = 0;
+    for (std::size_t i = part * 100; i < (part + 1) * 100u; ++i) c += many[i] != stream[i];
+    CHECK(c > 10);
+    CHECK(c < 50);
+  }
+  // attacked_batch: inputs from the attacked stream, targets from the clean one
+  LMBatcher clean(stream, 4, 16), attacked(a, 4, 16);
+  const LMBatch b = attacked_batch(clean, attacked, 2);
+  const LMBatch cb = clean.batch(2), ab = attacked.batch(2);
+  CHECK(std::equal(b.targets.data(), b.targets.data() + b.targets.numel(), cb.targets.data()));
+  CHECK(std::equal(b.inputs.data(), b.inputs.data() + b.inputs.numel(), ab.inputs.data()));
+  CHECK_FALSE(std::equal(b.inputs.data(), b.inputs.data() + b.inputs.numel(), cb.inputs.data()));
+}
+
+TEST_CASE("attack_stream: bad input") {
+  const std::vector<std::int32_t> s = {1, 2, 3, 4};
+  CHECK_THROWS_WITH_AS(attack_stream(s, 1.5, 0, 1), doctest::Contains("rate must be in [0, 1], got 1.5"), Error);
+  CHECK_THROWS_WITH_AS(attack_stream(s, -0.1, 0, 1), doctest::Contains("rate"), Error);
+  CHECK_THROWS_WITH_AS(attack_stream(s, std::nan(""), 0, 1), doctest::Contains("rate"), Error);
+  CHECK_THROWS_WITH_AS(attack_stream(s, 0.5, -1, 1), doctest::Contains("word id must be >= 0"), Error);
+  std::vector<std::int32_t> long_stream(200, 2);
+  LMBatcher a(long_stream, 4, 8), b(std::vector<std::int32_t>(200, 2), 2, 8);
+  CHECK_THROWS_WITH_AS(attacked_batch(a, b, 0), doctest::Contains("batchers differ"), Error);
 }
 
 TEST_CASE("routing_fluctuation: bad input") {

@@ -72,6 +72,8 @@ inline constexpr bool is_selector_policy_v =
 enum class TauMode {
   Fixed,        // tau = similarity_tau (the paper: 1)
   ScaledSqrtD,  // tau = similarity_tau * sqrt(D), as attention scales its logits
+  Learned,      // tau = exp(log_tau), one trained parameter per router ("graph.log_tau"),
+                // initialised to similarity_tau (CPU backend)
 };
 
 // How h* of the Attention graph is chosen (the paper: lowest mean attention entropy over tokens).
@@ -99,6 +101,9 @@ struct RouterConfig {
   double similarity_tau = 1.0;  // the paper's tau = 1
   TauMode tau_mode = TauMode::Fixed;
   bool causal = false;          // mask j > i (on by default in the LM, off in ViT / classifiers)
+  // Leave S[i,i] out of row i (the token's own score enters p_i only through its neighbours);
+  // a causal sequence's first token, which has no neighbour, keeps S[0,0] = 1. CPU backend.
+  bool similarity_exclude_self = false;
   // false: keep S (N x seq_len values) from forward for backward; true: keep O(N) and recompute
   // S block by block in backward (one more U U^T GEMM).
   bool similarity_recompute = false;

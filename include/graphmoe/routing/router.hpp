@@ -80,11 +80,20 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     cfg_ = cfg;
     d_model_ = d_model;
     scorer_.declare(arena, prefix, d_model, cfg);
-    graph_.configure(d_model, cfg);
+    if constexpr (kGraphHasParameters)
+      graph_.declare(arena, prefix + "graph.", d_model, cfg);
+    else
+      graph_.configure(d_model, cfg);
     selector_.configure(cfg);
   }
-  void bind(const ParameterArena<T, B>& arena) { scorer_.bind(arena); }
-  void init(Rng& rng) { scorer_.init(rng); }
+  void bind(const ParameterArena<T, B>& arena) {
+    scorer_.bind(arena);
+    if constexpr (kGraphHasParameters) graph_.bind(arena);
+  }
+  void init(Rng& rng) {
+    scorer_.init(rng);
+    if constexpr (kGraphHasParameters) graph_.init(rng);
+  }
 
   const RouterConfig& config() const { return cfg_; }
   ScorerImpl<Scorer, T, B>& scorer() { return scorer_; }
@@ -128,6 +137,14 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   }
 
  private:
+  // A token graph may own parameters (the Similarity graph's learned temperature).
+  static constexpr bool kGraphHasParameters =
+      requires(GraphImpl<Graph, T, B> g, ParameterArena<T, B> a, Rng r) {
+        g.declare(a, std::string(), index_t{}, RouterConfig{});
+        g.bind(a);
+        g.init(r);
+      };
+
   RouterConfig cfg_;
   index_t d_model_ = 0;
   ScorerImpl<Scorer, T, B> scorer_;

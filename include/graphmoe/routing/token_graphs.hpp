@@ -1,7 +1,9 @@
 // graphmoe/routing/token_graphs.hpp: token-graph implementations, p = G r within each sequence.
 //
 // Every token graph has the same members:
-//   configure(d_model, cfg)
+//   configure(d_model, cfg)                     (or declare(arena, prefix, d_model, cfg), bind(arena)
+//                                               and init(rng) for a graph with parameters: the
+//                                               Similarity graph's learned temperature)
 //   forward(u, r, ctx, p)                       p assigned (N, E)
 //   backward(u, r, p, dp, ctx, dr, du)          dr assigned, du accumulated (+=)
 //   mean_entropy()                              mean row entropy of G in the last forward
@@ -13,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/eigen.hpp"
+#include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/threads.hpp"
 #include "graphmoe/routing/attention_cache.hpp"
 #include "graphmoe/routing/policies.hpp"
@@ -38,9 +42,10 @@ void check_graph_inputs(const char* op, const Tensor<T, B>& u, const Tensor<T, B
 }
 // The Similarity graph's temperature for tokens of width d_model (every backend).
 inline double similarity_tau(index_t d_model, const RouterConfig& cfg) {
-  const double tau = cfg.tau_mode == TauMode::Fixed
-                         ? cfg.similarity_tau
-                         : cfg.similarity_tau * std::sqrt(static_cast<double>(d_model));
+  // Fixed, and Learned's initial value: similarity_tau; ScaledSqrtD: similarity_tau * sqrt(D)
+  const double tau = cfg.tau_mode == TauMode::ScaledSqrtD
+                         ? cfg.similarity_tau * std::sqrt(static_cast<double>(d_model))
+                         : cfg.similarity_tau;
   GRAPHMOE_CHECK(tau > 0, "Similarity", "tau must be > 0, got ", tau);
   return tau;
 }
@@ -102,6 +107,7 @@ class GraphImpl<Independent, T, B> {
     dr.copy_from(dp);
   }
   double mean_entropy() const { return 0.0; }
+  double mean_self_weight() const { return 1.0; }  // G = I
 };
 
 // p_i = sum_j S[i,j] r_j,  S = softmax_j(u_i . u_j / tau) within each sequence (j <= i if causal).
@@ -111,6 +117,9 @@ class GraphImpl<Independent, T, B> {
 //   forward   L = U_blk U^T / tau,  S = exp(L - lse),  p_blk = S r
 //   backward  dr += S^T dp_blk;  dL = S o (dp_blk r^T - rowdot(dp, p));
 //             dU_blk += dL U / tau;  dU += dL^T U_blk / tau
+// Options (RouterConfig): tau fixed, scaled by sqrt(D), or learned (tau = exp(log_tau), one
+// parameter, d loss / d log_tau = -sum_ij dL_ij L_ij); similarity_exclude_self leaves S[i,i] out
+// of its row (L_ii = -inf; a row with no other entry keeps it).
 // By default the S rows are kept from forward for backward (N x T values, T the sequence
 // length); RouterConfig::similarity_recompute keeps only the row log-sum-exp (O(N)) and
 // recomputes each (kBlock, T) block of S in backward, trading one more U U^T GEMM for memory.
@@ -120,19 +129,44 @@ class GraphImpl<Similarity, T, cpu> {
  public:
   static constexpr index_t kBlock = 64;
 
+  // TauMode::Learned declares its one parameter "<prefix>log_tau" (shape (1)); the other modes
+  // have none (configure alone suffices).
+  void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
+               const RouterConfig& cfg) {
+    configure(d_model, cfg);
+    if (cfg.tau_mode == TauMode::Learned) id_log_tau_ = arena.add(prefix + "log_tau", Shape{1});
+  }
+  void bind(const ParameterArena<T, cpu>& arena) {
+    if (id_log_tau_ < 0) return;
+    log_tau_ = arena.value(id_log_tau_);
+    dlog_tau_ = arena.grad(id_log_tau_);
+  }
+  void init(Rng&) {
+    if (id_log_tau_ >= 0) log_tau_.data()[0] = static_cast<T>(std::log(cfg_.similarity_tau));
+  }
   void configure(index_t d_model, const RouterConfig& cfg) {
     cfg_ = cfg;
     tau_ = detail::similarity_tau(d_model, cfg);
   }
+  // The temperature of the last forward (the learned one's current value).
   double tau() const { return tau_; }
 
   void forward(const Tensor<T, cpu>& u, const Tensor<T, cpu>& r, const GraphContext<T, cpu>& ctx,
                Tensor<T, cpu>& p) {
     detail::check_graph_inputs("Similarity", u, r, ctx.seq_len);
+    if (cfg_.tau_mode == TauMode::Learned) {
+      GRAPHMOE_CHECK(!log_tau_.empty(), "Similarity",
+                     "a learned temperature needs its parameter: declare and bind the graph "
+                     "(RouterImpl does) instead of configure alone");
+      tau_ = std::exp(static_cast<double>(log_tau_.data()[0]));
+      GRAPHMOE_CHECK(std::isfinite(tau_) && tau_ > 0, "Similarity", "the learned temperature is ",
+                     tau_, " (log_tau = ", static_cast<double>(log_tau_.data()[0]), ")");
+    }
     const index_t n = u.rows(), len = ctx.seq_len;
     prepare_output("Similarity", "p", p, r.shape());
     lse_ = Tensor<T, cpu>(Shape{n});
     entropy_ = Tensor<T, cpu>(Shape{n});
+    self_ = Tensor<T, cpu>(Shape{n});
     if (!cfg_.similarity_recompute && (s_.empty() || s_.shape() != Shape{n, len}))
       s_ = Tensor<T, cpu>(Shape{n, len});
     if (cfg_.similarity_recompute) s_ = Tensor<T, cpu>();
@@ -178,9 +212,13 @@ class GraphImpl<Similarity, T, cpu> {
     if (to_u) check_shape("Similarity::backward", "du", du, u.shape());
     auto dU = as_matrix(du);
     const T inv_tau = static_cast<T>(1.0 / tau_);
+    // learned tau: d loss / d log_tau = -sum_ij dL_ij L_ij = -(1/tau) sum_i u_i . (dL U)_i, summed
+    // per sequence (in double) and added after the parallel loop
+    const bool to_tau = to_u && !dlog_tau_.empty();
+    std::vector<double> dlog_tau(to_tau ? static_cast<std::size_t>(n / len) : 0, 0.0);
     parallel_items(n / len, [&](index_t seq) {
       const index_t s0 = seq * len;
-      RowMatrix<T> scratch, dL;
+      RowMatrix<T> scratch, dL, dLU;
       Eigen::Matrix<T, Eigen::Dynamic, 1> rowdot;
       for (index_t i0 = 0; i0 < len; i0 += kBlock) {
         const index_t bi = std::min(kBlock, len - i0);
@@ -194,7 +232,14 @@ class GraphImpl<Similarity, T, cpu> {
           rowdot = (dPb.array() * P.middleRows(s0 + i0, bi).array()).rowwise().sum();
           dL.noalias() = dPb * R.middleRows(s0, jn).transpose();
           dL = S.array() * (dL.colwise() - rowdot).array();
-          dU.middleRows(s0 + i0, bi).noalias() += inv_tau * dL * Us;
+          if (to_tau) {
+            dLU.noalias() = dL * Us;
+            dU.middleRows(s0 + i0, bi) += inv_tau * dLU;
+            dlog_tau[static_cast<std::size_t>(seq)] -=
+                static_cast<double>(inv_tau) * (Ub.array() * dLU.array()).template cast<double>().sum();
+          } else {
+            dU.middleRows(s0 + i0, bi).noalias() += inv_tau * dL * Us;
+          }
           dU.middleRows(s0, jn).noalias() += inv_tau * dL.transpose() * Ub;
         };
         if (cfg_.similarity_recompute) {
@@ -204,6 +249,7 @@ class GraphImpl<Similarity, T, cpu> {
             const index_t valid = cfg_.causal ? i0 + a + 1 : jn;
             scratch.row(a).head(valid) = (scratch.row(a).head(valid).array() - l).exp();
             scratch.row(a).tail(jn - valid).setZero();
+            if (masks_self(valid)) scratch(a, i0 + a) = T(0);
           }
           run(scratch);
         } else {
@@ -211,37 +257,57 @@ class GraphImpl<Similarity, T, cpu> {
         }
       }
     });
+    if (to_tau) {
+      double total = 0;
+      for (double x : dlog_tau) total += x;
+      dlog_tau_.data()[0] += static_cast<T>(total);
+    }
   }
 
   double mean_entropy() const {
     return entropy_.empty() ? 0.0 : static_cast<double>(as_vector(entropy_).mean());
   }
   const Tensor<T, cpu>& row_entropy() const { return entropy_; }
+  // S[i,i] of every token in the last forward, (N): 1 where S is the identity.
+  const Tensor<T, cpu>& self_weight() const { return self_; }
+  double mean_self_weight() const {
+    return self_.empty() ? 1.0 : static_cast<double>(as_vector(self_).template cast<double>().mean());
+  }
 
  private:
-  // In place: logits (bi, jn) of rows [i0, i0 + bi) of one sequence -> probabilities; saves lse
-  // and the row entropy H = lse - sum_j S_j L_j at global row g0 + a.
+  // In place: logits (bi, jn) of rows [i0, i0 + bi) of one sequence -> probabilities; saves lse,
+  // the row entropy H = lse - sum_j S_j L_j and the self-weight S[i,i] at global row g0 + a.
   template <class M>
   void softmax_block(M&& L, index_t i0, index_t g0) {
     for (index_t a = 0; a < L.rows(); ++a) {
       const index_t valid = cfg_.causal ? i0 + a + 1 : L.cols();
       auto row = L.row(a).head(valid);
+      const bool mask = masks_self(valid);
+      if (mask) row(i0 + a) = std::numeric_limits<T>::lowest();
       const T mx = row.maxCoeff();
-      // e_j = exp(l_j - mx); H = log(sum e) - sum e (l - mx) / sum e
+      // e_j = exp(l_j - mx); H = log(sum e) - sum e (l - mx) / sum e (the masked entry: e = 0)
       auto shifted = (row.array() - mx).eval();
+      if (mask) shifted(i0 + a) = T(0);
       auto e = shifted.exp().eval();
+      if (mask) e(i0 + a) = T(0);
       const T sum = e.sum();
       const T dot = (e * shifted).sum();
       lse_.data()[g0 + a] = mx + std::log(sum);
       entropy_.data()[g0 + a] = std::log(sum) - dot / sum;
       row = e.matrix() / sum;
       L.row(a).tail(L.cols() - valid).setZero();
+      self_.data()[g0 + a] = L(a, i0 + a);
     }
   }
 
+  // Whether row i's own entry is left out (exclude_self, and the row has another entry).
+  bool masks_self(index_t valid) const { return cfg_.similarity_exclude_self && valid > 1; }
+
   RouterConfig cfg_;
   double tau_ = 1.0;
-  Tensor<T, cpu> lse_, entropy_, s_;
+  Tensor<T, cpu> lse_, entropy_, self_, s_;
+  index_t id_log_tau_ = -1;
+  Tensor<T, cpu> log_tau_, dlog_tau_;
 };
 
 // p_i = sum_j A^p[i,j] r_j with the attention posterior of Lemma 1 for head h*:
@@ -265,6 +331,7 @@ class GraphImpl<Attention, T, cpu> {
     const index_t n = u.rows(), len = ctx.seq_len, nh = c.num_heads;
     prepare_output("Attention", "p", p, r.shape());
     if (post_.empty() || post_.shape() != Shape{n, len}) post_ = Tensor<T, cpu>(Shape{n, len});
+    seq_len_ = len;
     head_.assign(static_cast<std::size_t>(n), 0);
     row_entropy_.assign(static_cast<std::size_t>(n), 0.0);
     const T inv_var = static_cast<T>(1.0 / (cfg_.attention_sigma * cfg_.attention_sigma));
@@ -385,6 +452,14 @@ class GraphImpl<Attention, T, cpu> {
     for (double e : row_entropy_) s += e;
     return s / static_cast<double>(row_entropy_.size());
   }
+  // Mean over tokens of A^p[i,i] in the last forward (1 where A^p is the identity).
+  double mean_self_weight() const {
+    if (post_.empty() || seq_len_ == 0) return 1.0;
+    const index_t n = post_.rows();
+    double s = 0;
+    for (index_t i = 0; i < n; ++i) s += static_cast<double>(post_.data()[i * seq_len_ + i % seq_len_]);
+    return s / static_cast<double>(n);
+  }
   // h* of each token in the last forward.
   const std::vector<int>& heads() const { return head_; }
   // A^p of the last forward, (N, T): row i holds token i's posterior over its sequence.
@@ -456,6 +531,7 @@ class GraphImpl<Attention, T, cpu> {
 
   RouterConfig cfg_;
   index_t d_model_ = 0;
+  index_t seq_len_ = 0;
   Tensor<T, cpu> post_;
   std::vector<int> head_;
   std::vector<double> row_entropy_;

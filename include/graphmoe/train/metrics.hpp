@@ -5,6 +5,8 @@
 //   mean_entropy(probs)           mean over tokens of -sum_e p log p (torchscale's router entropy)
 //   mean_normalized_entropy(p)    the same divided by log E            (LibMoE)
 //   expert_load(indices, E)       tokens routed to each expert
+//   selection_change(r, indices)  how often the selected set differs from the top-k of r (what
+//                                 the token graph changed)
 //   CsvLog                        one metrics row per call, flushed, full precision
 //
 // Routings are the (N, k) expert indices of Selection::indices (RouterOutput::selection): N probe
@@ -12,6 +14,7 @@
 // of a token's k experts (by score) does not matter.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -27,15 +30,18 @@
 
 namespace graphmoe {
 
-// Both over the N tokens of two routings a, b of shape (N, k):
-//   changed_tokens  = (1/N) #{i : set(a_i) != set(b_i)}           the paper's fluctuation
+// Over the N tokens of two routings a, b of shape (N, k):
+//   changed_tokens  = (1/N) #{i : set(a_i) != set(b_i)}           the paper's (top-k) fluctuation
 //   switch_fraction = (1/N) sum_i #{j : a_ij not in set(b_i)} / k  LibMoE's average_switch_fraction
-// Both are 0 for identical routings and 1 for routings with no expert in common on any token;
-// switch_fraction <= changed_tokens. Since each row holds k distinct experts, both are symmetric
-// in a and b.
+//   top1_changed    = (1/N) #{i : a_i0 != b_i0}                   top-1 fluctuation
+// All are 0 for identical routings and 1 for routings with no expert in common on any token;
+// switch_fraction <= changed_tokens. Since each row holds k distinct experts, all are symmetric
+// in a and b. top1_changed reads slot 0 as the token's first choice, as Selection::indices is
+// ordered (descending score); for k = 1 it equals changed_tokens.
 struct Fluctuation {
   double changed_tokens = 0;
   double switch_fraction = 0;
+  double top1_changed = 0;
 };
 
 namespace detail {
@@ -69,10 +75,11 @@ inline Fluctuation routing_fluctuation(const Tensor<std::int32_t, cpu>& a,
   detail::check_routing(op, "the first routing", a);
   detail::check_routing(op, "the second routing", b);
   const index_t n = a.dim(0), k = a.dim(1);
-  index_t changed = 0, switched = 0;
+  index_t changed = 0, switched = 0, top1 = 0;
   for (index_t i = 0; i < n; ++i) {
     const std::int32_t* ra = a.data() + i * k;
     const std::int32_t* rb = b.data() + i * k;
+    top1 += ra[0] != rb[0] ? 1 : 0;
     index_t missing = 0;
     for (index_t j = 0; j < k; ++j) {
       bool found = false;
@@ -86,6 +93,7 @@ inline Fluctuation routing_fluctuation(const Tensor<std::int32_t, cpu>& a,
   f.changed_tokens = static_cast<double>(changed) / static_cast<double>(n);
   f.switch_fraction =
       static_cast<double>(switched) / (static_cast<double>(n) * static_cast<double>(k));
+  f.top1_changed = static_cast<double>(top1) / static_cast<double>(n);
   return f;
 }
 
@@ -149,6 +157,53 @@ inline std::vector<index_t> expert_load(const Tensor<std::int32_t, cpu>& indices
     ++counts[static_cast<std::size_t>(e)];
   }
   return counts;
+}
+
+// Fraction of the N tokens whose selected experts (indices (N, k), e.g. Selection::indices of p)
+// differ as a set from the k largest entries of the scores r (N, E) before the token graph: how
+// often the graph changed the routing decision. Ties in r go to the lower expert id (the library's
+// top-k rule), so an exactly tied row can count as changed; with continuous scores ties do not
+// occur. 0 for a router without a graph (p = r).
+template <class T>
+double selection_change(const Tensor<T, cpu>& r, const Tensor<std::int32_t, cpu>& indices) {
+  constexpr const char* op = "selection_change";
+  GRAPHMOE_CHECK(r.rank() == 2 && indices.rank() == 2 && r.dim(0) == indices.dim(0), op,
+                 "scores must be (N, E) and indices (N, k) with the same N, got ", r.shape(),
+                 " and ", indices.shape());
+  const index_t n = r.dim(0), e = r.dim(1), k = indices.dim(1);
+  GRAPHMOE_CHECK(n > 0 && k >= 1 && k <= e, op, "need N > 0 tokens and 1 <= k <= E, got N = ", n,
+                 ", k = ", k, ", E = ", e);
+  detail::check_routing(op, "indices", indices);
+  index_t changed = 0;
+  std::vector<char> chosen(static_cast<std::size_t>(e));
+  for (index_t i = 0; i < n; ++i) {
+    const T* row = r.data() + i * e;
+    for (index_t j = 0; j < e; ++j)
+      GRAPHMOE_CHECK(std::isfinite(static_cast<double>(row[j])), op, "scores row ", i,
+                     " holds ", static_cast<double>(row[j]), " at expert ", j);
+    std::fill(chosen.begin(), chosen.end(), 0);
+    bool differs = false;
+    for (index_t j = 0; j < k; ++j) {
+      const std::int32_t x = indices.data()[i * k + j];
+      GRAPHMOE_CHECK(x < e, op, "expert id ", x, " of token ", i, " is out of range [0, ", e, ")");
+      chosen[static_cast<std::size_t>(x)] = 1;
+    }
+    // The top-k of r is the chosen set iff every chosen score beats (or ties with a higher-id
+    // loser) every unchosen one: compare the weakest chosen with the strongest unchosen.
+    index_t weakest = -1, strongest = -1;
+    for (index_t j = 0; j < e; ++j) {
+      if (chosen[static_cast<std::size_t>(j)]) {
+        if (weakest < 0 || row[j] < row[weakest] || (row[j] == row[weakest] && j > weakest))
+          weakest = j;
+      } else if (strongest < 0 || row[j] > row[strongest]) {
+        strongest = j;
+      }
+    }
+    if (strongest >= 0)
+      differs = row[strongest] > row[weakest] || (row[strongest] == row[weakest] && strongest < weakest);
+    changed += differs ? 1 : 0;
+  }
+  return static_cast<double>(changed) / static_cast<double>(n);
 }
 
 // A CSV file of metrics rows. The header (the column names) is written once: when the file is

@@ -1,0 +1,136 @@
+// routing_report: what a trained router does, per MoE layer, on a fixed probe set.
+//
+//   routing_report --checkpoint runs/lm/similarity/checkpoint.safetensors \
+//                  --compare runs/lm/similarity/checkpoint-step402.safetensors \
+//                  --baseline runs/lm/softmax/checkpoint.safetensors --out report.csv
+//
+// Loads any train_lm checkpoint (its router and shape come from the checkpoint's metadata), routes
+// the first --probe-batches batches of --text (default: WikiText-2's test split) and writes, per
+// MoE layer (graphmoe/train/routing_report.hpp): entropy of r and p, their ratio to --baseline's,
+// the token graph's row entropy and self-weight, how often the graph changed the selected experts,
+// top-1 / top-k fluctuation against --compare (another checkpoint of the same model, e.g. the
+// previous epoch), and tokens per expert (--load-out). The tokenizer is the checkpoint folder's
+// vocab.txt unless --vocab names another; every model must use the same one.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/lm_config.hpp"
+#include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/files.hpp"
+#include "graphmoe/train/tokenizers.hpp"
+#include "routing_report/probe.hpp"
+
+using namespace graphmoe;
+
+namespace {
+
+struct Model {
+  std::string path, router;
+  RoutingProbe probe;
+};
+
+std::vector<std::int32_t> encode(const std::string& vocab, bool char_level, const std::string& text) {
+  if (char_level) return CharTokenizer::load(vocab).encode_file(text);
+  return WordTokenizer::load(vocab).encode_file(text);
+}
+
+Model load_and_probe(const std::string& path, const std::string& vocab_override,
+                     const std::string& text, index_t probe_batches, index_t batch,
+                     std::size_t* vocab_size) {
+  namespace fs = std::filesystem;
+  const SafetensorsFile f = load_safetensors(path);
+  GRAPHMOE_CHECK(f.metadata.count("config") && f.metadata.count("step"), "routing_report", "'",
+                 path, "' has no 'config' and 'step' metadata: is it a train_lm checkpoint?");
+  nlohmann::json cfg;
+  try {
+    cfg = nlohmann::json::parse(f.metadata.at("config"));
+  } catch (const std::exception& e) {
+    detail::throw_error("routing_report", "'", path, "': the config metadata is not JSON: ", e.what());
+  }
+  GRAPHMOE_CHECK(cfg.contains("router") && cfg.contains("d_model") && cfg.contains("char_level"),
+                 "routing_report", "'", path, "' is not a train_lm checkpoint (its config has no "
+                 "router, d_model or char_level; train_vision checkpoints are not supported yet)");
+  routing_report::ProbeInput in;
+  in.file = &f;
+  in.config = examples::lm_config_from_json(cfg);
+  const std::string router = cfg.at("router");
+  const std::string step_text = f.metadata.at("step");
+  try {
+    in.step = std::stoll(step_text);
+  } catch (const std::exception&) {
+    detail::throw_error("routing_report", "'", path, "': step metadata '", step_text, "' is not a number");
+  }
+  const std::string vocab = vocab_override.empty()
+                                ? (fs::path(path).parent_path() / "vocab.txt").string()
+                                : vocab_override;
+  const std::vector<std::int32_t> ids = encode(vocab, cfg.at("char_level").get<bool>(), text);
+  if (*vocab_size == 0) *vocab_size = static_cast<std::size_t>(in.config.vocab_size);
+  GRAPHMOE_CHECK(static_cast<std::size_t>(in.config.vocab_size) == *vocab_size, "routing_report",
+                 "'", path, "' has a vocabulary of ", in.config.vocab_size, " words, the first model ",
+                 *vocab_size, ": the models must share one tokenizer");
+  LMBatcher batches(ids, batch, in.config.max_seq_len);
+  const index_t nb = probe_batches > 0 ? std::min(probe_batches, batches.num_batches()) : batches.num_batches();
+  for (index_t i = 0; i < nb; ++i) in.batches.push_back(batches.batch(i));
+  std::fprintf(stderr, "routing_report: %s (%s, step %lld): %lld probe tokens\n", path.c_str(),
+               router.c_str(), static_cast<long long>(in.step), static_cast<long long>(nb * batch * in.config.max_seq_len));
+  Model m{path, router, with_router(router, [&]<class Policy>() { return routing_report::probe<Policy>(in); })};
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string checkpoint, compare, baseline, vocab, out = "report.csv", load_out;
+  std::string text = data_dir() + "/wikitext-2/wiki.test.tokens";
+  index_t probe_batches = 8, batch = 16;
+  int threads = 2;
+  CLI::App app{"Per-layer routing report of a train_lm checkpoint (graphmoe)"};
+  app.add_option("--checkpoint", checkpoint, "the model (a train_lm checkpoint.safetensors)")->required()->check(CLI::ExistingFile);
+  app.add_option("--compare", compare, "another checkpoint of the same model (e.g. the previous epoch's): top-1 / top-k fluctuation")->check(CLI::ExistingFile);
+  app.add_option("--baseline", baseline, "a baseline model of the same shape (e.g. softmax): entropy ratios")->check(CLI::ExistingFile);
+  app.add_option("--vocab", vocab, "tokenizer (default: vocab.txt beside each checkpoint)");
+  app.add_option("--text", text, "probe text (WikiText format; default WikiText-2 test)")->check(CLI::ExistingFile);
+  app.add_option("--probe-batches", probe_batches, "probe batches from the start of --text (0 = all)")->check(CLI::Range(index_t{0}, index_t{1} << 20));
+  app.add_option("--batch", batch, "sequences per probe batch")->check(CLI::Range(index_t{1}, index_t{4096}));
+  app.add_option("--out", out, "per-layer CSV");
+  app.add_option("--load-out", load_out, "tokens-per-expert CSV (default: <out without .csv>_load.csv)");
+  app.add_option("--threads", threads, "CPU threads")->check(CLI::Range(1, 256));
+  CLI11_PARSE(app, argc, argv);
+  if (load_out.empty()) {
+    const std::string stem = out.size() > 4 && out.compare(out.size() - 4, 4, ".csv") == 0 ? out.substr(0, out.size() - 4) : out;
+    load_out = stem + "_load.csv";
+  }
+  try {
+    set_num_threads(threads);
+    std::size_t vocab_size = 0;
+    const Model model = load_and_probe(checkpoint, vocab, text, probe_batches, batch, &vocab_size);
+    Model cmp, base;
+    if (!compare.empty()) {
+      cmp = load_and_probe(compare, vocab, text, probe_batches, batch, &vocab_size);
+      GRAPHMOE_CHECK(cmp.router == model.router, "routing_report", "--compare '", compare,
+                     "' has the router ", cmp.router, ", the model ", model.router,
+                     ": fluctuation compares two checkpoints of one model");
+    }
+    if (!baseline.empty()) base = load_and_probe(baseline, vocab, text, probe_batches, batch, &vocab_size);
+    const auto reps = graphmoe::routing_report(model.probe, compare.empty() ? nullptr : &cmp.probe,
+                                     baseline.empty() ? nullptr : &base.probe);
+    write_routing_report(out, reps);
+    write_expert_load(load_out, reps);
+    std::printf("%-6s %9s %9s %9s %9s %9s %9s %9s\n", "layer", "H(r)", "H(p)", "H(p)/base",
+                "graph H", "S[i,i]", "changed", "fluct");
+    for (const auto& r : reps)
+      std::printf("%-6lld %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f\n", static_cast<long long>(r.layer),
+                  r.entropy_r, r.entropy_p, r.entropy_p_ratio, r.graph_entropy, r.self_weight,
+                  r.graph_changed_selection, r.fluct_topk);
+    std::fprintf(stderr, "routing_report: wrote %s and %s\n", out.c_str(), load_out.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "routing_report: error: %s\n", e.what());
+    return 1;
+  }
+}
