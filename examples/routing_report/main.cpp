@@ -1,7 +1,7 @@
 // routing_report: what a trained router does, per MoE layer, on a fixed probe set.
 //
-//   routing_report --checkpoint runs/lm/similarity/checkpoint.safetensors \
-//                  --compare runs/lm/similarity/checkpoint-step402.safetensors \
+//   routing_report --checkpoint runs/lm/similarity/checkpoint.safetensors
+//                  --compare runs/lm/similarity/checkpoint-step402.safetensors
 //                  --baseline runs/lm/softmax/checkpoint.safetensors --out report.csv
 //
 // Loads any train_lm checkpoint (its router and shape come from the checkpoint's metadata), routes
@@ -34,9 +34,22 @@ struct Model {
   RoutingProbe probe;
 };
 
-std::vector<std::int32_t> encode(const std::string& vocab, bool char_level, const std::string& text) {
-  if (char_level) return CharTokenizer::load(vocab).encode_file(text);
-  return WordTokenizer::load(vocab).encode_file(text);
+// The probe text's ids under the checkpoint's tokenizer, which must have the model's vocabulary.
+std::vector<std::int32_t> encode(const std::string& vocab, bool char_level, const std::string& text,
+                                 index_t vocab_size, const std::string& checkpoint) {
+  auto check = [&](std::size_t n) {
+    GRAPHMOE_CHECK(static_cast<index_t>(n) == vocab_size, "routing_report", "the tokenizer '", vocab,
+                   "' has ", n, " entries, the model '", checkpoint, "' ", vocab_size,
+                   ": pass the vocab.txt written beside it (--vocab)");
+  };
+  if (char_level) {
+    const CharTokenizer tok = CharTokenizer::load(vocab);
+    check(tok.size());
+    return tok.encode_file(text);
+  }
+  const WordTokenizer tok = WordTokenizer::load(vocab);
+  check(tok.size());
+  return tok.encode_file(text);
 }
 
 Model load_and_probe(const std::string& path, const std::string& vocab_override,
@@ -68,7 +81,8 @@ Model load_and_probe(const std::string& path, const std::string& vocab_override,
   const std::string vocab = vocab_override.empty()
                                 ? (fs::path(path).parent_path() / "vocab.txt").string()
                                 : vocab_override;
-  const std::vector<std::int32_t> ids = encode(vocab, cfg.at("char_level").get<bool>(), text);
+  const std::vector<std::int32_t> ids =
+      encode(vocab, cfg.at("char_level").get<bool>(), text, in.config.vocab_size, path);
   if (*vocab_size == 0) *vocab_size = static_cast<std::size_t>(in.config.vocab_size);
   GRAPHMOE_CHECK(static_cast<std::size_t>(in.config.vocab_size) == *vocab_size, "routing_report",
                  "'", path, "' has a vocabulary of ", in.config.vocab_size, " words, the first model ",

@@ -7,6 +7,7 @@
 // safetensors) to <out>/checkpoint.safetensors; --resume continues from it.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 
@@ -99,10 +100,19 @@ int main(int argc, char** argv) {
     };
     GRAPHMOE_CHECK(opt.attack_rate == 0.0 || !opt.test_path.empty(), "train_lm",
                    "--attack-rate needs a test set (--test)");
+    // The similarity graph's options on a router without it would be silently ignored.
+    GRAPHMOE_CHECK((m.router.tau_mode != TauMode::Learned && !m.router.similarity_exclude_self) ||
+                       opt.router.find("similarity") != std::string::npos,
+                   "train_lm", "--tau-mode learned and --graph-exclude-self are options of the "
+                   "Similarity graph; the router '", opt.router, "' has none");
     auto attack = [&](std::int32_t word, std::vector<std::int32_t> keep, const char* word_text) {
       if (opt.attack_rate == 0.0) return;
+      GRAPHMOE_CHECK(std::find(keep.begin(), keep.end(), word) == keep.end(), "train_lm",
+                     "--attack-word '", opt.attack_word, "' is a line break, not a word");
       AttackStats st;
       data.attacked_test = attack_stream(data.test, opt.attack_rate, word, opt.attack_seed, keep, &st);
+      GRAPHMOE_CHECK(st.replaced > 0, "train_lm", "--attack-rate ", opt.attack_rate,
+                     " replaces no word of the ", st.attackable, " test words: raise it or set 0");
       std::fprintf(stderr, "train_lm: attacked test: %zu of %zu words replaced by '%s' (id %d), seed %llu\n",
                    st.replaced, st.attackable, word_text, static_cast<int>(word),
                    static_cast<unsigned long long>(opt.attack_seed));
@@ -118,7 +128,9 @@ int main(int argc, char** argv) {
       const std::vector<std::int32_t> w = tok.encode(opt.attack_word);
       GRAPHMOE_CHECK(opt.attack_rate == 0.0 || w.size() == 1, "train_lm",
                      "--attack-word must be one character with --char, got '", opt.attack_word, "'");
-      if (opt.attack_rate > 0.0) attack(w.front(), {}, opt.attack_word.c_str());
+      // line breaks are kept, as <eos> is at word level
+      const std::vector<std::int32_t> newline = tok.encode("\n");
+      if (opt.attack_rate > 0.0) attack(w.front(), newline, opt.attack_word.c_str());
     } else {
       const WordTokenizer tok = WordTokenizer::build(opt.train_path, opt.max_vocab);
       data.train = tok.encode_file(opt.train_path);

@@ -3,6 +3,7 @@
 # skipped when its result file exists, so a study reruns only what is missing, and any one cell
 # reruns alone after `rm -r` of its folder (or FORCE=1).
 #   BUILD=build-study    the build folder with the examples (scripts/study/build.sh makes it)
+#   RUNS=runs/study      where the cells write
 #   THREADS=1            threads per run (the scripts run JOBS=2 runs side by side on 2 cores)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -34,38 +35,67 @@ lm_cell() {
   shift 4
   local dir=$RUNS/$study/$cell/s$seed
   if [ -s "$dir/result.txt" ] && [ "${FORCE:-0}" != 1 ]; then echo "skip $study/$cell/s$seed"; return 0; fi
+  need "$BUILD/examples/train_lm" "$BUILD/examples/routing_report"
   rm -rf "$dir" && mkdir -p "$dir"
   local t0=$SECONDS
   "$BUILD/examples/train_lm" "${LM_ARGS[@]}" --router "$router" --seed "$seed" --out "$dir" "$@" \
     > "$dir/train.out" 2> "$dir/train.err"
   # the report needs routing_report and, for the entropy ratio, the softmax model of this seed:
   # scripts/study/reports.sh reruns it for every finished cell
-  lm_report "$dir" || echo "lm_report failed for $dir (rerun scripts/study/reports.sh)" >&2
+  lm_report "$dir" "$(lm_baseline "$study" "$cell" "s$seed")" ||
+    echo "lm_report failed for $dir (rerun scripts/study/reports.sh)" >&2
   # result.txt last: its presence marks the cell done
   echo "$(grep '^router=' "$dir/train.out") wall_s=$((SECONDS - t0))" > "$dir/result.txt.tmp"
   mv "$dir/result.txt.tmp" "$dir/result.txt"
   echo "done $study/$cell/s$seed: $(cat "$dir/result.txt")"
 }
 
-# lm_report DIR: routing report of the final checkpoint against the previous epoch's (fluctuation
-# between the last two epochs) and against the softmax model of the same seed (entropy ratio).
+need() {  # need FILE...: every program the cell runs must be built
+  local f
+  for f in "$@"; do
+    [ -x "$f" ] || { echo "$f is missing: run scripts/study/build.sh" >&2; return 1; }
+  done
+}
+
+# lm_baseline STUDY CELL SEED: the finished model whose routing entropy a cell is divided by: the
+# same layout and scorer without a graph (GLaM cells: plugin/glam; X-MoE: plugin/xmoe;
+# SMoE-Dropout: plugin/smoe-dropout; every other cell: lm/softmax), of the same seed.
+lm_baseline() {
+  local base
+  case "$1/$2" in
+    plugin/glam*) base=plugin/glam ;;
+    plugin/xmoe*) base=plugin/xmoe ;;
+    plugin/smoe-dropout*) base=plugin/smoe-dropout ;;
+    *) base=lm/softmax ;;
+  esac
+  echo "$RUNS/$base/$3"
+}
+
+# lm_report DIR [BASELINE_DIR]: routing report of the final checkpoint against the previous
+# epoch's (fluctuation between the last two epochs) and, once that cell has finished, against the
+# baseline's final model (entropy ratio). Returns non-zero when the report could not be made.
 lm_report() {
-  local dir=$1
-  local last prev seed base
-  last=$(ls "$dir"/checkpoint-step*.safetensors | sed 's/.*step\([0-9]*\).*/\1/' | sort -n | tail -1)
-  prev=$(ls "$dir"/checkpoint-step*.safetensors | sed 's/.*step\([0-9]*\).*/\1/' | sort -n | tail -2 | head -1)
-  seed=$(basename "$dir")
-  base=$RUNS/lm/softmax/$seed/checkpoint.safetensors
+  local dir=$1 base=${2:-}
+  local steps last prev
+  steps=$(find "$dir" -maxdepth 1 -name 'checkpoint-step*.safetensors' | sed 's/.*step\([0-9]*\)\.safetensors$/\1/' | sort -n)
+  last=$(echo "$steps" | tail -1)
+  prev=$(echo "$steps" | tail -2 | head -1)
+  [ -n "$last" ] && [ "$last" != "$prev" ] || { echo "lm_report: $dir has fewer than two epoch checkpoints" >&2; return 1; }
   local args=(--checkpoint "$dir/checkpoint.safetensors" --compare "$dir/checkpoint-step$prev.safetensors"
               --text "$DATA/wikitext-2/wiki.test.tokens" --probe-batches 16 --batch 8
               --threads "$THREADS" --out "$dir/report.csv")
-  [ -f "$base" ] && args+=(--baseline "$base")
-  [ "$last" != "$prev" ] || { echo "lm_report: $dir has one checkpoint only" >&2; return 1; }
-  "$BUILD/examples/routing_report" "${args[@]}" > "$dir/report.out" 2> "$dir/report.err"
+  # only a finished baseline: its checkpoint.safetensors is rewritten every epoch while it trains
+  [ -n "$base" ] && [ "$base" != "$dir" ] && [ -s "$base/result.txt" ] && args+=(--baseline "$base/checkpoint.safetensors")
+  "$BUILD/examples/routing_report" "${args[@]}" > "$dir/report.out" 2> "$dir/report.err" || {
+    echo "lm_report: routing_report failed for $dir: $(tail -n 1 "$dir/report.err")" >&2
+    return 1
+  }
   # the epoch checkpoints are large (model + AdamW state); keep the last two only
+  local f
   for f in "$dir"/checkpoint-step*.safetensors; do
     case "$f" in *step$last.*|*step$prev.*) ;; *) rm -f "$f" ;; esac
   done
+  return 0
 }
 
 # ---- vision: V-MoE on Fashion-MNIST (Table 2, Figure 4) ------------------------------------------
@@ -79,6 +109,7 @@ VISION_ARGS=(--epochs 1 --train-limit 30000 --batch 64 --lr 2e-3 --warmup 50 --t
 vision_cell() {
   local router=$1 seed=$2 dir=$RUNS/vision/$1/s$2
   if [ -s "$dir/result.txt" ] && [ "${FORCE:-0}" != 1 ]; then echo "skip vision/$router/s$seed"; return 0; fi
+  need "$BUILD/examples/train_vision"
   rm -rf "$dir" && mkdir -p "$dir"
   local t0=$SECONDS
   "$BUILD/examples/train_vision" "${VISION_ARGS[@]}" --router "$router" --seed "$seed" --out "$dir" \
@@ -99,6 +130,7 @@ finetune_cell() {
   local lm=$RUNS/lm/$router/s$seed
   if [ -s "$dir/result.txt" ] && [ "${FORCE:-0}" != 1 ]; then echo "skip finetune/$router-$task/s$seed"; return 0; fi
   [ -s "$lm/result.txt" ] || { echo "finetune: $lm is not trained yet (run scripts/study/all.sh lm)" >&2; return 1; }
+  need "$BUILD/examples/finetune_classifier"
   rm -rf "$dir" && mkdir -p "$dir"
   local t0=$SECONDS
   "$BUILD/examples/finetune_classifier" "${FINETUNE_ARGS[@]}" --checkpoint "$lm/checkpoint.safetensors" \

@@ -26,6 +26,8 @@ def cells(runs, study):
         return {}
     out = {}
     for cell in sorted(os.listdir(base)):
+        if not os.path.isdir(os.path.join(base, cell)):
+            continue
         seeds = []
         for s in sorted(os.listdir(os.path.join(base, cell))):
             d = os.path.join(base, cell, s)
@@ -62,8 +64,8 @@ def stat(values, fmt="%.3f"):
     if not values:
         return "-"
     if len(values) == 1:
-        return (fmt % values[0]) + " (n=1)"
-    return (fmt + " +- " + fmt) % (statistics.mean(values), statistics.stdev(values)) + f" (n={len(values)})"
+        return fmt % values[0]
+    return (fmt + " +- " + fmt) % (statistics.mean(values), statistics.stdev(values))
 
 
 def layer_mean(rep, key):
@@ -91,11 +93,11 @@ def lm_table(runs, study, order=None):
     if not cs:
         return f"(no finished cells under {runs}/{study})\n"
     names = [c for c in (order or []) if c in cs] + [c for c in cs if c not in (order or [])]
-    lines = ["| cell | " + " | ".join(c[0] for c in LM_COLS) + " |",
-             "|---" * (len(LM_COLS) + 1) + "|"]
+    lines = ["| cell | seeds | " + " | ".join(c[0] for c in LM_COLS) + " |",
+             "|---" * (len(LM_COLS) + 2) + "|"]
     for c in names:
         rs = [(result(d), report(d)) for d in cs[c]]
-        lines.append(f"| {c} | " + " | ".join(stat([f(r, p) for r, p in rs], fmt) for _, f, fmt in LM_COLS) + " |")
+        lines.append(f"| {c} | {len(rs)} | " + " | ".join(stat([f(r, p) for r, p in rs], fmt) for _, f, fmt in LM_COLS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -126,12 +128,12 @@ def vision_table(runs):
     if not cs:
         return "(no finished vision cells)\n"
     keys = ["test_accuracy", "gaussian_noise_accuracy", "blur_accuracy", "contrast_accuracy", "wall_s"]
-    lines = ["| router | clean | Gaussian noise | blur | contrast | wall s |", "|---|---|---|---|---|---|"]
+    lines = ["| router | seeds | clean | Gaussian noise | blur | contrast | wall s |", "|---|---|---|---|---|---|---|"]
     for c in ["softmax", "similarity", "attention"] + [c for c in cs if c not in ("softmax", "similarity", "attention")]:
         if c not in cs:
             continue
         rs = [result(d) for d in cs[c]]
-        lines.append(f"| {c} | " + " | ".join(stat([num(r.get(k)) for r in rs], "%.0f" if k == "wall_s" else "%.4f") for k in keys) + " |")
+        lines.append(f"| {c} | {len(rs)} | " + " | ".join(stat([num(r.get(k)) for r in rs], "%.0f" if k == "wall_s" else "%.4f") for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -145,7 +147,8 @@ def finetune_table(runs):
         vals = []
         for t in tasks:
             ds = cs.get(f"{router}-{t}", [])
-            vals.append(stat([num(result(d).get("test_accuracy")) for d in ds], "%.4f"))
+            v = stat([num(result(d).get("test_accuracy")) for d in ds], "%.4f")
+            vals.append(v + (f" (n={len(ds)})" if ds else ""))
         lines.append(f"| {router} | " + " | ".join(vals) + " |")
     return "\n".join(lines) + "\n"
 

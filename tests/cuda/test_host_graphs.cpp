@@ -663,6 +663,12 @@ TEST_CASE("graph math: masks, tile bounds and the first-tile assignment") {
   CHECK(gm::plogp(0.5) == doctest::Approx(0.5 * std::log(0.5)));
   CHECK(gm::dprob_term(3.0, 0.0) == 0.0);
   CHECK(gm::dprob_term(3.0, 0.5) == 6.0);
+  // at or below attention_prior_floor a prior counts as 0 (no 1 / A overflow for denormals)
+  CHECK(gm::posterior_logit(1e-20f, 50.0f, 1.0f, 1.0f) == -std::numeric_limits<float>::infinity());
+  CHECK(gm::posterior_logit(1e-40f, 50.0f, 1.0f, 1.0f) == -std::numeric_limits<float>::infinity());
+  CHECK(gm::dprob_term(1.0f, 1e-40f) == 0.0f);
+  CHECK(gm::dprob_term(1.0f, 2e-19f) == doctest::Approx(5e18f));
+  CHECK(gm::posterior_logit(1e-140, 0.0, 0.0, 1.0) == doctest::Approx(std::log(1e-140)));
 }
 
 TEST_CASE("graph math: head choice, whole sequence and causal prefix, ties to the lower head") {

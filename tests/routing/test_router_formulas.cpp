@@ -274,6 +274,52 @@ TEST_CASE("attention graph: matches Lemma 1 / Eq. 13 with the full Gaussian like
   }
 }
 
+TEST_CASE("attention graph: priors at or below the floor count as zero, so float gradients stay finite") {
+  // A sharp head gives denormal probabilities; where the Gaussian factor favours such a column,
+  // A^p is not small there and dL / A overflowed a float (NaN gradients in a trained LM). Below the
+  // floor: weight 0 and no gradient; above it: the formula.
+  Rng rng(31);
+  const index_t nb = 1, len = 6, heads = 2, d = 4, e = 3, dh = d / heads;
+  for (bool causal : {false, true}) {
+    CAPTURE(causal);
+    auto c = random_attention_cache<float>(nb, len, heads, d, causal, rng, 4.0);
+    // head 1 uniform, so that head 0 (random, sharper) is h*
+    for (index_t i = 0; i < len; ++i)
+      for (index_t j = 0; j < len; ++j)
+        c.probs(0, 1, i, j) = !causal || j <= i ? 1.0f / static_cast<float>(causal ? i + 1 : len) : 0.0f;
+    // token 5's attention output equals the Gaussian mean of column 1 (m_1 = H W_o,0 v_1 + b_o), so
+    // with a small sigma the posterior of row 5 wants column 1, whose prior is denormal
+    c.probs(0, 0, 5, 1) = 1e-40f;
+    for (index_t o = 0; o < d; ++o) {
+      float m = c.b_o(o);
+      for (index_t q = 0; q < dh; ++q) m += static_cast<float>(heads) * c.w_o(o, q) * c.v(1, q);
+      c.out(5, o) = m;
+    }
+    auto r = random_probs<float>(nb * len, e, rng);
+    auto u = random_normal<float>({nb * len, d}, rng, 1.0);
+    auto dp = random_normal<float>({nb * len, e}, rng, 1.0);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.causal = causal;
+    cfg.attention_sigma = 0.05;
+    GraphImpl<Attention, float> g;
+    g.configure(d, cfg);
+    GraphContext<float> ctx{len, &c};
+    Tensor<float> p, dr, du(u.shape());
+    g.forward(u, r, ctx, p);
+    REQUIRE(g.heads()[5] == 0);
+    CHECK(g.posterior()(5, 1) == 0.0f);
+    double row = 0;
+    for (index_t j = 0; j < len; ++j) row += g.posterior()(5, j);
+    CHECK(row == doctest::Approx(1.0).epsilon(1e-5));
+    zero_sinks(c);
+    g.backward(u, r, p, dp, ctx, dr, du);
+    for (const Tensor<float>* t : {&p, &dr, &c.dprobs, &c.dv, &c.dw_o, &c.db_o, &c.dout})
+      for (index_t i = 0; i < t->numel(); ++i) REQUIRE(std::isfinite(t->data()[i]));
+    CHECK(c.dprobs(0, 0, 5, 1) == 0.0f);
+  }
+}
+
 TEST_CASE("attention graph: h* is the head of lowest mean attention entropy (Eq. 12), per sequence or causal prefix") {
   Rng rng(14);
   const index_t nb = 3, len = 8, heads = 4, d = 4, e = 3;

@@ -114,7 +114,8 @@ TEST_CASE("similarity graph gradient check: exclude_self and a learned temperatu
   struct Case { index_t len; bool causal, recompute, exclude, learned; };
   for (Case cs : {Case{6, false, false, true, false}, Case{6, true, false, true, false},
                   Case{70, true, true, true, false}, Case{6, false, false, false, true},
-                  Case{70, true, true, false, true}, Case{6, true, false, true, true}}) {
+                  Case{70, true, true, false, true}, Case{6, true, false, true, true},
+                  Case{70, false, true, true, true}}) {
     CAPTURE(cs.len);
     CAPTURE(cs.causal);
     CAPTURE(cs.recompute);

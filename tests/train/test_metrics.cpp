@@ -230,7 +230,7 @@ TEST_CASE("routing_report: known answers on hand-made routing histories") {
   CHECK(a.entropy_p_ratio == doctest::Approx(1.0));
   CHECK(a.graph_entropy == doctest::Approx(1.0));    // (0.5 * 2 + 1.5 * 2) / 4
   CHECK(a.self_weight == doctest::Approx(0.5));
-  // r uniform: top-2 of r is {0, 1} for every token (ties to lower ids); tokens 1, 2, 3 chose else
+  // r uniform: top-2 of r is {0, 1} for every token (ties to lower ids); tokens 1 and 3 chose else
   CHECK(a.graph_changed_selection == doctest::Approx(0.5));  // tokens 1 and 3
   CHECK(a.fluct_topk == doctest::Approx(0.25));      // token 3: {3, 2} vs {3, 0}
   CHECK(a.fluct_top1 == doctest::Approx(0.25));      // token 0: first choice 0 vs 1

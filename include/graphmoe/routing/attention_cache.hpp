@@ -13,6 +13,16 @@
 
 namespace graphmoe {
 
+// Attention probabilities at or below this floor count as 0 in the Attention graph (both backends):
+// the posterior's gradient into A is dL / A, which overflows a float for the denormal
+// probabilities that a sharp head produces (the trained attention LM of docs/results.md hit NaN
+// gradients this way). Above the floor, |dL / A| <= |dL| * 1e19 (float). Entries this small carry
+// no weight in A^p unless their Gaussian factor exceeds exp(43) (float) or exp(345) (double).
+template <class T>
+GRAPHMOE_HOST_DEVICE constexpr T attention_prior_floor() {
+  return sizeof(T) >= 8 ? static_cast<T>(1e-150) : static_cast<T>(1e-19);
+}
+
 template <class T, class B = cpu>
 struct AttentionCache {
   index_t num_heads = 0;

@@ -101,8 +101,9 @@ struct RouterConfig {
   double similarity_tau = 1.0;  // the paper's tau = 1
   TauMode tau_mode = TauMode::Fixed;
   bool causal = false;          // mask j > i (on by default in the LM, off in ViT / classifiers)
-  // Leave S[i,i] out of row i (the token's own score enters p_i only through its neighbours);
-  // a causal sequence's first token, which has no neighbour, keeps S[0,0] = 1. CPU backend.
+  // Leave S[i,i] out of row i: p_i = sum_{j != i} S[i,j] r_j, the token's own scores dropped (u_i
+  // still weighs its neighbours); a causal sequence's first token, which has no neighbour, keeps
+  // S[0,0] = 1. CPU backend.
   bool similarity_exclude_self = false;
   // false: keep S (N x seq_len values) from forward for backward; true: keep O(N) and recompute
   // S block by block in backward (one more U U^T GEMM).

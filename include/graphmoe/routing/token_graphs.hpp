@@ -336,6 +336,7 @@ class GraphImpl<Attention, T, cpu> {
     row_entropy_.assign(static_cast<std::size_t>(n), 0.0);
     const T inv_var = static_cast<T>(1.0 / (cfg_.attention_sigma * cfg_.attention_sigma));
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    constexpr T floor = attention_prior_floor<T>();
     auto R = as_matrix(r);
     auto P = as_matrix(p);
     auto Ap = as_matrix(post_);
@@ -355,9 +356,9 @@ class GraphImpl<Attention, T, cpu> {
         for (index_t i = 0; i < len; ++i) {
           if (head_[static_cast<std::size_t>(s0 + i)] != h) continue;
           auto row = Ap.row(s0 + i);
-          // log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2, -inf where A = 0
-          row = (A.row(i).array() > T(0))
-                    .select(A.row(i).array().max(std::numeric_limits<T>::min()).log() +
+          // log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2, -inf where A <= attention_prior_floor
+          row = (A.row(i).array() > floor)
+                    .select(A.row(i).array().log() +
                                 (G.row(i).array() - T(0.5) * msq.transpose().array()) * inv_var,
                             kNegInf);
           const T mx = row.maxCoeff();
@@ -419,11 +420,11 @@ class GraphImpl<Attention, T, cpu> {
         dLh = dL;
         for (index_t i = 0; i < len; ++i)
           if (head_[static_cast<std::size_t>(s0 + i)] != h) dLh.row(i).setZero();
-        // into log A_h: dA = dL / A where A > 0
+        // into log A_h: dA = dL / A where A > attention_prior_floor (0 where forward used -inf)
         if (!c.dprobs.empty()) {
           const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
           MatrixMap<T> dA(c.dprobs.data() + ((b * nh + h) * len) * len, len, len);
-          dA.array() += (A.array() > T(0)).select(dLh.array() / A.array(), T(0));
+          dA.array() += (A.array() > attention_prior_floor<T>()).select(dLh.array() / A.array(), T(0));
         }
         head_mean(c, b, h, len, M);
         if (!c.dout.empty()) as_matrix(c.dout).middleRows(s0, len).noalias() += inv_var * dLh * M;

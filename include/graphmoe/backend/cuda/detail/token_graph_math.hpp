@@ -28,6 +28,7 @@
 
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/shape.hpp"
+#include "graphmoe/routing/attention_cache.hpp"
 
 namespace graphmoe::detail::graph_math {
 
@@ -133,12 +134,11 @@ GRAPHMOE_HOST_DEVICE inline T softmax_dlogit(T s, T g, T c) {
 
 // ---- Attention ------------------------------------------------------------------------------
 
-// log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2 for A > 0, -inf for A = 0 (as the CPU: the log of
-// max(A, smallest normal)).
+// log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2 for A > attention_prior_floor, -inf otherwise (as
+// the CPU; routing/attention_cache.hpp says why there is a floor).
 template <class T>
 GRAPHMOE_HOST_DEVICE inline T posterior_logit(T a, T g, T msq, T inv_var) {
-  const T tiny = std::numeric_limits<T>::min();
-  return a > T(0) ? log_of(a > tiny ? a : tiny) + (g - T(0.5) * msq) * inv_var : neg_inf<T>();
+  return a > attention_prior_floor<T>() ? log_of(a) + (g - T(0.5) * msq) * inv_var : neg_inf<T>();
 }
 
 // a log a with 0 log 0 = 0: one term of an attention row's negative entropy.
@@ -148,10 +148,11 @@ GRAPHMOE_HOST_DEVICE inline T plogp(T a) {
   return a * log_of(a > tiny ? a : tiny);
 }
 
-// The gradient into an attention probability: dl / A where A > 0, 0 where A = 0.
+// The gradient into an attention probability: dl / A where A > attention_prior_floor, 0 where
+// the forward treated A as 0.
 template <class T>
 GRAPHMOE_HOST_DEVICE inline T dprob_term(T dl, T a) {
-  return a > T(0) ? dl / a : T(0);
+  return a > attention_prior_floor<T>() ? dl / a : T(0);
 }
 
 // The head with the lowest prefix[h] / count (ties to the lower head; NaN never wins).
