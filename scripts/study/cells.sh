@@ -24,7 +24,9 @@ study_cells() {
       for s in ${VISION_SEEDS:-$SEEDS}; do for c in softmax similarity attention; do echo "$c $s"; done; done ;;
     finetune)  # Table 3: each lm/<router>/s<seed> LM fine-tuned on SST-2, SST-5 and Banking-77
       for s in ${FINETUNE_SEEDS:-1}; do
-        for t in sst2 sst5 banking77; do for c in softmax similarity attention; do echo "$c-$t $s"; done; done
+        for t in ${FINETUNE_TASKS:-sst2 sst5 banking77}; do
+          for c in softmax similarity attention; do echo "$c-$t $s"; done
+        done
       done ;;
     *) echo "unknown study '$1' (lm, tau, sigma, fix, plugin, vision, finetune)" >&2; return 2 ;;
   esac

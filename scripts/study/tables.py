@@ -8,6 +8,11 @@ checkpoint, entropy ratio against the softmax model of the same seed); the model
 means over the MoE layers. Python 3 standard library only.
 
     python3 scripts/study/tables.py [--runs runs/study] [STUDY...]
+    python3 scripts/study/tables.py --update docs/results.md
+
+--update rewrites every block `<!-- table:NAME -->` ... `<!-- /table -->` of a Markdown file with
+the current table NAME (lm, lm-fluctuation, lm-entropy, tau, fix, sigma, plugin, vision,
+finetune), leaving the prose around them alone.
 """
 import argparse
 import csv
@@ -153,11 +158,42 @@ def finetune_table(runs):
     return "\n".join(lines) + "\n"
 
 
+ORDER = ["softmax", "similarity", "attention", "tau0.1", "tau1", "tau2", "tau11.3",
+         "learned-tau", "exclude-self", "sigma0.1", "sigma11.3"]
+
+
+def table(runs, name):
+    if name == "vision":
+        return vision_table(runs)
+    if name == "finetune":
+        return finetune_table(runs)
+    if name == "lm-fluctuation":
+        return per_layer_table(runs, "lm", "fluct_topk", ORDER)
+    if name == "lm-entropy":
+        return per_layer_table(runs, "lm", "entropy_p_ratio", ORDER)
+    if name in ("lm", "tau", "fix", "sigma", "plugin"):
+        return lm_table(runs, name, ORDER)
+    sys.exit(f"tables.py: unknown table '{name}'")
+
+
+def update(path, runs):
+    text = open(path).read()
+    pattern = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+    text, n = pattern.subn(lambda m: m.group(1) + table(runs, m.group(2)) + m.group(4), text)
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"tables.py: {n} tables updated in {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="runs/study")
+    ap.add_argument("--update", metavar="FILE", help="rewrite the table blocks of this Markdown file")
     ap.add_argument("studies", nargs="*", default=["lm", "tau", "fix", "sigma", "plugin", "vision", "finetune"])
     a = ap.parse_args()
+    if a.update:
+        update(a.update, a.runs)
+        return
     order = ["softmax", "similarity", "attention"]
     for s in a.studies:
         print(f"## {s}\n")
@@ -166,7 +202,7 @@ def main():
         elif s == "finetune":
             print(finetune_table(a.runs))
         elif s in ("lm", "tau", "fix", "sigma", "plugin"):
-            print(lm_table(a.runs, s, order))
+            print(lm_table(a.runs, s, ORDER))
             if s == "lm":
                 print("Fluctuation (top-k) per layer, last two epochs:\n")
                 print(per_layer_table(a.runs, s, "fluct_topk", order))
