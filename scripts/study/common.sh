@@ -135,7 +135,7 @@ finetune_cell() {
   local t0=$SECONDS
   "$BUILD/examples/finetune_classifier" "${FINETUNE_ARGS[@]}" --checkpoint "$lm/checkpoint.safetensors" \
     --vocab "$lm/vocab.txt" --task "$task" --seed "$seed" --out "$dir" > "$dir/train.out" 2> "$dir/train.err"
-  echo "task=$task $(grep '^router=' "$dir/train.out") wall_s=$((SECONDS - t0))" > "$dir/result.txt.tmp"
+  echo "task=$task $(grep '^router=' "$dir/train.out" | tail -n 1) wall_s=$((SECONDS - t0))" > "$dir/result.txt.tmp"
   mv "$dir/result.txt.tmp" "$dir/result.txt"
   echo "done finetune/$router-$task/s$seed: $(cat "$dir/result.txt")"
 }
