@@ -268,7 +268,11 @@ def new_figure(nrows, ncols, width, height, title, **kwargs):
 
 def legend_on_top(ax, max_columns=3, fontsize="small"):
     """A legend in a row (or rows) at the top of the axes, with head room made for it."""
-    entries = len(ax.get_legend_handles_labels()[0])
+    labels = ax.get_legend_handles_labels()[1]
+    entries = len(labels)
+    # long labels ("similarity (mean of 3, error bars min..max)") go one to a row
+    if labels and max(len(x) for x in labels) > 24:
+        max_columns = 1
     ncol = max(1, min(entries, max_columns))
     rows = math.ceil(entries / ncol)
     lo, hi = ax.get_ylim()
