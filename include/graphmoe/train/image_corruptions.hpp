@@ -121,30 +121,31 @@ inline std::vector<double> gaussian_kernel(double sigma) {
   return w;
 }
 
-// One image (H, W, C) in, blurred out, borders clamped. tmp holds the W pass, (H, W, C).
-template <class T>
-void blur_image(const T* in, T* out, index_t h, index_t w, index_t c,
-                const std::vector<double>& kernel, std::vector<double>& tmp) {
+// One 1-D pass of the separable blur over an (H, W, C) image: along x (vertical = false) or y,
+// borders clamped, accumulated in double.
+template <class Src, class Dst>
+void blur_pass(const Src* in, Dst* out, index_t h, index_t w, index_t c,
+               const std::vector<double>& kernel, bool vertical) {
   const index_t r = static_cast<index_t>(kernel.size() / 2);
   auto clamp = [](index_t i, index_t n) { return std::min(n - 1, std::max(index_t{0}, i)); };
   for (index_t y = 0; y < h; ++y)
     for (index_t x = 0; x < w; ++x)
       for (index_t ch = 0; ch < c; ++ch) {
         double s = 0;
-        for (index_t k = -r; k <= r; ++k)
-          s += kernel[static_cast<std::size_t>(k + r)] *
-               static_cast<double>(in[(y * w + clamp(x + k, w)) * c + ch]);
-        tmp[static_cast<std::size_t>((y * w + x) * c + ch)] = s;
+        for (index_t k = -r; k <= r; ++k) {
+          const index_t at = vertical ? clamp(y + k, h) * w + x : y * w + clamp(x + k, w);
+          s += kernel[static_cast<std::size_t>(k + r)] * static_cast<double>(in[at * c + ch]);
+        }
+        out[(y * w + x) * c + ch] = static_cast<Dst>(s);
       }
-  for (index_t y = 0; y < h; ++y)
-    for (index_t x = 0; x < w; ++x)
-      for (index_t ch = 0; ch < c; ++ch) {
-        double s = 0;
-        for (index_t k = -r; k <= r; ++k)
-          s += kernel[static_cast<std::size_t>(k + r)] *
-               tmp[static_cast<std::size_t>((clamp(y + k, h) * w + x) * c + ch)];
-        out[(y * w + x) * c + ch] = static_cast<T>(s);
-      }
+}
+
+// One image (H, W, C) in, blurred out, borders clamped. tmp holds the W pass, (H, W, C).
+template <class T>
+void blur_image(const T* in, T* out, index_t h, index_t w, index_t c,
+                const std::vector<double>& kernel, std::vector<double>& tmp) {
+  blur_pass(in, tmp.data(), h, w, c, kernel, /*vertical=*/false);
+  blur_pass(tmp.data(), out, h, w, c, kernel, /*vertical=*/true);
 }
 
 }  // namespace detail
