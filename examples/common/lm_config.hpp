@@ -22,6 +22,7 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
           {"z_loss_coef", r.z_loss_coef}, {"char_level", char_level}};
   // written only when set, so that checkpoints from before the option still match on --resume
   if (r.similarity_exclude_self) j["exclude_self"] = true;
+  if (r.similarity_projection) j["projection"] = true;
   return j;
 }
 
@@ -48,6 +49,7 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   m.router.load_balance_coef = j.at("load_balance_coef");
   m.router.z_loss_coef = j.at("z_loss_coef");
   m.router.similarity_exclude_self = j.value("exclude_self", false);
+  m.router.similarity_projection = j.value("projection", false);
   return m;
 }
 

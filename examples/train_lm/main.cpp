@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature (paper: 1)")->check(CLI::PositiveNumber);
   app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau (CPU)")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
   app.add_flag("--graph-exclude-self", m.router.similarity_exclude_self, "Similarity graph: leave S[i,i] out of each row (CPU)");
+  app.add_flag("--graph-projection", m.router.similarity_projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity (CPU)");
   app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma (paper: 1)")->check(CLI::PositiveNumber);
   app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(CLI::NonNegativeNumber);
   app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(CLI::NonNegativeNumber);
@@ -101,9 +102,10 @@ int main(int argc, char** argv) {
     GRAPHMOE_CHECK(opt.attack_rate == 0.0 || !opt.test_path.empty(), "train_lm",
                    "--attack-rate needs a test set (--test)");
     // The similarity graph's options on a router without it would be silently ignored.
-    GRAPHMOE_CHECK((m.router.tau_mode != TauMode::Learned && !m.router.similarity_exclude_self) ||
+    GRAPHMOE_CHECK((m.router.tau_mode != TauMode::Learned && !m.router.similarity_exclude_self &&
+                    !m.router.similarity_projection) ||
                        opt.router.find("similarity") != std::string::npos,
-                   "train_lm", "--tau-mode learned and --graph-exclude-self are options of the "
+                   "train_lm", "--tau-mode learned, --graph-exclude-self and --graph-projection are options of the "
                    "Similarity graph; the router '", opt.router, "' has none");
     auto attack = [&](std::int32_t word, std::vector<std::int32_t> keep, const char* word_text) {
       if (opt.attack_rate == 0.0) return;

@@ -18,8 +18,9 @@ study_cells() {
         for c in xmoe xmoe-similarity xmoe-attention smoe-dropout smoe-dropout-similarity \
                  smoe-dropout-attention glam glam-similarity glam-attention; do echo "$c $s"; done
       done ;;
-    fix)  # the fixes of docs/results.md: a learned tau (from D / 4), exclude self (tau sqrt(D))
-      for s in ${FIX_SEEDS:-1}; do for c in learned-tau exclude-self; do echo "$c $s"; done; done ;;
+    fix)  # the fixes of docs/results.md: a learned tau (from D / 4), exclude self (tau sqrt(D)),
+          # a learned W_s in U W_s U^T (tau D / 4)
+      for s in ${FIX_SEEDS:-1}; do for c in learned-tau exclude-self projection; do echo "$c $s"; done; done ;;
     vision)  # V-MoE on Fashion-MNIST, clean and corrupted (Table 2, Figure 4)
       for s in ${VISION_SEEDS:-$SEEDS}; do for c in softmax similarity attention; do echo "$c $s"; done; done ;;
     finetune)  # Table 3: each lm/<router>/s<seed> LM fine-tuned on SST-2, SST-5 and Banking-77
@@ -41,6 +42,7 @@ run_cell() {
     tau/tau*) lm_cell tau "$cell" "$seed" similarity --tau "${cell#tau}" ;;
     fix/learned-tau) lm_cell fix learned-tau "$seed" similarity --tau "$LM_TAU" --tau-mode learned ;;
     fix/exclude-self) lm_cell fix exclude-self "$seed" similarity --tau 11.3 --graph-exclude-self ;;
+    fix/projection) lm_cell fix projection "$seed" similarity --tau "$LM_TAU" --graph-projection ;;
     vision/*) vision_cell "$cell" "$seed" ;;
     finetune/*) finetune_cell "${cell%-*}" "${cell##*-}" "$seed" ;;
     sigma/sigma*) lm_cell sigma "$cell" "$seed" attention --sigma "${cell#sigma}" ;;

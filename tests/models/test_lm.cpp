@@ -65,6 +65,36 @@ TEST_CASE_TEMPLATE("TransformerLM gradient check of the whole tiny model (2 laye
   }
 }
 
+TEST_CASE("TransformerLM gradient check with the Similarity graph's parameters (learned tau, W_s)") {
+  auto cfg = tiny_config();
+  cfg.router.tau_mode = TauMode::Learned;
+  cfg.router.similarity_projection = true;
+  cfg.router.similarity_exclude_self = true;
+  TransformerLM<SimilarityRouter, double> lm(cfg, 3);
+  // one log_tau and one (D, D) W_s per MoE layer, in the arena (so in checkpoints)
+  index_t graph_params = 0;
+  for (const auto& info : lm.arena.params())
+    if (info.name.find("graph.") != std::string::npos) ++graph_params;
+  CHECK(graph_params == 2 * cfg.num_layers);
+  Rng rng(8);
+  for (const auto& info : lm.arena.params())
+    if (info.name.find("graph.w_s") != std::string::npos) {
+      CHECK(info.shape == (Shape{cfg.d_model, cfg.d_model}));
+      lm.arena.value(info.name).copy_from(random_normal<double>({cfg.d_model, cfg.d_model}, rng, 0.7));
+    }
+  auto ids = random_ids(2, 5, cfg.vocab_size, rng);
+  auto targets = random_ids(2, 5, cfg.vocab_size, rng);
+  auto loss = [&] { return static_cast<double>(lm.forward(ids, targets)) + lm.aux_loss(); };
+  CHECK(std::isfinite(loss()));
+  lm.arena.zero_grad();
+  lm.backward();
+  for (const auto& info : lm.arena.params()) {
+    if (!info.trainable) continue;
+    Tensor<double> v = lm.arena.value(info.name);
+    check_gradient(info.name, v, lm.arena.grad(info.name), loss);
+  }
+}
+
 TEST_CASE_TEMPLATE("TransformerLM causality: changing token j > i changes no logit at position i", Policy,
                    SoftmaxRouter, SimilarityRouter, AttentionRouter, SimilarityXMoERouter,
                    AttentionSMoEDropoutRouter) {

@@ -20,7 +20,8 @@ namespace {
 std::vector<std::vector<double>> naive_similarity(const Tensor<double>& u, const Tensor<double>& r,
                                                   index_t len, double tau, bool causal,
                                                   std::vector<double>* entropy = nullptr,
-                                                  bool exclude_self = false) {
+                                                  bool exclude_self = false,
+                                                  const Tensor<double>* w_s = nullptr) {
   const index_t n = u.rows(), d = u.cols(), e = r.cols();
   std::vector<std::vector<double>> p(static_cast<std::size_t>(n), std::vector<double>(static_cast<std::size_t>(e), 0.0));
   for (index_t i = 0; i < n; ++i) {
@@ -30,7 +31,14 @@ std::vector<std::vector<double>> naive_similarity(const Tensor<double>& u, const
     long double z = 0;
     for (index_t j = s0; j < jend; ++j) {
       long double dot = 0;
-      for (index_t c = 0; c < d; ++c) dot += static_cast<long double>(u(i, c)) * u(j, c);
+      // u_i W_s u_j^T (W_s = I when not given)
+      for (index_t c = 0; c < d; ++c)
+        if (w_s == nullptr) {
+          dot += static_cast<long double>(u(i, c)) * u(j, c);
+        } else {
+          for (index_t c2 = 0; c2 < d; ++c2)
+            dot += static_cast<long double>(u(i, c)) * (*w_s)(c, c2) * u(j, c2);
+        }
       // exclude_self: S[i,i] = 0 unless i has no other entry in its row
       const bool drop = exclude_self && j == i && jend - s0 > 1;
       w.push_back(drop ? 0.0L : std::exp(dot / tau));
@@ -130,6 +138,77 @@ TEST_CASE("similarity graph: matches Definition 2 evaluated loop by loop") {
       CHECK(g.mean_entropy() == doctest::Approx(ent_mean).epsilon(1e-10));
     }
   }
+}
+
+TEST_CASE("similarity graph: similarity_projection matches Definition 2 with W_s") {
+  Rng rng(31);
+  for (bool causal : {false, true}) {
+    for (index_t len : {1, 7, 150}) {
+      for (bool recompute : {false, true}) {
+        CAPTURE(causal);
+        CAPTURE(len);
+        CAPTURE(recompute);
+        const index_t nb = 2, d = 5, e = 4;
+        auto u = random_normal<double>({nb * len, d}, rng, 0.7);
+        auto r = random_probs<double>(nb * len, e, rng);
+        RouterConfig cfg;
+        cfg.num_experts = e;
+        cfg.similarity_tau = 0.9;
+        cfg.causal = causal;
+        cfg.similarity_recompute = recompute;
+        cfg.similarity_projection = true;
+        ParameterArena<double> arena;
+        GraphImpl<Similarity, double> g;
+        g.declare(arena, "graph.", d, cfg);
+        arena.allocate();
+        g.bind(arena);
+        g.init(rng);
+        REQUIRE(arena.contains("graph.w_s"));
+        CHECK(arena.value("graph.w_s").shape() == (Shape{d, d}));
+        Tensor<double> p;
+        // initialised to the identity: the paper's graph
+        g.forward(u, r, {len, nullptr}, p);
+        auto plain = naive_similarity(u, r, len, 0.9, causal);
+        double worst = 0;
+        for (index_t i = 0; i < nb * len; ++i)
+          for (index_t c = 0; c < e; ++c)
+            worst = std::max(worst, std::abs(p(i, c) - plain[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)]));
+        CHECK(worst < 1e-12);
+        // a general (non-symmetric) W_s
+        auto w = random_normal<double>({d, d}, rng, 0.5);
+        arena.value("graph.w_s").copy_from(w);
+        g.forward(u, r, {len, nullptr}, p);
+        std::vector<double> ent;
+        auto ref = naive_similarity(u, r, len, 0.9, causal, &ent, false, &w);
+        worst = 0;
+        double ent_mean = 0;
+        for (index_t i = 0; i < nb * len; ++i) {
+          ent_mean += ent[static_cast<std::size_t>(i)] / static_cast<double>(nb * len);
+          for (index_t c = 0; c < e; ++c)
+            worst = std::max(worst, std::abs(p(i, c) - ref[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)]));
+        }
+        CHECK(worst < 1e-12);
+        CHECK(g.mean_entropy() == doctest::Approx(ent_mean).epsilon(1e-10));
+      }
+    }
+  }
+  // configure alone has no W_s: a clear error; tokens of another width too
+  RouterConfig cfg;
+  cfg.num_experts = 3;
+  cfg.similarity_projection = true;
+  auto u = random_normal<double>({4, 3}, rng);
+  auto r = random_probs<double>(4, 3, rng);
+  Tensor<double> p;
+  GraphImpl<Similarity, double> bare;
+  bare.configure(3, cfg);
+  CHECK_THROWS_WITH_AS(bare.forward(u, r, {4, nullptr}, p), doctest::Contains("declare and bind"), Error);
+  ParameterArena<double> arena;
+  GraphImpl<Similarity, double> g;
+  g.declare(arena, "graph.", 5, cfg);
+  arena.allocate();
+  g.bind(arena);
+  g.init(rng);
+  CHECK_THROWS_WITH_AS(g.forward(u, r, {4, nullptr}, p), doctest::Contains("W_s was declared for D = 5"), Error);
 }
 
 TEST_CASE("similarity graph: exclude_self matches Definition 2 without the diagonal") {

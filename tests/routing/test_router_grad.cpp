@@ -110,17 +110,20 @@ TEST_CASE("similarity graph gradient check: causal, non-causal, across row block
   }
 }
 
-TEST_CASE("similarity graph gradient check: exclude_self and a learned temperature") {
-  struct Case { index_t len; bool causal, recompute, exclude, learned; };
+TEST_CASE("similarity graph gradient check: exclude_self, a learned temperature, a projection") {
+  struct Case { index_t len; bool causal, recompute, exclude, learned, projection = false; };
   for (Case cs : {Case{6, false, false, true, false}, Case{6, true, false, true, false},
                   Case{70, true, true, true, false}, Case{6, false, false, false, true},
                   Case{70, true, true, false, true}, Case{6, true, false, true, true},
-                  Case{70, false, true, true, true}}) {
+                  Case{70, false, true, true, true}, Case{6, false, false, false, false, true},
+                  Case{6, true, false, false, true, true}, Case{70, true, true, true, false, true},
+                  Case{70, false, true, false, true, true}}) {
     CAPTURE(cs.len);
     CAPTURE(cs.causal);
     CAPTURE(cs.recompute);
     CAPTURE(cs.exclude);
     CAPTURE(cs.learned);
+    CAPTURE(cs.projection);
     Rng rng(23);
     const index_t nb = 2, e = 3, d = 3;
     auto u = random_normal<double>({nb * cs.len, d}, rng, 0.8);
@@ -133,13 +136,16 @@ TEST_CASE("similarity graph gradient check: exclude_self and a learned temperatu
     cfg.similarity_recompute = cs.recompute;
     cfg.similarity_exclude_self = cs.exclude;
     cfg.tau_mode = cs.learned ? TauMode::Learned : TauMode::Fixed;
+    cfg.similarity_projection = cs.projection;
     ParameterArena<double> arena;
     GraphImpl<Similarity, double> g;
     g.declare(arena, "graph.", d, cfg);
     arena.allocate();
     g.bind(arena);
     g.init(rng);
-    CHECK(arena.size() == (cs.learned ? 1 : 0));
+    CHECK(arena.size() == (cs.learned ? 1 : 0) + (cs.projection ? 1 : 0));
+    // away from the identity, so that a transposed W_s in backward would show
+    if (cs.projection) arena.value("graph.w_s").copy_from(random_normal<double>({d, d}, rng, 0.6));
     GraphContext<double> ctx{cs.len, nullptr};
     auto loss = [&] {
       Tensor<double> p;
@@ -152,10 +158,9 @@ TEST_CASE("similarity graph gradient check: exclude_self and a learned temperatu
     g.backward(u, r, p, w, ctx, dr, du);
     check_gradient("dr", r, dr, loss);
     check_gradient("du", u, du, loss);
-    if (cs.learned) {
-      CHECK(std::abs(arena.grad("graph.log_tau")(0)) > 1e-6);
-      check_arena(arena, loss);
-    }
+    if (cs.learned) CHECK(std::abs(arena.grad("graph.log_tau")(0)) > 1e-6);
+    if (cs.projection) CHECK(as_vector(arena.grad("graph.w_s")).cwiseAbs().maxCoeff() > 1e-6);
+    if (cs.learned || cs.projection) check_arena(arena, loss);
   }
 }
 

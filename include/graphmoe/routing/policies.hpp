@@ -105,6 +105,10 @@ struct RouterConfig {
   // still weighs its neighbours); a causal sequence's first token, which has no neighbour, keeps
   // S[0,0] = 1. CPU backend.
   bool similarity_exclude_self = false;
+  // The graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s (D, D) a parameter
+  // ("<router>.graph.w_s") initialised to the identity, so training starts from the paper's
+  // graph (the paper's Definition 2 has W_s, "in practice W_s = I"). CPU backend.
+  bool similarity_projection = false;
   // false: keep S (N x seq_len values) from forward for backward; true: keep O(N) and recompute
   // S block by block in backward (one more U U^T GEMM).
   bool similarity_recompute = false;

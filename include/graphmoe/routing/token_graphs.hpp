@@ -119,7 +119,9 @@ class GraphImpl<Independent, T, B> {
 //             dU_blk += dL U / tau;  dU += dL^T U_blk / tau
 // Options (RouterConfig): tau fixed, scaled by sqrt(D), or learned (tau = exp(log_tau), one
 // parameter, d loss / d log_tau = -sum_ij dL_ij L_ij); similarity_exclude_self leaves S[i,i] out
-// of its row (L_ii = -inf; a row with no other entry keeps it).
+// of its row (L_ii = -inf; a row with no other entry keeps it); similarity_projection uses
+// L = Q U^T / tau with Q = U W_s (W_s a (D, D) parameter from the identity): the query side Q
+// gets the row gradient dQ_blk = dL U / tau, then dU += dQ W_s^T and dW_s += U^T dQ.
 // By default the S rows are kept from forward for backward (N x T values, T the sequence
 // length); RouterConfig::similarity_recompute keeps only the row log-sum-exp (O(N)) and
 // recomputes each (kBlock, T) block of S in backward, trading one more U U^T GEMM for memory.
@@ -129,23 +131,31 @@ class GraphImpl<Similarity, T, cpu> {
  public:
   static constexpr index_t kBlock = 64;
 
-  // TauMode::Learned declares its one parameter "<prefix>log_tau" (shape (1)); the other modes
-  // have none (configure alone suffices).
+  // TauMode::Learned declares "<prefix>log_tau" (shape (1)) and similarity_projection
+  // "<prefix>w_s" (shape (D, D)); without them the graph has no parameter (configure suffices).
   void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
     configure(d_model, cfg);
     if (cfg.tau_mode == TauMode::Learned) id_log_tau_ = arena.add(prefix + "log_tau", Shape{1});
+    if (cfg.similarity_projection) id_w_s_ = arena.add(prefix + "w_s", Shape{d_model, d_model});
   }
   void bind(const ParameterArena<T, cpu>& arena) {
-    if (id_log_tau_ < 0) return;
-    log_tau_ = arena.value(id_log_tau_);
-    dlog_tau_ = arena.grad(id_log_tau_);
+    if (id_log_tau_ >= 0) {
+      log_tau_ = arena.value(id_log_tau_);
+      dlog_tau_ = arena.grad(id_log_tau_);
+    }
+    if (id_w_s_ >= 0) {
+      w_s_ = arena.value(id_w_s_);
+      dw_s_ = arena.grad(id_w_s_);
+    }
   }
   void init(Rng&) {
     if (id_log_tau_ >= 0) log_tau_.data()[0] = static_cast<T>(std::log(cfg_.similarity_tau));
+    if (id_w_s_ >= 0) as_matrix(w_s_).setIdentity();
   }
   void configure(index_t d_model, const RouterConfig& cfg) {
     cfg_ = cfg;
+    d_model_ = d_model;
     tau_ = detail::similarity_tau(d_model, cfg);
   }
   // The temperature of the last forward (the learned one's current value).
@@ -162,8 +172,22 @@ class GraphImpl<Similarity, T, cpu> {
       GRAPHMOE_CHECK(std::isfinite(tau_) && tau_ > 0, "Similarity", "the learned temperature is ",
                      tau_, " (log_tau = ", static_cast<double>(log_tau_.data()[0]), ")");
     }
+    if (cfg_.similarity_projection) {
+      GRAPHMOE_CHECK(!w_s_.empty(), "Similarity",
+                     "similarity_projection needs its parameter W_s: declare and bind the graph "
+                     "(RouterImpl does) instead of configure alone");
+      GRAPHMOE_CHECK(u.cols() == d_model_, "Similarity", "u has ", u.cols(),
+                     " columns, W_s was declared for D = ", d_model_);
+    }
     const index_t n = u.rows(), len = ctx.seq_len;
     prepare_output("Similarity", "p", p, r.shape());
+    // the query side of the logits: U itself, or Q = U W_s (kept for backward)
+    if (cfg_.similarity_projection) {
+      q_ = Tensor<T, cpu>(u.shape());
+      as_matrix(q_).noalias() = as_matrix(u) * as_matrix(w_s_);
+    } else {
+      q_ = Tensor<T, cpu>();
+    }
     lse_ = Tensor<T, cpu>(Shape{n});
     entropy_ = Tensor<T, cpu>(Shape{n});
     self_ = Tensor<T, cpu>(Shape{n});
@@ -171,6 +195,7 @@ class GraphImpl<Similarity, T, cpu> {
       s_ = Tensor<T, cpu>(Shape{n, len});
     if (cfg_.similarity_recompute) s_ = Tensor<T, cpu>();
     auto U = as_matrix(u);
+    auto Q = as_matrix(cfg_.similarity_projection ? q_ : u);
     auto R = as_matrix(r);
     auto P = as_matrix(p);
     const T inv_tau = static_cast<T>(1.0 / tau_);
@@ -181,7 +206,7 @@ class GraphImpl<Similarity, T, cpu> {
         const index_t bi = std::min(kBlock, len - i0);
         const index_t jn = cfg_.causal ? i0 + bi : len;
         auto run = [&](auto&& S) {
-          S.noalias() = inv_tau * U.middleRows(s0 + i0, bi) * U.middleRows(s0, jn).transpose();
+          S.noalias() = inv_tau * Q.middleRows(s0 + i0, bi) * U.middleRows(s0, jn).transpose();
           softmax_block(S, i0, s0 + i0);
           P.middleRows(s0 + i0, bi).noalias() = S * R.middleRows(s0, jn);
         };
@@ -211,8 +236,17 @@ class GraphImpl<Similarity, T, cpu> {
     const bool to_u = !cfg_.detach_graph;
     if (to_u) check_shape("Similarity::backward", "du", du, u.shape());
     auto dU = as_matrix(du);
+    const bool proj = cfg_.similarity_projection;
+    if (proj)
+      GRAPHMOE_CHECK(q_.shape() == u.shape(), "Similarity::backward",
+                     "no forward of these ", n, " tokens to take the gradient of");
+    auto Q = as_matrix(proj ? q_ : u);
+    // the query side's gradient: into dU directly, or into dQ (then dU += dQ W_s^T, dW_s += U^T dQ)
+    Tensor<T, cpu> dq;
+    if (proj && to_u) dq = Tensor<T, cpu>(u.shape());  // zero-initialised
+    auto dQ = as_matrix(proj && to_u ? dq : du);
     const T inv_tau = static_cast<T>(1.0 / tau_);
-    // learned tau: d loss / d log_tau = -sum_ij dL_ij L_ij = -(1/tau) sum_i u_i . (dL U)_i, summed
+    // learned tau: d loss / d log_tau = -sum_ij dL_ij L_ij = -(1/tau) sum_i q_i . (dL U)_i, summed
     // per sequence (in double) and added after the parallel loop
     const bool to_tau = to_u && !dlog_tau_.empty();
     std::vector<double> dlog_tau(to_tau ? static_cast<std::size_t>(n / len) : 0, 0.0);
@@ -223,7 +257,7 @@ class GraphImpl<Similarity, T, cpu> {
       for (index_t i0 = 0; i0 < len; i0 += kBlock) {
         const index_t bi = std::min(kBlock, len - i0);
         const index_t jn = cfg_.causal ? i0 + bi : len;
-        const auto Ub = U.middleRows(s0 + i0, bi);
+        const auto Ub = Q.middleRows(s0 + i0, bi);  // the queries (U itself without projection)
         const auto Us = U.middleRows(s0, jn);
         auto run = [&](const auto& S) {
           const auto dPb = dP.middleRows(s0 + i0, bi);
@@ -234,11 +268,11 @@ class GraphImpl<Similarity, T, cpu> {
           dL = S.array() * (dL.colwise() - rowdot).array();
           if (to_tau) {
             dLU.noalias() = dL * Us;
-            dU.middleRows(s0 + i0, bi) += inv_tau * dLU;
+            dQ.middleRows(s0 + i0, bi) += inv_tau * dLU;
             dlog_tau[static_cast<std::size_t>(seq)] -=
                 static_cast<double>(inv_tau) * (Ub.array() * dLU.array()).template cast<double>().sum();
           } else {
-            dU.middleRows(s0 + i0, bi).noalias() += inv_tau * dL * Us;
+            dQ.middleRows(s0 + i0, bi).noalias() += inv_tau * dL * Us;
           }
           dU.middleRows(s0, jn).noalias() += inv_tau * dL.transpose() * Ub;
         };
@@ -261,6 +295,10 @@ class GraphImpl<Similarity, T, cpu> {
       double total = 0;
       for (double x : dlog_tau) total += x;
       dlog_tau_.data()[0] += static_cast<T>(total);
+    }
+    if (proj && to_u) {
+      dU.noalias() += as_matrix(dq) * as_matrix(w_s_).transpose();
+      as_matrix(dw_s_).noalias() += U.transpose() * as_matrix(dq);
     }
   }
 
@@ -304,10 +342,11 @@ class GraphImpl<Similarity, T, cpu> {
   bool masks_self(index_t valid) const { return cfg_.similarity_exclude_self && valid > 1; }
 
   RouterConfig cfg_;
+  index_t d_model_ = 0;
   double tau_ = 1.0;
-  Tensor<T, cpu> lse_, entropy_, self_, s_;
-  index_t id_log_tau_ = -1;
-  Tensor<T, cpu> log_tau_, dlog_tau_;
+  Tensor<T, cpu> lse_, entropy_, self_, s_, q_;
+  index_t id_log_tau_ = -1, id_w_s_ = -1;
+  Tensor<T, cpu> log_tau_, dlog_tau_, w_s_, dw_s_;
 };
 
 // p_i = sum_j A^p[i,j] r_j with the attention posterior of Lemma 1 for head h*:

@@ -59,9 +59,11 @@ template <class T>
 class GraphImpl<Similarity, T, cuda> {
  public:
   void configure(index_t d_model, const RouterConfig& cfg) {
-    GRAPHMOE_CHECK(cfg.tau_mode != TauMode::Learned && !cfg.similarity_exclude_self, "Similarity",
-                   "a learned temperature and similarity_exclude_self are implemented on the CPU "
-                   "backend only");
+    GRAPHMOE_CHECK(cfg.tau_mode != TauMode::Learned && !cfg.similarity_exclude_self &&
+                       !cfg.similarity_projection,
+                   "Similarity",
+                   "a learned temperature, similarity_exclude_self and similarity_projection are "
+                   "implemented on the CPU backend only");
     cfg_ = cfg;
     tau_ = detail::similarity_tau(d_model, cfg);
   }
