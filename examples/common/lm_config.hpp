@@ -23,6 +23,8 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   // written only when set, so that checkpoints from before the option still match on --resume
   if (r.similarity_exclude_self) j["exclude_self"] = true;
   if (r.similarity_projection) j["projection"] = true;
+  // SMoE-Dropout's k schedule (k at a checkpoint's step depends on it)
+  if (router.rfind("smoe-dropout", 0) == 0) j["schedule_steps"] = r.schedule_steps;
   return j;
 }
 
@@ -50,6 +52,9 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   m.router.z_loss_coef = j.at("z_loss_coef");
   m.router.similarity_exclude_self = j.value("exclude_self", false);
   m.router.similarity_projection = j.value("projection", false);
+  m.router.schedule_steps = j.value("schedule_steps", m.router.schedule_steps);
+  GRAPHMOE_CHECK(m.router.schedule_steps >= 1, "lm_config_from_json", "schedule_steps ",
+                 m.router.schedule_steps, " must be >= 1");
   return m;
 }
 

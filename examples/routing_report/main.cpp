@@ -9,7 +9,8 @@
 // MoE layer (graphmoe/train/routing_report.hpp): entropy of r and p, their ratio to --baseline's,
 // the token graph's row entropy and self-weight, how often the graph changed the selected experts,
 // top-1 / top-k fluctuation against --compare (another checkpoint of the same model, e.g. the
-// previous epoch), and tokens per expert (--load-out). The tokenizer is the checkpoint folder's
+// previous epoch; routed at the main checkpoint's step, so that SMoE-Dropout's scheduled k is the
+// same in both), and tokens per expert (--load-out). The tokenizer is the checkpoint folder's
 // vocab.txt unless --vocab names another; every model must use the same one.
 #include <CLI/CLI.hpp>
 
@@ -32,6 +33,7 @@ namespace {
 struct Model {
   std::string path, router;
   RoutingProbe probe;
+  std::int64_t step = 0;  // the step it was routed at
 };
 
 // The probe text's ids under the checkpoint's tokenizer, which must have the model's vocabulary.
@@ -54,7 +56,7 @@ std::vector<std::int32_t> encode(const std::string& vocab, bool char_level, cons
 
 Model load_and_probe(const std::string& path, const std::string& vocab_override,
                      const std::string& text, index_t probe_batches, index_t batch,
-                     std::size_t* vocab_size) {
+                     std::size_t* vocab_size, const std::int64_t* route_at_step = nullptr) {
   namespace fs = std::filesystem;
   const SafetensorsFile f = load_safetensors(path);
   GRAPHMOE_CHECK(f.metadata.count("config") && f.metadata.count("step"), "routing_report", "'",
@@ -78,6 +80,9 @@ Model load_and_probe(const std::string& path, const std::string& vocab_override,
   } catch (const std::exception&) {
     detail::throw_error("routing_report", "'", path, "': step metadata '", step_text, "' is not a number");
   }
+  // --compare routes at the main checkpoint's step: a scheduled k (SMoE-Dropout) is then the same
+  // in both, and fluctuation counts experts that changed, not a k that grew
+  if (route_at_step != nullptr) in.step = *route_at_step;
   const std::string vocab = vocab_override.empty()
                                 ? (fs::path(path).parent_path() / "vocab.txt").string()
                                 : vocab_override;
@@ -92,7 +97,8 @@ Model load_and_probe(const std::string& path, const std::string& vocab_override,
   for (index_t i = 0; i < nb; ++i) in.batches.push_back(batches.batch(i));
   std::fprintf(stderr, "routing_report: %s (%s, step %lld): %lld probe tokens\n", path.c_str(),
                router.c_str(), static_cast<long long>(in.step), static_cast<long long>(nb * batch * in.config.max_seq_len));
-  Model m{path, router, with_router(router, [&]<class Policy>() { return routing_report::probe<Policy>(in); })};
+  Model m{path, router, with_router(router, [&]<class Policy>() { return routing_report::probe<Policy>(in); }),
+          in.step};
   return m;
 }
 
@@ -125,7 +131,7 @@ int main(int argc, char** argv) {
     const Model model = load_and_probe(checkpoint, vocab, text, probe_batches, batch, &vocab_size);
     Model cmp, base;
     if (!compare.empty()) {
-      cmp = load_and_probe(compare, vocab, text, probe_batches, batch, &vocab_size);
+      cmp = load_and_probe(compare, vocab, text, probe_batches, batch, &vocab_size, &model.step);
       GRAPHMOE_CHECK(cmp.router == model.router, "routing_report", "--compare '", compare,
                      "' has the router ", cmp.router, ", the model ", model.router,
                      ": fluctuation compares two checkpoints of one model");
