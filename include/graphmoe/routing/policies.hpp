@@ -6,67 +6,83 @@
 //   TokenGraph  r (N, E)  -> p = G r, per sequence (G depends on the tokens)
 //   Selector    p (N, E)  -> k experts per token and their gates (renormalised to sum to 1)
 //
-// The tags below name the parts; their numerical options live in RouterConfig (one struct, so that
-// a command line or a checkpoint maps onto it directly). The implementations are in scorers.hpp,
-// token_graphs.hpp and selectors.hpp.
+// The tags below name the parts and their implementation (`impl<T, B>`); their numerical options
+// live in RouterConfig (one struct, so that a command line or a checkpoint maps onto it directly).
+// The implementations are in scorers.hpp, token_graphs.hpp and selectors.hpp. A user's policy is
+// any tag of the same form (routing/concepts.hpp states what its implementation must provide).
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/core/backend.hpp"
 #include "graphmoe/core/shape.hpp"
 
 namespace graphmoe {
+
+// The built-in implementations, one specialisation per policy (and backend where it differs).
+template <class Policy, class T, class B = cpu>
+class ScorerImpl;
+template <class Policy, class T, class B = cpu>
+class GraphImpl;
+template <class Policy, class T, class B = cpu>
+class SelectorImpl;
 
 // ---- scorers --------------------------------------------------------------------------------
 // r = softmax(W u + b)                                        (Switch / GShard / the paper's SMoE)
 struct LinearScorer {
   static constexpr const char* name = "linear";
+  template <class T, class B>
+  using impl = ScorerImpl<LinearScorer, T, B>;
 };
 // X-MoE (Chi et al. 2022): gamma_e = <normalize(P u), normalize(e_e)> / temperature
 struct CosineScorer {
   static constexpr const char* name = "cosine";
+  template <class T, class B>
+  using impl = ScorerImpl<CosineScorer, T, B>;
 };
 // SMoE-Dropout (Chen et al. 2023): r = softmax(W u), W ~ N(0, 0.02^2), never updated
 struct FrozenRandomScorer {
   static constexpr const char* name = "frozen-random";
+  template <class T, class B>
+  using impl = ScorerImpl<FrozenRandomScorer, T, B>;
 };
 
 // ---- token graphs -----------------------------------------------------------------------------
 // p = r
 struct Independent {
   static constexpr const char* name = "independent";
+  template <class T, class B>
+  using impl = GraphImpl<Independent, T, B>;
 };
 // p_i = sum_j S[i,j] r_j, S = softmax(U U^T / tau) row-wise within each sequence
 struct Similarity {
   static constexpr const char* name = "similarity";
+  template <class T, class B>
+  using impl = GraphImpl<Similarity, T, B>;
 };
 // p_i = sum_j A^p_{h*}[i,j] r_j, A^p the attention posterior of Lemma 1
 struct Attention {
   static constexpr const char* name = "attention";
+  template <class T, class B>
+  using impl = GraphImpl<Attention, T, B>;
+  static constexpr bool needs_attention_cache = true;  // reads GraphContext::attention
 };
 
 // ---- selectors --------------------------------------------------------------------------------
 // top-k of p, renormalised (Appendix C.3)
 struct TopK {
   static constexpr const char* name = "topk";
+  template <class T, class B>
+  using impl = SelectorImpl<TopK, T, B>;
 };
 // SMoE-Dropout: k rises linearly from k_min to k_max over `schedule_steps` steps
 struct ScheduledTopK {
   static constexpr const char* name = "scheduled-topk";
+  template <class T, class B>
+  using impl = SelectorImpl<ScheduledTopK, T, B>;
 };
-
-template <class P>
-inline constexpr bool is_scorer_policy_v =
-    std::is_same_v<P, LinearScorer> || std::is_same_v<P, CosineScorer> ||
-    std::is_same_v<P, FrozenRandomScorer>;
-template <class P>
-inline constexpr bool is_graph_policy_v =
-    std::is_same_v<P, Independent> || std::is_same_v<P, Similarity> || std::is_same_v<P, Attention>;
-template <class P>
-inline constexpr bool is_selector_policy_v =
-    std::is_same_v<P, TopK> || std::is_same_v<P, ScheduledTopK>;
 
 // How tau of the Similarity graph is set.
 enum class TauMode {

@@ -14,29 +14,25 @@
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
+#include "graphmoe/routing/concepts.hpp"
 #include "graphmoe/routing/scorers.hpp"
 #include "graphmoe/routing/selectors.hpp"
 #include "graphmoe/routing/token_graphs.hpp"
 
 namespace graphmoe {
 
-// The router policy: three tags. Wrong arguments fail here with a message naming the valid ones.
+// The router policy: three tags (built-in or a user's: routing/concepts.hpp). RouterImpl checks
+// each against its concept for the scalar type and backend it is instantiated with.
 template <class Scorer, class Graph, class Selector>
 struct Router {
-  static_assert(is_scorer_policy_v<Scorer>,
-                "graphmoe::Router<Scorer, Graph, Selector>: the first argument must be a scorer "
-                "(LinearScorer, CosineScorer or FrozenRandomScorer)");
-  static_assert(is_graph_policy_v<Graph>,
-                "graphmoe::Router<Scorer, Graph, Selector>: the second argument must be a token "
-                "graph (Independent, Similarity or Attention)");
-  static_assert(is_selector_policy_v<Selector>,
-                "graphmoe::Router<Scorer, Graph, Selector>: the third argument must be a selector "
-                "(TopK or ScheduledTopK)");
+  static_assert(NamedPolicy<Scorer> && NamedPolicy<Graph> && NamedPolicy<Selector>,
+                "graphmoe::Router<Scorer, Graph, Selector>: every policy needs `static constexpr "
+                "const char* name` (see routing/concepts.hpp)");
   using scorer = Scorer;
   using graph = Graph;
   using selector = Selector;
-  // True when the router needs the attention layer's cache.
-  static constexpr bool needs_attention = std::is_same_v<Graph, Attention>;
+  // True when the router needs the attention layer's cache (the graph policy says so).
+  static constexpr bool needs_attention = graph_needs_attention_cache<Graph>();
   static std::string name() {
     return std::string(Scorer::name) + "/" + Graph::name + "/" + Selector::name;
   }
@@ -71,8 +67,16 @@ class RouterImpl;
 // tensors' backend (a .cu file instantiating it with graphmoe::cuda includes graphmoe/cuda.cuh).
 template <class Scorer, class Graph, class Selector, class T, class B>
 class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
+  // One message naming the first missing member of an incomplete policy.
+  static_assert(check_scorer_policy<Scorer, T, B>());
+  static_assert(check_graph_policy<Graph, T, B>());
+  static_assert(check_selector_policy<Selector, T, B>());
+
  public:
   using policy = Router<Scorer, Graph, Selector>;
+  using scorer_impl = policy_impl_t<Scorer, T, B>;
+  using graph_impl = policy_impl_t<Graph, T, B>;
+  using selector_impl = policy_impl_t<Selector, T, B>;
 
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
@@ -96,9 +100,9 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   }
 
   const RouterConfig& config() const { return cfg_; }
-  ScorerImpl<Scorer, T, B>& scorer() { return scorer_; }
-  GraphImpl<Graph, T, B>& graph() { return graph_; }
-  SelectorImpl<Selector, T, B>& selector() { return selector_; }
+  scorer_impl& scorer() { return scorer_; }
+  graph_impl& graph() { return graph_; }
+  selector_impl& selector() { return selector_; }
   index_t current_k() const { return selector_.current_k(); }
   void set_step(std::int64_t step) { selector_.set_step(step); }
 
@@ -137,19 +141,14 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   }
 
  private:
-  // A token graph may own parameters (the Similarity graph's learned temperature).
-  static constexpr bool kGraphHasParameters =
-      requires(GraphImpl<Graph, T, B> g, ParameterArena<T, B> a, Rng r) {
-        g.declare(a, std::string(), index_t{}, RouterConfig{});
-        g.bind(a);
-        g.init(r);
-      };
+  // A token graph may own parameters (the Similarity graph's learned temperature, W_s).
+  static constexpr bool kGraphHasParameters = GraphHasParameters<Graph, T, B>;
 
   RouterConfig cfg_;
   index_t d_model_ = 0;
-  ScorerImpl<Scorer, T, B> scorer_;
-  GraphImpl<Graph, T, B> graph_;
-  SelectorImpl<Selector, T, B> selector_;
+  scorer_impl scorer_;
+  graph_impl graph_;
+  selector_impl selector_;
 };
 
 }  // namespace graphmoe

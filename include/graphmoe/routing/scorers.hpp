@@ -20,31 +20,6 @@
 
 namespace graphmoe {
 
-template <class T, class B>
-concept ScorerImplementation =
-    requires(T t, ParameterArena<T, B>& arena, const Tensor<T, B>& c, Tensor<T, B>& m, Rng& rng,
-             const RouterConfig& cfg) {
-      t.declare(arena, std::string(), index_t{}, cfg);
-      t.bind(arena);
-      t.init(rng);
-      t.forward(c, m);
-      t.backward(c, c, m);
-    };
-
-namespace detail {
-template <class>
-inline constexpr bool dependent_false_v = false;
-
-}  // namespace detail
-
-// Primary template: an unknown scorer policy is a compile error that names the valid ones.
-template <class Policy, class T, class B = cpu>
-class ScorerImpl {
-  static_assert(detail::dependent_false_v<Policy>,
-                "graphmoe: unknown scorer policy; use LinearScorer, CosineScorer or "
-                "FrozenRandomScorer (routing/policies.hpp)");
-};
-
 // gamma = u W^T + b (W: (E, D), b: (E)); with `frozen`, W is a fixed buffer without bias and
 // without gradient (SMoE-Dropout).
 template <class T, class B, bool kFrozen>

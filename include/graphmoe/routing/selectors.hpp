@@ -29,13 +29,6 @@ struct Selection {
   index_t dropped = 0;              // number of dropped assignments
 };
 
-template <class Policy, class T, class B = cpu>
-class SelectorImpl {
-  static_assert(sizeof(Policy) == 0,
-                "graphmoe: unknown selector policy; use TopK or ScheduledTopK "
-                "(routing/policies.hpp)");
-};
-
 template <class T, class B>
 class TopKSelectorBase {
  public:

@@ -82,13 +82,6 @@ const AttentionCache<T, B>& check_attention_cache(const GraphContext<T, B>& ctx,
 }
 }  // namespace detail
 
-template <class Policy, class T, class B = cpu>
-class GraphImpl {
-  static_assert(sizeof(Policy) == 0,
-                "graphmoe: unknown token-graph policy; use Independent, Similarity or Attention "
-                "(routing/policies.hpp)");
-};
-
 // p = r (every backend: two copies).
 template <class T, class B>
 class GraphImpl<Independent, T, B> {

@@ -1,0 +1,236 @@
+// graphmoe/routing/concepts.hpp: what a scorer, token-graph or selector policy must provide.
+//
+// A policy is a tag type with a name and its implementation for a scalar type T and backend B:
+//
+//   struct MyGraph {
+//     static constexpr const char* name = "my-graph";
+//     template <class T, class B> using impl = MyGraphImpl<T, B>;   // any class template, any namespace
+//     static constexpr bool needs_attention_cache = false;          // optional (default false)
+//   };
+//
+// and the implementation has the members listed below (exactly the calls RouterImpl makes). The
+// concepts ScorerPolicy / TokenGraphPolicy / SelectorPolicy state them; RouterImpl checks them
+// with check_*_policy<P, T, B>(), which fails with one message naming the first missing member.
+// No specialisation inside namespace graphmoe is needed. The built-in policies (policies.hpp)
+// follow the same rule: their impl is ScorerImpl / GraphImpl / SelectorImpl<Policy, T, B>.
+// docs/routers.md ("Writing a policy") walks through an example.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/rng.hpp"
+#include "graphmoe/core/tensor.hpp"
+#include "graphmoe/routing/policies.hpp"
+#include "graphmoe/routing/selectors.hpp"
+#include "graphmoe/routing/token_graphs.hpp"
+
+namespace graphmoe {
+
+namespace policy_detail {
+template <class>
+inline constexpr bool always_false = false;
+}  // namespace policy_detail
+
+// ---- every policy -----------------------------------------------------------------------------
+template <class P>
+concept NamedPolicy = requires {
+  { P::name } -> std::convertible_to<std::string_view>;
+};
+template <class P, class T, class B>
+concept PolicyWithImpl = requires { typename P::template impl<T, B>; } &&
+                         std::default_initializable<typename P::template impl<T, B>>;
+template <class P, class T, class B>
+using policy_impl_t = typename P::template impl<T, B>;
+
+// ---- scorers: u (N, D) -> gamma (N, E) logits; parameters in the arena -------------------------
+template <class P, class T, class B>
+concept ScorerDeclares = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, ParameterArena<T, B>& arena, const std::string& prefix,
+             index_t d_model, const RouterConfig& cfg) { s.declare(arena, prefix, d_model, cfg); };
+template <class P, class T, class B>
+concept ScorerBinds = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const ParameterArena<T, B>& arena) { s.bind(arena); };
+template <class P, class T, class B>
+concept ScorerInits = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, Rng& rng) { s.init(rng); };
+template <class P, class T, class B>
+concept ScorerForward = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& u, Tensor<T, B>& gamma) {
+      s.forward(u, gamma);
+    };
+template <class P, class T, class B>
+concept ScorerBackward = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& u, const Tensor<T, B>& dgamma,
+             Tensor<T, B>& du) { s.backward(u, dgamma, du); };
+
+template <class P, class T = float, class B = cpu>
+concept ScorerPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> && ScorerDeclares<P, T, B> &&
+                       ScorerBinds<P, T, B> && ScorerInits<P, T, B> && ScorerForward<P, T, B> &&
+                       ScorerBackward<P, T, B>;
+
+// ---- token graphs: p = G r within each sequence of ctx.seq_len tokens -------------------------
+// A graph without parameters has configure(d_model, cfg); one with parameters has declare(arena,
+// prefix, d_model, cfg), bind(arena) and init(rng) instead (RouterImpl calls whichever it has).
+template <class P, class T, class B>
+concept GraphConfigures = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& g, index_t d_model, const RouterConfig& cfg) {
+      g.configure(d_model, cfg);
+    };
+template <class P, class T, class B>
+concept GraphHasParameters = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& g, ParameterArena<T, B>& arena,
+             const ParameterArena<T, B>& carena, const std::string& prefix, index_t d_model,
+             const RouterConfig& cfg, Rng& rng) {
+      g.declare(arena, prefix, d_model, cfg);
+      g.bind(carena);
+      g.init(rng);
+    };
+template <class P, class T, class B>
+concept GraphForward = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& g, const Tensor<T, B>& u, const Tensor<T, B>& r,
+             const GraphContext<T, B>& ctx, Tensor<T, B>& p) { g.forward(u, r, ctx, p); };
+template <class P, class T, class B>
+concept GraphBackward = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& g, const Tensor<T, B>& u, const Tensor<T, B>& r,
+             const Tensor<T, B>& p, const Tensor<T, B>& dp, const GraphContext<T, B>& ctx,
+             Tensor<T, B>& dr, Tensor<T, B>& du) { g.backward(u, r, p, dp, ctx, dr, du); };
+template <class P, class T, class B>
+concept GraphEntropy = PolicyWithImpl<P, T, B> &&
+    requires(const policy_impl_t<P, T, B>& g) {
+      { g.mean_entropy() } -> std::convertible_to<double>;
+    };
+
+template <class P, class T = float, class B = cpu>
+concept TokenGraphPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> &&
+                           (GraphConfigures<P, T, B> || GraphHasParameters<P, T, B>) &&
+                           GraphForward<P, T, B> && GraphBackward<P, T, B> &&
+                           GraphEntropy<P, T, B>;
+
+// Whether the graph reads the attention layer's cache (GraphContext::attention): the policy's
+// optional `static constexpr bool needs_attention_cache`, false without it.
+template <class P>
+consteval bool graph_needs_attention_cache() {
+  if constexpr (requires { { P::needs_attention_cache } -> std::convertible_to<bool>; })
+    return P::needs_attention_cache;
+  else
+    return false;
+}
+
+// ---- selectors: p (N, E) -> k experts per token and their gates --------------------------------
+template <class P, class T, class B>
+concept SelectorConfigures = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const RouterConfig& cfg) { s.configure(cfg); };
+template <class P, class T, class B>
+concept SelectorSelects = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) {
+      s.select(p, k, sel);
+    };
+template <class P, class T, class B>
+concept SelectorBackward = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& p, const Selection<T, B>& sel,
+             const Tensor<T, B>& dgates, Tensor<T, B>& dp) { s.backward(p, sel, dgates, dp); };
+template <class P, class T, class B>
+concept SelectorK = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const policy_impl_t<P, T, B>& cs, std::int64_t step) {
+      { cs.current_k() } -> std::convertible_to<index_t>;
+      s.set_step(step);
+    };
+
+template <class P, class T = float, class B = cpu>
+concept SelectorPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> &&
+                         SelectorConfigures<P, T, B> && SelectorSelects<P, T, B> &&
+                         SelectorBackward<P, T, B> && SelectorK<P, T, B>;
+
+// ---- the checks with one message each ---------------------------------------------------------
+// Each fails to compile at the first missing member, with a static_assert naming it (and its
+// signature); for a complete policy it is true. (To test a policy without a compile error, use the
+// concepts above.)
+// (The failing branch returns true: its static_assert is the one error; the caller's
+// static_assert(check_...()) would only add a second one without a message.)
+#define GRAPHMOE_POLICY_REQUIRE(cond, msg)                           \
+  else if constexpr (!(cond)) {                                      \
+    static_assert(policy_detail::always_false<P>, "graphmoe: " msg); \
+    return true;                                                     \
+  }
+
+template <class P, class T, class B>
+consteval bool check_scorer_policy() {
+  if constexpr (false) {
+  }
+  GRAPHMOE_POLICY_REQUIRE(NamedPolicy<P>,
+                          "a scorer policy needs `static constexpr const char* name`")
+  GRAPHMOE_POLICY_REQUIRE((PolicyWithImpl<P, T, B>),
+                          "a scorer policy needs `template <class T, class B> using impl = ...;` "
+                          "naming a default-constructible implementation")
+  GRAPHMOE_POLICY_REQUIRE((ScorerDeclares<P, T, B>),
+                          "the scorer implementation lacks `declare(ParameterArena<T, B>&, const "
+                          "std::string& prefix, index_t d_model, const RouterConfig&)`")
+  GRAPHMOE_POLICY_REQUIRE((ScorerBinds<P, T, B>),
+                          "the scorer implementation lacks `bind(const ParameterArena<T, B>&)`")
+  GRAPHMOE_POLICY_REQUIRE((ScorerInits<P, T, B>),
+                          "the scorer implementation lacks `init(Rng&)`")
+  GRAPHMOE_POLICY_REQUIRE((ScorerForward<P, T, B>),
+                          "the scorer implementation lacks `forward(const Tensor<T, B>& u, "
+                          "Tensor<T, B>& gamma)`")
+  GRAPHMOE_POLICY_REQUIRE((ScorerBackward<P, T, B>),
+                          "the scorer implementation lacks `backward(const Tensor<T, B>& u, const "
+                          "Tensor<T, B>& dgamma, Tensor<T, B>& du)`")
+  return true;
+}
+
+template <class P, class T, class B>
+consteval bool check_graph_policy() {
+  if constexpr (false) {
+  }
+  GRAPHMOE_POLICY_REQUIRE(NamedPolicy<P>,
+                          "a token-graph policy needs `static constexpr const char* name`")
+  GRAPHMOE_POLICY_REQUIRE((PolicyWithImpl<P, T, B>),
+                          "a token-graph policy needs `template <class T, class B> using impl = "
+                          "...;` naming a default-constructible implementation")
+  GRAPHMOE_POLICY_REQUIRE((GraphConfigures<P, T, B> || GraphHasParameters<P, T, B>),
+                          "the token-graph implementation lacks `configure(index_t d_model, const "
+                          "RouterConfig&)` (or, with parameters, `declare(ParameterArena<T, B>&, "
+                          "const std::string&, index_t, const RouterConfig&)`, `bind(const "
+                          "ParameterArena<T, B>&)` and `init(Rng&)`)")
+  GRAPHMOE_POLICY_REQUIRE((GraphForward<P, T, B>),
+                          "the token-graph implementation lacks `forward(const Tensor<T, B>& u, "
+                          "const Tensor<T, B>& r, const GraphContext<T, B>&, Tensor<T, B>& p)`")
+  GRAPHMOE_POLICY_REQUIRE((GraphBackward<P, T, B>),
+                          "the token-graph implementation lacks `backward(const Tensor<T, B>& u, "
+                          "const Tensor<T, B>& r, const Tensor<T, B>& p, const Tensor<T, B>& dp, "
+                          "const GraphContext<T, B>&, Tensor<T, B>& dr, Tensor<T, B>& du)`")
+  GRAPHMOE_POLICY_REQUIRE((GraphEntropy<P, T, B>),
+                          "the token-graph implementation lacks `double mean_entropy() const`")
+  return true;
+}
+
+template <class P, class T, class B>
+consteval bool check_selector_policy() {
+  if constexpr (false) {
+  }
+  GRAPHMOE_POLICY_REQUIRE(NamedPolicy<P>,
+                          "a selector policy needs `static constexpr const char* name`")
+  GRAPHMOE_POLICY_REQUIRE((PolicyWithImpl<P, T, B>),
+                          "a selector policy needs `template <class T, class B> using impl = ...;` "
+                          "naming a default-constructible implementation")
+  GRAPHMOE_POLICY_REQUIRE((SelectorConfigures<P, T, B>),
+                          "the selector implementation lacks `configure(const RouterConfig&)`")
+  GRAPHMOE_POLICY_REQUIRE((SelectorSelects<P, T, B>),
+                          "the selector implementation lacks `select(const Tensor<T, B>& p, "
+                          "index_t k, Selection<T, B>&)`")
+  GRAPHMOE_POLICY_REQUIRE((SelectorBackward<P, T, B>),
+                          "the selector implementation lacks `backward(const Tensor<T, B>& p, const "
+                          "Selection<T, B>&, const Tensor<T, B>& dgates, Tensor<T, B>& dp)`")
+  GRAPHMOE_POLICY_REQUIRE((SelectorK<P, T, B>),
+                          "the selector implementation lacks `index_t current_k() const` or "
+                          "`set_step(std::int64_t)`")
+  return true;
+}
+
+#undef GRAPHMOE_POLICY_REQUIRE
+
+}  // namespace graphmoe
