@@ -51,6 +51,16 @@ TEST_CASE("tensor: views share storage, clone does not") {
   CHECK(reinterpret_cast<std::uintptr_t>(Tensor<float>({5}).data()) % 64 == 0);
 }
 
+TEST_CASE("tensor: an empty tensor has no elements") {
+  Tensor<float> empty;
+  CHECK(empty.empty());
+  CHECK(empty.numel() == 0);
+  CHECK(empty.bytes() == 0);
+  Tensor<double> scalar(Shape{});  // an allocated rank-0 tensor is one value
+  CHECK(!scalar.empty());
+  CHECK(scalar.numel() == 1);
+}
+
 TEST_CASE("tensor: bad views, slices, indices and copies throw") {
   Tensor<double> t({2, 3});
   CHECK_THROWS_WITH_AS(t.view({4, 2}), doctest::Contains("cannot view a tensor of shape (2, 3) as (4, 2)"), Error);

@@ -2,6 +2,7 @@
 // the token graph), causality of the causal similarity graph, grouped dispatch, capacity drops.
 #include <doctest/doctest.h>
 
+#include "graphmoe/layers/block.hpp"
 #include "graphmoe/layers/moe.hpp"
 #include "routing/router_fixtures.hpp"
 
@@ -197,6 +198,35 @@ TEST_CASE("MoE layer: bad input") {
   Fixture<AttentionRouter, float> fa;
   fa.build(73);
   CHECK_THROWS_WITH_AS(fa.layer.forward(v, {4, nullptr}, y), doctest::Contains("needs the attention layer's cache"), Error);
+}
+
+TEST_CASE("layers used before bind() raise graphmoe::Error naming the step") {
+  Rng rng(81);
+  auto x = random_normal<float>({8, 4}, rng);
+  Tensor<float> y, dx;
+  const auto msg = doctest::Contains("before bind()");
+  {
+    Fixture<SoftmaxRouter, float> fx;  // declared and allocated, never bound
+    fx.layer.declare(fx.arena, "moe.", fx.cfg);
+    fx.arena.allocate();
+    CHECK_THROWS_WITH_AS(fx.layer.forward(x, {4, nullptr}, y), msg, Error);
+    CHECK_THROWS_WITH_AS(fx.layer.backward(x, dx), msg, Error);
+  }
+  {
+    ParameterArena<float> arena;
+    Linear<float> lin;
+    lin.declare(arena, "lin.", 4, 3);
+    arena.allocate();
+    CHECK_THROWS_WITH_AS(lin.forward(x, y), doctest::Contains("Linear"), Error);
+    LayerNorm<float> ln;
+    CHECK_THROWS_WITH_AS(ln.forward(x, y), msg, Error);
+    FeedForward<float> ffn;
+    CHECK_THROWS_WITH_AS(ffn.forward(x, y), msg, Error);
+    MultiHeadAttention<float> attn;
+    CHECK_THROWS_WITH_AS(attn.forward(x, y), msg, Error);
+    TransformerBlock<SimilarityRouter, float> block;
+    CHECK_THROWS_WITH_AS(block.forward(x, y), doctest::Contains("TransformerBlock"), Error);
+  }
 }
 
 TEST_CASE_TEMPLATE("MoE layer: 2 threads (both parallelisations) agree with 1 thread, forward and backward",

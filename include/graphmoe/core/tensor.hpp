@@ -87,7 +87,8 @@ class Tensor {
   const Shape& shape() const { return shape_; }
   int rank() const { return shape_.rank(); }
   index_t dim(int i) const { return shape_.dim(i); }
-  index_t numel() const { return shape_.numel(); }
+  // 0 for an empty (default-constructed) tensor, whose rank-0 shape would otherwise count 1.
+  index_t numel() const { return data_ == nullptr ? 0 : shape_.numel(); }
   index_t rows() const { return shape_.rows(); }
   index_t cols() const { return shape_.cols(); }
   bool empty() const { return data_ == nullptr; }

@@ -40,6 +40,7 @@ class MultiHeadAttention {
     k_.bind(arena);
     v_.bind(arena);
     o_.bind(arena);
+    bound_ = true;
   }
   // Projections ~ N(0, std^2); the output projection scaled by out_scale (GPT-2's 1/sqrt(2 L)).
   void init(Rng& rng, double stddev, double out_scale = 1.0) {
@@ -50,6 +51,7 @@ class MultiHeadAttention {
   }
   // x (B, T, D) -> a (B, T, D)
   void forward(const Tensor<T, B>& x, Tensor<T, B>& a) {
+    check_bound("forward");
     GRAPHMOE_CHECK(x.rank() == 3 && x.dim(2) == d_, "MultiHeadAttention", "input has shape ",
                    x.shape(), ", expected (B, T, ", d_, ")");
     const Shape s = x.shape();
@@ -89,6 +91,7 @@ class MultiHeadAttention {
   }
   // da (B, T, D) -> dx (B, T, D) assigned; folds in the Attention graph's gradients if any.
   void backward(const Tensor<T, B>& da, Tensor<T, B>& dx) {
+    check_bound("backward");
     const Shape s = da.shape();
     const Shape flat{s[0] * s[1], d_};
     Tensor<T, B> daf = da.view(flat);
@@ -117,6 +120,12 @@ class MultiHeadAttention {
   index_t num_heads() const { return heads_; }
 
  private:
+  // Set by bind(): a layer used before it is bound has no parameters to read.
+  bool bound_ = false;
+  void check_bound(const char* op) const {
+    GRAPHMOE_CHECK(bound_, "MultiHeadAttention", op,
+                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+  }
   index_t d_ = 0, heads_ = 1;
   bool causal_ = true;
   Linear<T, B> q_, k_, v_, o_;

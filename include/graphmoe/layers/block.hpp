@@ -48,6 +48,7 @@ class TransformerBlock {
     attn_.bind(arena);
     ln2_.bind(arena);
     if (cfg_.moe) moe_.bind(arena); else ffn_.bind(arena);
+    bound_ = true;
   }
   void init(Rng& rng) {
     ln1_.init();
@@ -63,6 +64,7 @@ class TransformerBlock {
 
   // h (B, T, D) -> out (B, T, D)
   void forward(const Tensor<T, B>& h, Tensor<T, B>& out) {
+    check_bound("forward");
     const Shape s = h.shape();
     const index_t n = s[0] * s[1];
     Tensor<T, B> x, a;
@@ -90,6 +92,7 @@ class TransformerBlock {
 
   // dout (B, T, D) -> dh (B, T, D) assigned.
   void backward(const Tensor<T, B>& dout, Tensor<T, B>& dh) {
+    check_bound("backward");
     const Shape s = dout.shape();
     const index_t n = s[0] * s[1];
     Tensor<T, B> du;
@@ -110,6 +113,12 @@ class TransformerBlock {
   MultiHeadAttention<T, B>& attention() { return attn_; }
 
  private:
+  // Set by bind(): a layer used before it is bound has no parameters to read.
+  bool bound_ = false;
+  void check_bound(const char* op) const {
+    GRAPHMOE_CHECK(bound_, "TransformerBlock", op,
+                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+  }
   BlockConfig cfg_;
   LayerNorm<T, B> ln1_, ln2_;
   MultiHeadAttention<T, B> attn_;

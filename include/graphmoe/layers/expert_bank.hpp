@@ -67,6 +67,7 @@ class ExpertBank {
     b1_ = arena.value(id_b1_); db1_ = arena.grad(id_b1_);
     w2_ = arena.value(id_w2_); dw2_ = arena.grad(id_w2_);
     b2_ = arena.value(id_b2_); db2_ = arena.grad(id_b2_);
+    bound_ = true;
   }
   // w ~ N(0, init_std^2), biases 0.
   void init(Rng& rng, double init_std) {
@@ -82,6 +83,7 @@ class ExpertBank {
   // xs (S, D) grouped by the plan -> ys (S, D). Caches H and A for backward.
   template <class Plan>
   void forward(const Plan& plan, const Tensor<T, B>& xs, Tensor<T, B>& ys) {
+    check_bound("forward");
     const index_t s = xs.rows();
     GRAPHMOE_CHECK(xs.rank() == 2 && xs.cols() == d_ && s == plan.num_slots(), "ExpertBank",
                    "xs has shape ", xs.shape(), ", expected (", plan.num_slots(), ", ", d_, ")");
@@ -119,6 +121,7 @@ class ExpertBank {
   template <class Plan>
   void backward(const Plan& plan, const Tensor<T, B>& xs, const Tensor<T, B>& dys,
                 Tensor<T, B>& dxs) {
+    check_bound("backward");
     check_shape("ExpertBank::backward", "dys", dys, xs.shape());
     prepare_output("ExpertBank::backward", "dxs", dxs, xs.shape());
     if (plan.num_experts > e_) {
@@ -165,6 +168,12 @@ class ExpertBank {
   const Tensor<T, B>& w2() const { return w2_; }
 
  private:
+  // Set by bind(): a layer used before it is bound has no parameters to read.
+  bool bound_ = false;
+  void check_bound(const char* op) const {
+    GRAPHMOE_CHECK(bound_, "ExpertBank", op,
+                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+  }
   // src as the compute type: src itself when C = T, else converted into cache (reallocated when
   // its shape differs) and the cache returned.
   static Tensor<C, B> to_compute(const Tensor<T, B>& src, Tensor<C, B> cache) {
@@ -191,6 +200,7 @@ class ExpertBank {
   // launches per layer do not grow with E (backend/cuda/grouped.cuh).
   template <class Plan>
   void forward_grouped(const Plan& plan, Tensor<T, B>& ys) {
+    check_bound("forward_grouped");
     const index_t rows = plan.offset(e_);  // the experts' slots; the drop bucket follows
     if (rows == 0) return;
     expert_gemm(plan, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
@@ -210,6 +220,7 @@ class ExpertBank {
   template <class Plan>
   void backward_grouped(const Plan& plan, const Tensor<T, B>& dys, Tensor<T, B>& dxs,
                         Tensor<T, B>& dh_all, const Tensor<C, B>& dyc_all, Tensor<C, B>& dhc_all) {
+    check_bound("backward_grouped");
     const index_t rows = plan.offset(e_);
     if (rows == 0) return;
     Tensor<C, B> ac_all;

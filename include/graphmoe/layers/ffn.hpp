@@ -21,6 +21,7 @@ class FeedForward {
   void bind(const ParameterArena<T, B>& arena) {
     fc1_.bind(arena);
     fc2_.bind(arena);
+    bound_ = true;
   }
   void init(Rng& rng, double stddev, double out_scale = 1.0) {
     fc1_.init(rng, stddev);
@@ -28,6 +29,7 @@ class FeedForward {
   }
   // x (N, D) -> y (N, D)
   void forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
+    check_bound("forward");
     h_ = Tensor<T, B>();
     a_ = Tensor<T, B>();
     fc1_.forward(x, h_);
@@ -35,6 +37,7 @@ class FeedForward {
     fc2_.forward(a_, y);
   }
   void backward(const Tensor<T, B>& dy, Tensor<T, B>& dx) {
+    check_bound("backward");
     Tensor<T, B> da(a_.shape());
     fc2_.backward(dy, &da);
     gelu_backward(gelu_, h_, da, da);
@@ -43,6 +46,12 @@ class FeedForward {
   }
 
  private:
+  // Set by bind(): a layer used before it is bound has no parameters to read.
+  bool bound_ = false;
+  void check_bound(const char* op) const {
+    GRAPHMOE_CHECK(bound_, "FeedForward", op,
+                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+  }
   GeluForm gelu_ = GeluForm::Tanh;
   Linear<T, B> fc1_, fc2_;
   Tensor<T, B> h_, a_;

@@ -39,6 +39,7 @@ class Linear {
       b_ = arena.value(id_b_);
       db_ = arena.grad(id_b_);
     }
+    bound_ = true;
   }
   void init(Rng& rng, double stddev) {
     fill_normal(w_, rng, stddev);
@@ -46,6 +47,7 @@ class Linear {
   }
   // x (..., in) -> y (..., out)
   void forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
+    check_bound("forward");
     GRAPHMOE_CHECK(x.cols() == in_, "Linear", "input has shape ", x.shape(), ", expected last dim ",
                    in_);
     x_ = x;
@@ -56,6 +58,7 @@ class Linear {
     if (bias_) add_row_vector(b_, y);
   }
   void backward(const Tensor<T, B>& dy, Tensor<T, B>* dx) {
+    check_bound("backward");
     Tensor<T, B> none;
     gemm_backward(Trans::N, Trans::T, T(1), x_, w_, dy, T(0), dx ? *dx : none, T(1), dw_);
     if (bias_) accumulate_column_sums(dy, db_);
@@ -68,6 +71,12 @@ class Linear {
   index_t out() const { return out_; }
 
  private:
+  // Set by bind(): a layer used before it is bound has no parameters to read.
+  bool bound_ = false;
+  void check_bound(const char* op) const {
+    GRAPHMOE_CHECK(bound_, "Linear", op,
+                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+  }
   index_t in_ = 0, out_ = 0;
   bool bias_ = true;
   index_t id_w_ = -1, id_b_ = -1;

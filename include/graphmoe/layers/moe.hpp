@@ -45,6 +45,7 @@ class MoELayer {
   void bind(const ParameterArena<T, B>& arena) {
     router_.bind(arena);
     experts_.bind(arena);
+    bound_ = true;
   }
   void init(Rng& rng) {
     router_.init(rng);
@@ -53,6 +54,7 @@ class MoELayer {
 
   // u: (N, D), N a multiple of ctx.seq_len -> y: (N, D).
   void forward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx, Tensor<T, B>& y) {
+    check_bound("forward");
     GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == cfg_.d_model, "MoELayer", "u has shape ",
                    u.shape(), ", expected (N, ", cfg_.d_model, ")");
     u_ = u;
@@ -80,6 +82,7 @@ class MoELayer {
   // dy: (N, D) -> du: (N, D) assigned. Parameter gradients accumulated. With the Attention graph,
   // gradients for the attention layer are accumulated into ctx.attention's d* tensors.
   void backward(const Tensor<T, B>& dy, Tensor<T, B>& du) {
+    check_bound("backward");
     check_shape("MoELayer::backward", "dy", dy, u_.shape());
     prepare_output("MoELayer::backward", "du", du, u_.shape());
     Tensor<T, B> dys, dgates, dxs;
@@ -96,6 +99,12 @@ class MoELayer {
   const MoEConfig& config() const { return cfg_; }
 
  private:
+  // Set by bind(): a layer used before it is bound has no parameters to read.
+  bool bound_ = false;
+  void check_bound(const char* op) const {
+    GRAPHMOE_CHECK(bound_, "MoELayer", op,
+                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+  }
   MoEConfig cfg_;
   RouterImpl<RouterPolicy, T, B> router_;
   ExpertBank<T, B, C> experts_;

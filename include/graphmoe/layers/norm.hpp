@@ -25,22 +25,31 @@ class LayerNorm {
     dg_ = arena.grad(id_g_);
     b_ = arena.value(id_b_);
     db_ = arena.grad(id_b_);
+    bound_ = true;
   }
   void init() {
     fill(g_, T(1));
     b_.zero();
   }
   void forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
+    check_bound("forward");
     x_ = x;
     mean_ = Tensor<T, B>();
     rstd_ = Tensor<T, B>();
     layernorm_forward(x, g_, b_, static_cast<T>(eps_), y, mean_, rstd_);
   }
   void backward(const Tensor<T, B>& dy, Tensor<T, B>& dx) {
+    check_bound("backward");
     layernorm_backward(x_, g_, mean_, rstd_, dy, dx, dg_, db_);
   }
 
  private:
+  // Set by bind(): a layer used before it is bound has no parameters to read.
+  bool bound_ = false;
+  void check_bound(const char* op) const {
+    GRAPHMOE_CHECK(bound_, "LayerNorm", op,
+                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+  }
   index_t dim_ = 0;
   double eps_ = 1e-5;
   index_t id_g_ = -1, id_b_ = -1;
