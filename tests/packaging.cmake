@@ -5,6 +5,9 @@
 #                             definitions in headers)
 #   consumer: <mode>          tests/consumer builds against graphmoe through find_package,
 #                             add_subdirectory and FetchContent
+#   custom_router: find_package
+#                             examples/custom_router (user router policies) builds against an
+#                             installed graphmoe and runs its gradient check and training run
 
 # ---- header self-containment (Thrust's ThrustHeaderTesting.cmake) ----------------------------
 # One generated .cpp per public header under include/graphmoe, except detail/ (internal headers)
@@ -68,3 +71,20 @@ foreach(_mode find_package add_subdirectory fetchcontent)
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/run_consumer.cmake)
   set_tests_properties("consumer: ${_mode}" PROPERTIES LABELS packaging TIMEOUT 900)
 endforeach()
+
+# ---- a downstream project with its own router policies (examples/custom_router) ---------------
+# Installs graphmoe into a fresh prefix, builds examples/custom_router against it with
+# find_package, then runs its gradient check and its WikiText-2 training run (needs the data set:
+# GRAPHMOE_HAVE_DATA and GRAPHMOE_DATA_DIR are set in tests/CMakeLists.txt before this file).
+if(GRAPHMOE_HAVE_DATA)
+  add_test(NAME "custom_router: find_package"
+           COMMAND ${CMAKE_COMMAND}
+                   -DGRAPHMOE_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+                   -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/custom_router
+                   -DDATA_DIR=${GRAPHMOE_DATA_DIR}
+                   -DGENERATOR=${CMAKE_GENERATOR}
+                   -DCXX_COMPILER=${CMAKE_CXX_COMPILER}
+                   -DBUILD_TYPE=Release
+                   -P ${PROJECT_SOURCE_DIR}/examples/custom_router/run.cmake)
+  set_tests_properties("custom_router: find_package" PROPERTIES LABELS packaging TIMEOUT 900)
+endif()
