@@ -14,9 +14,10 @@ study_cells() {
     sigma)  # the Attention graph's sigma; sigma1 is lm/attention
       for s in ${SIGMA_SEEDS:-1}; do for c in sigma0.1 sigma11.3; do echo "$c $s"; done; done ;;
     plugin)  # Table 1's plug-in claim: X-MoE, SMoE-Dropout and GLaM with and without each graph
-      for s in ${PLUGIN_SEEDS:-1}; do
-        for c in xmoe xmoe-similarity xmoe-attention smoe-dropout smoe-dropout-similarity \
-                 smoe-dropout-attention glam glam-similarity glam-attention; do echo "$c $s"; done
+      # (host by host, all seeds of a host before the next, so that a partial run completes rows)
+      for c in smoe-dropout smoe-dropout-similarity smoe-dropout-attention xmoe xmoe-similarity \
+               xmoe-attention glam glam-similarity glam-attention; do
+        for s in ${PLUGIN_SEEDS:-1}; do echo "$c $s"; done
       done ;;
     fix)  # the fixes of docs/results.md: a learned tau (from D / 4), exclude self (tau sqrt(D)),
           # a learned W_s in U W_s U^T (tau D / 4)
