@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -615,6 +616,56 @@ TEST_CASE("checkpoint: a save that fails while writing leaves the previous file 
   CHECK(read_bytes(path) == before);
   CHECK(leftover_temps(d).empty());
   CHECK(load_safetensors(path).metadata.at("step") == "1");
+}
+
+// Runs fn in a child process that SIGALRM kills after `seconds` (a reader that blocks on a FIFO
+// fails the test instead of hanging it); returns fn's result, or -1 when the child did not exit
+// normally (killed: it hung).
+template <class Fn>
+int in_child_with_deadline(Fn fn, unsigned seconds) {
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::alarm(seconds);
+    int rc = 1;
+    try {
+      rc = fn();
+    } catch (...) {
+      rc = 3;
+    }
+    std::_Exit(rc);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST_CASE("checkpoint and read_file: FIFOs, devices, folders and dangling links are refused without blocking") {
+  TempDir d;
+  const std::string fifo = d.file("fifo.safetensors");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string dangling = d.file("dangling.safetensors");
+  fs::create_symlink(d.file("no-such-file"), dangling);
+  struct Case { std::string path, message; };
+  for (const Case& c : {Case{fifo, "is not a regular file (a FIFO)"},
+                        Case{"/dev/zero", "is not a regular file (a character device)"},
+                        Case{d.dir.string(), "is not a regular file (a directory)"},
+                        Case{dangling, "cannot open"}}) {
+    CAPTURE(c.path);
+    // 0: the expected graphmoe::Error; 1: another error or none; -1: hung (killed after 10 s)
+    auto expect_error = [&](auto&& load) {
+      return in_child_with_deadline([&] {
+        try {
+          load();
+        } catch (const Error& e) {
+          return std::string(e.what()).find(c.message) != std::string::npos ? 0 : 1;
+        }
+        return 1;
+      }, 10);
+    };
+    CHECK(expect_error([&] { (void)load_safetensors(c.path); }) == 0);
+    CHECK(expect_error([&] { (void)read_file(c.path); }) == 0);
+  }
 }
 
 TEST_CASE("checkpoint: a save killed mid-write leaves the previous file loadable") {

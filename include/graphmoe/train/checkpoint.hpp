@@ -45,6 +45,7 @@
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/shape.hpp"
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/train/files.hpp"
 
 static_assert(std::endian::native == std::endian::little,
               "graphmoe/train/checkpoint.hpp: safetensors data is little-endian; big-endian hosts "
@@ -523,12 +524,20 @@ inline void save_safetensors(const std::string& path, const std::vector<TensorRe
 // problem for anything malformed (see docs/checkpoints.md for the list).
 inline SafetensorsFile load_safetensors(const std::string& path) {
   const char* op = "load_safetensors";
-  detail::Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  GRAPHMOE_CHECK(fd.get() >= 0, op, "cannot open '", path, "': ", detail::errno_text(errno));
+  // Checked before opening: opening a FIFO for reading blocks until a writer comes, and a device
+  // such as /dev/zero never ends. O_NONBLOCK keeps a file swapped for a FIFO after the check from
+  // blocking the open; fstat then checks what was actually opened.
   struct stat st {};
+  GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, op, "cannot open '", path, "': ",
+                 detail::errno_text(errno));
+  GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
+                 detail::file_kind(st.st_mode), ")");
+  detail::Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  GRAPHMOE_CHECK(fd.get() >= 0, op, "cannot open '", path, "': ", detail::errno_text(errno));
   GRAPHMOE_CHECK(::fstat(fd.get(), &st) == 0, op, "cannot stat '", path, "': ",
                  detail::errno_text(errno));
-  GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file");
+  GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
+                 detail::file_kind(st.st_mode), ")");
   const auto file_size = static_cast<std::uint64_t>(st.st_size);
   GRAPHMOE_CHECK(file_size >= 8, op, "'", path, "': file is ", file_size,
                  " bytes, shorter than the 8-byte header size field (truncated?)");

@@ -3,7 +3,8 @@
 //
 //   data_dir()                 $GRAPHMOE_DATA_DIR if set, else "../shared/data" (relative to the
 //                              current directory: the project root's sibling shared/data)
-//   read_file(path)            the file's bytes; throws "graphmoe::read_file: cannot open '<path>'"
+//   read_file(path)            the file's bytes; throws "graphmoe::read_file: cannot open '<path>'",
+//                              or "... is not a regular file (a FIFO)" for FIFOs, devices, folders
 //   for_each_line(text, f)     calls f(line, line_number) for every line of text, without its
 //                              '\n' (or "\r\n"); a final '\n' does not start another line
 //
@@ -12,6 +13,8 @@
 //
 // The data itself is never part of the project: see ../shared/data/README.md.
 #pragma once
+
+#include <sys/stat.h>
 
 #include <charconv>
 #include <cstddef>
@@ -65,8 +68,23 @@ template <class... Args>
   throw_error(op, path, ':', line, ": ", std::forward<Args>(parts)...);
 }
 
-// The whole file as bytes (binary mode: no newline translation).
+// What a non-regular file is, for error messages.
+inline const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// The whole file as bytes (binary mode: no newline translation). Only a regular file (or a link
+// to one): a FIFO would block the open, /dev/zero would never end, a directory reads as nothing.
 inline std::string read_file(const char* op, const std::string& path) {
+  struct stat st {};
+  GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, op, "cannot open '", path, "'");
+  GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
+                 file_kind(st.st_mode), ")");
   std::ifstream in(path, std::ios::binary);
   GRAPHMOE_CHECK(in.is_open(), op, "cannot open '", path, "'");
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
