@@ -22,6 +22,7 @@
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/tokenizers.hpp"
 
 using namespace graphmoe;
 namespace fs = std::filesystem;
@@ -665,6 +666,8 @@ TEST_CASE("checkpoint and read_file: FIFOs, devices, folders and dangling links 
     };
     CHECK(expect_error([&] { (void)load_safetensors(c.path); }) == 0);
     CHECK(expect_error([&] { (void)read_file(c.path); }) == 0);
+    // the streaming line reader of the tokenizers (the gzip reader calls the same check)
+    CHECK(expect_error([&] { detail::for_each_file_line("t", c.path, [](std::string_view) {}); }) == 0);
   }
 }
 

@@ -80,11 +80,17 @@ inline const char* file_kind(mode_t mode) {
 
 // The whole file as bytes (binary mode: no newline translation). Only a regular file (or a link
 // to one): a FIFO would block the open, /dev/zero would never end, a directory reads as nothing.
-inline std::string read_file(const char* op, const std::string& path) {
+// Throws unless path names a regular file (or a link to one): every reader calls it before
+// opening the file.
+inline void require_regular_file(const char* op, const std::string& path) {
   struct stat st {};
   GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, op, "cannot open '", path, "'");
   GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
                  file_kind(st.st_mode), ")");
+}
+
+inline std::string read_file(const char* op, const std::string& path) {
+  require_regular_file(op, path);
   std::ifstream in(path, std::ios::binary);
   GRAPHMOE_CHECK(in.is_open(), op, "cannot open '", path, "'");
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/train/files.hpp"
 
 #if !__has_include(<zlib.h>)
 #error "graphmoe/train/gzip.hpp needs zlib (<zlib.h>; Debian package zlib1g-dev) and ZLIB::ZLIB"
@@ -25,6 +26,7 @@ namespace detail {
 
 // As read_file_gunzip; errors name `op`.
 inline std::string read_file_gunzip(const char* op, const std::string& path) {
+  require_regular_file(op, path);  // gzopen would block on a FIFO
   gzFile f = gzopen(path.c_str(), "rb");
   GRAPHMOE_CHECK(f != nullptr, op, "cannot open '", path, "'");
   gzbuffer(f, 1u << 18);

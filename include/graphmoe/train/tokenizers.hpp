@@ -48,6 +48,7 @@ struct StringHash {
 // without holding the whole file: WikiText-103's training split is 540 MB).
 template <class F>
 void for_each_file_line(const char* op, const std::string& path, F&& f) {
+  require_regular_file(op, path);
   std::ifstream in(path, std::ios::binary);
   GRAPHMOE_CHECK(in.is_open(), op, "cannot open '", path, "'");
   std::string line;
