@@ -109,5 +109,9 @@ GRAPHMOE_BENCH_ROUTER(SimilarityRouter, similarity);
 GRAPHMOE_BENCH_ROUTER(AttentionRouter, attention);
 GRAPHMOE_BENCH_ROUTER(XMoERouter, xmoe);
 GRAPHMOE_BENCH_ROUTER(SMoEDropoutRouter, smoe_dropout);
+// Expert choice (each expert takes ceil(512 * 2 / 16) = 64 tokens per sequence: the same expert
+// FLOPs as top-2). The graph stays causal as in the rows above (a layer alone does not refuse it).
+GRAPHMOE_BENCH_ROUTER(ExpertChoiceRouter, expert_choice);
+GRAPHMOE_BENCH_ROUTER(SimilarityExpertChoiceRouter, similarity_expert_choice);
 
 BENCHMARK_MAIN();

@@ -22,8 +22,11 @@ study_cells() {
     fix)  # the fixes of docs/results.md: a learned tau (from D / 4), exclude self (tau sqrt(D)),
           # a learned W_s in U W_s U^T (tau D / 4)
       for s in ${FIX_SEEDS:-1}; do for c in learned-tau exclude-self projection; do echo "$c $s"; done; done ;;
-    vision)  # V-MoE on Fashion-MNIST, clean and corrupted (Table 2, Figure 4)
-      for s in ${VISION_SEEDS:-$SEEDS}; do for c in softmax similarity attention; do echo "$c $s"; done; done ;;
+    vision)  # V-MoE on Fashion-MNIST, clean and corrupted (Table 2, Figure 4); attention-prefix:
+             # the Attention graph with h* chosen per prefix instead of per image
+      for s in ${VISION_SEEDS:-$SEEDS}; do
+        for c in softmax similarity attention attention-prefix; do echo "$c $s"; done
+      done ;;
     finetune)  # Table 3: each lm/<router>/s<seed> LM fine-tuned on SST-2, SST-5 and Banking-77
       for s in ${FINETUNE_SEEDS:-1}; do
         for t in ${FINETUNE_TASKS:-sst2 sst5 banking77}; do
@@ -44,6 +47,7 @@ run_cell() {
     fix/learned-tau) lm_cell fix learned-tau "$seed" similarity --tau "$LM_TAU" --tau-mode learned ;;
     fix/exclude-self) lm_cell fix exclude-self "$seed" similarity --tau 11.3 --graph-exclude-self ;;
     fix/projection) lm_cell fix projection "$seed" similarity --tau "$LM_TAU" --graph-projection ;;
+    vision/attention-prefix) vision_cell "$cell" "$seed" attention --head-choice per-prefix ;;
     vision/*) vision_cell "$cell" "$seed" ;;
     finetune/*) finetune_cell "${cell%-*}" "${cell##*-}" "$seed" ;;
     sigma/sigma*) lm_cell sigma "$cell" "$seed" attention --sigma "${cell#sigma}" ;;

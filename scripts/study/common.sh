@@ -106,17 +106,19 @@ lm_report() {
 VISION_ARGS=(--epochs 1 --train-limit 30000 --batch 64 --lr 2e-3 --warmup 50 --tau 16
              --load-balance 0.01 --corrupt all --severity 3 --corrupt-seed 1 --threads "$THREADS")
 
+# vision_cell CELL SEED [ROUTER [ARGS...]]: ROUTER defaults to CELL; ARGS go to train_vision.
 vision_cell() {
-  local router=$1 seed=$2 dir=$RUNS/vision/$1/s$2
-  if [ -s "$dir/result.txt" ] && [ "${FORCE:-0}" != 1 ]; then echo "skip vision/$router/s$seed"; return 0; fi
+  local cell=$1 seed=$2 router=${3:-$1} dir=$RUNS/vision/$1/s$2
+  shift $(($# < 3 ? $# : 3))
+  if [ -s "$dir/result.txt" ] && [ "${FORCE:-0}" != 1 ]; then echo "skip vision/$cell/s$seed"; return 0; fi
   need "$BUILD/examples/train_vision"
   rm -rf "$dir" && mkdir -p "$dir"
   local t0=$SECONDS
   "$BUILD/examples/train_vision" "${VISION_ARGS[@]}" --router "$router" --seed "$seed" --out "$dir" \
-    > "$dir/train.out" 2> "$dir/train.err"
+    "$@" > "$dir/train.out" 2> "$dir/train.err"
   echo "$(grep '^router=' "$dir/train.out") wall_s=$((SECONDS - t0))" > "$dir/result.txt.tmp"
   mv "$dir/result.txt.tmp" "$dir/result.txt"
-  echo "done vision/$router/s$seed: $(cat "$dir/result.txt")"
+  echo "done vision/$cell/s$seed: $(cat "$dir/result.txt")"
 }
 
 # ---- fine-tuning (Table 3): the LM of lm/<router>/s<seed> on one task ---------------------------

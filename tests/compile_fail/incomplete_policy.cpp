@@ -5,7 +5,11 @@
 //   2  a scorer without backward(u, dgamma, du)
 //   3  a selector without set_step(step)
 //   4  a token graph without `impl`
+//   5  (not a user policy) a causal LM with the ExpertChoice selector, which it refuses
 #include "graphmoe/routing/router.hpp"
+#if GRAPHMOE_CF_CASE == 5
+#include "graphmoe/models/transformer_lm.hpp"
+#endif
 
 namespace user {
 using graphmoe::index_t;
@@ -57,6 +61,10 @@ struct MySelector {
 }  // namespace user
 
 int main() {
+#if GRAPHMOE_CF_CASE == 5
+  graphmoe::TransformerLM<graphmoe::ExpertChoiceRouter, float> lm{graphmoe::TransformerLMConfig{}};
+  (void)lm;
+#endif
   graphmoe::RouterImpl<graphmoe::Router<user::MyScorer, user::MyGraph, user::MySelector>, float> router;
   (void)router;
   return 0;

@@ -1,57 +1,35 @@
-// The MoE layer: finite-difference gradient check with every router (with and without detaching
-// the token graph), causality of the causal similarity graph, grouped dispatch, capacity drops.
+// The MoE layer: finite-difference gradient check with every router, expert choice included (with
+// and without detaching the token graph), causality of the causal similarity graph, grouped
+// dispatch, capacity drops.
 #include <doctest/doctest.h>
 
 #include "graphmoe/layers/block.hpp"
 #include "graphmoe/layers/moe.hpp"
+#include "layers/moe_fixture.hpp"
 #include "routing/router_fixtures.hpp"
 
 using namespace graphmoe;
 using namespace graphmoe::test;
 
 namespace {
-
 template <class Policy, class T = double>
-struct Fixture {
-  MoEConfig cfg;
-  ParameterArena<T> arena;
-  MoELayer<Policy, T> layer;
-
-  explicit Fixture(index_t d = 4, index_t f = 3, index_t e = 4, index_t k = 2) {
-    cfg.d_model = d;
-    cfg.d_ff = f;
-    cfg.router.num_experts = e;
-    cfg.router.k = k;
-    cfg.router.k_min = 1;
-    cfg.router.k_max = k;
-    cfg.router.schedule_steps = 1;
-    cfg.router.cosine_dim = 3;
-    cfg.router.init_std = 0.5;
-    cfg.init_std = 0.5;
-  }
-  void build(std::uint64_t seed) {
-    layer.declare(arena, "moe.", cfg);
-    arena.allocate();
-    layer.bind(arena);
-    Rng rng(seed);
-    layer.init(rng);
-    layer.router().set_step(1);
-  }
-};
-
+using Fixture = MoEFixture<Policy, T>;
 }  // namespace
 
 TEST_CASE_TEMPLATE("MoE layer gradient check with every router, graph attached and detached", Policy,
                    SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
                    SimilarityXMoERouter, AttentionXMoERouter, SMoEDropoutRouter,
-                   SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter) {
+                   SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter, ExpertChoiceRouter,
+                   SimilarityExpertChoiceRouter, AttentionExpertChoiceRouter) {
+  // Expert choice refuses the load-balancing loss (every expert takes the same number of tokens)
+  constexpr bool expert_choice = selector_chooses_across_tokens<typename Policy::selector>();
   for (bool detach : {false, true}) {
     if (detach && std::is_same_v<typename Policy::graph, Independent>) continue;
     CAPTURE(detach);
     Fixture<Policy> fx;
     fx.cfg.router.detach_graph = detach;
     fx.cfg.router.causal = true;
-    fx.cfg.router.load_balance_coef = 0.05;
+    fx.cfg.router.load_balance_coef = expert_choice ? 0.0 : 0.05;
     fx.build(31);
     Rng rng(32);
     const index_t nb = 2, len = 4, d = fx.cfg.d_model;
@@ -69,12 +47,7 @@ TEST_CASE_TEMPLATE("MoE layer gradient check with every router, graph attached a
     fx.arena.zero_grad();
     zero_sinks(cache);
     fx.layer.backward(w, du);
-    if (!(detach && std::is_same_v<typename Policy::graph, Similarity>)) check_gradient("du", u, du, loss);
-    for (const auto& info : fx.arena.params()) {
-      if (!info.trainable) continue;
-      Tensor<double> v = fx.arena.value(info.name);
-      check_gradient(info.name, v, fx.arena.grad(info.name), loss);
-    }
+    fx.check_gradients(u, du, loss, !(detach && std::is_same_v<typename Policy::graph, Similarity>));
     if (Policy::needs_attention && !detach) {
       check_gradient("attention dv", cache.v, cache.dv, loss);
       check_gradient("attention dw_o", cache.w_o, cache.dw_o, loss);

@@ -168,4 +168,12 @@ TEST_CASE("TransformerLM bad input") {
   bad = tiny_config();
   bad.router.k = 4;
   CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, float>(bad)), doctest::Contains("k = 4"), Error);
+  // The LM rejects a non-causal graph or h* choice instead of overriding them.
+  CHECK(tiny_config().router.causal);
+  bad = tiny_config();
+  bad.router.causal = false;
+  CHECK_THROWS_WITH_AS((TransformerLM<SimilarityRouter, float>(bad)), doctest::Contains("router.causal is false, but the LM is causal"), Error);
+  bad = tiny_config();
+  bad.router.head_choice = HeadChoice::PerSequence;
+  CHECK_THROWS_WITH_AS((TransformerLM<AttentionRouter, float>(bad)), doctest::Contains("needs HeadChoice::PerSequenceCausal"), Error);
 }

@@ -28,13 +28,28 @@ VisionMoEConfig tiny() {
   c.init_std = 0.4;
   return c;
 }
+
+// The logits of image 1 alone equal its logits in a batch of three.
+template <class Policy>
+void check_batch_independent(const VisionMoEConfig& cfg, std::uint64_t seed) {
+  VisionMoE<Policy, double> m(cfg, 4);
+  Rng rng(seed);
+  auto images = random_tensor<double>({3, 4, 6, 2}, rng, 0.0, 1.0);
+  Tensor<std::int32_t> none;
+  m.forward(images, none);
+  const auto all = m.logits().clone();
+  m.forward(images.slice(1, 2).clone(), none);
+  CHECK(max_rel_diff(m.logits(), all.slice(1, 2).clone()) < 1e-12);
+}
 }  // namespace
 
 TEST_CASE_TEMPLATE("VisionMoE gradient check of the whole tiny model", Policy, SoftmaxRouter,
-                   SimilarityRouter, AttentionRouter, XMoERouter) {
+                   SimilarityRouter, AttentionRouter, XMoERouter, SimilarityExpertChoiceRouter) {
   for (VisionLayout layout : {VisionLayout::Last, VisionLayout::Alternating}) {
     auto cfg = tiny();
     cfg.layout = layout;
+    // expert choice balances by construction and refuses the load-balancing loss
+    if (selector_chooses_across_tokens<typename Policy::selector>()) cfg.router.load_balance_coef = 0;
     VisionMoE<Policy, double> m(cfg, 2);
     Rng rng(3);
     auto images = random_tensor<double>({2, 4, 6, 2}, rng, 0.0, 1.0);
@@ -62,18 +77,23 @@ TEST_CASE("VisionMoE layouts, and the prediction does not depend on the other im
   CHECK(!cfg.is_moe_layer(0));
   CHECK(cfg.is_moe_layer(1));
   CHECK(!cfg.is_moe_layer(2));
-  VisionMoE<AttentionRouter, double> m(cfg, 4);
-  Rng rng(5);
-  auto images = random_tensor<double>({3, 4, 6, 2}, rng, 0.0, 1.0);
-  Tensor<std::int32_t> none;
-  m.forward(images, none);
-  const auto all = m.logits().clone();
-  m.forward(images.slice(1, 2).clone(), none);
-  CHECK(max_rel_diff(m.logits(), all.slice(1, 2).clone()) < 1e-12);
+  check_batch_independent<AttentionRouter>(cfg, 5);
+}
+
+TEST_CASE("VisionMoE with expert choice: an image's prediction does not depend on the batch") {
+  auto cfg = tiny();
+  cfg.router.load_balance_coef = 0;
+  check_batch_independent<SimilarityExpertChoiceRouter>(cfg, 6);
 }
 
 TEST_CASE("VisionMoE bad input") {
   auto cfg = tiny();
+  auto causal = tiny();
+  causal.router.causal = true;
+  CHECK_THROWS_WITH_AS((VisionMoE<SimilarityRouter, float>(causal)), doctest::Contains("set router.causal = false"), Error);
+  causal = tiny();
+  causal.router.head_choice = HeadChoice::PerSequenceCausal;  // h* per prefix: an allowed choice
+  VisionMoE<AttentionRouter, float> prefix(causal);
   VisionMoE<SoftmaxRouter, float> m(cfg);
   Tensor<std::int32_t> none;
   Tensor<float> wrong({2, 5, 6, 2});

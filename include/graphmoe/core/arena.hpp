@@ -15,6 +15,14 @@
 
 namespace graphmoe {
 
+namespace detail {
+// A layer's forward/backward before bind() has no parameters to read: every layer calls this.
+inline void require_bound(bool bound, const char* layer, const char* op) {
+  GRAPHMOE_CHECK(bound, layer, op,
+                 " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+}
+}  // namespace detail
+
 struct ParameterInfo {
   std::string name;
   Shape shape;

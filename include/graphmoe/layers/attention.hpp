@@ -122,10 +122,7 @@ class MultiHeadAttention {
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
-  void check_bound(const char* op) const {
-    GRAPHMOE_CHECK(bound_, "MultiHeadAttention", op,
-                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
-  }
+  void check_bound(const char* op) const { detail::require_bound(bound_, "MultiHeadAttention", op); }
   index_t d_ = 0, heads_ = 1;
   bool causal_ = true;
   Linear<T, B> q_, k_, v_, o_;

@@ -115,10 +115,7 @@ class TransformerBlock {
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
-  void check_bound(const char* op) const {
-    GRAPHMOE_CHECK(bound_, "TransformerBlock", op,
-                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
-  }
+  void check_bound(const char* op) const { detail::require_bound(bound_, "TransformerBlock", op); }
   BlockConfig cfg_;
   LayerNorm<T, B> ln1_, ln2_;
   MultiHeadAttention<T, B> attn_;

@@ -170,10 +170,7 @@ class ExpertBank {
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
-  void check_bound(const char* op) const {
-    GRAPHMOE_CHECK(bound_, "ExpertBank", op,
-                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
-  }
+  void check_bound(const char* op) const { detail::require_bound(bound_, "ExpertBank", op); }
   // src as the compute type: src itself when C = T, else converted into cache (reallocated when
   // its shape differs) and the cache returned.
   static Tensor<C, B> to_compute(const Tensor<T, B>& src, Tensor<C, B> cache) {

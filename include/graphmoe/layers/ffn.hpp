@@ -48,10 +48,7 @@ class FeedForward {
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
-  void check_bound(const char* op) const {
-    GRAPHMOE_CHECK(bound_, "FeedForward", op,
-                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
-  }
+  void check_bound(const char* op) const { detail::require_bound(bound_, "FeedForward", op); }
   GeluForm gelu_ = GeluForm::Tanh;
   Linear<T, B> fc1_, fc2_;
   Tensor<T, B> h_, a_;

@@ -73,10 +73,7 @@ class Linear {
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
-  void check_bound(const char* op) const {
-    GRAPHMOE_CHECK(bound_, "Linear", op,
-                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
-  }
+  void check_bound(const char* op) const { detail::require_bound(bound_, "Linear", op); }
   index_t in_ = 0, out_ = 0;
   bool bias_ = true;
   index_t id_w_ = -1, id_b_ = -1;

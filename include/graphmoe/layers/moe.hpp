@@ -101,10 +101,7 @@ class MoELayer {
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
-  void check_bound(const char* op) const {
-    GRAPHMOE_CHECK(bound_, "MoELayer", op,
-                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
-  }
+  void check_bound(const char* op) const { detail::require_bound(bound_, "MoELayer", op); }
   MoEConfig cfg_;
   RouterImpl<RouterPolicy, T, B> router_;
   ExpertBank<T, B, C> experts_;

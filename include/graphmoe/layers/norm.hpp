@@ -46,10 +46,7 @@ class LayerNorm {
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
-  void check_bound(const char* op) const {
-    GRAPHMOE_CHECK(bound_, "LayerNorm", op,
-                   " before bind(): declare the layer, allocate the arena, then bind (and init) it");
-  }
+  void check_bound(const char* op) const { detail::require_bound(bound_, "LayerNorm", op); }
   index_t dim_ = 0;
   double eps_ = 1e-5;
   index_t id_g_ = -1, id_b_ = -1;

@@ -9,7 +9,9 @@
 // parameters live in one ParameterArena (`arena`), named as a PyTorch user would expect
 // ("blocks.3.moe.router.weight"). In a causal LM the routers' token graphs are causal: the
 // Similarity graph masks later tokens and the Attention graph chooses h* from the prefix
-// (HeadChoice::PerSequenceCausal), so no logit at position i depends on a token after i.
+// (HeadChoice::PerSequenceCausal), so no logit at position i depends on a token after i. These
+// are the defaults of TransformerLMConfig::router, and validate() rejects a config that turns them
+// off (the model never overrides what it was given).
 #pragma once
 
 #include <cmath>
@@ -37,7 +39,8 @@ struct TransformerLMConfig {
   index_t d_ff = 512;
   MoELayout layout = MoELayout::Switch;
   bool tie_embeddings = true;
-  RouterConfig router;  // num_experts, k, graph options; causal is forced on
+  // num_experts, k, graph options; causal graph and causal h* (required, see validate)
+  RouterConfig router = causal_router();
   GeluForm gelu = GeluForm::Tanh;
   double init_std = 0.02;
   // > 0: add a sequence-classification head ("cls_head", mean pooling over each sequence's
@@ -59,6 +62,14 @@ struct TransformerLMConfig {
     return c;
   }
 
+  // The RouterConfig defaults with the token graph made causal, as a causal LM needs.
+  static RouterConfig causal_router() {
+    RouterConfig r;
+    r.causal = true;
+    r.head_choice = HeadChoice::PerSequenceCausal;
+    return r;
+  }
+
   bool is_moe_layer(index_t i) const {
     switch (layout) {
       case MoELayout::Switch: return true;
@@ -77,6 +88,13 @@ struct TransformerLMConfig {
     GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "TransformerLMConfig",
                    "num_heads = ", num_heads, " must divide d_model = ", d_model);
     GRAPHMOE_CHECK(num_classes >= 0, "TransformerLMConfig", "num_classes must be >= 0, got ", num_classes);
+    GRAPHMOE_CHECK(router.causal, "TransformerLMConfig",
+                   "router.causal is false, but the LM is causal: a non-causal token graph lets "
+                   "later tokens change how earlier ones are routed (leave it true, the default)");
+    GRAPHMOE_CHECK(router.head_choice == HeadChoice::PerSequenceCausal, "TransformerLMConfig",
+                   "router.head_choice is PerSequence, which chooses the Attention graph's h* from "
+                   "the whole sequence, later tokens included: a causal LM needs "
+                   "HeadChoice::PerSequenceCausal (the default)");
     router.validate();
   }
 };
@@ -87,11 +105,14 @@ template <class RouterPolicy, class T, class B = cpu>
 class TransformerLM {
  public:
   using router_policy = RouterPolicy;
+  static_assert(!selector_chooses_across_tokens<typename RouterPolicy::selector>(),
+                "graphmoe::TransformerLM: this selector (e.g. ExpertChoice) chooses a token's "
+                "experts from its whole sequence, later tokens included, which a causal LM must not "
+                "see (SequenceClassifier's trunk is this causal LM too); use a token-choice "
+                "selector (TopK, ScheduledTopK), or VisionMoE / a non-causal MoELayer");
   static constexpr std::int32_t kIgnoreIndex = -100;
 
   explicit TransformerLM(const TransformerLMConfig& cfg, std::uint64_t seed = 0) : cfg_(cfg) {
-    cfg_.router.causal = true;
-    cfg_.router.head_choice = HeadChoice::PerSequenceCausal;
     cfg_.validate();
     id_tok_ = arena.add("tok_emb.weight", Shape{cfg_.vocab_size, cfg_.d_model});
     id_pos_ = arena.add("pos_emb.weight", Shape{cfg_.max_seq_len, cfg_.d_model});

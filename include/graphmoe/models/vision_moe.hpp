@@ -36,7 +36,7 @@ struct VisionMoEConfig {
   index_t d_ff = 128;
   VisionLayout layout = VisionLayout::Last;
   index_t moe_last = 2;
-  RouterConfig router;
+  RouterConfig router;  // the graph must be non-causal (validate); h* per image by default
   GeluForm gelu = GeluForm::Tanh;
   double init_std = 0.02;
 
@@ -56,6 +56,11 @@ struct VisionMoEConfig {
                    moe_last);
     GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "VisionMoEConfig",
                    "num_heads = ", num_heads, " must divide d_model = ", d_model);
+    // (HeadChoice::PerSequenceCausal, h* of each token from the tokens up to it, is allowed: an
+    // alternative to the paper's per-image choice, not a mask.)
+    GRAPHMOE_CHECK(!router.causal, "VisionMoEConfig",
+                   "every patch attends to every other, so the token graph must not be causal: "
+                   "set router.causal = false (the default)");
     router.validate();
   }
 };
@@ -65,8 +70,6 @@ template <class RouterPolicy, class T, class B = cpu>
 class VisionMoE {
  public:
   explicit VisionMoE(const VisionMoEConfig& cfg, std::uint64_t seed = 0) : cfg_(cfg) {
-    cfg_.router.causal = false;
-    cfg_.router.head_choice = HeadChoice::PerSequence;
     cfg_.validate();
     const index_t d = cfg_.d_model;
     patch_.declare(arena, "patch_embed.", cfg_.patch_dim(), d);

@@ -129,6 +129,12 @@ concept SelectorSelects = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) {
       s.select(p, k, sel);
     };
+// The grouped form, for a selector whose choice spans the tokens of a sequence (ExpertChoice): the
+// router passes GraphContext::seq_len. A selector provides either form (the grouped one wins).
+template <class P, class T, class B>
+concept SelectorSelectsInGroups = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& p, index_t k, index_t seq_len,
+             Selection<T, B>& sel) { s.select(p, k, seq_len, sel); };
 template <class P, class T, class B>
 concept SelectorBackward = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& p, const Selection<T, B>& sel,
@@ -142,8 +148,20 @@ concept SelectorK = PolicyWithImpl<P, T, B> &&
 
 template <class P, class T = float, class B = cpu>
 concept SelectorPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> &&
-                         SelectorConfigures<P, T, B> && SelectorSelects<P, T, B> &&
+                         SelectorConfigures<P, T, B> &&
+                         (SelectorSelects<P, T, B> || SelectorSelectsInGroups<P, T, B>) &&
                          SelectorBackward<P, T, B> && SelectorK<P, T, B>;
+
+// Whether a token's selection depends on other tokens (ExpertChoice: on its whole sequence, later
+// tokens included): the policy's optional `static constexpr bool chooses_across_tokens`, false
+// without it. A causal model refuses such a selector.
+template <class P>
+consteval bool selector_chooses_across_tokens() {
+  if constexpr (requires { { P::chooses_across_tokens } -> std::convertible_to<bool>; })
+    return P::chooses_across_tokens;
+  else
+    return false;
+}
 
 // ---- the checks with one message each ---------------------------------------------------------
 // Each fails to compile at the first missing member, with a static_assert naming it (and its
@@ -219,9 +237,10 @@ consteval bool check_selector_policy() {
                           "naming a default-constructible implementation")
   GRAPHMOE_POLICY_REQUIRE((SelectorConfigures<P, T, B>),
                           "the selector implementation lacks `configure(const RouterConfig&)`")
-  GRAPHMOE_POLICY_REQUIRE((SelectorSelects<P, T, B>),
+  GRAPHMOE_POLICY_REQUIRE((SelectorSelects<P, T, B> || SelectorSelectsInGroups<P, T, B>),
                           "the selector implementation lacks `select(const Tensor<T, B>& p, "
-                          "index_t k, Selection<T, B>&)`")
+                          "index_t k, Selection<T, B>&)` (or the grouped `select(const Tensor<T, "
+                          "B>& p, index_t k, index_t seq_len, Selection<T, B>&)`)")
   GRAPHMOE_POLICY_REQUIRE((SelectorBackward<P, T, B>),
                           "the selector implementation lacks `backward(const Tensor<T, B>& p, const "
                           "Selection<T, B>&, const Tensor<T, B>& dgates, Tensor<T, B>& dp)`")

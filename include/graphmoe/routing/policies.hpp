@@ -4,7 +4,9 @@
 //
 //   Scorer      u (N, D)  -> affinity logits gamma (N, E), expert scores r = softmax(gamma)
 //   TokenGraph  r (N, E)  -> p = G r, per sequence (G depends on the tokens)
-//   Selector    p (N, E)  -> k experts per token and their gates (renormalised to sum to 1)
+//   Selector    p (N, E)  -> each token's experts and their gates: a (N, m) table of
+//                            (expert, gate, keep) slots, m = k for token choice (TopK); expert
+//                            choice (ExpertChoice) fills a varying number of slots per token
 //
 // The tags below name the parts and their implementation (`impl<T, B>`); their numerical options
 // live in RouterConfig (one struct, so that a command line or a checkpoint maps onto it directly).
@@ -84,6 +86,20 @@ struct ScheduledTopK {
   using impl = SelectorImpl<ScheduledTopK, T, B>;
 };
 
+// Expert choice (Zhou et al. 2022, "Mixture-of-Experts with Expert Choice Routing"): within each
+// sequence of L tokens, every expert takes the c tokens with the largest p[:, e], c = min(L,
+// ceil(f L k / E)) with f = capacity_factor (1 when <= 0), so that tokens get k experts on average;
+// gate = p[t, e] (not renormalised, as in the paper). A token may get 0..E experts. Because a token's
+// experts depend on the other tokens of its sequence, later ones included, a causal model refuses
+// it (TransformerLM fails to compile with it). CPU backend.
+struct ExpertChoice {
+  static constexpr const char* name = "expert-choice";
+  template <class T, class B>
+  using impl = SelectorImpl<ExpertChoice, T, B>;
+  // A token's selection depends on the other tokens of its sequence (models/transformer_lm.hpp).
+  static constexpr bool chooses_across_tokens = true;
+};
+
 // How tau of the Similarity graph is set.
 enum class TauMode {
   Fixed,        // tau = similarity_tau (the paper: 1)
@@ -143,7 +159,8 @@ struct RouterConfig {
 
   // Capacity: each expert takes at most ceil(capacity_factor * N * k / E) token slots, in token
   // order; overflowing assignments are dropped (their gate is zero and the token's other experts
-  // keep their gates). capacity_factor <= 0 means dropless (the default).
+  // keep their gates). capacity_factor <= 0 means dropless (the default). ExpertChoice: each
+  // expert takes exactly ceil(f L k / E) tokens of a sequence of L, f = capacity_factor (1 if <= 0).
   double capacity_factor = 0.0;
 
   // Auxiliary losses (0 = off): Switch load balancing and ST-MoE router z-loss.

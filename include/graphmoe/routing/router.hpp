@@ -3,7 +3,7 @@
 //   gamma = Scorer(u)            (N, E)  affinity logits
 //   r     = softmax(gamma)       (N, E)  expert scores
 //   p     = TokenGraph(r; u)     (N, E)  graph-aware scores
-//   (indices, gates) = Selector(p)       k experts per token, gates renormalised
+//   (indices, gates) = Selector(p)       (N, m) slots: each token's experts and gates
 //
 // RouterImpl<Router<...>, T, B> holds the parts; forward fills a RouterOutput (which the MoE layer
 // returns for metrics) and backward takes dgates and accumulates du (+=).
@@ -48,13 +48,18 @@ using AttentionXMoERouter = Router<CosineScorer, Attention, TopK>;        // Att
 using SMoEDropoutRouter = Router<FrozenRandomScorer, Independent, ScheduledTopK>;
 using SimilaritySMoEDropoutRouter = Router<FrozenRandomScorer, Similarity, ScheduledTopK>;
 using AttentionSMoEDropoutRouter = Router<FrozenRandomScorer, Attention, ScheduledTopK>;
+// Expert choice (Zhou et al. 2022) on the softmax scores, and with either token graph: not in the
+// paper; non-causal models only (policies.hpp).
+using ExpertChoiceRouter = Router<LinearScorer, Independent, ExpertChoice>;
+using SimilarityExpertChoiceRouter = Router<LinearScorer, Similarity, ExpertChoice>;
+using AttentionExpertChoiceRouter = Router<LinearScorer, Attention, ExpertChoice>;
 
 template <class T, class B = cpu>
 struct RouterOutput {
   Tensor<T, B> gamma;        // (N, E) scorer logits
   Tensor<T, B> r;            // (N, E) softmax(gamma)
   Tensor<T, B> p;            // (N, E) after the token graph
-  Selection<T, B> selection;  // indices, gates, keep (N, k)
+  Selection<T, B> selection;  // indices, values, gates, keep (N, m)
   double load_balance_loss = 0;  // unscaled values (computed when their coefficient is > 0)
   double z_loss = 0;
   double graph_entropy = 0;  // mean row entropy of the token graph (0 for Independent)
@@ -117,7 +122,10 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     scorer_.forward(u, out.gamma);
     softmax_forward(out.gamma, out.r);
     graph_.forward(u, out.r, ctx, out.p);
-    selector_.select(out.p, selector_.current_k(), out.selection);
+    if constexpr (SelectorSelectsInGroups<Selector, T, B>)
+      selector_.select(out.p, selector_.current_k(), ctx.seq_len, out.selection);
+    else
+      selector_.select(out.p, selector_.current_k(), out.selection);
     out.graph_entropy = graph_.mean_entropy();
     out.load_balance_loss = cfg_.load_balance_coef > 0
                                 ? load_balance_loss<T>(out.p, out.selection.indices, 0.0, nullptr)
@@ -125,7 +133,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     out.z_loss = cfg_.z_loss_coef > 0 ? z_loss<T>(out.gamma, 0.0, nullptr) : 0.0;
   }
 
-  // dgates: (N, k). du accumulated (+=). The auxiliary losses' gradients (coefficient times
+  // dgates: (N, m), the selection's shape. du accumulated (+=). The auxiliary losses' gradients (coefficient times
   // gradient) are added here.
   void backward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx,
                 const RouterOutput<T, B>& out, const Tensor<T, B>& dgates, Tensor<T, B>& du) {

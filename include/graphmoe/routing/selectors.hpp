@@ -1,32 +1,43 @@
-// graphmoe/routing/selectors.hpp: selector implementations, p (N, E) -> k experts per token and
-// their gates.
+// graphmoe/routing/selectors.hpp: selector implementations, p (N, E) -> each token's experts and
+// their gates, as a Selection: an (N, m) table whose row t lists token t's assignments (expert,
+// p value, gate, keep). The MoE layer dispatches every kept slot and sends the others (keep = 0) to
+// no expert.
 //
+// Token choice (TopK, ScheduledTopK), m = k:
 //   indices = the k largest entries of p_i (descending; ties: the lower expert index first)
 //   gates   = keep o p_sel / sum_j p_sel_j       (Renormalize(TopK^0(p)), Appendix C.3)
-//
 // keep_ij is 0 for an assignment dropped by the capacity limit (RouterConfig::capacity_factor),
 // else 1. Backward, with s = sum_j p_sel_j:  dp_sel_l = keep_l dg_l / s - sum_j g_j dg_j / s.
-// The arithmetic is in the ops of backend/*/gates.*, so the selectors run on every backend.
+// The arithmetic is in the ops of backend/*/gates.*, so these selectors run on every backend.
+//
+// Expert choice (ExpertChoice), m = the most experts any token got in this call (>= 1):
+//   within each sequence of L tokens, expert e takes the c tokens with the largest p[:, e]
+//   (ties: the lower token index first), c = min(L, ceil(f L k / E)); row t lists the experts
+//   that took token t, by descending p (ties: the lower expert first), gate = p[t, e]; the rest of
+//   the row is padding (expert -1, value 0, gate 0, keep 0). Backward: dp[t, e] = dg at kept slots.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/backend/cpu/topk.hpp"
+#include "graphmoe/core/threads.hpp"
 #include "graphmoe/routing/policies.hpp"
 
 namespace graphmoe {
 
 template <class T, class B = cpu>
 struct Selection {
-  Tensor<std::int32_t, B> indices;  // (N, k)  expert ids, descending p
-  Tensor<T, B> values;              // (N, k)  p at those experts
-  Tensor<T, B> gates;               // (N, k)  renormalised (0 where dropped)
-  Tensor<std::uint8_t, B> keep;     // (N, k)  0 where the capacity limit dropped the assignment
-  index_t dropped = 0;              // number of dropped assignments
+  Tensor<std::int32_t, B> indices;  // (N, m)  expert ids, descending p (-1: an ExpertChoice pad)
+  Tensor<T, B> values;              // (N, m)  p at those experts
+  Tensor<T, B> gates;               // (N, m)  the gates (0 where dropped)
+  Tensor<std::uint8_t, B> keep;     // (N, m)  0 where the slot is dropped (capacity) or padding
+  index_t dropped = 0;              // number of slots with keep = 0
 };
 
 template <class T, class B>
@@ -94,6 +105,118 @@ class SelectorImpl<ScheduledTopK, T, B> : public TopKSelectorBase<T, B> {
  private:
   std::int64_t step_ = 0;
   index_t override_ = 0;
+};
+
+// Expert choice (policies.hpp). Its selection depends on the sequence length, so it provides the
+// grouped form select(p, k, seq_len, sel), which the router calls with GraphContext::seq_len.
+template <class T, class B>
+class SelectorImpl<ExpertChoice, T, B> {
+  static_assert(std::is_same_v<B, cpu>,
+                "graphmoe::ExpertChoice has a CPU implementation only (graphmoe::cpu backend)");
+
+ public:
+  void configure(const RouterConfig& cfg) {
+    GRAPHMOE_CHECK(cfg.load_balance_coef == 0, "ExpertChoice",
+                   "every expert takes the same number of tokens, so the load-balancing loss has "
+                   "nothing to do: set load_balance_coef = 0 (got ", cfg.load_balance_coef, ")");
+    GRAPHMOE_CHECK(std::isfinite(cfg.capacity_factor), "ExpertChoice",
+                   "capacity_factor must be finite, got ", cfg.capacity_factor);
+    cfg_ = cfg;
+  }
+  // k is the average number of experts per token (the compute of top-k with the same k).
+  index_t current_k() const { return cfg_.k; }
+  void set_step(std::int64_t) {}
+
+  // Tokens each expert takes from a sequence of seq_len tokens.
+  index_t capacity(index_t seq_len, index_t k, index_t num_experts) const {
+    const double f = cfg_.capacity_factor > 0 ? cfg_.capacity_factor : 1.0;
+    const double c = std::ceil(f * static_cast<double>(seq_len) * static_cast<double>(k) /
+                               static_cast<double>(num_experts));
+    return std::clamp<index_t>(static_cast<index_t>(std::min(c, 1e18)), 1, seq_len);
+  }
+
+  void select(const Tensor<T, B>& p, index_t k, index_t seq_len, Selection<T, B>& sel) const {
+    constexpr const char* op = "ExpertChoice";
+    GRAPHMOE_CHECK(!p.empty() && p.rank() == 2, op, "p must be a non-empty (N, E) matrix, got ",
+                   (p.empty() ? std::string("an empty tensor") : p.shape().str()));
+    const index_t n = p.rows(), e = p.cols();
+    GRAPHMOE_CHECK(k >= 1 && k <= e, op, "k = ", k, " must be in [1, E = ", e, "]");
+    GRAPHMOE_CHECK(seq_len >= 1 && n % seq_len == 0, op, "seq_len = ", seq_len,
+                   " does not divide the ", n, " tokens");
+    const T* pp = p.data();
+    for (index_t a = 0; a < n * e; ++a)
+      GRAPHMOE_CHECK(std::isfinite(static_cast<double>(pp[a])), op, "p holds ", pp[a],
+                     " at token ", a / e, ", expert ", a % e);
+    const index_t c = capacity(seq_len, k, e), nseq = n / seq_len;
+
+    // chosen[t E + e] = 1 when expert e took token t: one (sequence, expert) pair per task, each
+    // writing its own column of its own rows.
+    std::vector<std::uint8_t> chosen(static_cast<std::size_t>(n * e), 0);
+    parallel_for(0, nseq * e, [&](index_t task) {
+      const index_t b = task / e, x = task % e, t0 = b * seq_len;
+      std::vector<index_t> order(static_cast<std::size_t>(seq_len));
+      for (index_t i = 0; i < seq_len; ++i) order[static_cast<std::size_t>(i)] = t0 + i;
+      std::partial_sort(order.begin(), order.begin() + c, order.end(), [&](index_t s, index_t t) {
+        const T ps = pp[s * e + x], pt = pp[t * e + x];
+        return ps > pt || (ps == pt && s < t);
+      });
+      for (index_t i = 0; i < c; ++i) chosen[static_cast<std::size_t>(order[i] * e + x)] = 1;
+    });
+    index_t m = 1, total = 0;
+    for (index_t t = 0; t < n; ++t) {
+      index_t cnt = 0;
+      for (index_t x = 0; x < e; ++x) cnt += chosen[static_cast<std::size_t>(t * e + x)];
+      m = std::max(m, cnt);
+      total += cnt;
+    }
+    sel.indices = Tensor<std::int32_t, B>(Shape{n, m});
+    sel.values = Tensor<T, B>(Shape{n, m});
+    sel.gates = Tensor<T, B>(Shape{n, m});
+    sel.keep = Tensor<std::uint8_t, B>(Shape{n, m});
+    sel.dropped = n * m - total;
+    parallel_for(0, n, [&](index_t t) {
+      std::int32_t* idx = sel.indices.data() + t * m;
+      index_t cnt = 0;
+      for (index_t x = 0; x < e; ++x)
+        if (chosen[static_cast<std::size_t>(t * e + x)]) idx[cnt++] = static_cast<std::int32_t>(x);
+      const T* row = pp + t * e;
+      std::sort(idx, idx + cnt, [&](std::int32_t a, std::int32_t b) {
+        return row[a] > row[b] || (row[a] == row[b] && a < b);
+      });
+      for (index_t j = 0; j < m; ++j) {
+        const bool kept = j < cnt;
+        if (!kept) idx[j] = -1;
+        const T v = kept ? row[idx[j]] : T(0);
+        sel.values.data()[t * m + j] = v;
+        sel.gates.data()[t * m + j] = v;
+        sel.keep.data()[t * m + j] = kept ? 1 : 0;
+      }
+    });
+  }
+
+  // dp assigned (N, E): dgates at the kept slots, zero elsewhere.
+  void backward(const Tensor<T, B>& p, const Selection<T, B>& sel, const Tensor<T, B>& dgates,
+                Tensor<T, B>& dp) const {
+    constexpr const char* op = "ExpertChoice::backward";
+    check_shape(op, "dgates", dgates, sel.gates.shape());
+    check_shape(op, "keep", sel.keep, sel.gates.shape());
+    check_shape(op, "indices", sel.indices, sel.gates.shape());
+    GRAPHMOE_CHECK(p.rank() == 2 && p.rows() == sel.gates.rows(), op, "p ", p.shape(),
+                   " does not match the selection ", sel.gates.shape());
+    const index_t n = p.rows(), e = p.cols(), m = sel.gates.cols();
+    prepare_output(op, "dp", dp, Shape{n, e});
+    dp.zero();
+    for (index_t a = 0; a < n * m; ++a) {
+      if (!sel.keep.data()[a]) continue;
+      const std::int32_t x = sel.indices.data()[a];
+      GRAPHMOE_CHECK(x >= 0 && x < e, op, "kept slot ", a, " names expert ", x, " outside [0, ",
+                     e, ")");
+      dp.data()[(a / m) * e + x] += dgates.data()[a];
+    }
+  }
+
+ private:
+  RouterConfig cfg_;
 };
 
 }  // namespace graphmoe
