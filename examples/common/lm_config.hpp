@@ -2,7 +2,11 @@
 // back by finetune_classifier.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -28,33 +32,85 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   return j;
 }
 
-inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j) {
+namespace detail {
+// j[key] as T, or graphmoe::Error "<where>: config field '<key>' is missing / is a string, expected
+// an integer / is 1e+30, out of range" (where: "'<checkpoint path>'").
+template <class T>
+T config_field(const nlohmann::json& j, const char* key, const std::string& where) {
+  auto fail = [&](const auto&... what) {
+    graphmoe::detail::throw_error("lm_config_from_json", where, ": config field '", key, "' ", what...);
+  };
+  if (!j.is_object()) fail("cannot be read: the config is not a JSON object (", j.type_name(), ")");
+  const auto it = j.find(key);
+  if (it == j.end()) fail("is missing");
+  const nlohmann::json& v = *it;
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) fail("is a ", v.type_name(), ", expected true or false");
+    return v.get<bool>();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.is_string()) fail("is a ", v.type_name(), ", expected a string");
+    return v.get<std::string>();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (!v.is_number_integer()) fail("is ", v.dump(), ", expected an integer");
+    if (v.is_number_unsigned()) {
+      const auto u = v.get<std::uint64_t>();
+      if (u > static_cast<std::uint64_t>(std::numeric_limits<T>::max())) fail("is ", v.dump(), ", out of range");
+      return static_cast<T>(u);
+    }
+    const auto x = v.get<std::int64_t>();
+    if (x < static_cast<std::int64_t>(std::numeric_limits<T>::min()) ||
+        x > static_cast<std::int64_t>(std::numeric_limits<T>::max()))
+      fail("is ", v.dump(), ", out of range");
+    return static_cast<T>(x);
+  } else {
+    static_assert(std::is_floating_point_v<T>);
+    if (!v.is_number()) fail("is ", v.dump(), ", expected a number");
+    const double x = v.get<double>();
+    if (!std::isfinite(x)) fail("is ", v.dump(), ", not finite");
+    return static_cast<T>(x);
+  }
+}
+}  // namespace detail
+
+// The LM configuration stored by lm_config_json. `where` names the source in errors (the
+// checkpoint's path, quoted): a missing field or one of the wrong type or range throws
+// graphmoe::Error naming it; the sizes themselves are checked by TransformerLMConfig::validate.
+inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j,
+                                                         const std::string& where = "config") {
+  using detail::config_field;
+  using graphmoe::index_t;
   graphmoe::TransformerLMConfig m;
-  m.vocab_size = j.at("vocab_size");
-  m.max_seq_len = j.at("max_seq_len");
-  m.d_model = j.at("d_model");
-  m.num_layers = j.at("num_layers");
-  m.num_heads = j.at("num_heads");
-  m.d_ff = j.at("d_ff");
-  m.layout = static_cast<graphmoe::MoELayout>(j.at("layout").get<int>());
-  m.tie_embeddings = j.at("tie_embeddings");
-  m.router.num_experts = j.at("num_experts");
-  m.router.k = j.at("k");
-  m.router.k_min = j.at("k_min");
-  m.router.k_max = j.at("k_max");
-  m.router.similarity_tau = j.at("tau");
-  const int tau_mode = j.at("tau_mode").get<int>();
+  m.vocab_size = config_field<index_t>(j, "vocab_size", where);
+  m.max_seq_len = config_field<index_t>(j, "max_seq_len", where);
+  m.d_model = config_field<index_t>(j, "d_model", where);
+  m.num_layers = config_field<index_t>(j, "num_layers", where);
+  m.num_heads = config_field<index_t>(j, "num_heads", where);
+  m.d_ff = config_field<index_t>(j, "d_ff", where);
+  const int layout = config_field<int>(j, "layout", where);
+  GRAPHMOE_CHECK(layout >= 0 && layout <= static_cast<int>(graphmoe::MoELayout::Dense),
+                 "lm_config_from_json", where, ": config field 'layout' is ", layout,
+                 ", not 0 (switch), 1 (glam) or 2 (dense)");
+  m.layout = static_cast<graphmoe::MoELayout>(layout);
+  m.tie_embeddings = config_field<bool>(j, "tie_embeddings", where);
+  m.router.num_experts = config_field<index_t>(j, "num_experts", where);
+  m.router.k = config_field<index_t>(j, "k", where);
+  m.router.k_min = config_field<index_t>(j, "k_min", where);
+  m.router.k_max = config_field<index_t>(j, "k_max", where);
+  m.router.similarity_tau = config_field<double>(j, "tau", where);
+  const int tau_mode = config_field<int>(j, "tau_mode", where);
   GRAPHMOE_CHECK(tau_mode >= 0 && tau_mode <= static_cast<int>(graphmoe::TauMode::Learned),
-                 "lm_config_from_json", "tau_mode ", tau_mode, " is not 0 (fixed), 1 (scaled) or 2 (learned)");
+                 "lm_config_from_json", where, ": config field 'tau_mode' is ", tau_mode,
+                 ", not 0 (fixed), 1 (scaled) or 2 (learned)");
   m.router.tau_mode = static_cast<graphmoe::TauMode>(tau_mode);
-  m.router.attention_sigma = j.at("sigma");
-  m.router.load_balance_coef = j.at("load_balance_coef");
-  m.router.z_loss_coef = j.at("z_loss_coef");
-  m.router.similarity_exclude_self = j.value("exclude_self", false);
-  m.router.similarity_projection = j.value("projection", false);
-  m.router.schedule_steps = j.value("schedule_steps", m.router.schedule_steps);
-  GRAPHMOE_CHECK(m.router.schedule_steps >= 1, "lm_config_from_json", "schedule_steps ",
-                 m.router.schedule_steps, " must be >= 1");
+  m.router.attention_sigma = config_field<double>(j, "sigma", where);
+  m.router.load_balance_coef = config_field<double>(j, "load_balance_coef", where);
+  m.router.z_loss_coef = config_field<double>(j, "z_loss_coef", where);
+  if (j.contains("exclude_self")) m.router.similarity_exclude_self = config_field<bool>(j, "exclude_self", where);
+  if (j.contains("projection")) m.router.similarity_projection = config_field<bool>(j, "projection", where);
+  if (j.contains("schedule_steps"))
+    m.router.schedule_steps = config_field<std::int64_t>(j, "schedule_steps", where);
+  GRAPHMOE_CHECK(m.router.schedule_steps >= 1, "lm_config_from_json", where,
+                 ": config field 'schedule_steps' is ", m.router.schedule_steps, ", must be >= 1");
   return m;
 }
 

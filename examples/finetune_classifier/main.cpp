@@ -6,8 +6,10 @@
 // The router and the model shape come from the checkpoint; the classification head is new.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 
+#include "common/cli_checks.hpp"
 #include "common/device_dispatch.hpp"
 #include "common/lm_config.hpp"
 #include "finetune_classifier/options.hpp"
@@ -15,6 +17,7 @@
 #include "graphmoe/train/files.hpp"
 #include "graphmoe/train/text_datasets.hpp"
 #include "graphmoe/train/tokenizers.hpp"
+#include "graphmoe/train/training_state.hpp"
 
 using namespace graphmoe;
 
@@ -27,14 +30,14 @@ int main(int argc, char** argv) {
   app.add_option("--vocab", vocab, "the LM's vocabulary (train_lm's vocab.txt)")->required()->check(CLI::ExistingFile);
   app.add_option("--task", task, "sst2, sst5 or banking77")->check(CLI::IsMember({"sst2", "sst5", "banking77"}));
   app.add_option("--data-dir", dir, "folder holding sst2/, sst5/, banking77/ (default: $GRAPHMOE_DATA_DIR or ../shared/data)");
-  app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::PositiveNumber);
-  app.add_option("--batch", opt.batch, "examples per batch (paper: 16)")->check(CLI::PositiveNumber);
-  app.add_option("--lr", opt.lr, "learning rate (paper: 1e-3 SST, 1e-5 Banking-77)")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", opt.warmup, "warmup steps (paper: 0)");
-  app.add_option("--train-limit", train_limit, "use the first N training examples (0 = all)");
-  app.add_option("--max-len", max_len, "truncate examples to N tokens (0 = the LM's sequence length)");
-  app.add_option("--seed", opt.seed, "random seed");
-  app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--epochs", opt.epochs, "epochs")->check(examples::integer<int>(1, examples::kMaxEpochs));
+  app.add_option("--batch", opt.batch, "examples per batch (paper: 16)")->check(examples::integer<index_t>(1, examples::kMaxBatch));
+  app.add_option("--lr", opt.lr, "learning rate (paper: 1e-3 SST, 1e-5 Banking-77)")->check(examples::positive_real(examples::kMaxLR));
+  app.add_option("--warmup", opt.warmup, "warmup steps (paper: 0)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
+  app.add_option("--train-limit", train_limit, "use the first N training examples (0 = all)")->check(examples::integer<index_t>(0, examples::kMaxCount));
+  app.add_option("--max-len", max_len, "truncate examples to N tokens (0 = the LM's sequence length)")->check(examples::integer<index_t>(0, examples::kMaxSeq));
+  app.add_option("--seed", opt.seed, "random seed")->check(examples::seed());
+  app.add_option("--threads", opt.threads, "CPU threads")->check(examples::threads());
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv)");
   app.add_flag("--from-scratch", opt.from_scratch, "do not load the checkpoint's weights (baseline)");
@@ -43,10 +46,16 @@ int main(int argc, char** argv) {
     const SafetensorsFile ckpt = load_safetensors(opt.checkpoint);
     GRAPHMOE_CHECK(ckpt.metadata.count("config"), "finetune_classifier", "'", opt.checkpoint,
                    "' has no config in its metadata (not a train_lm checkpoint)");
-    const auto cfg = nlohmann::json::parse(ckpt.metadata.at("config"));
-    opt.model = examples::lm_config_from_json(cfg);
-    opt.router = cfg.at("router");
-    GRAPHMOE_CHECK(!cfg.at("char_level").get<bool>(), "finetune_classifier",
+    const nlohmann::json cfg = metadata_json(ckpt, "config");
+    const std::string where = "'" + opt.checkpoint + "'";
+    opt.model = examples::lm_config_from_json(cfg, where);
+    opt.router = examples::detail::config_field<std::string>(cfg, "router", where);
+    const auto& known = router_names();
+    GRAPHMOE_CHECK(std::find(known.begin(), known.end(), opt.router) != known.end(),
+                   "finetune_classifier", where,
+                   ": config field 'router' is '", opt.router, "', not a known router");
+    GRAPHMOE_CHECK(!examples::detail::config_field<bool>(cfg, "char_level", where),
+                   "finetune_classifier",
                    "character-level LMs are not supported here; train a word-level LM");
     const WordTokenizer tok = WordTokenizer::load(vocab);
     GRAPHMOE_CHECK(static_cast<index_t>(tok.size()) == opt.model.vocab_size, "finetune_classifier",

@@ -62,13 +62,30 @@ double accuracy(Model& m, const Encoded& d, index_t batch) {
   return static_cast<double>(correct) / static_cast<double>(n);
 }
 
+// The rule train_lm --resume applies to a checkpoint's "model." tensors (load_arena, strict), here
+// against the backbone (every parameter but the new "cls_head.*"): each parameter present with its
+// exact dtype and shape, and no "model." tensor that is not one of them (a stray tensor is refused
+// by name, not ignored). Checks only; load_pretrained copies.
+template <class T, class B>
+void check_pretrained(const SafetensorsFile& f, const ParameterArena<T, B>& arena) {
+  ParameterArena<T, cpu> backbone;
+  for (const auto& p : arena.params())
+    if (p.name.rfind("cls_head.", 0) != 0) backbone.add(p.name, p.shape, p.trainable);
+  backbone.allocate();
+  load_arena(f, backbone, "model.");
+}
+
 template <class Policy, class B>
 int run(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
   set_num_threads(opt.threads);
   examples::require_device<B>("finetune_classifier");
   SequenceClassifier<Policy, Scalar, B> model(opt.model, opt.num_classes, opt.seed);
-  if (!opt.from_scratch) model.load_pretrained(load_safetensors(opt.checkpoint), "model.");
+  if (!opt.from_scratch) {
+    const SafetensorsFile f = load_safetensors(opt.checkpoint);
+    check_pretrained(f, model.arena());
+    model.load_pretrained(f, "model.");
+  }
   const index_t n = static_cast<index_t>(data.train.labels.size());
   const index_t steps_per_epoch = n / opt.batch;
   GRAPHMOE_CHECK(steps_per_epoch >= 1, "finetune_classifier", "fewer training examples (", n,

@@ -16,14 +16,17 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "common/cli_checks.hpp"
 #include "common/lm_config.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
 #include "graphmoe/train/tokenizers.hpp"
+#include "graphmoe/train/training_state.hpp"
 #include "routing_report/probe.hpp"
 
 using namespace graphmoe;
@@ -61,25 +64,17 @@ Model load_and_probe(const std::string& path, const std::string& vocab_override,
   const SafetensorsFile f = load_safetensors(path);
   GRAPHMOE_CHECK(f.metadata.count("config") && f.metadata.count("step"), "routing_report", "'",
                  path, "' has no 'config' and 'step' metadata: is it a train_lm checkpoint?");
-  nlohmann::json cfg;
-  try {
-    cfg = nlohmann::json::parse(f.metadata.at("config"));
-  } catch (const std::exception& e) {
-    detail::throw_error("routing_report", "'", path, "': the config metadata is not JSON: ", e.what());
-  }
-  GRAPHMOE_CHECK(cfg.contains("router") && cfg.contains("d_model") && cfg.contains("char_level"),
+  const nlohmann::json cfg = metadata_json(f, "config");
+  GRAPHMOE_CHECK(cfg.is_object() && cfg.contains("router") && cfg.contains("d_model") &&
+                     cfg.contains("char_level"),
                  "routing_report", "'", path, "' is not a train_lm checkpoint (its config has no "
                  "router, d_model or char_level; train_vision checkpoints are not supported yet)");
+  const std::string where = "'" + path + "'";
   routing_report::ProbeInput in;
   in.file = &f;
-  in.config = examples::lm_config_from_json(cfg);
-  const std::string router = cfg.at("router");
-  const std::string step_text = f.metadata.at("step");
-  try {
-    in.step = std::stoll(step_text);
-  } catch (const std::exception&) {
-    detail::throw_error("routing_report", "'", path, "': step metadata '", step_text, "' is not a number");
-  }
+  in.config = examples::lm_config_from_json(cfg, where);
+  const std::string router = examples::detail::config_field<std::string>(cfg, "router", where);
+  in.step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
   // --compare routes at the main checkpoint's step: a scheduled k (SMoE-Dropout) is then the same
   // in both, and fluctuation counts experts that changed, not a k that grew
   if (route_at_step != nullptr) in.step = *route_at_step;
@@ -87,7 +82,8 @@ Model load_and_probe(const std::string& path, const std::string& vocab_override,
                                 ? (fs::path(path).parent_path() / "vocab.txt").string()
                                 : vocab_override;
   const std::vector<std::int32_t> ids =
-      encode(vocab, cfg.at("char_level").get<bool>(), text, in.config.vocab_size, path);
+      encode(vocab, examples::detail::config_field<bool>(cfg, "char_level", where), text,
+             in.config.vocab_size, path);
   if (*vocab_size == 0) *vocab_size = static_cast<std::size_t>(in.config.vocab_size);
   GRAPHMOE_CHECK(static_cast<std::size_t>(in.config.vocab_size) == *vocab_size, "routing_report",
                  "'", path, "' has a vocabulary of ", in.config.vocab_size, " words, the first model ",
@@ -115,11 +111,11 @@ int main(int argc, char** argv) {
   app.add_option("--baseline", baseline, "a baseline model of the same shape (e.g. softmax): entropy ratios")->check(CLI::ExistingFile);
   app.add_option("--vocab", vocab, "tokenizer (default: vocab.txt beside each checkpoint)");
   app.add_option("--text", text, "probe text (WikiText format; default WikiText-2 test)")->check(CLI::ExistingFile);
-  app.add_option("--probe-batches", probe_batches, "probe batches from the start of --text (0 = all)")->check(CLI::Range(index_t{0}, index_t{1} << 20));
-  app.add_option("--batch", batch, "sequences per probe batch")->check(CLI::Range(index_t{1}, index_t{4096}));
+  app.add_option("--probe-batches", probe_batches, "probe batches from the start of --text (0 = all)")->check(examples::integer<index_t>(0, index_t{1} << 20));
+  app.add_option("--batch", batch, "sequences per probe batch")->check(examples::integer<index_t>(1, 4096));
   app.add_option("--out", out, "per-layer CSV");
   app.add_option("--load-out", load_out, "tokens-per-expert CSV (default: <out without .csv>_load.csv)");
-  app.add_option("--threads", threads, "CPU threads")->check(CLI::Range(1, 256));
+  app.add_option("--threads", threads, "CPU threads")->check(examples::threads());
   CLI11_PARSE(app, argc, argv);
   if (load_out.empty()) {
     const std::string stem = out.size() > 4 && out.compare(out.size() - 4, 4, ".csv") == 0 ? out.substr(0, out.size() - 4) : out;

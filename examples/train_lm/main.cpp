@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "common/cli_checks.hpp"
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
@@ -40,45 +41,45 @@ int main(int argc, char** argv) {
   app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
   app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
   app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
-  app.add_option("--valid-fraction", opt.valid_fraction, "share of the training stream held out when no --valid")->check(CLI::Range(0.001, 0.5));
+  app.add_option("--valid-fraction", opt.valid_fraction, "share of the training stream held out when no --valid")->check(examples::real(0.001, 0.5));
   app.add_flag("--char", opt.char_level, "character-level tokens instead of words");
-  app.add_option("--max-vocab", opt.max_vocab, "word level: keep the most frequent words (0 = all)");
+  app.add_option("--max-vocab", opt.max_vocab, "word level: keep the most frequent words (0 = all)")->check(examples::integer<std::size_t>(0, examples::kMaxCount));
   app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
   app.add_option("--layout", layout, "MoE layout: switch (every FFN), glam (every other), dense")->check(CLI::IsMember({"switch", "glam", "dense"}));
-  app.add_option("--layers", m.num_layers, "transformer blocks")->check(CLI::PositiveNumber);
-  app.add_option("--d-model", m.d_model, "model width D")->check(CLI::PositiveNumber);
-  app.add_option("--heads", m.num_heads, "attention heads")->check(CLI::PositiveNumber);
-  app.add_option("--d-ff", m.d_ff, "expert / FFN hidden size")->check(CLI::PositiveNumber);
-  app.add_option("--experts", m.router.num_experts, "experts per MoE layer E")->check(CLI::PositiveNumber);
-  app.add_option("--top-k", m.router.k, "experts per token k")->check(CLI::PositiveNumber);
-  app.add_option("--seq", m.max_seq_len, "sequence length")->check(CLI::PositiveNumber);
-  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature (paper: 1)")->check(CLI::PositiveNumber);
+  app.add_option("--layers", m.num_layers, "transformer blocks")->check(examples::integer<index_t>(1, examples::kMaxLayers));
+  app.add_option("--d-model", m.d_model, "model width D")->check(examples::integer<index_t>(1, examples::kMaxWidth));
+  app.add_option("--heads", m.num_heads, "attention heads")->check(examples::integer<index_t>(1, examples::kMaxHeads));
+  app.add_option("--d-ff", m.d_ff, "expert / FFN hidden size")->check(examples::integer<index_t>(1, examples::kMaxWidth));
+  app.add_option("--experts", m.router.num_experts, "experts per MoE layer E")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--top-k", m.router.k, "experts per token k")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--seq", m.max_seq_len, "sequence length")->check(examples::integer<index_t>(1, examples::kMaxSeq));
+  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau (CPU)")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
   app.add_flag("--graph-exclude-self", m.router.similarity_exclude_self, "Similarity graph: leave S[i,i] out of each row (CPU)");
   app.add_flag("--graph-projection", m.router.similarity_projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity (CPU)");
-  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma (paper: 1)")->check(CLI::PositiveNumber);
-  app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(CLI::NonNegativeNumber);
-  app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(CLI::NonNegativeNumber);
-  app.add_option("--k-min", m.router.k_min, "SMoE-Dropout: first k of the schedule");
-  app.add_option("--k-max", m.router.k_max, "SMoE-Dropout: last k of the schedule");
-  app.add_option("--steps", opt.steps, "optimizer steps")->check(CLI::PositiveNumber);
-  app.add_option("--batch", opt.batch, "sequences per batch")->check(CLI::PositiveNumber);
-  app.add_option("--lr", opt.lr, "peak learning rate (AdamW)")->check(CLI::PositiveNumber);
-  app.add_option("--min-lr", opt.min_lr, "final learning rate of the cosine schedule")->check(CLI::NonNegativeNumber);
-  app.add_option("--warmup", opt.warmup, "linear warmup steps")->check(CLI::NonNegativeNumber);
-  app.add_option("--weight-decay", opt.weight_decay, "AdamW decoupled weight decay")->check(CLI::NonNegativeNumber);
-  app.add_option("--clip", opt.clip, "global gradient-norm clip (0 = off)")->check(CLI::NonNegativeNumber);
-  app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = only at the end)");
-  app.add_option("--eval-batches", opt.eval_batches, "validation batches per periodic evaluation (0 = all)");
-  app.add_option("--checkpoint-every", opt.checkpoint_every, "checkpoint every N steps (0 = at the end)");
-  app.add_option("--seed", opt.seed, "random seed (initialisation and data order)");
-  app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
+  app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(examples::real(0, examples::kMaxCoef));
+  app.add_option("--k-min", m.router.k_min, "SMoE-Dropout: first k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--k-max", m.router.k_max, "SMoE-Dropout: last k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--steps", opt.steps, "optimizer steps")->check(examples::integer<std::int64_t>(1, examples::kMaxSteps));
+  app.add_option("--batch", opt.batch, "sequences per batch")->check(examples::integer<index_t>(1, examples::kMaxBatch));
+  app.add_option("--lr", opt.lr, "peak learning rate (AdamW)")->check(examples::positive_real(examples::kMaxLR));
+  app.add_option("--min-lr", opt.min_lr, "final learning rate of the cosine schedule")->check(examples::real(0, examples::kMaxLR));
+  app.add_option("--warmup", opt.warmup, "linear warmup steps")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
+  app.add_option("--weight-decay", opt.weight_decay, "AdamW decoupled weight decay")->check(examples::real(0, examples::kMaxLR));
+  app.add_option("--clip", opt.clip, "global gradient-norm clip (0 = off)")->check(examples::real(0, examples::kMaxCoef));
+  app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = only at the end)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
+  app.add_option("--eval-batches", opt.eval_batches, "validation batches per periodic evaluation (0 = all)")->check(examples::integer<index_t>(0, examples::kMaxCount));
+  app.add_option("--checkpoint-every", opt.checkpoint_every, "checkpoint every N steps (0 = at the end)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
+  app.add_option("--seed", opt.seed, "random seed (initialisation and data order)")->check(examples::seed());
+  app.add_option("--threads", opt.threads, "CPU threads")->check(examples::threads());
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
   app.add_flag("--keep-checkpoints", opt.keep_checkpoints, "also keep <out>/checkpoint-step<N>.safetensors at every checkpoint (routing_report compares them)");
-  app.add_option("--attack-rate", opt.attack_rate, "robustness: also report the test perplexity with this share of the input words replaced by --attack-word, targets clean (paper: 0.1; 0 = off)")->check(CLI::Range(0.0, 1.0));
-  app.add_option("--attack-seed", opt.attack_seed, "seed choosing the attacked positions");
+  app.add_option("--attack-rate", opt.attack_rate, "robustness: also report the test perplexity with this share of the input words replaced by --attack-word, targets clean (paper: 0.1; 0 = off)")->check(examples::real(0, 1));
+  app.add_option("--attack-seed", opt.attack_seed, "seed choosing the attacked positions")->check(examples::seed());
   app.add_option("--attack-word", opt.attack_word, "the replacement word (paper: AAA; out-of-vocabulary words become <unk>)");
   CLI11_PARSE(app, argc, argv);
 

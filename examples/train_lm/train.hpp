@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <iostream>
 #include <map>
 
@@ -23,6 +24,7 @@
 #include "graphmoe/train/text_attack.hpp"
 #include "common/device.hpp"
 #include "common/lm_config.hpp"
+#include "common/resume.hpp"
 #include "train_lm/options.hpp"
 
 namespace train_lm {
@@ -78,13 +80,16 @@ int run(const Options& opt, const Data& data) {
   fs::create_directories(opt.out_dir);
   const std::string ckpt = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
   std::int64_t step = 0;
-  if (opt.resume && fs::exists(ckpt)) {
+  examples::remove_stale_checkpoint_temporaries(ckpt, "train_lm");
+  if (opt.resume && examples::checkpoint_to_resume(ckpt, "train_lm")) {
     const SafetensorsFile f = load_safetensors(ckpt);
-    const auto saved = nlohmann::json::parse(f.metadata.at("config"));
-    GRAPHMOE_CHECK(saved == config_json(opt, mc), "train_lm --resume",
-                   "the checkpoint's configuration differs from this run's: ", saved.dump(),
-                   " vs ", config_json(opt, mc).dump());
-    step = std::stoll(load_training_state(f, lm.arena, adam).at("step"));
+    const nlohmann::json saved = metadata_json(f, "config");
+    GRAPHMOE_CHECK(saved == config_json(opt, mc), "train_lm --resume", "'", ckpt,
+                   "': the checkpoint's configuration (metadata field 'config') differs from "
+                   "this run's: ", saved.dump(), " vs ", config_json(opt, mc).dump());
+    // the step is checked before load_training_state changes anything
+    step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
+    load_training_state(f, lm.arena, adam);
     std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
   auto save = [&](std::int64_t at_step) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cli_checks.hpp"
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
@@ -35,25 +36,30 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", dir, "directory of the Fashion-MNIST idx files");
   app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
   app.add_option("--layout", layout, "MoE blocks: last (the last --moe-last blocks) or alternating")->check(CLI::IsMember({"last", "alternating"}));
-  app.add_option("--moe-last", m.moe_last, "number of final blocks with MoE (layout last)");
-  app.add_option("--patch", m.patch, "patch size")->check(CLI::PositiveNumber);
-  app.add_option("--layers", m.num_layers, "transformer blocks")->check(CLI::PositiveNumber);
-  app.add_option("--d-model", m.d_model, "model width")->check(CLI::PositiveNumber);
-  app.add_option("--heads", m.num_heads, "attention heads")->check(CLI::PositiveNumber);
-  app.add_option("--d-ff", m.d_ff, "expert hidden size")->check(CLI::PositiveNumber);
-  app.add_option("--experts", m.router.num_experts, "experts per MoE layer")->check(CLI::PositiveNumber);
-  app.add_option("--top-k", m.router.k, "experts per token")->check(CLI::PositiveNumber);
-  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature")->check(CLI::PositiveNumber);
-  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma")->check(CLI::PositiveNumber);
-  app.add_option("--load-balance", m.router.load_balance_coef, "load-balancing loss coefficient");
-  app.add_option("--epochs", opt.epochs, "epochs")->check(CLI::PositiveNumber);
-  app.add_option("--batch", opt.batch, "images per batch")->check(CLI::PositiveNumber);
-  app.add_option("--train-limit", opt.train_limit, "use only the first N training images (0 = all)");
-  app.add_option("--lr", opt.lr, "peak learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", opt.warmup, "warmup steps");
-  app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = each epoch)");
-  app.add_option("--seed", opt.seed, "random seed");
-  app.add_option("--threads", opt.threads, "CPU threads")->check(CLI::PositiveNumber);
+  app.add_option("--moe-last", m.moe_last, "number of final blocks with MoE (layout last)")->check(examples::integer<index_t>(0, examples::kMaxLayers));
+  app.add_option("--patch", m.patch, "patch size")->check(examples::integer<index_t>(1, examples::kMaxSeq));
+  app.add_option("--layers", m.num_layers, "transformer blocks")->check(examples::integer<index_t>(1, examples::kMaxLayers));
+  app.add_option("--d-model", m.d_model, "model width")->check(examples::integer<index_t>(1, examples::kMaxWidth));
+  app.add_option("--heads", m.num_heads, "attention heads")->check(examples::integer<index_t>(1, examples::kMaxHeads));
+  app.add_option("--d-ff", m.d_ff, "expert hidden size")->check(examples::integer<index_t>(1, examples::kMaxWidth));
+  app.add_option("--experts", m.router.num_experts, "experts per MoE layer")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--top-k", m.router.k, "experts per token")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma")->check(examples::positive_real(examples::kMaxCoef));
+  std::string head_choice = "per-sequence";
+  app.add_option("--head-choice", head_choice,
+                 "Attention graph: h* of lowest mean entropy over the whole image (per-sequence, "
+                 "the paper) or, for token i, over tokens 0..i (per-prefix)")
+      ->check(CLI::IsMember({"per-sequence", "per-prefix"}));
+  app.add_option("--load-balance", m.router.load_balance_coef, "load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
+  app.add_option("--epochs", opt.epochs, "epochs")->check(examples::integer<int>(1, examples::kMaxEpochs));
+  app.add_option("--batch", opt.batch, "images per batch")->check(examples::integer<index_t>(1, examples::kMaxBatch));
+  app.add_option("--train-limit", opt.train_limit, "use only the first N training images (0 = all)")->check(examples::integer<index_t>(0, examples::kMaxCount));
+  app.add_option("--lr", opt.lr, "peak learning rate")->check(examples::positive_real(examples::kMaxLR));
+  app.add_option("--warmup", opt.warmup, "warmup steps")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
+  app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = each epoch)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
+  app.add_option("--seed", opt.seed, "random seed")->check(examples::seed());
+  app.add_option("--threads", opt.threads, "CPU threads")->check(examples::threads());
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors");
@@ -61,10 +67,12 @@ int main(int argc, char** argv) {
   app.add_option("--corrupt", corrupt,
                  "after training, also test on corrupted test images: comma-separated "
                  "gaussian_noise, blur, contrast, or all");
-  app.add_option("--severity", opt.severity, "corruption severity (ImageNet-C levels)")->check(CLI::Range(1, 5));
-  app.add_option("--corrupt-seed", opt.corrupt_seed, "seed of the corruptions' noise");
+  app.add_option("--severity", opt.severity, "corruption severity (ImageNet-C levels)")->check(examples::integer<int>(1, 5));
+  app.add_option("--corrupt-seed", opt.corrupt_seed, "seed of the corruptions' noise")->check(examples::seed());
   CLI11_PARSE(app, argc, argv);
   m.layout = layout == "alternating" ? VisionLayout::Alternating : VisionLayout::Last;
+  m.router.head_choice =
+      head_choice == "per-prefix" ? HeadChoice::PerSequenceCausal : HeadChoice::PerSequence;
   if (opt.router.rfind("smoe-dropout", 0) == 0) m.router.k_max = std::max(m.router.k_max, m.router.k);
   try {
     // --corrupt: names in the order given, each once; "all" = every corruption

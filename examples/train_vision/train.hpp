@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
 #include "common/device.hpp"
+#include "common/resume.hpp"
 #include "train_vision/options.hpp"
 
 namespace train_vision {
@@ -126,11 +128,16 @@ int run(const Options& opt, const Data& data) {
                                  {"heads", mc.num_heads}, {"d_ff", mc.d_ff}, {"experts", mc.router.num_experts},
                                  {"k", mc.router.k}, {"patch", mc.patch}, {"batch", opt.batch}, {"seed", opt.seed}};
   std::int64_t step = 0;
-  if (opt.resume && fs::exists(ckpt)) {
+  examples::remove_stale_checkpoint_temporaries(ckpt, "train_vision");
+  if (opt.resume && examples::checkpoint_to_resume(ckpt, "train_vision")) {
     const SafetensorsFile f = load_safetensors(ckpt);
-    GRAPHMOE_CHECK(nlohmann::json::parse(f.metadata.at("config")) == config, "train_vision --resume",
-                   "the checkpoint's configuration differs from this run's");
-    step = std::stoll(load_training_state(f, model.arena, adam).at("step"));
+    const nlohmann::json saved = metadata_json(f, "config");
+    GRAPHMOE_CHECK(saved == config, "train_vision --resume", "'", ckpt,
+                   "': the checkpoint's configuration (metadata field 'config') differs from "
+                   "this run's: ", saved.dump(), " vs ", config.dump());
+    // the step is checked before load_training_state changes anything
+    step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
+    load_training_state(f, model.arena, adam);
     std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
   auto save = [&](std::int64_t at) {

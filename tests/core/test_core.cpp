@@ -1,6 +1,7 @@
 // Core: Shape, Tensor, ParameterArena, Rng, thread setting, error messages.
 #include <doctest/doctest.h>
 
+#include <limits>
 #include <set>
 #include <string>
 
@@ -146,4 +147,22 @@ TEST_CASE("threads: setting is honoured and validated") {
   set_num_threads(1);
   CHECK(num_threads() == 1);
   CHECK_THROWS_WITH_AS(set_num_threads(0), doctest::Contains("must be >= 1"), Error);
+}
+
+TEST_CASE("threads: counts above 4 x the hardware threads are refused, naming the limit") {
+  const int hw = hardware_threads();
+  REQUIRE(hw >= 1);
+  CHECK(max_num_threads() == kMaxThreadsPerHardwareThread * hw);
+  set_num_threads(max_num_threads());  // the limit itself is accepted
+  CHECK(num_threads() == max_num_threads());
+  const std::string limit = "exceeds the limit of " + std::to_string(max_num_threads());
+  // 100000 used to crash inside GOMP_parallel; the count is refused and left unchanged
+  for (int n : {max_num_threads() + 1, 5000, 40000, 100000, std::numeric_limits<int>::max()}) {
+    CAPTURE(n);
+    CHECK_THROWS_WITH_AS(set_num_threads(n), doctest::Contains(limit.c_str()), Error);
+    CHECK(num_threads() == max_num_threads());
+  }
+  CHECK_THROWS_WITH_AS(set_num_threads(-3), doctest::Contains("must be >= 1, got -3"), Error);
+  set_num_threads(1);
+  CHECK(num_threads() == 1);
 }

@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -22,6 +24,7 @@
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/training_state.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 
 using namespace graphmoe;
@@ -727,9 +730,256 @@ TEST_CASE("checkpoint: a save killed mid-write leaves the previous file loadable
   CHECK(f.at("w").to_tensor<float>()(2) == 3.0f);
   CHECK(leftover_temps(d) == std::vector<std::string>{fs::path(tmp).filename().string()});
 
-  // A later save by this process succeeds over it.
+  // A later save by this process succeeds over it, and removes the dead process's temp file.
   save_safetensors(path, {{"big", DType::F32, Shape{4, 1 << 20}, big.data()}}, {{"step", "2"}});
   CHECK(load_safetensors(path).at("big").to_tensor<float>()(3, 12345) == 0.5f);
+  CHECK(leftover_temps(d).empty());
+  CHECK(!fs::exists(tmp));
+}
+
+namespace {
+// The pid of a process that has exited and been reaped (so kill(pid, 0) fails with ESRCH).
+pid_t dead_pid() {
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  REQUIRE(::kill(pid, 0) != 0);
+  return pid;
+}
+
+void touch(const std::string& path, std::int64_t age_seconds = 0) {
+  write_bytes(path, {1, 2, 3});
+  if (age_seconds > 0) {
+    const auto t = fs::last_write_time(path) - std::chrono::seconds(age_seconds);
+    fs::last_write_time(path, t);
+  }
+}
+}  // namespace
+
+TEST_CASE("checkpoint: stale temporary files of dead savers are removed, nothing else") {
+  TempDir d;
+  const std::string path = d.file("ckpt.safetensors");
+  const std::string tmp = path + ".tmp.";
+  const std::string dead = std::to_string(dead_pid());
+  // A live process that is not saving: a child that waits until the test closes the pipe.
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t live = ::fork();
+  REQUIRE(live >= 0);
+  if (live == 0) {
+    ::close(fds[1]);
+    char c;
+    while (::read(fds[0], &c, 1) < 0 && errno == EINTR) {
+    }
+    ::_exit(0);
+  }
+  ::close(fds[0]);
+  const std::string alive = std::to_string(live);
+
+  touch(tmp + dead);           // stale: its process is gone
+  touch(tmp + alive, 3600);    // stale: written an hour before the process now holding the pid
+  const std::vector<std::string> kept = {
+      "ckpt.safetensors.tmp.0" + dead,       // leading zero: not a name the saver writes
+      "ckpt.safetensors.tmp." + dead + "x",  // trailing characters
+      "ckpt.safetensors.tmp.-" + dead,       // a sign
+      "ckpt.safetensors.tmp.+" + dead,
+      "ckpt.safetensors.tmp.",               // no pid
+      "ckpt.safetensors.tmp.99999999999",    // beyond any pid
+      "other.safetensors.tmp." + dead,       // another checkpoint's temporary file
+      "xckpt.safetensors.tmp." + dead,       // a longer name ending the same way
+      "ckpt.safetensors.bak",                // anything else
+  };
+  for (const auto& k : kept) touch(d.file(k));
+  const std::string folder = tmp + std::to_string(dead_pid());  // a folder: never removed
+  fs::create_directory(folder);
+  const std::string target = d.file("target");
+  touch(target);
+  const std::string link = tmp + std::to_string(dead_pid());    // a link: never removed
+  fs::create_symlink(target, link);
+
+  std::vector<std::string> removed = remove_stale_temporaries(path);
+  std::sort(removed.begin(), removed.end());
+  std::vector<std::string> expect = {tmp + dead, tmp + alive};
+  std::sort(expect.begin(), expect.end());
+  CHECK(removed == expect);
+  CHECK(!fs::exists(tmp + dead));
+  CHECK(!fs::exists(tmp + alive));
+  for (const auto& k : kept) CHECK_MESSAGE(fs::exists(d.file(k)), k);
+  CHECK(fs::is_directory(folder));
+  CHECK(fs::is_symlink(link));
+  CHECK(fs::exists(target));
+
+  // A fresh temporary file of a running process (a save in progress) is never touched.
+  touch(tmp + alive);
+  CHECK(remove_stale_temporaries(path).empty());
+  CHECK(fs::exists(tmp + alive));
+
+  // A save removes stale ones first (a new dead pid's), and leaves none of its own.
+  const std::string dead2 = tmp + std::to_string(dead_pid());
+  touch(dead2);
+  std::vector<float> v = {1, 2};
+  save_safetensors(path, {{"w", DType::F32, Shape{2}, v.data()}});
+  CHECK(!fs::exists(dead2));
+  CHECK(fs::exists(tmp + alive));
+  CHECK(!fs::exists(tmp + std::to_string(::getpid())));
+  for (const auto& k : kept) CHECK(fs::exists(d.file(k)));
+  CHECK(load_safetensors(path).at("w").to_tensor<float>()(1) == 2.0f);
+
+  ::close(fds[1]);  // the child exits
+  int status = 0;
+  ::waitpid(live, &status, 0);
+  // A missing folder, or a bare file name (the current folder): nothing to do, no error.
+  CHECK(remove_stale_temporaries(d.file("missing/ckpt.safetensors")).empty());
+  CHECK(remove_stale_temporaries("graphmoe_no_such_checkpoint_file.safetensors").empty());
+  CHECK(remove_stale_temporaries("").empty());
+}
+
+namespace {
+// A small arena ("w" (2, 3), "b" (3), and a non-trainable "frozen" (2)) with values i + offset.
+void small_arena(ParameterArena<float>& a, float offset) {
+  a.add("w", Shape{2, 3});
+  a.add("b", Shape{3});
+  a.add("frozen", Shape{2}, false);
+  a.allocate();
+  for (index_t p = 0; p < a.size(); ++p) {
+    Tensor<float> v = a.value(p);
+    for (index_t i = 0; i < v.numel(); ++i) v.data()[i] = static_cast<float>(i + p) + offset;
+  }
+}
+
+// Rewrites `src` to `dst` after edit(tensors, metadata) (tensors keep their bytes).
+template <class Edit>
+void rewrite(const std::string& src, const std::string& dst, Edit edit) {
+  SafetensorsFile f = load_safetensors(src);
+  std::map<std::string, LoadedTensor> tensors = f.tensors;
+  std::map<std::string, std::string> meta = f.metadata;
+  edit(tensors, meta);
+  std::vector<TensorRef> refs;
+  for (const auto& [name, t] : tensors) refs.push_back({name, t.dtype, t.shape, t.bytes.data()});
+  save_safetensors(dst, refs, meta);
+}
+
+// The message load_training_state throws for `path` into a fresh arena and AdamW ("" if none);
+// checks that a failed load changed nothing.
+std::string training_state_error(const std::string& path) {
+  ParameterArena<float> a;
+  small_arena(a, 100.0f);
+  AdamW<float> opt(a, AdamWConfig{});
+  const std::vector<float> before(a.values().data(), a.values().data() + a.values().numel());
+  std::string msg;
+  try {
+    load_training_state(load_safetensors(path), a, opt);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  if (!msg.empty()) {
+    CHECK(std::vector<float>(a.values().data(), a.values().data() + a.values().numel()) == before);
+    CHECK(opt.steps() == 0);
+    for (const auto& [name, view] : opt.state(a))
+      for (index_t i = 0; i < view.numel(); ++i) CHECK(view.data()[i] == 0.0f);
+  }
+  return msg;
+}
+}  // namespace
+
+TEST_CASE("training state: every optimizer-state tensor must have exactly its shape (crafted files)") {
+  TempDir d;
+  const std::string good = d.file("good.safetensors");
+  {
+    ParameterArena<float> a;
+    small_arena(a, 0.0f);
+    AdamW<float> opt(a, AdamWConfig{});
+    for (index_t p = 0; p < a.size(); ++p) {
+      Tensor<float> g = a.grad(p);
+      for (index_t i = 0; i < g.numel(); ++i) g.data()[i] = 0.25f;
+    }
+    opt.step(a, 1e-3);
+    opt.step(a, 1e-3);
+    save_training_state(good, a, opt, {{"step", "2"}});
+  }
+  CHECK(training_state_error(good).empty());
+  {
+    ParameterArena<float> a;
+    small_arena(a, 100.0f);
+    AdamW<float> opt(a, AdamWConfig{});
+    load_training_state(load_safetensors(good), a, opt);
+    CHECK(opt.steps() == 2);
+    CHECK(a.value("b")(0) != 100.0f);
+  }
+  const std::string bad = d.file("bad.safetensors");
+  auto variant = [&](auto edit) {
+    rewrite(good, bad, edit);
+    return training_state_error(bad);
+  };
+  using Tensors = std::map<std::string, LoadedTensor>;
+  using Meta = std::map<std::string, std::string>;
+
+  // the issue: (3, 2) has the size of (2, 3) and used to load
+  std::string e = variant([](Tensors& t, Meta&) { t.at("adamw.m.w").shape = Shape{3, 2}; });
+  CHECK(e.find("'" + bad + "'") != std::string::npos);
+  CHECK(e.find("optimizer-state tensor 'adamw.m.w' has shape (3, 2), expected (2, 3)") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) { t.at("adamw.v.w").shape = Shape{6}; });
+  CHECK(e.find("optimizer-state tensor 'adamw.v.w' has shape (6), expected (2, 3)") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) { t.at("adamw.v.b").shape = Shape{1, 3}; });
+  CHECK(e.find("'adamw.v.b' has shape (1, 3), expected (3)") != std::string::npos);
+  // missing, wrongly typed, stray
+  e = variant([](Tensors& t, Meta&) { t.erase("adamw.m.b"); });
+  CHECK(e.find("has no optimizer-state tensor 'adamw.m.b'") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) {
+    LoadedTensor& x = t.at("adamw.m.b");
+    x.dtype = DType::I32;
+  });
+  CHECK(e.find("'adamw.m.b' has dtype I32, expected F32") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) { t.emplace("adamw.m.frozen", t.at("model.frozen")); });
+  CHECK(e.find("has the tensor 'adamw.m.frozen'") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) { t.emplace("extra", t.at("model.b")); });
+  CHECK(e.find("has the tensor 'extra' of shape (3), which is neither a model parameter") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) { t.emplace("model.extra", t.at("model.b")); });
+  CHECK(e.find("has the tensor 'model.extra' that matches no parameter") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) { t.at("model.w").shape = Shape{3, 2}; });
+  CHECK(e.find("tensor 'model.w' has shape (3, 2), parameter 'w' has shape (2, 3)") != std::string::npos);
+  // values: a negative second moment, a NaN first moment
+  e = variant([](Tensors& t, Meta&) {
+    const float neg = -1.0f;
+    std::memcpy(t.at("adamw.v.b").bytes.data() + 4, &neg, 4);
+  });
+  CHECK(e.find("'adamw.v.b' holds -1 at element 1 (second moments must be finite and >= 0)") != std::string::npos);
+  e = variant([](Tensors& t, Meta&) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(t.at("adamw.m.w").bytes.data(), &nan, 4);
+  });
+  CHECK(e.find("'adamw.m.w' holds nan at element 0 (must be finite)") != std::string::npos);
+  // optimizer_steps: missing, not a number, negative, too large (no more `stoll`)
+  e = variant([](Tensors&, Meta& m) { m.erase("optimizer_steps"); });
+  CHECK(e.find("has no optimizer_steps in its metadata") != std::string::npos);
+  e = variant([](Tensors&, Meta& m) { m["optimizer_steps"] = "two"; });
+  CHECK(e.find("'" + bad + "': metadata field 'optimizer_steps' is 'two', not a decimal integer") != std::string::npos);
+  e = variant([](Tensors&, Meta& m) { m["optimizer_steps"] = "2x"; });
+  CHECK(e.find("metadata field 'optimizer_steps' is '2x', not a decimal integer") != std::string::npos);
+  e = variant([](Tensors&, Meta& m) { m["optimizer_steps"] = "-2"; });
+  CHECK(e.find("metadata field 'optimizer_steps' is -2, out of the range [0, ") != std::string::npos);
+  e = variant([](Tensors&, Meta& m) { m["optimizer_steps"] = "99999999999999999999"; });
+  CHECK(e.find("metadata field 'optimizer_steps' is 99999999999999999999, out of the range") != std::string::npos);
+}
+
+TEST_CASE("training state: metadata helpers name the file and the field") {
+  TempDir d;
+  const std::string path = d.file("m.safetensors");
+  std::vector<float> v = {1};
+  save_safetensors(path, {{"x", DType::F32, Shape{1}, v.data()}},
+                   {{"step", "12"}, {"bad", "1.5"}, {"config", "{\"a\": 1}"}, {"broken", "{\"a\": "}});
+  const SafetensorsFile f = load_safetensors(path);
+  CHECK(metadata_field(f, "step") == "12");
+  CHECK(metadata_int(f, "step", 0, 100) == 12);
+  CHECK(metadata_json(f, "config").at("a") == 1);
+  CHECK_THROWS_WITH_AS(metadata_field(f, "nope"), contains("'" + path + "' has no metadata field 'nope'"), Error);
+  CHECK_THROWS_WITH_AS(metadata_int(f, "nope", 0, 1), contains("has no metadata field 'nope'"), Error);
+  CHECK_THROWS_WITH_AS(metadata_int(f, "bad", 0, 100), contains("'" + path + "': metadata field 'bad' is '1.5', not a decimal integer"), Error);
+  CHECK_THROWS_WITH_AS(metadata_int(f, "step", 0, 11), contains("metadata field 'step' is 12, out of the range [0, 11]"), Error);
+  CHECK_THROWS_WITH_AS(metadata_json(f, "broken"), contains("'" + path + "': metadata field 'broken' is not valid JSON: "), Error);
+  CHECK_THROWS_WITH_AS(metadata_json(f, "nope"), contains("has no metadata field 'nope'"), Error);
 }
 
 TEST_CASE("checkpoint: interop with the Python safetensors library") {

@@ -5,9 +5,16 @@
 // product over the threads itself (each part a single-threaded BLAS call). Two runtimes that both
 // spin-wait on 2 cores (OpenBLAS's pthreads and OpenMP's workers) were measured 2-8x slower than
 // one thread; see docs/benchmarks.md. The default is 1 thread: the caller opts in to parallelism.
+//
+// The count is limited to max_num_threads() = kMaxThreadsPerHardwareThread (4) x the hardware
+// threads (std::thread::hardware_concurrency(), 1 when unknown): more only oversubscribes the
+// cores, and OpenMP runtimes crash or stall on absurd counts (100000 threads: a SIGSEGV inside
+// GOMP_parallel). set_num_threads refuses anything outside [1, max_num_threads()].
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <thread>
 
 #include <Eigen/Core>
 
@@ -33,8 +40,23 @@ inline std::atomic<int>& thread_count() {
 
 inline int num_threads() { return detail::thread_count().load(std::memory_order_relaxed); }
 
+// Threads allowed per hardware thread (see max_num_threads).
+inline constexpr int kMaxThreadsPerHardwareThread = 4;
+
+// The hardware threads of this machine (std::thread::hardware_concurrency(); 1 when unknown).
+inline int hardware_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(std::min<unsigned>(n, 1u << 20));
+}
+
+// The largest count set_num_threads accepts: 4 x the hardware threads.
+inline int max_num_threads() { return kMaxThreadsPerHardwareThread * hardware_threads(); }
+
 inline void set_num_threads(int n) {
   GRAPHMOE_CHECK(n >= 1, "set_num_threads", "thread count must be >= 1, got ", n);
+  GRAPHMOE_CHECK(n <= max_num_threads(), "set_num_threads", "thread count ", n,
+                 " exceeds the limit of ", max_num_threads(), " (", kMaxThreadsPerHardwareThread,
+                 " x the ", hardware_threads(), " hardware threads of this machine)");
   detail::thread_count().store(n, std::memory_order_relaxed);
   Eigen::setNbThreads(1);
 #if defined(GRAPHMOE_USE_BLAS)

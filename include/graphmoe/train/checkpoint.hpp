@@ -12,7 +12,8 @@
 // save_safetensors writes atomically: a temporary file `path + ".tmp.<pid>"` in the same
 // directory, fsync, rename over `path`, fsync of the directory. A failed save removes the
 // temporary file and leaves any previous `path` untouched; a killed process can leave only a
-// stale temporary file behind, never a partial `path`.
+// stale temporary file behind, never a partial `path`; the next save (or remove_stale_temporaries)
+// removes it once its process is gone.
 //
 // load_safetensors validates the whole header before it allocates anything the header asks
 // for, and throws graphmoe::Error naming the file and the problem for malformed input. The full
@@ -22,19 +23,25 @@
 #pragma once
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <charconv>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <ostream>
+#include <sstream>
 #include <set>
 #include <string>
+#include <system_error>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -420,7 +427,88 @@ inline bool read_all(int fd, void* data, std::size_t n) {
   return true;
 }
 
+// The start of process `pid` in seconds since the epoch, from /proc/<pid>/stat (its field 22,
+// clock ticks since boot) and /proc/stat's btime (Linux); false where either cannot be read.
+inline bool process_start_time(long pid, double& seconds) {
+  std::ifstream st("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!st || !std::getline(st, line)) return false;
+  const std::size_t close = line.rfind(')');  // the command name may hold spaces and ')'
+  if (close == std::string::npos) return false;
+  std::istringstream fields(line.substr(close + 1));
+  std::string field;
+  unsigned long long ticks = 0;
+  for (int i = 3; i <= 22; ++i) {  // field 3 (state) follows the name
+    if (!(fields >> field)) return false;
+    if (i == 22) {
+      const auto r = std::from_chars(field.data(), field.data() + field.size(), ticks);
+      if (r.ec != std::errc() || r.ptr != field.data() + field.size()) return false;
+    }
+  }
+  std::ifstream stat("/proc/stat");
+  unsigned long long btime = 0;
+  bool found = false;
+  while (std::getline(stat, line))
+    if (line.rfind("btime ", 0) == 0) {
+      btime = std::strtoull(line.c_str() + 6, nullptr, 10);
+      found = btime > 0;
+      break;
+    }
+  const long hz = ::sysconf(_SC_CLK_TCK);
+  if (!found || hz <= 0) return false;
+  seconds = static_cast<double>(btime) + static_cast<double>(ticks) / static_cast<double>(hz);
+  return true;
+}
+
+// The pid of `name` if it is exactly `prefix` + a pid as save_safetensors writes it (decimal, no
+// sign, no leading zero, in [1, INT_MAX]); 0 otherwise.
+inline long temporary_pid(const std::string& name, const std::string& prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return 0;
+  const std::string digits = name.substr(prefix.size());
+  if (digits.size() > 10 || digits[0] == '0') return 0;
+  long pid = 0;
+  const auto r = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+  if (r.ec != std::errc() || r.ptr != digits.data() + digits.size()) return 0;
+  return pid >= 1 && pid <= 2147483647L ? pid : 0;
+}
 }  // namespace detail
+
+// Removes the stale temporary files that killed saves to `path` left behind: the regular files
+// (not links, not folders) in path's folder named exactly `<file name of path>.tmp.<pid>`, as
+// save_safetensors writes them, whose process is gone (kill(pid, 0) fails with ESRCH) or was
+// started after the file was last written (the pid was reused: Linux, /proc). A temporary file of
+// a running saver is never touched, nor any other file. Failures to list or remove are ignored
+// (this is housekeeping). Returns the paths removed. save_safetensors calls it before each save;
+// a program may call it at start (the examples do).
+inline std::vector<std::string> remove_stale_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> removed;
+  if (path.empty()) return removed;
+  const fs::path p(path);
+  const std::string prefix = p.filename().string() + ".tmp.";
+  if (prefix == ".tmp.") return removed;
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) return removed;
+  for (const fs::directory_entry& e : it) {
+    const long pid = detail::temporary_pid(e.path().filename().string(), prefix);
+    if (pid == 0) continue;
+    const std::string file = e.path().string();
+    struct stat st {};
+    if (::lstat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    bool stale = ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    if (!stale) {
+      // The pid runs: stale only if that process started after the file was last written (2 s
+      // of margin for the boot time's and the start time's rounding).
+      double started = 0;
+      stale = detail::process_start_time(pid, started) &&
+              static_cast<double>(st.st_mtim.tv_sec) < started - 2.0;
+    }
+    if (stale && ::unlink(file.c_str()) == 0) removed.push_back(file);
+  }
+  return removed;
+}
 
 // Writes `tensors` (in the given order, contiguously) and `metadata` to `path`, atomically.
 // Throws graphmoe::Error before touching the file system for: an empty, duplicate or
@@ -469,7 +557,8 @@ inline void save_safetensors(const std::string& path, const std::vector<TensorRe
     size_bytes[i] = static_cast<std::uint8_t>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
   const std::uint64_t file_total = 8 + text.size() + total;
 
-  // 2. The temporary file; removed on every exit but success.
+  // 2. The temporary file; removed on every exit but success. Stale ones of killed saves first.
+  remove_stale_temporaries(path);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int raw = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   GRAPHMOE_CHECK(raw >= 0, op, "cannot create the temporary file '", tmp, "' for '", path,
@@ -509,8 +598,9 @@ inline void save_safetensors(const std::string& path, const std::vector<TensorRe
   GRAPHMOE_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, op, "cannot rename '", tmp, "' to '",
                  path, "': ", detail::errno_text(errno));
   remove_temp.armed = false;
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
+  // (not `dir = "."` after the fact: GCC 12 -O3 reports a false -Wrestrict on that assignment)
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  const std::string dir = parent.empty() ? std::string(".") : parent.string();
   detail::Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   GRAPHMOE_CHECK(dfd.get() >= 0, op, "'", path, "' was written but its directory '", dir,
                  "' cannot be opened to fsync it: ", detail::errno_text(errno));

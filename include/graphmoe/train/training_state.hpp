@@ -4,11 +4,22 @@
 // Saved atomically (save_safetensors); loading checks every name, shape and dtype before it
 // changes anything in the model, then restores the optimizer so that training continues bit for
 // bit.
+//
+// Reading a checkpoint's metadata (for the examples and any caller), each error naming the file
+// and the field (docs/reliability.md):
+//   metadata_field(f, key)            the string; throws "'<path>' has no metadata field '<key>'"
+//   metadata_int(f, key, lo, hi)      a decimal integer in [lo, hi]; throws naming the text
+//   metadata_json(f, key)             the JSON value; throws with the parser's message and byte
 #pragma once
 
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <map>
+#include <set>
 #include <string>
-
+#include <system_error>
 #include <type_traits>
 #include <vector>
 
@@ -17,6 +28,43 @@
 #include "graphmoe/train/optim.hpp"
 
 namespace graphmoe {
+
+// The metadata field `key` of f; throws graphmoe::Error naming the file and the field when absent.
+inline const std::string& metadata_field(const SafetensorsFile& f, const std::string& key) {
+  auto it = f.metadata.find(key);
+  GRAPHMOE_CHECK(it != f.metadata.end(), "metadata_field", "'", f.path,
+                 "' has no metadata field '", key, "'");
+  return it->second;
+}
+
+// The metadata field `key` of f as a decimal integer in [lo, hi] (no sign but '-', no spaces, no
+// other characters); throws naming the file, the field and its text.
+inline std::int64_t metadata_int(const SafetensorsFile& f, const std::string& key,
+                                 std::int64_t lo, std::int64_t hi) {
+  const std::string& text = metadata_field(f, key);
+  std::int64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v, 10);
+  GRAPHMOE_CHECK(!text.empty() && r.ec != std::errc::invalid_argument &&
+                     r.ptr == text.data() + text.size(),
+                 "metadata_int", "'", f.path, "': metadata field '", key, "' is '", text,
+                 "', not a decimal integer");
+  GRAPHMOE_CHECK(r.ec != std::errc::result_out_of_range && v >= lo && v <= hi, "metadata_int",
+                 "'", f.path, "': metadata field '", key, "' is ", text,
+                 ", out of the range [", lo, ", ", hi, "]");
+  return v;
+}
+
+// The metadata field `key` of f parsed as JSON; throws naming the file, the field and the
+// parser's error.
+inline nlohmann::json metadata_json(const SafetensorsFile& f, const std::string& key) {
+  const std::string& text = metadata_field(f, key);
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    detail::throw_error("metadata_json", "'", f.path, "': metadata field '", key,
+                        "' is not valid JSON: ", e.what());
+  }
+}
 
 namespace detail {
 // A host tensor with t's values: t itself on the CPU; a copy (to_host, found by argument-dependent
@@ -61,21 +109,50 @@ void save_training_state(const std::string& path, const ParameterArena<T, B>& ar
   save_safetensors(path, refs, metadata);
 }
 
-// Restores what save_training_state wrote into an arena and optimizer of any backend. Every name,
-// shape and dtype is checked before anything changes.
+// Restores what save_training_state wrote into an arena and optimizer of any backend. Everything
+// is checked before anything changes: the model tensors as load_arena(strict) checks them (every
+// parameter present, exact dtype and shape, no "model." tensor that is not a parameter); every
+// AdamW state tensor present with exactly its parameter's dtype and shape, finite, and the second
+// moments non-negative; no other tensor in the file (a stray "adamw." tensor, or one outside both
+// prefixes, is refused by name); and the metadata field optimizer_steps a decimal integer >= 0.
 template <class T, class B>
 const std::map<std::string, std::string>& load_training_state(const SafetensorsFile& f,
                                                               ParameterArena<T, B>& arena,
                                                               AdamW<T, B>& adam) {
-  GRAPHMOE_CHECK(f.metadata.count("optimizer_steps") != 0, "load_training_state", "'", f.path,
+  const char* op = "load_training_state";
+  GRAPHMOE_CHECK(f.metadata.count("optimizer_steps") != 0, op, "'", f.path,
                  "' has no optimizer_steps in its metadata (not a training checkpoint)");
+  const std::int64_t steps =
+      metadata_int(f, "optimizer_steps", 0, std::numeric_limits<std::int64_t>::max());
   auto state = adam.state(arena);
+  std::set<std::string> expected;
   std::vector<Tensor<T, cpu>> loaded;
   for (const auto& [name, view] : state) {
-    Tensor<T, cpu> t = f.at(name).template to_tensor<T>();
-    GRAPHMOE_CHECK(t.numel() == view.numel(), "load_training_state", "'", f.path, "': tensor '",
-                   name, "' has shape ", t.shape(), ", expected ", view.shape());
+    expected.insert(name);
+    GRAPHMOE_CHECK(f.contains(name), op, "'", f.path, "' has no optimizer-state tensor '", name,
+                   "' of shape ", view.shape());
+    const LoadedTensor& lt = f.at(name);
+    GRAPHMOE_CHECK(lt.dtype == dtype_of<T>(), op, "'", f.path, "': optimizer-state tensor '",
+                   name, "' has dtype ", lt.dtype, ", expected ", dtype_of<T>(),
+                   " (no conversion is done)");
+    GRAPHMOE_CHECK(lt.shape == view.shape(), op, "'", f.path, "': optimizer-state tensor '", name,
+                   "' has shape ", lt.shape, ", expected ", view.shape());
+    Tensor<T, cpu> t = lt.template to_tensor<T>();
+    const bool second_moment = name.rfind("adamw.v.", 0) == 0;
+    for (index_t i = 0; i < t.numel(); ++i) {
+      const T x = t.data()[i];
+      GRAPHMOE_CHECK(std::isfinite(x) && (!second_moment || x >= T(0)), op, "'", f.path,
+                     "': optimizer-state tensor '", name, "' holds ", x, " at element ", i,
+                     second_moment ? " (second moments must be finite and >= 0)"
+                                   : " (must be finite)");
+    }
     loaded.push_back(t);
+  }
+  for (const auto& [name, t] : f.tensors) {
+    if (name.rfind("model.", 0) == 0 || expected.count(name) != 0) continue;
+    detail::throw_error(op, "'", f.path, "' has the tensor '", name, "' of shape ", t.shape,
+                        ", which is neither a model parameter ('model.<name>') nor a state "
+                        "tensor of this optimizer");
   }
   if constexpr (std::is_same_v<B, cpu>) {
     load_arena(f, arena, "model.");  // validates everything before copying
@@ -86,7 +163,7 @@ const std::map<std::string, std::string>& load_training_state(const SafetensorsF
   }
   for (std::size_t i = 0; i < state.size(); ++i)
     copy_from_host(state[i].second, loaded[i].view(state[i].second.shape()));
-  adam.set_steps(std::stoll(f.metadata.at("optimizer_steps")));
+  adam.set_steps(steps);
   return f.metadata;
 }
 

@@ -1,0 +1,435 @@
+// The example programs' command lines and checkpoints under hostile input (docs/reliability.md):
+// each refusal is a non-zero exit with a message naming the option, the file or the field, before
+// any work is done. The programs run as subprocesses on a tiny model and a tiny corpus written
+// here (a few seconds in all); the paths of the four executables come from CMake.
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "graphmoe/core/threads.hpp"
+#include "graphmoe/train/checkpoint.hpp"
+
+#ifndef GRAPHMOE_TRAIN_LM
+#error "GRAPHMOE_TRAIN_LM (the train_lm executable) must be defined by CMake"
+#endif
+
+using namespace graphmoe;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
+const std::string kTrainVision = GRAPHMOE_TRAIN_VISION;
+const std::string kFinetune = GRAPHMOE_FINETUNE_CLASSIFIER;
+const std::string kReport = GRAPHMOE_ROUTING_REPORT;
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) {
+    if (c == '\'')
+      q.append("'\\''");
+    else
+      q.push_back(c);
+  }
+  q.push_back('\'');
+  return q;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A scratch folder under the system temp dir, removed with everything in it.
+struct Scratch {
+  fs::path dir;
+  explicit Scratch(const std::string& tag) {
+    dir = fs::temp_directory_path() / ("graphmoe_cli_" + tag + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  std::string operator/(const std::string& name) const { return (dir / name).string(); }
+};
+
+struct Result {
+  int status = -1;  // exit status; -1: killed by a signal
+  std::string out, err;
+};
+
+// Runs `exe args...` with stdout and stderr captured, killed after two minutes (a refusal takes
+// milliseconds; a command line wrongly accepted must not train for long).
+Result run(const Scratch& s, const std::string& exe, const std::vector<std::string>& args) {
+  std::string cmd = "timeout -k 5 120 " + quote(exe);
+  for (const auto& a : args) {
+    cmd.push_back(' ');
+    cmd.append(quote(a));
+  }
+  const fs::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
+  cmd.append(" >").append(quote(out.string())).append(" 2>").append(quote(err.string()));
+  cmd.append(" </dev/null");
+  const int raw = std::system(cmd.c_str());
+  Result r;
+  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+// A refusal: a non-zero exit (not a crash) whose stderr holds every one of `parts`.
+void check_refused(const Result& r, const std::vector<std::string>& parts) {
+  CAPTURE(r.err);
+  CHECK(r.status > 0);
+  for (const auto& p : parts) {
+    CAPTURE(p);
+    CHECK(r.err.find(p) != std::string::npos);
+  }
+}
+
+// A word-level corpus of 300 lines (about 3,000 tokens) and its words.
+const std::vector<std::string> kWords = {"the", "cat", "sat", "on", "a", "mat", "dog", "ran",
+                                         "far", "good", "bad", "film", "was", "very", "not"};
+void write_corpus(const std::string& path) {
+  std::ofstream out(path);
+  unsigned x = 7;
+  for (int line = 0; line < 300; ++line) {
+    for (int w = 0; w < 10; ++w) {
+      x = x * 1103515245u + 12345u;
+      out << (w ? " " : "") << kWords[(x >> 16) % kWords.size()];
+    }
+    out << "\n";
+  }
+}
+
+// The tiny train_lm run every resume case starts from (about a second).
+std::vector<std::string> lm_args(const std::string& corpus, const std::string& out, int steps) {
+  return {"--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router", "softmax",
+          "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8", "--experts", "2",
+          "--top-k", "1", "--seq", "8", "--batch", "2", "--steps", std::to_string(steps),
+          "--warmup", "0", "--eval-every", "0", "--threads", "1", "--out", out};
+}
+
+// Rewrites the checkpoint `src` to `dst` after edit(tensors, metadata).
+void rewrite(const std::string& src, const std::string& dst,
+             const std::function<void(std::map<std::string, LoadedTensor>&,
+                                      std::map<std::string, std::string>&)>& edit) {
+  const SafetensorsFile f = load_safetensors(src);
+  std::map<std::string, LoadedTensor> tensors = f.tensors;
+  std::map<std::string, std::string> meta = f.metadata;
+  edit(tensors, meta);
+  std::vector<TensorRef> refs;
+  for (const auto& [name, t] : tensors) refs.push_back({name, t.dtype, t.shape, t.bytes.data()});
+  save_safetensors(dst, refs, meta);
+}
+
+}  // namespace
+
+TEST_CASE("examples: --threads beyond 4 x the hardware threads is refused by every example") {
+  Scratch s("threads");
+  const std::string file = s / "any.txt";
+  std::ofstream(file) << "x\n";
+  const std::string limit = "the limit is " + std::to_string(max_num_threads()) + " = 4 x the " +
+                            std::to_string(hardware_threads()) + " hardware threads";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> programs = {
+      {kTrainLM, {}},
+      {kTrainVision, {}},
+      {kFinetune, {"--checkpoint", file, "--vocab", file}},
+      {kReport, {"--checkpoint", file}}};
+  for (const auto& [exe, base] : programs) {
+    // 100000 crashed in GOMP_parallel, 40000 aborted, 5000 crawled
+    for (const std::string& n : std::vector<std::string>{"100000", "40000", "5000",
+                                                          std::to_string(max_num_threads() + 1)}) {
+      CAPTURE(exe);
+      CAPTURE(n);
+      std::vector<std::string> args = base;
+      args.insert(args.end(), {"--threads", n});
+      check_refused(run(s, exe, args), {"--threads: value " + n + " is out of range", limit});
+    }
+    std::vector<std::string> args = base;
+    args.insert(args.end(), {"--threads", "0"});
+    check_refused(run(s, exe, args), {"--threads: value 0 is out of range; expected an integer in [1, "});
+  }
+}
+
+TEST_CASE("examples: every numeric option refuses out-of-range and malformed numbers") {
+  Scratch s("ranges");
+  const std::string file = s / "any.txt";
+  std::ofstream(file) << "x\n";
+  const std::string huge = "99999999999999999999";  // clamped to 2^63 - 1 by CLI11 2.1
+  struct Case {
+    std::string option, value, message;
+  };
+  // Integers: the 2^63 - 1 clamp, out of the sane range, negative, not a number, not an integer.
+  const std::vector<std::string> lm_ints = {
+      "--max-vocab", "--layers", "--d-model", "--heads", "--d-ff", "--experts", "--top-k",
+      "--seq", "--k-min", "--k-max", "--steps", "--batch", "--warmup", "--eval-every",
+      "--eval-batches", "--checkpoint-every", "--seed", "--attack-seed", "--threads"};
+  const std::vector<std::string> lm_reals = {"--valid-fraction", "--tau", "--sigma",
+                                             "--load-balance", "--z-loss", "--lr", "--min-lr",
+                                             "--weight-decay", "--clip", "--attack-rate"};
+  const std::vector<std::string> vision_ints = {
+      "--moe-last", "--patch", "--layers", "--d-model", "--heads", "--d-ff", "--experts",
+      "--top-k", "--epochs", "--batch", "--train-limit", "--warmup", "--eval-every", "--seed",
+      "--threads", "--severity", "--corrupt-seed"};
+  const std::vector<std::string> vision_reals = {"--tau", "--sigma", "--load-balance", "--lr"};
+  const std::vector<std::string> ft_ints = {"--epochs", "--batch", "--warmup", "--train-limit",
+                                            "--max-len", "--seed", "--threads"};
+  const std::vector<std::string> ft_reals = {"--lr"};
+  const std::vector<std::string> report_ints = {"--probe-batches", "--batch", "--threads"};
+  struct Program {
+    std::string exe;
+    std::vector<std::string> base, ints, reals;
+  };
+  const std::vector<Program> programs = {
+      {kTrainLM, {}, lm_ints, lm_reals},
+      {kTrainVision, {}, vision_ints, vision_reals},
+      {kFinetune, {"--checkpoint", file, "--vocab", file}, ft_ints, ft_reals},
+      {kReport, {"--checkpoint", file}, report_ints, {}}};
+  for (const Program& p : programs) {
+    for (const std::string& opt : p.ints) {
+      std::vector<Case> cases = {
+          {opt, huge, "value '" + huge + "' is out of range (it does not fit a "},
+          {opt, "12abc", "value '12abc' is not a decimal integer"},
+          {opt, "1.5", "value '1.5' is not a decimal integer"},
+          {opt, "0x10", "value '0x10' is not a decimal integer"}};
+      // above the sane range (a seed may be any 64-bit value)
+      if (opt.find("seed") == std::string::npos)
+        cases.push_back({opt, "1000000000001", "value 1000000000001 is out of range; expected an integer in ["});
+      for (const Case& c : cases) {
+        CAPTURE(p.exe);
+        CAPTURE(c.option);
+        CAPTURE(c.value);
+        std::vector<std::string> args = p.base;
+        args.insert(args.end(), {c.option, c.value});
+        check_refused(run(s, p.exe, args), {c.option + ": " + c.message});
+      }
+      // negative: below every range (seeds: "-1" used to become 2^64 - 1)
+      std::vector<std::string> args = p.base;
+      args.insert(args.end(), {opt, "-1"});
+      const Result r = run(s, p.exe, args);
+      CAPTURE(p.exe);
+      CAPTURE(opt);
+      check_refused(r, {opt + ": value "});
+      CHECK((r.err.find("is negative") != std::string::npos ||
+             r.err.find("is out of range") != std::string::npos));
+    }
+    for (const std::string& opt : p.reals) {
+      for (const Case& c : std::vector<Case>{
+               {opt, "nan", "value 'nan' is out of range; expected a finite number in "},
+               {opt, "inf", "value 'inf' is out of range; expected a finite number in "},
+               {opt, "1e400", "value '1e400' is out of range"},
+               {opt, "1e7", "value 1e7 is out of range; expected a number in "},
+               {opt, "-0.5", "value -0.5 is out of range; expected a number in "},
+               {opt, "0.1x", "value '0.1x' is not a number"}}) {
+        CAPTURE(p.exe);
+        CAPTURE(c.option);
+        CAPTURE(c.value);
+        std::vector<std::string> args = p.base;
+        args.insert(args.end(), {c.option, c.value});
+        check_refused(run(s, p.exe, args), {c.option + ": " + c.message});
+      }
+    }
+  }
+  // the command line: refused at once, never clamped to 2^63 - 1 steps
+  check_refused(run(s, kTrainLM, {"--steps", huge}),
+                {"--steps: value '99999999999999999999' is out of range (it does not fit a 64-bit "
+                 "integer); expected an integer in [1, 1000000000]"});
+  check_refused(run(s, kTrainLM, {"--tau", "0"}), {"--tau: value 0 is out of range; expected a number in (0, "});
+  check_refused(run(s, kTrainVision, {"--severity", "6"}), {"--severity: value 6 is out of range; expected an integer in [1, 5]"});
+}
+
+TEST_CASE("examples: train_lm --resume refuses broken and malformed checkpoints, naming the file and field") {
+  Scratch s("resume");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const std::string run_dir = s / "run";
+  // a stale temporary file of a killed save (pid 2^31 - 1 runs nowhere) and a look-alike
+  fs::create_directories(run_dir);
+  const std::string stale = run_dir + "/checkpoint.safetensors.tmp.2147483647";
+  const std::string lookalike = run_dir + "/checkpoint.safetensors.tmp.2147483647.keep";
+  std::ofstream(stale) << "partial";
+  std::ofstream(lookalike) << "keep";
+  Result r = run(s, kTrainLM, lm_args(corpus, run_dir, 2));
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.err.find("removed the stale temporary file '" + stale + "'") != std::string::npos);
+  CHECK(!fs::exists(stale));
+  CHECK(fs::exists(lookalike));
+  const std::string ckpt = run_dir + "/checkpoint.safetensors";
+  REQUIRE(fs::exists(ckpt));
+
+  // a genuine resume continues
+  r = run(s, kTrainLM, lm_args(corpus, run_dir, 3));  // without --resume: from scratch
+  CHECK(r.status == 0);
+  CHECK(r.err.find("resumed from") == std::string::npos);
+  std::vector<std::string> resume = lm_args(corpus, run_dir, 4);
+  resume.push_back("--resume");
+  r = run(s, kTrainLM, resume);
+  CAPTURE(r.err);
+  CHECK(r.status == 0);
+  CHECK(r.err.find("resumed from " + ckpt + " at step 3") != std::string::npos);
+
+  // Each case: a crafted copy of the checkpoint in its own folder, then --resume.
+  const std::string genuine = s / "genuine.safetensors";
+  fs::copy_file(ckpt, genuine);
+  auto resume_from = [&](const std::string& name, const auto& edit) {
+    const std::string dir = s / name;
+    fs::create_directories(dir);
+    fs::copy_file(run_dir + "/vocab.txt", dir + "/vocab.txt");
+    rewrite(genuine, dir + "/checkpoint.safetensors", edit);
+    std::vector<std::string> args = lm_args(corpus, dir, 6);
+    args.push_back("--resume");
+    return std::make_pair(dir + "/checkpoint.safetensors", run(s, kTrainLM, args));
+  };
+  using Tensors = std::map<std::string, LoadedTensor>;
+  using Meta = std::map<std::string, std::string>;
+  {
+    // was: "error: stoll"
+    auto [path, res] = resume_from("step_text", [](Tensors&, Meta& m) { m["step"] = "three"; });
+    check_refused(res, {"'" + path + "': metadata field 'step' is 'three', not a decimal integer"});
+  }
+  {
+    // was: "error: map::at"
+    auto [path, res] = resume_from("no_step", [](Tensors&, Meta& m) { m.erase("step"); });
+    check_refused(res, {"'" + path + "' has no metadata field 'step'"});
+  }
+  {
+    auto [path, res] = resume_from("no_config", [](Tensors&, Meta& m) { m.erase("config"); });
+    check_refused(res, {"'" + path + "' has no metadata field 'config'"});
+  }
+  {
+    // was: a raw nlohmann::json parse_error without the file
+    auto [path, res] = resume_from("bad_config", [](Tensors&, Meta& m) { m["config"] = "{\"d_model\": 8,"; });
+    check_refused(res, {"'" + path + "': metadata field 'config' is not valid JSON: "});
+  }
+  {
+    auto [path, res] = resume_from("negative_step", [](Tensors&, Meta& m) { m["step"] = "-4"; });
+    check_refused(res, {"'" + path + "': metadata field 'step' is -4, out of the range [0, "});
+  }
+  {
+    // an optimizer-state tensor of the right size and the wrong shape used to load
+    std::string name;
+    auto [path, res] = resume_from("state_shape", [&](Tensors& t, Meta&) {
+      for (auto& [n, x] : t)
+        if (n.rfind("adamw.m.", 0) == 0 && x.shape.rank() == 2 && x.shape[0] != x.shape[1]) {
+          name = n;
+          x.shape = Shape{x.shape[1], x.shape[0]};
+          break;
+        }
+    });
+    REQUIRE(!name.empty());
+    check_refused(res, {"'" + path + "': optimizer-state tensor '" + name + "' has shape ("});
+  }
+  {
+    auto [path, res] = resume_from("model_extra", [](Tensors& t, Meta&) {
+      t.emplace("model.extra.weight", t.at("model.ln_f.weight"));
+    });
+    check_refused(res, {"'" + path + "' has the tensor 'model.extra.weight' that matches no parameter"});
+  }
+  {
+    // a broken symbolic link at the checkpoint path used to start from scratch silently
+    const std::string dir = s / "broken_link";
+    fs::create_directories(dir);
+    const std::string link = dir + "/checkpoint.safetensors";
+    fs::create_symlink(dir + "/gone.safetensors", link);
+    std::vector<std::string> args = lm_args(corpus, dir, 6);
+    args.push_back("--resume");
+    check_refused(run(s, kTrainLM, args),
+                  {"--resume: '" + link + "' is a broken symbolic link (to '" + dir + "/gone.safetensors'"});
+    CHECK(fs::is_symlink(link));  // left alone, nothing written
+    CHECK(!fs::exists(dir + "/metrics.csv"));
+  }
+}
+
+TEST_CASE("examples: finetune_classifier and routing_report apply the same checkpoint rules") {
+  Scratch s("finetune");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const std::string run_dir = s / "run";
+  REQUIRE(run(s, kTrainLM, lm_args(corpus, run_dir, 2)).status == 0);
+  const std::string ckpt = run_dir + "/checkpoint.safetensors", vocab = run_dir + "/vocab.txt";
+  // SST-2 in miniature: 8 training and 4 test sentences of the corpus' words
+  const std::string data = s / "data";
+  fs::create_directories(data + "/sst2");
+  for (const char* split : {"train", "dev"}) {
+    std::ofstream out(data + "/sst2/" + split + ".tsv");
+    out << "sentence\tlabel\n";
+    for (int i = 0; i < (split[0] == 't' ? 8 : 4); ++i)
+      out << (i % 2 ? "a good film" : "the film was bad") << "\t" << i % 2 << "\n";
+  }
+  auto finetune = [&](const std::string& checkpoint) {
+    return run(s, kFinetune, {"--checkpoint", checkpoint, "--vocab", vocab, "--task", "sst2",
+                              "--data-dir", data, "--epochs", "1", "--batch", "2", "--threads",
+                              "1", "--out", s / "ft_out"});
+  };
+  Result r = finetune(ckpt);
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("test_accuracy=") != std::string::npos);
+
+  using Tensors = std::map<std::string, LoadedTensor>;
+  using Meta = std::map<std::string, std::string>;
+  auto crafted = [&](const std::string& name, const auto& edit) {
+    const std::string path = s / name;
+    rewrite(ckpt, path, edit);
+    return path;
+  };
+  // one rule with train_lm --resume: an unexpected "model." tensor is refused by name
+  std::string path = crafted("extra.safetensors", [](Tensors& t, Meta&) {
+    t.emplace("model.extra.weight", t.at("model.ln_f.weight"));
+  });
+  check_refused(finetune(path), {"'" + path + "' has the tensor 'model.extra.weight' that matches no parameter"});
+  path = crafted("cls_head.safetensors", [](Tensors& t, Meta&) {
+    t.emplace("model.cls_head.bias", t.at("model.ln_f.weight"));
+  });
+  check_refused(finetune(path), {"has the tensor 'model.cls_head.bias' that matches no parameter"});
+  // the config: not JSON, a field missing, a field of the wrong type (each named with the file)
+  path = crafted("config_text.safetensors", [](Tensors&, Meta& m) { m["config"] = "not json"; });
+  check_refused(finetune(path), {"'" + path + "': metadata field 'config' is not valid JSON"});
+  path = crafted("config_missing.safetensors", [](Tensors&, Meta& m) {
+    nlohmann::json j = nlohmann::json::parse(m.at("config"));
+    j.erase("d_model");
+    m["config"] = j.dump();
+  });
+  check_refused(finetune(path), {"'" + path + "': config field 'd_model' is missing"});
+  path = crafted("config_type.safetensors", [](Tensors&, Meta& m) {
+    nlohmann::json j = nlohmann::json::parse(m.at("config"));
+    j["num_experts"] = "two";
+    m["config"] = j.dump();
+  });
+  check_refused(finetune(path), {"'" + path + "': config field 'num_experts' is \"two\", expected an integer"});
+  path = crafted("config_array.safetensors", [](Tensors&, Meta& m) { m["config"] = "[1, 2]"; });
+  check_refused(finetune(path), {"'" + path + "': config field 'vocab_size' cannot be read: the config is not a JSON object (array)"});
+
+  // routing_report: the step and the config
+  path = crafted("report_step.safetensors", [](Tensors&, Meta& m) { m["step"] = "2.5"; });
+  check_refused(run(s, kReport, {"--checkpoint", path, "--vocab", vocab, "--text", corpus, "--out", s / "r.csv"}),
+                {"'" + path + "': metadata field 'step' is '2.5', not a decimal integer"});
+  path = crafted("report_config.safetensors", [](Tensors&, Meta& m) {
+    nlohmann::json j = nlohmann::json::parse(m.at("config"));
+    j["tau"] = nullptr;
+    m["config"] = j.dump();
+  });
+  check_refused(run(s, kReport, {"--checkpoint", path, "--vocab", vocab, "--text", corpus, "--out", s / "r.csv"}),
+                {"'" + path + "': config field 'tau' is null, expected a number"});
+  r = run(s, kReport, {"--checkpoint", ckpt, "--vocab", vocab, "--text", corpus, "--out", s / "r.csv",
+                       "--probe-batches", "1", "--batch", "2"});
+  CAPTURE(r.err);
+  CHECK(r.status == 0);
+}
