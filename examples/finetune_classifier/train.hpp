@@ -12,6 +12,7 @@
 #include "finetune_classifier/options.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
+#include "graphmoe/train/pretrained.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
 
@@ -65,7 +66,7 @@ double accuracy(Model& m, const Encoded& d, index_t batch) {
 // The rule train_lm --resume applies to a checkpoint's "model." tensors (load_arena, strict), here
 // against the backbone (every parameter but the new "cls_head.*"): each parameter present with its
 // exact dtype and shape, and no "model." tensor that is not one of them (a stray tensor is refused
-// by name, not ignored). Checks only; load_pretrained copies.
+// by name, not ignored). Checks only; load_pretrained (graphmoe/train/pretrained.hpp) copies.
 template <class T, class B>
 void check_pretrained(const SafetensorsFile& f, const ParameterArena<T, B>& arena) {
   ParameterArena<T, cpu> backbone;
@@ -84,7 +85,7 @@ int run(const Options& opt, const Data& data) {
   if (!opt.from_scratch) {
     const SafetensorsFile f = load_safetensors(opt.checkpoint);
     check_pretrained(f, model.arena());
-    model.load_pretrained(f, "model.");
+    load_pretrained(model, f, "model.");
   }
   const index_t n = static_cast<index_t>(data.train.labels.size());
   const index_t steps_per_epoch = n / opt.batch;

@@ -1,7 +1,8 @@
 // graphmoe/cuda.cuh: the library with its CUDA backend, for .cu translation units.
 //
 // Includes every op of backend/cuda/, the routing parts that run on graphmoe::cuda (token graphs,
-// auxiliary losses) and then graphmoe/graphmoe.hpp. The layers, routers and models are written
+// auxiliary losses) and then the layers, routers, models and optimizers (not the rest of train/:
+// include checkpoints and data readers from their own headers). The layers, routers and models are written
 // once for every backend; their op calls resolve by argument type, so a .cu file gets the CUDA
 // versions of Linear, LayerNorm, MultiHeadAttention, RouterImpl, ExpertBank, MoELayer, ... by
 // naming graphmoe::cuda as the backend argument:

@@ -1,7 +1,10 @@
-// graphmoe/graphmoe.hpp: the umbrella header. Includes the whole public API.
+// graphmoe/graphmoe.hpp: the umbrella header. Includes the whole public API, the training code
+// (train/: optimizers, checkpoints with nlohmann_json, data readers with zlib) included.
 //
 // Each concept also has its own header (one per file below), which compiles on its own; include
-// those directly to keep a translation unit small.
+// those directly to keep a translation unit small (the README's header table). The layers/ and
+// models/ headers include nothing from train/, nor nlohmann_json or zlib: an MoE layer alone is
+// <graphmoe/layers/moe.hpp> (docs/benchmarks.md, "Compile time", measures the difference).
 #pragma once
 
 #include "graphmoe/config.hpp"
@@ -51,13 +54,14 @@
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/models/vision_moe.hpp"
 
-// train: optimizers, schedules, checkpoints, data, metrics, progress
+// train: optimizers, schedules, checkpoints, pretrained backbones, data, metrics, progress
 #include "graphmoe/train/checkpoint.hpp"
 #include "graphmoe/train/datasets.hpp"
 #include "graphmoe/train/image_corruptions.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
+#include "graphmoe/train/pretrained.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/routing_report.hpp"
 #include "graphmoe/train/schedule.hpp"

@@ -1,5 +1,5 @@
-// Downstream consumer: includes the umbrella header, runs a GEMM and checks the result.
-// Exit status 0 when C = A B is right, 1 otherwise.
+// Downstream consumer: includes the umbrella header, runs a GEMM and checks the result, then
+// prints whether OpenMP and OpenBLAS are on. Exit status 0 when C = A B is right, 1 otherwise.
 #include <graphmoe/graphmoe.hpp>
 
 #include <cmath>
@@ -25,5 +25,17 @@ int main() {
   std::printf("graphmoe %d.%d.%d consumer: C = [[%g, %g], [%g, %g]] %s\n", GRAPHMOE_VERSION_MAJOR,
               GRAPHMOE_VERSION_MINOR, GRAPHMOE_VERSION_PATCH, C.data()[0], C.data()[1],
               C.data()[2], C.data()[3], ok ? "ok" : "WRONG");
+  // What the package attached (run_consumer.cmake checks it against GRAPHMOE_USE_OPENMP/_BLAS).
+#if defined(_OPENMP)
+  const int openmp = 1;
+#else
+  const int openmp = 0;
+#endif
+#if defined(GRAPHMOE_USE_BLAS)
+  const int blas = 1;
+#else
+  const int blas = 0;
+#endif
+  std::printf("openmp=%d blas=%d\n", openmp, blas);
   return ok ? 0 : 1;
 }

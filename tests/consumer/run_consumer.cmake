@@ -6,7 +6,10 @@
 #         -P run_consumer.cmake
 #
 # find_package first configures graphmoe on its own (tests, benchmarks and examples OFF),
-# installs it into WORK_DIR/prefix and points the consumer at that prefix only.
+# installs it into WORK_DIR/prefix and points the consumer at that prefix only; it then builds the
+# consumer a second time with -DGRAPHMOE_USE_OPENMP=OFF -DGRAPHMOE_USE_BLAS=OFF and checks that the
+# program was compiled without OpenMP and OpenBLAS. Every mode checks that the consumer gets
+# OpenMP and OpenBLAS by default when graphmoe's configure found them.
 cmake_minimum_required(VERSION 3.20)
 
 foreach(_var MODE GRAPHMOE_SOURCE_DIR WORK_DIR)
@@ -49,6 +52,7 @@ if(MODE STREQUAL "find_package")
            -B "${WORK_DIR}/graphmoe-build" ${_common_args}
            -DGRAPHMOE_BUILD_TESTS=OFF -DGRAPHMOE_BUILD_BENCHMARKS=OFF
            -DGRAPHMOE_BUILD_EXAMPLES=OFF -DCMAKE_INSTALL_PREFIX=${_prefix})
+  set(_graphmoe_configure_output "${step_output}")
   run_step("install graphmoe" ${CMAKE_COMMAND} --install "${WORK_DIR}/graphmoe-build")
   # Nothing but the fresh prefix may provide graphmoe: no user or system package registry.
   list(APPEND _consumer_args -DCMAKE_PREFIX_PATH=${_prefix}
@@ -57,21 +61,68 @@ elseif(NOT MODE MATCHES "^(add_subdirectory|fetchcontent)$")
   message(FATAL_ERROR "run_consumer.cmake: unknown MODE '${MODE}'")
 endif()
 
-run_step("configure consumer" ${CMAKE_COMMAND} -S "${_consumer_src}" -B "${_consumer_bin}"
-         ${_common_args} ${_consumer_args})
-run_step("build consumer" ${CMAKE_COMMAND} --build "${_consumer_bin}" --config ${BUILD_TYPE})
-
-# The consumer's build tree must hold no graphmoe test, benchmark or example binaries.
-file(GLOB_RECURSE _stray LIST_DIRECTORIES false "${_consumer_bin}/*test_core*"
-     "${_consumer_bin}/*bench_gemm*" "${_consumer_bin}/*graphmoe_header_check*")
-if(_stray)
-  message(FATAL_ERROR "consumer(${MODE}): graphmoe's own tests/benchmarks were built: ${_stray}")
+# OpenMP and OpenBLAS as graphmoe's own configure found them ("graphmoe: OpenMP=ON OpenBLAS=ON"):
+# what the consumer gets by default, printed by it as "openmp=1 blas=1".
+function(expect_from_graphmoe_configure output)
+  string(REGEX MATCH "graphmoe: OpenMP=(ON|OFF) OpenBLAS=(ON|OFF)" _line "${output}")
+  if(NOT _line)
+    message(FATAL_ERROR "consumer(${MODE}): graphmoe's configure did not report OpenMP/OpenBLAS")
+  endif()
+  set(_omp 0)
+  set(_blas 0)
+  if(CMAKE_MATCH_1 STREQUAL "ON")
+    set(_omp 1)
+  endif()
+  if(CMAKE_MATCH_2 STREQUAL "ON")
+    set(_blas 1)
+  endif()
+  set(expected_features "openmp=${_omp} blas=${_blas}" PARENT_SCOPE)
+endfunction()
+if(MODE STREQUAL "find_package")
+  expect_from_graphmoe_configure("${_graphmoe_configure_output}")
 endif()
 
-find_program(_exe consumer PATHS "${_consumer_bin}" "${_consumer_bin}/${BUILD_TYPE}"
-             NO_DEFAULT_PATH)
-if(NOT _exe)
-  message(FATAL_ERROR "consumer(${MODE}): the consumer executable was not built")
+# Configures, builds and runs the consumer in build folder `bin` with extra cache entries ARGN;
+# its output must report `features` ("openmp=.. blas=..", or "" to take graphmoe's configure
+# output from this configure step, for add_subdirectory and fetchcontent).
+function(build_and_run bin features)
+  run_step("configure consumer" ${CMAKE_COMMAND} -S "${_consumer_src}" -B "${bin}"
+           ${_common_args} ${_consumer_args} ${ARGN})
+  if(features STREQUAL "")
+    expect_from_graphmoe_configure("${step_output}")
+    set(features "${expected_features}")
+  endif()
+  run_step("build consumer" ${CMAKE_COMMAND} --build "${bin}" --config ${BUILD_TYPE})
+
+  # The consumer's build tree must hold no graphmoe test, benchmark or example binaries.
+  file(GLOB_RECURSE _stray LIST_DIRECTORIES false "${bin}/*test_core*" "${bin}/*bench_gemm*"
+       "${bin}/*graphmoe_header_check*")
+  if(_stray)
+    message(FATAL_ERROR "consumer(${MODE}): graphmoe's own tests/benchmarks were built: ${_stray}")
+  endif()
+
+  # find_program keeps what it found in a cache entry, even in script mode: clear it, or the
+  # second build folder would be answered with the first one's program.
+  unset(_exe CACHE)
+  unset(_exe)
+  find_program(_exe consumer PATHS "${bin}" "${bin}/${BUILD_TYPE}" NO_DEFAULT_PATH)
+  if(NOT _exe)
+    message(FATAL_ERROR "consumer(${MODE}): the consumer executable was not built in ${bin}")
+  endif()
+  run_step("run consumer" "${_exe}")
+  message(STATUS "consumer(${MODE}): ${step_output}")
+  string(FIND "${step_output}" "${features}" _pos)
+  if(_pos EQUAL -1)
+    message(FATAL_ERROR "consumer(${MODE}): expected '${features}' from the consumer, got:\n"
+                        "${step_output}")
+  endif()
+endfunction()
+
+if(MODE STREQUAL "find_package")
+  build_and_run("${_consumer_bin}" "${expected_features}")
+  # The installed package lets a consumer turn OpenMP and OpenBLAS off before find_package.
+  build_and_run("${WORK_DIR}/consumer-build-plain" "openmp=0 blas=0"
+                -DGRAPHMOE_USE_OPENMP=OFF -DGRAPHMOE_USE_BLAS=OFF)
+else()
+  build_and_run("${_consumer_bin}" "")
 endif()
-run_step("run consumer" "${_exe}")
-message(STATUS "consumer(${MODE}): ${step_output}")

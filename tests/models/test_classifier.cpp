@@ -1,11 +1,14 @@
-// SequenceClassifier: gradient check, padding invariance, initialisation from an LM checkpoint,
-// bad input.
+// SequenceClassifier: gradient check, padding invariance, initialisation from an LM checkpoint
+// (train/pretrained.hpp) and through load_backbone, bad input.
 #include <doctest/doctest.h>
 
 #include <filesystem>
+#include <string>
 #include <unistd.h>
+#include <vector>
 
 #include "graphmoe/models/sequence_classifier.hpp"
+#include "graphmoe/train/pretrained.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;
@@ -67,7 +70,7 @@ TEST_CASE("SequenceClassifier initialised from a saved LM checkpoint") {
   save_safetensors(path, refs, {});
   SequenceClassifier<AttentionRouter, float> cls(tiny(), 4, 99);
   const auto f = load_safetensors(path);
-  cls.load_pretrained(f, "model.");
+  load_pretrained(cls, f, "model.");
   for (const auto& info : lm.arena.params())
     CHECK(max_rel_diff(cls.arena().value(info.name), lm.arena.value(info.name)) == 0.0);
   CHECK(cls.arena().contains("cls_head.weight"));
@@ -75,9 +78,33 @@ TEST_CASE("SequenceClassifier initialised from a saved LM checkpoint") {
   auto other = tiny();
   other.d_ff = 5;
   SequenceClassifier<AttentionRouter, float> wrong(other, 4);
-  CHECK_THROWS_WITH_AS(wrong.load_pretrained(f, "model."), doctest::Contains("has shape"), Error);
-  CHECK_THROWS_WITH_AS(cls.load_pretrained(f, "nope."), doctest::Contains("has no tensor 'nope."), Error);
+  CHECK_THROWS_WITH_AS(load_pretrained(wrong, f, "model."), doctest::Contains("has shape"), Error);
+  CHECK_THROWS_WITH_AS(load_pretrained(cls, f, "nope."), doctest::Contains("has no tensor 'nope."), Error);
   std::filesystem::remove(path);
+}
+
+TEST_CASE("SequenceClassifier::load_backbone takes the tensors from a callback (no file)") {
+  TransformerLM<SimilarityRouter, double> lm(tiny(), 5);
+  SequenceClassifier<SimilarityRouter, double> cls(tiny(), 3, 11);
+  const Tensor<double> head = cls.arena().value("cls_head.weight").clone();
+  std::vector<std::string> asked;
+  cls.load_backbone([&](const std::string& name, const Shape& shape) {
+    asked.push_back(name);
+    CHECK(shape == lm.arena.value(name).shape());
+    return lm.arena.value(name);
+  });
+  CHECK(asked.size() == lm.arena.params().size());  // every backbone parameter, once
+  for (const auto& name : asked) {
+    CHECK(SequenceClassifier<SimilarityRouter, double>::is_backbone_parameter(name));
+    CHECK(max_rel_diff(cls.arena().value(name), lm.arena.value(name)) == 0.0);
+  }
+  CHECK(max_rel_diff(cls.arena().value("cls_head.weight"), head) == 0.0);  // head untouched
+  CHECK_FALSE(SequenceClassifier<SimilarityRouter, double>::is_backbone_parameter("cls_head.bias"));
+  // a tensor of the wrong shape is refused by name
+  CHECK_THROWS_WITH_AS(cls.load_backbone([](const std::string&, const Shape&) {
+                         return Tensor<double>(Shape{1});
+                       }),
+                       doctest::Contains("has shape"), Error);
 }
 
 TEST_CASE("SequenceClassifier bad input") {

@@ -1,18 +1,23 @@
 // graphmoe/models/sequence_classifier.hpp: an LM backbone with a pooled classification head,
-// initialised from a saved TransformerLM checkpoint (the paper's fine-tuning on SST-2, SST-5 and
+// initialised from a pretrained TransformerLM (the paper's fine-tuning on SST-2, SST-5 and
 // Banking-77).
 //
 //   logits = cls_head(mean over the real tokens of LN_f(trunk(ids)))
 //
 // The backbone is a TransformerLM with num_classes > 0 (causal, so right-padding never reaches
-// the real tokens). load_pretrained copies every backbone parameter from an LM checkpoint; the
-// classification head keeps its fresh initialisation.
+// the real tokens). load_backbone copies every backbone parameter from whatever source the caller
+// hands it (a name -> tensor callback); the classification head keeps its fresh initialisation.
+// Models read no files: train/pretrained.hpp's load_pretrained(model, checkpoint, prefix) is the
+// source for a saved TransformerLM checkpoint.
 #pragma once
 
+#include <concepts>
+#include <cstdint>
 #include <string>
+#include <type_traits>
 
+#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
-#include "graphmoe/train/checkpoint.hpp"
 
 namespace graphmoe {
 
@@ -23,22 +28,30 @@ class SequenceClassifier {
   SequenceClassifier(TransformerLMConfig cfg, index_t num_classes, std::uint64_t seed = 0)
       : lm_((check_classes(num_classes), cfg.num_classes = num_classes, cfg), seed) {}
 
-  // Copies every parameter of the backbone (all but "cls_head.*") from an LM checkpoint whose
-  // tensors are named prefix + parameter name; throws naming the first missing or mis-shaped one.
-  void load_pretrained(const SafetensorsFile& f, const std::string& prefix = "") {
-    index_t copied = 0;
+  // Whether `name` is a parameter of the backbone, i.e. one a pretrained LM provides: every
+  // parameter but the classification head's ("cls_head.*").
+  static bool is_backbone_parameter(const std::string& name) {
+    return name.rfind("cls_head.", 0) != 0;
+  }
+
+  // Copies every backbone parameter from a pretrained model, in arena order: the seam between
+  // the model and wherever pretrained weights are kept. fetch(name, shape) is called once per
+  // backbone parameter and returns its pretrained values as a host tensor of that shape, or
+  // throws (naming its source) when it has none; a tensor of another shape is refused here.
+  // Parameters copied before a throw stay copied.
+  template <class Fetch>
+    requires std::invocable<Fetch&, const std::string&, const Shape&> &&
+             std::convertible_to<std::invoke_result_t<Fetch&, const std::string&, const Shape&>,
+                                 Tensor<T, cpu>>
+  void load_backbone(Fetch&& fetch) {
     for (const auto& info : lm_.arena.params()) {
-      if (info.name.rfind("cls_head.", 0) == 0) continue;
-      const std::string key = prefix + info.name;
-      GRAPHMOE_CHECK(f.contains(key), "SequenceClassifier::load_pretrained", "'", f.path,
-                     "' has no tensor '", key, "' (is it a checkpoint of the same LM?)");
-      const Tensor<T, cpu> t = f.at(key).template to_tensor<T>();
-      GRAPHMOE_CHECK(t.shape() == info.shape, "SequenceClassifier::load_pretrained", "tensor '",
-                     key, "' has shape ", t.shape(), ", the model expects ", info.shape);
+      if (!is_backbone_parameter(info.name)) continue;
+      const Tensor<T, cpu> t = fetch(info.name, info.shape);
+      GRAPHMOE_CHECK(t.shape() == info.shape, "SequenceClassifier::load_backbone",
+                     "the pretrained tensor for '", info.name, "' has shape ", t.shape(),
+                     ", the model expects ", info.shape);
       copy_from_host(lm_.arena.value(info.name), t);
-      ++copied;
     }
-    (void)copied;
   }
 
   T forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,

@@ -6,6 +6,8 @@
 // GRAPHMOE_USE_BLAS, Eigen hands the product to OpenBLAS's sgemm/dgemm.
 #pragma once
 
+#include <type_traits>
+
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/threads.hpp"
 
@@ -14,25 +16,51 @@ namespace graphmoe {
 enum class Trans { N, T };
 
 namespace detail {
+// A row-major matrix view with a run-time row stride: a whole MatrixMap, or any block of one
+// (rows and columns). gemm and the Similarity graph (routing/graphs/similarity.hpp) do every
+// product through gemm_view on this one type, so a translation unit instantiates Eigen's product
+// code (GEMM, GEMV, coefficient-wise) four times per scalar type, one per transpose pair, however
+// many call sites and operand expressions it has: those instantiations were most of the compile
+// time of an MoE layer (docs/benchmarks.md, "Compile time"). A view passes the same pointers and
+// strides to BLAS (or Eigen's kernels) as the block expressions it replaced: same results, bit
+// for bit.
+template <class T>
+using MatrixView = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// The view of a row-major Eigen matrix, map or block of one (m.data(), its shape and row stride).
+template <class M>
+auto view_of(M&& m) {
+  using T = typename std::remove_cvref_t<M>::Scalar;
+  static_assert(std::remove_cvref_t<M>::IsRowMajor, "view_of: row-major matrices only");
+  return MatrixView<T>(const_cast<T*>(m.data()), m.rows(), m.cols(),
+                       Eigen::OuterStride<>(m.outerStride()));
+}
+
+// C = alpha op(A) op(B) + beta C on views, single-threaded. beta == 0 means C's old contents
+// (even NaN) are ignored, as in BLAS; C must already have its shape.
+template <class T>
+void gemm_view(Trans ta, Trans tb, T alpha, const MatrixView<T>& A, const MatrixView<T>& B,
+               T beta, MatrixView<T> C) {
+  if (beta == T(0)) {
+    C.setZero();
+  } else if (beta != T(1)) {
+    C *= beta;
+  }
+  if (ta == Trans::N && tb == Trans::N) C.noalias() += alpha * A * B;
+  if (ta == Trans::N && tb == Trans::T) C.noalias() += alpha * A * B.transpose();
+  if (ta == Trans::T && tb == Trans::N) C.noalias() += alpha * A.transpose() * B;
+  if (ta == Trans::T && tb == Trans::T) C.noalias() += alpha * A.transpose() * B.transpose();
+}
+
 // C (rows [r0, r0 + m) and columns [c0, c0 + n) of it) = alpha op(A) op(B) + beta C, single-threaded.
 template <class T>
 void gemm_part(Trans ta, Trans tb, T alpha, const MatrixMap<T>& A, const MatrixMap<T>& B, T beta,
                MatrixMap<T>& Cfull, index_t r0, index_t m, index_t c0, index_t n) {
-  auto C = Cfull.block(r0, c0, m, n);
-  if (beta == T(0)) {
-    C.setZero();  // beta == 0 means C's old contents (even NaN) are ignored, as in BLAS
-  } else if (beta != T(1)) {
-    C *= beta;
-  }
   const index_t k = ta == Trans::N ? A.cols() : A.rows();
-  if (ta == Trans::N && tb == Trans::N)
-    C.noalias() += alpha * A.block(r0, 0, m, k) * B.block(0, c0, k, n);
-  if (ta == Trans::N && tb == Trans::T)
-    C.noalias() += alpha * A.block(r0, 0, m, k) * B.block(c0, 0, n, k).transpose();
-  if (ta == Trans::T && tb == Trans::N)
-    C.noalias() += alpha * A.block(0, r0, k, m).transpose() * B.block(0, c0, k, n);
-  if (ta == Trans::T && tb == Trans::T)
-    C.noalias() += alpha * A.block(0, r0, k, m).transpose() * B.block(c0, 0, n, k).transpose();
+  // the rows [r0, r0 + m) of op(A) and the columns [c0, c0 + n) of op(B), untransposed
+  const auto a = ta == Trans::N ? view_of(A.block(r0, 0, m, k)) : view_of(A.block(0, r0, k, m));
+  const auto b = tb == Trans::N ? view_of(B.block(0, c0, k, n)) : view_of(B.block(c0, 0, n, k));
+  gemm_view(ta, tb, alpha, a, b, beta, view_of(Cfull.block(r0, c0, m, n)));
 }
 
 // Splits C into num_threads() row (or column) panels, one single-threaded product each, when the
