@@ -19,8 +19,19 @@
 //     same layer with its expert GEMMs on bf16 operands (fp32 accumulation and outputs); the
 //     parameters, the router (logits, softmax, graph, gates) and the activations stay fp32, and
 //     the conversions to bf16 (xs, w1, w2, A, dy, dh) are part of the measured time.
+//   moe_large/<type>/<router>/fwdbwd  the same at a large shape: batch 16 x 2048 tokens, D = 1024,
+//     E = 64, d_ff = 4096, top-2 (3.3 TFLOP of expert work per step); 3 timed iterations, one
+//     repetition (the setup moves 4 GiB of parameters). The experts are initialised by drawing
+//     expert 0's w1 and w2 and copying them to the others (a full draw of 537 M normals on the
+//     host takes seconds per benchmark; the router, which decides the load, is drawn in full).
+//   Every moe row also reports peak_work_bytes: the high-water mark of the caching allocator over
+//   the warm-up and timed steps, less what was in use before them (parameters, their gradients,
+//   the inputs and the attention cache): the memory the layer's forward and backward add.
 //   graph/float/similarity/{fwd,fwdbwd}   GraphImpl<Similarity, float, graphmoe::cuda> alone on the
 //     same tokens (p = S r with S = softmax(U U^T / tau), causal), backward into dr and du.
+//   graph_large/float/{similarity,attention}/{fwd,fwdbwd}   the Similarity and the Attention graph
+//     alone at the large shape (the attention graph on the cache of an 8-head causal attention
+//     layer run once): the graph's share of the moe_large rows.
 //   lm_train/float/<router>   one TransformerLM<Router, float, graphmoe::cuda> training step
 //     (forward with the loss, zero_grad, backward, clip_grad_norm(1.0), AdamW) at
 //     TransformerLMConfig::paper_medium (6 layers, D = 352, 8 heads, E = 16, top-2) with a
@@ -61,6 +72,15 @@ namespace {
 // The paper's medium shape (bench_moe.cpp).
 constexpr index_t kBatch = 4, kSeq = 512, kTokens = kBatch * kSeq, kD = 352, kE = 16, kFF = 352,
                   kK = 2, kHeads = 8, kVocab = 1024;
+
+// The MoE layer's shape: the medium one above, or the large one of the GPU targets.
+struct MoeShape {
+  index_t batch, seq, d, e, ff;
+  bool large;
+  index_t tokens() const { return batch * seq; }
+};
+constexpr MoeShape kMedium{kBatch, kSeq, kD, kE, kFF, false};
+constexpr MoeShape kLarge{16, 2048, 1024, 64, 4096, true};
 constexpr int kWarmup = 3;
 
 // ---- bf16 GEMM detection ----------------------------------------------------------------------
@@ -219,11 +239,11 @@ void BM_gemm(benchmark::State& state, GemmCase g) {
 }
 
 // ---- MoE layer --------------------------------------------------------------------------------
-MoEConfig moe_config() {
+MoEConfig moe_config(const MoeShape& shape = kMedium) {
   MoEConfig cfg;
-  cfg.d_model = kD;
-  cfg.d_ff = kFF;
-  cfg.router.num_experts = kE;
+  cfg.d_model = shape.d;
+  cfg.d_ff = shape.ff;
+  cfg.router.num_experts = shape.e;
   cfg.router.k = kK;
   cfg.router.k_min = kK;
   cfg.router.k_max = kK;
@@ -231,20 +251,57 @@ MoEConfig moe_config() {
   return cfg;
 }
 
+// The large shape's parameters without a full host draw: the router's weight in full, expert 0's
+// w1 and w2 copied to every expert, biases zero (see the header). Any other parameter is an error,
+// so that a new one cannot be left uninitialised.
+template <class T>
+void init_large(ParameterArena<T, graphmoe::cuda>& arena, Rng& rng, double stddev) {
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  for (index_t id = 0; id < arena.size(); ++id) {
+    const std::string& name = arena.params()[static_cast<std::size_t>(id)].name;
+    Tensor<T, graphmoe::cuda> v = arena.value(id);
+    if (ends_with(name, "experts.w1") || ends_with(name, "experts.w2")) {
+      const index_t per_expert = v.numel() / v.shape()[0];
+      const Tensor<T, graphmoe::cuda> block = random_device<T>(Shape{per_expert}, rng, stddev);
+      for (index_t e = 0; e < v.shape()[0]; ++e)
+        GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(v.data() + e * per_expert, block.data(), block.bytes(),
+                                            cudaMemcpyDeviceToDevice, cuda_stream()));
+      cuda_stream_synchronize();
+    } else if (ends_with(name, "router.weight")) {
+      const Tensor<T, graphmoe::cuda> w = random_device<T>(v.shape(), rng, stddev);
+      GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(v.data(), w.data(), w.bytes(), cudaMemcpyDeviceToDevice,
+                                          cuda_stream()));
+      cuda_stream_synchronize();
+    } else if (ends_with(name, ".b1") || ends_with(name, ".b2") || ends_with(name, ".bias")) {
+      v.zero();
+    } else {
+      throw Error("bench_cuda: init_large does not know how to initialise parameter " + name);
+    }
+  }
+}
+
 // Compute: the expert GEMMs' operand type (float, or __nv_bfloat16 with fp32 parameters and router).
 template <class Policy, class Compute = float>
-void BM_moe(benchmark::State& state, bool backward) {
+void BM_moe(benchmark::State& state, bool backward, MoeShape shape) {
   guarded(state, [&] {
     using T = float;
+    const index_t n = shape.tokens(), d = shape.d;
+    cuda_empty_cache();
     ParameterArena<T, graphmoe::cuda> arena;
     MoELayer<Policy, T, graphmoe::cuda, Compute> layer;
-    layer.declare(arena, "moe.", moe_config());
+    const MoEConfig cfg = moe_config(shape);
+    layer.declare(arena, "moe.", cfg);
     arena.allocate();
     layer.bind(arena);
     Rng rng(1);
-    layer.init(rng);
-    const Tensor<T, graphmoe::cuda> u = random_device<T>(Shape{kTokens, kD}, rng, 1.0);  // (N, D)
-    const Tensor<T, graphmoe::cuda> dy = random_device<T>(Shape{kTokens, kD}, rng, 1.0);
+    if (shape.large)
+      init_large(arena, rng, cfg.init_std);
+    else
+      layer.init(rng);
+    const Tensor<T, graphmoe::cuda> u = random_device<T>(Shape{n, d}, rng, 1.0);  // (N, D)
+    const Tensor<T, graphmoe::cuda> dy = random_device<T>(Shape{n, d}, rng, 1.0);
 
     // The attention router's cache: a causal 8-head attention layer run once on the same tokens,
     // with the gradient sinks the graph's backward accumulates into.
@@ -252,16 +309,16 @@ void BM_moe(benchmark::State& state, bool backward) {
     MultiHeadAttention<T, graphmoe::cuda> attn;
     AttentionCache<T, graphmoe::cuda>* cache = nullptr;
     if constexpr (Policy::needs_attention) {
-      attn.declare(attn_arena, "attn.", kD, kHeads, /*causal=*/true);
+      attn.declare(attn_arena, "attn.", d, kHeads, /*causal=*/true);
       attn_arena.allocate();
       attn.bind(attn_arena);
-      attn.init(rng, 1.0 / std::sqrt(static_cast<double>(kD)));
+      attn.init(rng, 1.0 / std::sqrt(static_cast<double>(d)));
       Tensor<T, graphmoe::cuda> a;
-      attn.forward(u.view(Shape{kBatch, kSeq, kD}), a);  // (B, T, D)
+      attn.forward(u.view(Shape{shape.batch, shape.seq, d}), a);  // (B, T, D)
       attn.enable_graph_gradients();
       cache = &attn.cache();
     }
-    const GraphContext<T, graphmoe::cuda> ctx{kSeq, cache};
+    const GraphContext<T, graphmoe::cuda> ctx{shape.seq, cache};
 
     Tensor<T, graphmoe::cuda> y, du;
     auto step = [&] {
@@ -271,37 +328,61 @@ void BM_moe(benchmark::State& state, bool backward) {
         layer.backward(dy, du);
       }
     };
+    cuda_stream_synchronize();
+    cuda_reset_peak_memory();
+    const std::size_t in_use_before = cuda_memory_stats().bytes_in_use;
     for (int i = 0; i < kWarmup; ++i) step();
     cuda_stream_synchronize();
     // Routed slots of the last forward (dropless by default, so N k).
-    const double slots = static_cast<double>(kTokens * kK - layer.routing().selection.dropped);
+    const double slots = static_cast<double>(n * kK - layer.routing().selection.dropped);
     EventTimer timer;
     for (auto _ : state) {
       timer.start();
       step();
       state.SetIterationTime(timer.seconds());
     }
-    const double flop = 4.0 * slots * kD * kFF * (backward ? 3.0 : 1.0);
+    const double flop = 4.0 * slots * static_cast<double>(d) * static_cast<double>(shape.ff) *
+                        (backward ? 3.0 : 1.0);
     state.counters["expert_flop"] = flop;
     state.counters["expert_FLOP/s"] =
         benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kTokens),
+    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(n),
                                                     benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["peak_work_bytes"] =
+        static_cast<double>(cuda_memory_stats().peak_bytes_in_use - in_use_before);
+    state.counters["param_bytes"] = static_cast<double>(arena.values().bytes());
   });
 }
 
-// ---- similarity graph alone -------------------------------------------------------------------
-void BM_similarity_graph(benchmark::State& state, bool backward) {
+// ---- token graph alone ------------------------------------------------------------------------
+// Graph = Similarity or Attention (the latter on the cache of an 8-head causal attention layer run
+// once on the same tokens, as in BM_moe).
+template <class Graph>
+void BM_graph(benchmark::State& state, bool backward, MoeShape shape) {
   guarded(state, [&] {
     using T = float;
-    GraphImpl<Similarity, T, graphmoe::cuda> graph;
-    graph.configure(kD, moe_config().router);
+    const index_t n = shape.tokens(), d = shape.d, e = shape.e;
+    GraphImpl<Graph, T, graphmoe::cuda> graph;
+    graph.configure(d, moe_config(shape).router);
     Rng rng(2);
-    const Tensor<T, graphmoe::cuda> u = random_device<T>(Shape{kTokens, kD}, rng, 1.0);  // (N, D)
-    const Tensor<T, graphmoe::cuda> r = uniform_device(Shape{kTokens, kE}, rng, 0.0, 1.0);  // (N, E)
-    const Tensor<T, graphmoe::cuda> dp = random_device<T>(Shape{kTokens, kE}, rng, 1.0);
-    const GraphContext<T, graphmoe::cuda> ctx{kSeq, nullptr};
-    Tensor<T, graphmoe::cuda> p, dr, du(Shape{kTokens, kD});  // du accumulates
+    const Tensor<T, graphmoe::cuda> u = random_device<T>(Shape{n, d}, rng, 1.0);  // (N, D)
+    const Tensor<T, graphmoe::cuda> r = uniform_device(Shape{n, e}, rng, 0.0, 1.0);  // (N, E)
+    const Tensor<T, graphmoe::cuda> dp = random_device<T>(Shape{n, e}, rng, 1.0);
+    ParameterArena<T, graphmoe::cuda> attn_arena;
+    MultiHeadAttention<T, graphmoe::cuda> attn;
+    AttentionCache<T, graphmoe::cuda>* cache = nullptr;
+    if constexpr (graph_needs_attention_cache<Graph>()) {
+      attn.declare(attn_arena, "attn.", d, kHeads, /*causal=*/true);
+      attn_arena.allocate();
+      attn.bind(attn_arena);
+      attn.init(rng, 1.0 / std::sqrt(static_cast<double>(d)));
+      Tensor<T, graphmoe::cuda> a;
+      attn.forward(u.view(Shape{shape.batch, shape.seq, d}), a);  // (B, T, D)
+      attn.enable_graph_gradients();
+      cache = &attn.cache();
+    }
+    const GraphContext<T, graphmoe::cuda> ctx{shape.seq, cache};
+    Tensor<T, graphmoe::cuda> p, dr, du(Shape{n, d});  // du accumulates
     auto step = [&] {
       graph.forward(u, r, ctx, p);
       if (backward) graph.backward(u, r, p, dp, ctx, dr, du);
@@ -314,7 +395,7 @@ void BM_similarity_graph(benchmark::State& state, bool backward) {
       step();
       state.SetIterationTime(timer.seconds());
     }
-    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kTokens),
+    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(n),
                                                     benchmark::Counter::kIsIterationInvariantRate);
   });
 }
@@ -391,10 +472,21 @@ void register_moe(const std::string& router) {
   const std::string type = std::is_same_v<Compute, float> ? "float" : "bf16";
   for (bool backward : {false, true}) {
     const std::string name = "moe/" + type + "/" + router + (backward ? "/fwdbwd" : "/fwd");
-    benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, backward)
+    benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, backward, kMedium)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
+}
+
+template <class Policy, class Compute = float>
+void register_moe_large(const std::string& router) {
+  const std::string type = std::is_same_v<Compute, float> ? "float" : "bf16";
+  const std::string name = "moe_large/" + type + "/" + router + "/fwdbwd";
+  benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, true, kLarge)
+      ->UseManualTime()
+      ->Iterations(3)
+      ->Repetitions(1)
+      ->Unit(benchmark::kMillisecond);
 }
 
 void register_all() {
@@ -406,10 +498,29 @@ void register_all() {
   register_moe<SoftmaxRouter, __nv_bfloat16>("softmax");
   register_moe<SimilarityRouter, __nv_bfloat16>("similarity");
   register_moe<AttentionRouter, __nv_bfloat16>("attention");
+  register_moe_large<SoftmaxRouter>("softmax");
+  register_moe_large<SimilarityRouter>("similarity");
+  register_moe_large<AttentionRouter>("attention");
+  register_moe_large<SoftmaxRouter, __nv_bfloat16>("softmax");
+  register_moe_large<SimilarityRouter, __nv_bfloat16>("similarity");
+  register_moe_large<AttentionRouter, __nv_bfloat16>("attention");
   for (bool backward : {false, true}) {
-    const std::string name = std::string("graph/float/similarity/") + (backward ? "fwdbwd" : "fwd");
-    benchmark::RegisterBenchmark(name.c_str(), BM_similarity_graph, backward)
+    const std::string pass = backward ? "fwdbwd" : "fwd";
+    benchmark::RegisterBenchmark(("graph/float/similarity/" + pass).c_str(), BM_graph<Similarity>,
+                                 backward, kMedium)
         ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("graph_large/float/similarity/" + pass).c_str(),
+                                 BM_graph<Similarity>, backward, kLarge)
+        ->UseManualTime()
+        ->Iterations(3)
+        ->Repetitions(1)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("graph_large/float/attention/" + pass).c_str(),
+                                 BM_graph<Attention>, backward, kLarge)
+        ->UseManualTime()
+        ->Iterations(3)
+        ->Repetitions(1)
         ->Unit(benchmark::kMillisecond);
   }
   benchmark::RegisterBenchmark("lm_train/float/softmax", BM_lm_train<SoftmaxRouter>)

@@ -18,6 +18,11 @@
 # Exit status: 0 when everything built and passed.
 #
 #   bash scripts/gpu-check.sh            # from the repository root or anywhere
+# A shorter rerun (a second device call after a fix): GRAPHMOE_GPU_TARGETS, an extended regex,
+# keeps only the targets it matches (their tests alone run), and GRAPHMOE_GPU_BENCH_FILTER is
+# bench_cuda's --benchmark_filter, e.g.
+#   GRAPHMOE_GPU_TARGETS='test_cuda_nn_ops|bench_cuda' GRAPHMOE_GPU_BENCH_FILTER='_large/' \
+#     bash scripts/gpu-check.sh
 # On a GPU machine without package access, first run `bash scripts/gpu-deps.sh` on a networked
 # machine and carry .gpu-deps with the tree (device tool: carry [".gpu-deps"]).
 set -uo pipefail
@@ -157,6 +162,10 @@ if (( configured )); then
   targets=$(sed -E 's/^\.\.\. //; s/:.*$//' <<<"$all_targets" |
     grep -E '^(test_cuda_[A-Za-z0-9_]+|test_host_[A-Za-z0-9_]+|test_thrust_host|graphmoe_cuda_header_check|bench_cuda)$' |
     sort -u | tr '\n' ' ')
+  if [[ -n "${GRAPHMOE_GPU_TARGETS:-}" ]]; then
+    targets=$(tr ' ' '\n' <<<"$targets" | grep -E "^(${GRAPHMOE_GPU_TARGETS})\$" | tr '\n' ' ')
+    say "GRAPHMOE_GPU_TARGETS=${GRAPHMOE_GPU_TARGETS}: only these"
+  fi
   say "targets: ${targets:-none}"
   [[ -n "$targets" ]] || fail "targets (none defined: is the CUDA backend configured?)"
   # shellcheck disable=SC2086  # targets is a list of names
@@ -177,9 +186,14 @@ if (( configured )); then
   done
 
   ctest_jobs=$(( jobs < 8 ? jobs : 8 ))
+  ctest_regex="^(test_cuda_|test_host_|test_thrust_host)"
+  if [[ -n "${GRAPHMOE_GPU_TARGETS:-}" ]]; then
+    tests_kept=$(tr ' ' '\n' <<<"$targets" | grep -E '^test_' | paste -sd '|')
+    ctest_regex="^(${tests_kept:-no_test_selected}):"
+  fi
   step ctest "$ctest_log" 200 90 \
-    ctest --test-dir "$build" -R "^(test_cuda_|test_host_|test_thrust_host)" -j "$ctest_jobs" \
-      --output-on-failure --timeout 120
+    ctest --test-dir "$build" -R "$ctest_regex" -j "$ctest_jobs" \
+      --output-on-failure --timeout 120 --no-tests=error
   say "-- ctest results"
   grep -E "Test +#[0-9]+:" "$ctest_log" | sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: //; s/ \.{3,}/ /' | tee -a "$summary"
   grep -E "tests passed|tests failed" "$ctest_log" | tee -a "$summary"
@@ -189,6 +203,7 @@ if (( configured )); then
     rm -f "$bench_json"
     step bench_cuda "$bench_log" 150 15 \
       "$build/benchmarks/bench_cuda" --benchmark_min_time=0.1 --benchmark_repetitions=3 \
+        "--benchmark_filter=${GRAPHMOE_GPU_BENCH_FILTER:-.}" \
         --benchmark_report_aggregates_only=true --benchmark_out="$bench_json" \
         --benchmark_out_format=json
     tee -a "$summary" <"$bench_log"

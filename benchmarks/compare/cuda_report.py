@@ -32,22 +32,30 @@ Python 3 standard library only.
 """
 import argparse
 import json
+import re
 import statistics
 import sys
 
 TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-SUFFIXES = ("/manual_time", "/real_time")
 TARGET_FRACTION = 0.40   # (a): MoE fwd+bwd expert throughput / dense GEMM throughput, bf16
 TARGET_SIM_RATIO = 1.10  # (b): similarity / softmax router layer fwd+bwd time
+# (c), at the large shape: bf16 expert throughput / square GEMM >= 0.50; similarity and attention
+# router layers at most 1.05x and 1.07x the softmax layer's time (the paper's Table 8 overheads)
+TARGET_LARGE_FRACTION = 0.50
+TARGET_LARGE_RATIOS = {"similarity": 1.05, "attention": 1.07}
 SQUARE = "square_NN"
 SLOTS = "all_slots_NT"
 
 
 def base_name(name):
-    for s in SUFFIXES:
-        if name.endswith(s):
-            return name[: -len(s)]
-    return name
+    """The registered name: Google Benchmark appends /iterations:N, /repeats:N, /min_time:X and
+    /manual_time (or /real_time) to the names of benchmarks that set them."""
+    parts = name.split("/")
+    while parts and (parts[-1] in ("manual_time", "real_time") or
+                     re.fullmatch(r"(iterations|repeats|min_time|min_warmup_time|threads):[0-9.es]+",
+                                  parts[-1])):
+        parts.pop()
+    return "/".join(parts)
 
 
 class Result:
@@ -188,6 +196,48 @@ def main():
         print("no MoE layer results")
         print()
 
+    # Large shape: moe_large/<type>/<router>/fwdbwd, and peak working memory of every moe row
+    rows = []
+    for name in sorted(results):
+        parts = name.split("/")
+        if len(parts) != 4 or parts[0] != "moe_large":
+            continue
+        _, dtype, router, pas = parts
+        r = get(name)
+        rate = flops(name, "expert_flop")
+        soft = get(f"moe_large/{dtype}/softmax/{pas}")
+        peak = r.counters.get("peak_work_bytes") if r else None
+        soft_peak = soft.counters.get("peak_work_bytes") if soft else None
+        rows.append([dtype, router, fmt(r.seconds() * 1e3 if r else None, ".2f"),
+                     fmt(rate / 1e12 if rate else None, ".1f"),
+                     fmt(ratio(rate, gemm_rate.get((dtype, SQUARE))), ".1%"),
+                     fmt(ratio(r.seconds() if r else None, soft.seconds() if soft else None), ".3f"),
+                     fmt(peak / 2**20 if peak is not None else None, ",.0f"),
+                     fmt(ratio(peak, soft_peak), ".3f")])
+    if rows:
+        print("## MoE layer, large shape (batch 16 x 2048, D = 1024, E = 64, d_ff = 4096, top-2), "
+              "fwd+bwd")
+        print()
+        table(["type", "router", "time (ms)", "expert TFLOP/s", "vs square GEMM",
+               "time / softmax", "peak work (MiB)", "peak / softmax"], rows)
+    rows = []
+    for name in sorted(results):
+        parts = name.split("/")
+        if len(parts) != 4 or parts[0] != "moe":
+            continue
+        _, dtype, router, pas = parts
+        r = get(name)
+        soft = get(f"moe/{dtype}/softmax/{pas}")
+        peak = r.counters.get("peak_work_bytes") if r else None
+        soft_peak = soft.counters.get("peak_work_bytes") if soft else None
+        rows.append([dtype, router, pas, fmt(peak / 2**20 if peak is not None else None, ",.1f"),
+                     fmt(ratio(peak, soft_peak), ".3f")])
+    if rows:
+        print("## Peak working memory of the MoE layer, medium shape (allocator high-water mark "
+              "less parameters and inputs)")
+        print()
+        table(["type", "router", "pass", "peak work (MiB)", "peak / softmax"], rows)
+
     # Similarity graph alone and LM training step
     rows = []
     for pas in ("fwd", "fwdbwd"):
@@ -202,6 +252,22 @@ def main():
     print()
     table(["pass", "time (ms)", "share of the similarity layer",
            "similarity layer - softmax layer (ms)"], rows)
+
+    rows = []
+    for router in ("similarity", "attention"):
+        for pas in ("fwd", "fwdbwd"):
+            r = get(f"graph_large/float/{router}/{pas}")
+            if r is None and f"graph_large/float/{router}/{pas}" not in results:
+                continue
+            layer = get(f"moe_large/float/{router}/fwdbwd") if pas == "fwdbwd" else None
+            soft = get("moe_large/float/softmax/fwdbwd") if pas == "fwdbwd" else None
+            extra = (layer.seconds() - soft.seconds()) if layer and soft else None
+            rows.append([router, pas, fmt(r.seconds() * 1e3 if r else None, ".2f"),
+                         fmt(extra * 1e3 if extra is not None else None, ".2f")])
+    if rows:
+        print("## Token graphs alone, large shape (float)")
+        print()
+        table(["graph", "pass", "time (ms)", "its layer - softmax layer, fwd+bwd (ms)"], rows)
 
     rows = []
     lm = {}
@@ -253,6 +319,25 @@ def main():
             verdict = f" (target <= {target:.2f}: " + ("met" if q <= target else "missed") + ")"
         print(f"{label} {router} / softmax router layer time, fwd+bwd: {fmt(q, '.3f')}{verdict}; "
               f"forward: {fmt(fwd, '.3f')}")
+    for dtype in ("bf16", "float"):
+        soft = get(f"moe_large/{dtype}/softmax/fwdbwd")
+        if soft is None:
+            print(f"(c) {dtype}, large shape: not measured (no moe_large/{dtype}/softmax/fwdbwd)")
+            continue
+        frac = ratio(flops(f"moe_large/{dtype}/softmax/fwdbwd", "expert_flop"),
+                     gemm_rate.get((dtype, SQUARE)))
+        verdict = ""
+        if dtype == "bf16" and frac is not None:
+            verdict = (f" (target >= {TARGET_LARGE_FRACTION:.0%}: " +
+                       ("met" if frac >= TARGET_LARGE_FRACTION else "missed") + ")")
+        print(f"(c) {dtype}, large shape: softmax layer fwd+bwd expert throughput = "
+              f"{fmt(frac, '.1%')} of the square GEMM{verdict}")
+        for router, target in TARGET_LARGE_RATIOS.items():
+            r = get(f"moe_large/{dtype}/{router}/fwdbwd")
+            q = ratio(r.seconds() if r else None, soft.seconds())
+            v = "" if q is None else (f" (target <= {target:.2f}: " +
+                                      ("met" if q <= target else "missed") + ")")
+            print(f"    {router} / softmax layer time: {fmt(q, '.3f')}{v}")
     return 0
 
 

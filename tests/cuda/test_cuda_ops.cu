@@ -104,6 +104,19 @@ TEST_CASE("cuda: device tensors, copies and the caching allocator") {
   CHECK(after.cache_hits == before.cache_hits + 1);
   cuda_empty_cache();
   CHECK(cuda_memory_stats().bytes_cached == 0);
+
+  // The high-water mark restarts from what is in use, and then counts the size classes of the
+  // blocks live at once.
+  cuda_reset_peak_memory();
+  const std::size_t base = cuda_memory_stats().bytes_in_use;
+  CHECK(cuda_memory_stats().peak_bytes_in_use == base);
+  {
+    Tensor<char, cuda> a(Shape{index_t(1) << 20});
+    Tensor<char, cuda> b(Shape{index_t(3) << 20});
+  }
+  { Tensor<char, cuda> c(Shape{index_t(1) << 20}); }
+  CHECK(cuda_memory_stats().peak_bytes_in_use == base + (std::size_t(4) << 20));
+  CHECK(cuda_memory_stats().bytes_in_use == base);
 }
 
 TEST_CASE("cuda: CUDA errors are graphmoe::Error naming the call") {

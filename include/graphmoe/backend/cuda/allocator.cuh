@@ -11,7 +11,8 @@
 //     or calls cudaMalloc;
 //   - when cudaMalloc runs out of memory, every cached block of that device is released and the
 //     call is retried once before graphmoe::Error is thrown;
-//   - cuda_empty_cache() releases all cached blocks, cuda_memory_stats() reports the counters.
+//   - cuda_empty_cache() releases all cached blocks, cuda_memory_stats() reports the counters,
+//     cuda_reset_peak_memory() restarts the high-water mark.
 //
 // Reuse is safe because the backend issues all work on one stream, cuda_stream() (device.cuh):
 // a block freed while a kernel still reads it is only written by work queued after that kernel.
@@ -134,6 +135,12 @@ class CudaCachingAllocator {
     return stats_;
   }
 
+  // Starts a new high-water mark from what is in use now.
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak_bytes_in_use = stats_.bytes_in_use;
+  }
+
  private:
   struct Block {
     std::size_t size;       // the size class
@@ -195,6 +202,10 @@ struct backend_allocator<cuda> {
 inline CudaMemoryStats cuda_memory_stats() {
   return detail::CudaCachingAllocator::instance().stats();
 }
+
+// Restarts peak_bytes_in_use from bytes_in_use (to measure the high-water mark of one piece of
+// work: reset, run it, read cuda_memory_stats().peak_bytes_in_use).
+inline void cuda_reset_peak_memory() { detail::CudaCachingAllocator::instance().reset_peak(); }
 
 // Returns every cached (free) block to CUDA; live tensors are untouched.
 inline void cuda_empty_cache() { detail::CudaCachingAllocator::instance().release_cached(); }

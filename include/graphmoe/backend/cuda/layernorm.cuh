@@ -129,7 +129,7 @@ __global__ void layernorm_backward_dx_kernel(const T* x, const T* gamma, const S
     const A m = value_cast<A>(mean[r]), rs = value_cast<A>(rstd[r]);
     A sg = A(0), sgx = A(0);
     for (index_t j = threadIdx.x; j < d; j += blockDim.x) {
-      const A g = to_acc(dyr[j]) * to_acc(gamma[j]);
+      const A g = mul_rn(to_acc(dyr[j]), to_acc(gamma[j]));  // rounded, as in layernorm_dx
       sg += g;
       sgx += g * ((to_acc(xr[j]) - m) * rs);
     }

@@ -23,6 +23,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <thrust/copy.h>
 #include <thrust/find.h>
@@ -282,11 +283,33 @@ GRAPHMOE_HOST_DEVICE T layernorm_y(T x, T mean, T rstd, T gamma, T beta) {
   return (x - mean) * rstd * gamma + beta;
 }
 
-// dx = rstd (dy gamma - mean_g - xhat mean_gx), xhat = (x - mean) rstd
+// a * b rounded once, never fused into a neighbouring add. nvcc contracts a * b + c into one FMA
+// by default (-fmad=true), which keeps the product unrounded: then g - mean_g with g = dy gamma is
+// the product's rounding error instead of 0 when the row's mean is that same (rounded) product.
+// Host compilers without -mfma (and the CUDA emulation) never fuse, so only a GPU shows it.
+template <class T>
+GRAPHMOE_HOST_DEVICE inline T mul_rn(T a, T b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) {
+    return __fmul_rn(a, b);
+  } else if constexpr (std::is_same_v<T, double>) {
+    return __dmul_rn(a, b);
+  } else {
+    return a * b;
+  }
+#else
+  return a * b;
+#endif
+}
+
+// dx = rstd ((g - mean_g) - xhat mean_gx), g = dy gamma, xhat = (x - mean) rstd. g is rounded
+// before the subtraction, as in the sum that made mean_g (mul_rn), so that a row of one entry
+// (D = 1: g = mean_g, xhat = 0) gets dx = 0 exactly, as on the CPU.
 template <class T>
 GRAPHMOE_HOST_DEVICE T layernorm_dx(T x, T dy, T gamma, T mean, T rstd, T mean_g, T mean_gx) {
   const T xhat = (x - mean) * rstd;
-  return rstd * (dy * gamma - mean_g - xhat * mean_gx);
+  const T g = mul_rn(dy, gamma);
+  return rstd * ((g - mean_g) - xhat * mean_gx);
 }
 
 // partial[g, j] = sum_{i in chunk g} dy_ij xhat_ij, partial[g, d + j] = sum_{i in chunk g} dy_ij,
