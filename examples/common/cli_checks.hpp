@@ -28,6 +28,7 @@
 #include <system_error>
 #include <type_traits>
 
+#include "common/divergence.hpp"
 #include "graphmoe/core/threads.hpp"
 
 namespace examples {
@@ -135,6 +136,25 @@ inline constexpr double kMaxCoef = 1e6;                   // tau, sigma, clip, l
 // A seed: any 64-bit unsigned integer, but nothing that does not fit.
 inline CLI::Validator seed() {
   return integer<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max());
+}
+
+// --divergence-factor, --max-grad-norm, --max-loss (common/divergence.hpp).
+inline void add_divergence_options(CLI::App& app, DivergenceOptions& o) {
+  app.add_option("--divergence-factor", o.factor,
+                 "stop when the smoothed loss exceeds this many times its lowest value (0 = off)")
+      ->check(real(0, kMaxCoef))
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            const double v = std::stod(text);  // already checked: a finite number
+            return v == 0 || v > 1 ? std::string() : "value " + text + " must be 0 (off) or > 1";
+          },
+          "0 or > 1"));
+  app.add_option("--max-grad-norm", o.max_grad_norm,
+                 "stop when the gradient norm before clipping exceeds this (0 = no limit)")
+      ->check(real(0, 1e300));
+  app.add_option("--max-loss", o.max_loss,
+                 "stop when a training or evaluation loss exceeds this (0 = max(3 ln C, ln C + 5), C classes)")
+      ->check(real(0, 1e300));
 }
 
 }  // namespace examples

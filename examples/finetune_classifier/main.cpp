@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", opt.epochs, "epochs")->check(examples::integer<int>(1, examples::kMaxEpochs));
   app.add_option("--batch", opt.batch, "examples per batch (paper: 16)")->check(examples::integer<index_t>(1, examples::kMaxBatch));
   app.add_option("--lr", opt.lr, "learning rate (paper: 1e-3 SST, 1e-5 Banking-77)")->check(examples::positive_real(examples::kMaxLR));
+  examples::add_divergence_options(app, opt.divergence);
   app.add_option("--warmup", opt.warmup, "warmup steps (paper: 0)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
   app.add_option("--train-limit", train_limit, "use the first N training examples (0 = all)")->check(examples::integer<index_t>(0, examples::kMaxCount));
   app.add_option("--max-len", max_len, "truncate examples to N tokens (0 = the LM's sequence length)")->check(examples::integer<index_t>(0, examples::kMaxSeq));

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "common/device.hpp"
+#include "common/divergence.hpp"
 #include "finetune_classifier/options.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
@@ -102,6 +103,8 @@ int run(const Options& opt, const Data& data) {
   std::printf("router=%s initial_test_accuracy=%.4f\n", opt.router.c_str(), accuracy<B>(model, data.test, 64));
   std::fflush(stdout);
   ProgressBar bar(total, "finetune " + opt.router);
+  DivergenceGuard guard(examples::divergence_config(opt.divergence, static_cast<double>(opt.num_classes)),
+                        "finetune_classifier");
   double ema = 0;
   std::vector<index_t> order(static_cast<std::size_t>(n));
   for (std::int64_t step = 0; step < total; ++step) {
@@ -114,13 +117,16 @@ int run(const Options& opt, const Data& data) {
     Tensor<std::int32_t, cpu> ids, len, y;
     make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, ids, len, y);
     model.set_step(step);
-    const double loss = static_cast<double>(model.forward(examples::on_backend<B>(ids), len,
-                                                          examples::on_backend<B>(y))) +
-                        model.aux_loss();
-    GRAPHMOE_CHECK(std::isfinite(loss), "finetune_classifier", "loss is ", loss, " at step ", step);
-    model.arena().zero_grad();
-    model.backward();
-    clip_grad_norm(model.arena(), opt.clip);
+    double loss = 0;
+    examples::before_optimizer_step("finetune_classifier", step + 1, [&] {
+      loss = static_cast<double>(model.forward(examples::on_backend<B>(ids), len,
+                                               examples::on_backend<B>(y))) +
+             model.aux_loss();
+      guard.check_loss(step + 1, loss);
+      model.arena().zero_grad();
+      model.backward();
+      examples::clip_checked(guard, step + 1, model.arena(), opt.clip);
+    });
     adam.step(model.arena(), sched.at(step));
     ema = step == 0 ? loss : 0.98 * ema + 0.02 * loss;
     const double eps = static_cast<double>((step + 1) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());

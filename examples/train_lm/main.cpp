@@ -65,6 +65,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", opt.steps, "optimizer steps")->check(examples::integer<std::int64_t>(1, examples::kMaxSteps));
   app.add_option("--batch", opt.batch, "sequences per batch")->check(examples::integer<index_t>(1, examples::kMaxBatch));
   app.add_option("--lr", opt.lr, "peak learning rate (AdamW)")->check(examples::positive_real(examples::kMaxLR));
+  examples::add_divergence_options(app, opt.divergence);
   app.add_option("--min-lr", opt.min_lr, "final learning rate of the cosine schedule")->check(examples::real(0, examples::kMaxLR));
   app.add_option("--warmup", opt.warmup, "linear warmup steps")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
   app.add_option("--weight-decay", opt.weight_decay, "AdamW decoupled weight decay")->check(examples::real(0, examples::kMaxLR));

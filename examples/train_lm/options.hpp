@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/divergence.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 
@@ -32,6 +33,7 @@ struct Options {
   std::string device = "cpu";  // cpu, or cuda when built with GRAPHMOE_ENABLE_CUDA
   std::string out_dir = "runs/lm";
   bool resume = false;
+  examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss
   bool keep_checkpoints = false;  // also keep checkpoint-step<N>.safetensors at every checkpoint
   // robustness: the test set again with attack_rate of its words replaced by attack_word (the
   // seed paper's attacked WikiText; graphmoe/train/text_attack.hpp). 0 = no attacked evaluation.

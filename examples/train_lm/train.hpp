@@ -23,6 +23,7 @@
 #include "graphmoe/train/schedule.hpp"
 #include "graphmoe/train/text_attack.hpp"
 #include "common/device.hpp"
+#include "common/divergence.hpp"
 #include "common/lm_config.hpp"
 #include "common/resume.hpp"
 #include "train_lm/options.hpp"
@@ -128,17 +129,24 @@ int run(const Options& opt, const Data& data) {
   double loss_ema = 0, last_norm = 0, last_loss = 0;
   std::vector<double> last_fluctuation(moe_layers.size(), std::nan(""));
   const double tokens_per_step = static_cast<double>(opt.batch * seq);
+  // divergence (docs/reliability.md): checked before each optimizer step and each save, so that a
+  // diverged step never updates the weights and never overwrites the last checkpoint
+  DivergenceGuard guard(examples::divergence_config(opt.divergence, static_cast<double>(mc.vocab_size)),
+                        "train_lm");
   for (; step < opt.steps; ++step) {
     if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
     const LMBatch b = train.batch(order[static_cast<std::size_t>(step % nb)]);
     lm.set_step(step);
-    const double loss = static_cast<double>(lm.forward(examples::on_backend<B>(b.inputs),
-                                                       examples::on_backend<B>(b.targets))) +
-                        lm.aux_loss();
-    GRAPHMOE_CHECK(std::isfinite(loss), "train_lm", "loss is ", loss, " at step ", step);
-    lm.arena.zero_grad();
-    lm.backward();
-    last_norm = clip_grad_norm(lm.arena, opt.clip);
+    double loss = 0;
+    examples::before_optimizer_step("train_lm", step + 1, [&] {
+      loss = static_cast<double>(lm.forward(examples::on_backend<B>(b.inputs),
+                                            examples::on_backend<B>(b.targets))) +
+             lm.aux_loss();
+      guard.check_loss(step + 1, loss);
+      lm.arena.zero_grad();
+      lm.backward();
+      last_norm = examples::clip_checked(guard, step + 1, lm.arena, opt.clip);
+    });
     const double lr = sched.at(step);
     adam.step(lm.arena, lr);
     last_loss = loss;
@@ -152,6 +160,7 @@ int run(const Options& opt, const Data& data) {
     const bool last = step + 1 == opt.steps;
     if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || last) {
       const double vloss = evaluate<B>(lm, valid, opt.eval_batches);
+      guard.check_eval(step + 1, "validation loss", vloss);  // before the row and the save
       std::vector<double> row = {static_cast<double>(step + 1), last_loss, vloss, std::exp(vloss),
                                  lr, last_norm, tps};
       lm.forward(probe_inputs, probe_targets);
@@ -179,6 +188,7 @@ int run(const Options& opt, const Data& data) {
   }
   bar.finish();
   const double vloss = evaluate<B>(lm, valid, 0);
+  guard.check_eval(step, "validation loss", vloss);
   // mean over MoE layers of the token graph's row entropy on the probe batch (0: no graph, or a
   // degenerate identity graph)
   lm.forward(probe_inputs, probe_targets);
@@ -193,10 +203,16 @@ int run(const Options& opt, const Data& data) {
               std::exp(vloss), graph_entropy, fluctuation);
   if (!data.test.empty()) {
     LMBatcher test(data.test, opt.batch, seq);
-    std::printf(" test_ppl=%.3f", std::exp(evaluate<B>(lm, test, 0)));
+    const double test_loss = evaluate<B>(lm, test, 0);
+    guard.check_eval(step, "test loss", test_loss);
+    std::printf(" test_ppl=%.3f", std::exp(test_loss));
     if (!data.attacked_test.empty()) {
       LMBatcher attacked(data.attacked_test, opt.batch, seq);
-      std::printf(" attacked_test_ppl=%.3f", std::exp(evaluate<B>(lm, test, 0, &attacked)));
+      const double attacked_loss = evaluate<B>(lm, test, 0, &attacked);
+      // an attack may legitimately raise the loss past the ceiling: only non-finite is an error
+      GRAPHMOE_CHECK(std::isfinite(attacked_loss), "train_lm", "the attacked test loss is ",
+                     attacked_loss, " after ", step, " steps");
+      std::printf(" attacked_test_ppl=%.3f", std::exp(attacked_loss));
     }
   }
   std::printf("\n");

@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", opt.batch, "images per batch")->check(examples::integer<index_t>(1, examples::kMaxBatch));
   app.add_option("--train-limit", opt.train_limit, "use only the first N training images (0 = all)")->check(examples::integer<index_t>(0, examples::kMaxCount));
   app.add_option("--lr", opt.lr, "peak learning rate")->check(examples::positive_real(examples::kMaxLR));
+  examples::add_divergence_options(app, opt.divergence);
   app.add_option("--warmup", opt.warmup, "warmup steps")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
   app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = each epoch)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
   app.add_option("--seed", opt.seed, "random seed")->check(examples::seed());

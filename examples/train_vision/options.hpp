@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "common/divergence.hpp"
 #include "graphmoe/models/vision_moe.hpp"
 #include "graphmoe/train/image_corruptions.hpp"
 #include "graphmoe/train/image_datasets.hpp"
@@ -23,6 +24,7 @@ struct Options {
   int threads = 2;
   std::string device = "cpu";  // cpu, or cuda when built with CUDA (see examples/CMakeLists.txt)
   std::string out_dir = "runs/vision";
+  examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss
   bool resume = false;
   // after training: the test accuracy under each of these corruptions (robustness.csv)
   std::vector<graphmoe::Corruption> corruptions;

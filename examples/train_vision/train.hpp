@@ -19,6 +19,7 @@
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
 #include "common/device.hpp"
+#include "common/divergence.hpp"
 #include "common/resume.hpp"
 #include "train_vision/options.hpp"
 
@@ -159,19 +160,26 @@ int run(const Options& opt, const Data& data) {
   ProgressBar bar(total, "train " + opt.router, step);
   const std::int64_t first = step;
   double ema = 0, norm = 0;
+  // divergence (docs/reliability.md): checked before each optimizer step, so that a diverged step
+  // never updates the weights and never overwrites the last checkpoint
+  DivergenceGuard guard(examples::divergence_config(opt.divergence, static_cast<double>(mc.num_classes)),
+                        "train_vision");
   for (; step < total; ++step) {
     if (step % steps_per_epoch == 0) order = epoch_order(step / steps_per_epoch);
     Tensor<Scalar, cpu> x;
     Tensor<std::int32_t, cpu> y;
     make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, mc.channels, x, y);
     model.set_step(step);
-    const double loss = static_cast<double>(model.forward(examples::on_backend<B>(x),
-                                                          examples::on_backend<B>(y))) +
-                        model.aux_loss();
-    GRAPHMOE_CHECK(std::isfinite(loss), "train_vision", "loss is ", loss, " at step ", step);
-    model.arena.zero_grad();
-    model.backward();
-    norm = clip_grad_norm(model.arena, opt.clip);
+    double loss = 0;
+    examples::before_optimizer_step("train_vision", step + 1, [&] {
+      loss = static_cast<double>(model.forward(examples::on_backend<B>(x),
+                                               examples::on_backend<B>(y))) +
+             model.aux_loss();
+      guard.check_loss(step + 1, loss);
+      model.arena.zero_grad();
+      model.backward();
+      norm = examples::clip_checked(guard, step + 1, model.arena, opt.clip);
+    });
     adam.step(model.arena, sched.at(step));
     ema = step == first ? loss : 0.98 * ema + 0.02 * loss;
     const double ips = static_cast<double>((step + 1 - first) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());

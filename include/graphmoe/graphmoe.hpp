@@ -57,6 +57,7 @@
 // train: optimizers, schedules, checkpoints, pretrained backbones, data, metrics, progress
 #include "graphmoe/train/checkpoint.hpp"
 #include "graphmoe/train/datasets.hpp"
+#include "graphmoe/train/divergence.hpp"
 #include "graphmoe/train/image_corruptions.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/metrics.hpp"

@@ -7,11 +7,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -182,15 +185,17 @@ TEST_CASE("examples: every numeric option refuses out-of-range and malformed num
       "--eval-batches", "--checkpoint-every", "--seed", "--attack-seed", "--threads"};
   const std::vector<std::string> lm_reals = {"--valid-fraction", "--tau", "--sigma",
                                              "--load-balance", "--z-loss", "--lr", "--min-lr",
-                                             "--weight-decay", "--clip", "--attack-rate"};
+                                             "--weight-decay", "--clip", "--attack-rate",
+                                             "--divergence-factor"};
   const std::vector<std::string> vision_ints = {
       "--moe-last", "--patch", "--layers", "--d-model", "--heads", "--d-ff", "--experts",
       "--top-k", "--epochs", "--batch", "--train-limit", "--warmup", "--eval-every", "--seed",
       "--threads", "--severity", "--corrupt-seed"};
-  const std::vector<std::string> vision_reals = {"--tau", "--sigma", "--load-balance", "--lr"};
+  const std::vector<std::string> vision_reals = {"--tau", "--sigma", "--load-balance", "--lr",
+                                                 "--divergence-factor"};
   const std::vector<std::string> ft_ints = {"--epochs", "--batch", "--warmup", "--train-limit",
                                             "--max-len", "--seed", "--threads"};
-  const std::vector<std::string> ft_reals = {"--lr"};
+  const std::vector<std::string> ft_reals = {"--lr", "--divergence-factor"};
   const std::vector<std::string> report_ints = {"--probe-batches", "--batch", "--threads"};
   struct Program {
     std::string exe;
@@ -357,6 +362,77 @@ TEST_CASE("examples: train_lm --resume refuses broken and malformed checkpoints,
   }
 }
 
+TEST_CASE("examples: a diverged run stops naming the step, and its last checkpoint is kept") {
+  using Tensors = std::map<std::string, LoadedTensor>;
+  using Meta = std::map<std::string, std::string>;
+  Scratch s("diverge");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const std::string run_dir = s / "run";
+  Result r = run(s, kTrainLM, lm_args(corpus, run_dir, 4));
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  const std::string ckpt = run_dir + "/checkpoint.safetensors";
+  const std::string saved = slurp(ckpt);
+  REQUIRE(!saved.empty());
+
+  // a gradient-norm limit that no step meets: stopped at step 5, before its optimizer step and
+  // before any save (the checkpoint of step 4 is untouched)
+  std::vector<std::string> args = lm_args(corpus, run_dir, 8);
+  args.insert(args.end(), {"--resume", "--max-grad-norm", "1e-12"});
+  check_refused(run(s, kTrainLM, args),
+                {"train_lm: training diverged at step 5: the gradient norm",
+                 "(before clipping) is above the limit 1e-12", "last checkpoint"});
+  CHECK(slurp(ckpt) == saved);
+
+  // a loss ceiling below the first loss
+  args = lm_args(corpus, run_dir, 8);
+  args.insert(args.end(), {"--resume", "--max-loss", "0.01"});
+  check_refused(run(s, kTrainLM, args), {"at step 5: the training loss", "is above the ceiling 0.01"});
+  CHECK(slurp(ckpt) == saved);
+
+  // weights of 1e30 and NaN weights in the checkpoint (both used to load and "train"): NaN is
+  // refused on load, naming the tensor; 1e30 overflows in the first step's forward pass, whose
+  // error names the step
+  for (const float value : {1e30f, std::numeric_limits<float>::quiet_NaN()}) {
+    CAPTURE(value);
+    const std::string dir = s / (std::isnan(value) ? "nan_weights" : "huge_weights");
+    fs::create_directories(dir);
+    fs::copy_file(run_dir + "/vocab.txt", dir + "/vocab.txt");
+    const std::string path = dir + "/checkpoint.safetensors";
+    rewrite(ckpt, path, [value](Tensors& t, Meta&) {
+      for (auto& [name, x] : t) {
+        if (name.rfind("model.", 0) != 0 || x.dtype != DType::F32) continue;
+        for (std::size_t i = 0; i + 4 <= x.bytes.size(); i += 4) {
+          float v;
+          std::memcpy(&v, x.bytes.data() + i, 4);
+          v = std::isnan(value) ? value : v * value;
+          std::memcpy(x.bytes.data() + i, &v, 4);
+        }
+      }
+    });
+    const std::string hostile = slurp(path);
+    args = lm_args(corpus, dir, 8);
+    args.push_back("--resume");
+    if (std::isnan(value))
+      check_refused(run(s, kTrainLM, args),
+                    {"'" + path + "': model tensor '", "' holds nan at element 0 (a training "
+                     "checkpoint's weights must be finite)"});
+    else
+      check_refused(run(s, kTrainLM, args),
+                    {"train_lm: step 5 failed: ", "before any save: the last checkpoint"});
+    CHECK(slurp(path) == hostile);
+  }
+
+  // the options are checked like every other
+  args = lm_args(corpus, s / "bad", 2);
+  args.insert(args.end(), {"--divergence-factor", "0.5"});
+  check_refused(run(s, kTrainLM, args), {"--divergence-factor", "must be 0 (off) or > 1"});
+  args = lm_args(corpus, s / "bad", 2);
+  args.insert(args.end(), {"--max-grad-norm", "-1"});
+  check_refused(run(s, kTrainLM, args), {"--max-grad-norm"});
+}
+
 TEST_CASE("examples: finetune_classifier and routing_report apply the same checkpoint rules") {
   Scratch s("finetune");
   const std::string corpus = s / "corpus.txt";
@@ -382,6 +458,12 @@ TEST_CASE("examples: finetune_classifier and routing_report apply the same check
   CAPTURE(r.err);
   REQUIRE(r.status == 0);
   CHECK(r.out.find("test_accuracy=") != std::string::npos);
+  // the divergence options of train_lm, with the same message
+  check_refused(run(s, kFinetune, {"--checkpoint", ckpt, "--vocab", vocab, "--task", "sst2",
+                                   "--data-dir", data, "--epochs", "1", "--batch", "2",
+                                   "--threads", "1", "--out", s / "ft_out", "--max-grad-norm",
+                                   "1e-12"}),
+                {"finetune_classifier: training diverged at step 1: the gradient norm"});
 
   using Tensors = std::map<std::string, LoadedTensor>;
   using Meta = std::map<std::string, std::string>;

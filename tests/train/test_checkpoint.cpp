@@ -951,6 +951,13 @@ TEST_CASE("training state: every optimizer-state tensor must have exactly its sh
     std::memcpy(t.at("adamw.m.w").bytes.data(), &nan, 4);
   });
   CHECK(e.find("'adamw.m.w' holds nan at element 0 (must be finite)") != std::string::npos);
+  // a non-finite weight (used to load and "train": every activation NaN from the first step)
+  e = variant([](Tensors& t, Meta&) {
+    const float inf = std::numeric_limits<float>::infinity();
+    std::memcpy(t.at("model.w").bytes.data() + 8, &inf, 4);
+  });
+  CHECK(e.find("'" + bad + "': model tensor 'model.w' holds inf at element 2 (a training "
+               "checkpoint's weights must be finite)") != std::string::npos);
   // optimizer_steps: missing, not a number, negative, too large (no more `stoll`)
   e = variant([](Tensors&, Meta& m) { m.erase("optimizer_steps"); });
   CHECK(e.find("has no optimizer_steps in its metadata") != std::string::npos);

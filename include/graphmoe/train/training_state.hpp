@@ -15,6 +15,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <set>
@@ -111,9 +112,9 @@ void save_training_state(const std::string& path, const ParameterArena<T, B>& ar
 
 // Restores what save_training_state wrote into an arena and optimizer of any backend. Everything
 // is checked before anything changes: the model tensors as load_arena(strict) checks them (every
-// parameter present, exact dtype and shape, no "model." tensor that is not a parameter); every
-// AdamW state tensor present with exactly its parameter's dtype and shape, finite, and the second
-// moments non-negative; no other tensor in the file (a stray "adamw." tensor, or one outside both
+// parameter present, exact dtype and shape, no "model." tensor that is not a parameter) and every
+// model value finite; every AdamW state tensor present with exactly its parameter's dtype and
+// shape, finite, and the second moments non-negative; no other tensor in the file (a stray "adamw." tensor, or one outside both
 // prefixes, is refused by name); and the metadata field optimizer_steps a decimal integer >= 0.
 template <class T, class B>
 const std::map<std::string, std::string>& load_training_state(const SafetensorsFile& f,
@@ -149,7 +150,20 @@ const std::map<std::string, std::string>& load_training_state(const SafetensorsF
     loaded.push_back(t);
   }
   for (const auto& [name, t] : f.tensors) {
-    if (name.rfind("model.", 0) == 0 || expected.count(name) != 0) continue;
+    if (name.rfind("model.", 0) == 0) {
+      // finite weights: training from a NaN or Inf weight only turns every activation into NaN
+      // (a wrong dtype is load_arena's error, below)
+      if (t.dtype != dtype_of<T>()) continue;
+      for (std::size_t i = 0; i + sizeof(T) <= t.bytes.size(); i += sizeof(T)) {
+        T x;
+        std::memcpy(&x, t.bytes.data() + i, sizeof(T));
+        GRAPHMOE_CHECK(std::isfinite(x), op, "'", f.path, "': model tensor '", name, "' holds ",
+                       x, " at element ", i / sizeof(T),
+                       " (a training checkpoint's weights must be finite)");
+      }
+      continue;
+    }
+    if (expected.count(name) != 0) continue;
     detail::throw_error(op, "'", f.path, "' has the tensor '", name, "' of shape ", t.shape,
                         ", which is neither a model parameter ('model.<name>') nor a state "
                         "tensor of this optimizer");
