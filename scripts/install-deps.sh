@@ -14,6 +14,7 @@ apt_packages=(
   nlohmann-json3-dev libcli11-dev
   python3 python3-numpy python3-matplotlib
   zlib1g-dev dataset-fashion-mnist
+  clang libclang-rt-dev llvm  # scripts/fuzz.sh: clang, libFuzzer + sanitizer runtimes, llvm-symbolizer
   bible-kjv bible-kjv-text
 )
 
