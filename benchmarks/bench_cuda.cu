@@ -245,8 +245,8 @@ MoEConfig moe_config(const MoeShape& shape = kMedium) {
   cfg.d_ff = shape.ff;
   cfg.router.num_experts = shape.e;
   cfg.router.k = kK;
-  cfg.router.k_min = kK;
-  cfg.router.k_max = kK;
+  cfg.router.options<graphmoe::ScheduledTopK>().k_min = kK;
+  cfg.router.options<graphmoe::ScheduledTopK>().k_max = kK;
   cfg.router.causal = true;
   return cfg;
 }

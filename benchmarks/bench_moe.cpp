@@ -56,8 +56,8 @@ void BM_moe(benchmark::State& state, bool backward) {
   cfg.d_ff = kFF;
   cfg.router.num_experts = kE;
   cfg.router.k = kK;
-  cfg.router.k_min = kK;
-  cfg.router.k_max = kK;
+  cfg.router.options<ScheduledTopK>().k_min = kK;
+  cfg.router.options<ScheduledTopK>().k_max = kK;
   cfg.router.causal = true;
   cfg.parallelism = state.range(1) ? ExpertParallelism::AcrossExperts : ExpertParallelism::WithinGemm;
   ParameterArena<T> arena;

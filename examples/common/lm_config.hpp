@@ -17,18 +17,20 @@ namespace examples {
 inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, const std::string& router,
                                      bool char_level) {
   const auto& r = m.router;
+  const auto& sim = r.options<graphmoe::Similarity>();
+  const auto& sched = r.options<graphmoe::ScheduledTopK>();
   nlohmann::json j = {{"vocab_size", m.vocab_size}, {"max_seq_len", m.max_seq_len}, {"d_model", m.d_model},
           {"num_layers", m.num_layers}, {"num_heads", m.num_heads}, {"d_ff", m.d_ff},
           {"layout", static_cast<int>(m.layout)}, {"tie_embeddings", m.tie_embeddings},
-          {"router", router}, {"num_experts", r.num_experts}, {"k", r.k}, {"k_min", r.k_min},
-          {"k_max", r.k_max}, {"tau", r.similarity_tau}, {"tau_mode", static_cast<int>(r.tau_mode)},
-          {"sigma", r.attention_sigma}, {"load_balance_coef", r.load_balance_coef},
+          {"router", router}, {"num_experts", r.num_experts}, {"k", r.k}, {"k_min", sched.k_min},
+          {"k_max", sched.k_max}, {"tau", sim.tau}, {"tau_mode", static_cast<int>(sim.tau_mode)},
+          {"sigma", r.options<graphmoe::Attention>().sigma}, {"load_balance_coef", r.load_balance_coef},
           {"z_loss_coef", r.z_loss_coef}, {"char_level", char_level}};
   // written only when set, so that checkpoints from before the option still match on --resume
-  if (r.similarity_exclude_self) j["exclude_self"] = true;
-  if (r.similarity_projection) j["projection"] = true;
+  if (sim.exclude_self) j["exclude_self"] = true;
+  if (sim.projection) j["projection"] = true;
   // SMoE-Dropout's k schedule (k at a checkpoint's step depends on it)
-  if (router.rfind("smoe-dropout", 0) == 0) j["schedule_steps"] = r.schedule_steps;
+  if (router.rfind("smoe-dropout", 0) == 0) j["schedule_steps"] = sched.schedule_steps;
   return j;
 }
 
@@ -94,23 +96,25 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   m.tie_embeddings = config_field<bool>(j, "tie_embeddings", where);
   m.router.num_experts = config_field<index_t>(j, "num_experts", where);
   m.router.k = config_field<index_t>(j, "k", where);
-  m.router.k_min = config_field<index_t>(j, "k_min", where);
-  m.router.k_max = config_field<index_t>(j, "k_max", where);
-  m.router.similarity_tau = config_field<double>(j, "tau", where);
+  auto& sim = m.router.options<graphmoe::Similarity>();
+  auto& sched = m.router.options<graphmoe::ScheduledTopK>();
+  sched.k_min = config_field<index_t>(j, "k_min", where);
+  sched.k_max = config_field<index_t>(j, "k_max", where);
+  sim.tau = config_field<double>(j, "tau", where);
   const int tau_mode = config_field<int>(j, "tau_mode", where);
   GRAPHMOE_CHECK(tau_mode >= 0 && tau_mode <= static_cast<int>(graphmoe::TauMode::Learned),
                  "lm_config_from_json", where, ": config field 'tau_mode' is ", tau_mode,
                  ", not 0 (fixed), 1 (scaled) or 2 (learned)");
-  m.router.tau_mode = static_cast<graphmoe::TauMode>(tau_mode);
-  m.router.attention_sigma = config_field<double>(j, "sigma", where);
+  sim.tau_mode = static_cast<graphmoe::TauMode>(tau_mode);
+  m.router.options<graphmoe::Attention>().sigma = config_field<double>(j, "sigma", where);
   m.router.load_balance_coef = config_field<double>(j, "load_balance_coef", where);
   m.router.z_loss_coef = config_field<double>(j, "z_loss_coef", where);
-  if (j.contains("exclude_self")) m.router.similarity_exclude_self = config_field<bool>(j, "exclude_self", where);
-  if (j.contains("projection")) m.router.similarity_projection = config_field<bool>(j, "projection", where);
+  if (j.contains("exclude_self")) sim.exclude_self = config_field<bool>(j, "exclude_self", where);
+  if (j.contains("projection")) sim.projection = config_field<bool>(j, "projection", where);
   if (j.contains("schedule_steps"))
-    m.router.schedule_steps = config_field<std::int64_t>(j, "schedule_steps", where);
-  GRAPHMOE_CHECK(m.router.schedule_steps >= 1, "lm_config_from_json", where,
-                 ": config field 'schedule_steps' is ", m.router.schedule_steps, ", must be >= 1");
+    sched.schedule_steps = config_field<std::int64_t>(j, "schedule_steps", where);
+  GRAPHMOE_CHECK(sched.schedule_steps >= 1, "lm_config_from_json", where,
+                 ": config field 'schedule_steps' is ", sched.schedule_steps, ", must be >= 1");
   return m;
 }
 

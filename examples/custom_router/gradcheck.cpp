@@ -117,7 +117,7 @@ void check_scorer() {
   const index_t n = 6, d = 4, e = 5;
   RouterConfig cfg;
   cfg.num_experts = e;
-  cfg.init_std = 0.7;
+  cfg.options<NoisyScorer>().init_std = 0.7;
   ParameterArena<double> arena;
   NoisyScorer::impl<double, cpu> s;
   s.declare(arena, "scorer.", d, cfg);
@@ -241,6 +241,19 @@ void check_graph(bool causal) {
   g.backward(u, r, p, w, ctx, dr, du);
   check_gradient(tag + " dr", r, dr, loss);
   check_gradient(tag + " du", u, du, loss);
+
+  // the policy's own option: detach = true leaves du alone and dr as it was
+  RouterConfig dcfg = cfg;
+  dcfg.options<KnnGraph<K>>().detach = true;
+  KnnGraph<K>::impl<double, cpu> gd;
+  gd.configure(d, dcfg);
+  Tensor<double> pd, drd, dud({n, d});
+  gd.forward(u, r, ctx, pd);
+  gd.backward(u, r, pd, w, ctx, drd, dud);
+  double du_max = 0;
+  for (index_t i = 0; i < dud.numel(); ++i) du_max = std::max(du_max, std::abs(dud.data()[i]));
+  report(tag + " KnnGraph::Options::detach", du_max == 0 && max_abs_diff(drd, dr) == 0,
+         fmt("max |du| %.2e, dr diff %.2e", du_max, max_abs_diff(drd, dr)));
 }
 
 // ---- the selector -------------------------------------------------------------------------------
@@ -251,6 +264,23 @@ void check_selector() {
   cfg.k = k;
   TopP::impl<double, cpu> s;
   s.configure(cfg);
+  report("TopP::Options default threshold", s.threshold() == 0.6, fmt("%g", s.threshold()));
+  {  // the policy's own options: set, read back, and refused out of range
+    RouterConfig other = cfg;
+    other.options<TopP>().threshold = 0.9;
+    TopP::impl<double, cpu> s9;
+    s9.configure(other);
+    report("TopP::Options threshold set", s9.threshold() == 0.9 && cfg.options<TopP>().threshold == 0.6,
+           fmt("set %g, other config %g", s9.threshold(), cfg.options<TopP>().threshold));
+    other.options<TopP>().threshold = 1.5;
+    bool refused = false;
+    try {
+      s9.configure(other);
+    } catch (const graphmoe::Error& err) {
+      refused = std::string(err.what()).find("threshold must be in (0, 1]") != std::string::npos;
+    }
+    report("TopP::Options threshold 1.5 refused", refused, "");
+  }
   Rng rng(31);
   // a spread of confidences: some rows reach 0.6 with one expert, some need three, some never do
   Tensor<double> p = random_distributions(n, e, 2.0, rng);
@@ -268,7 +298,7 @@ void check_selector() {
     std::sort(v.begin(), v.end());
     double cum = 0, sum = 0;
     index_t m = 0;
-    while (m < k && cum < TopP::threshold) cum += -v[static_cast<std::size_t>(m++)].first;
+    while (m < k && cum < s.threshold()) cum += -v[static_cast<std::size_t>(m++)].first;
     for (index_t l = 0; l < m; ++l) sum += -v[static_cast<std::size_t>(l)].first;
     dropped += k - m;
     kept_one += m == 1;
@@ -309,7 +339,7 @@ void check_moe_layer() {
   cfg.d_ff = 3;
   cfg.router.num_experts = 4;
   cfg.router.k = 2;
-  cfg.router.init_std = 1.0;
+  cfg.router.options<NoisyScorer>().init_std = 1.0;
   cfg.router.load_balance_coef = 0.05;
   cfg.init_std = 0.5;
   ParameterArena<double> arena;
@@ -358,7 +388,7 @@ void check_lm() {
   cfg.d_ff = 6;
   cfg.router.num_experts = 4;
   cfg.router.k = 2;
-  cfg.router.init_std = 1.0;
+  cfg.router.options<NoisyScorer>().init_std = 1.0;
   cfg.init_std = 0.3;
   TransformerLM<CustomRouter, double> lm(cfg, 5);
   const index_t b = 2, t = 6;

@@ -13,7 +13,7 @@
 //   dr_j  = sum_i w_ij dp_i                                       (assigned)
 //   dw_ij = dp_i . r_j,   dl_ij = w_ij (dw_ij - sum_{m in N_i} w_im dw_im)
 //   du_i += sum_j dl_ij u_j / sqrt(D),   du_j += dl_ij u_i / sqrt(D)   (accumulated)
-// RouterConfig::detach_graph stops the gradient to u (r still gets its gradient).
+// KnnGraph::Options::detach stops the gradient to u (r still gets its gradient).
 // mean_entropy() is the mean over tokens of -sum_j w_ij log w_ij of the last forward.
 #pragma once
 
@@ -26,6 +26,14 @@
 
 namespace custom_router {
 
+// The policy's options (KnnGraph<K>::Options), defined before the implementation that reads them.
+// K, the neighbourhood size, is a template parameter instead (it sizes a stack array in backward).
+struct KnnGraphOptions {
+  bool detach = false;  // no gradient to u through the weights w
+};
+template <int K>
+struct KnnGraph;
+
 template <int K, class T, class B>
   requires(K >= 1 && std::same_as<B, graphmoe::cpu>)
 class KnnGraphImpl {
@@ -34,7 +42,9 @@ class KnnGraphImpl {
   using index_t = graphmoe::index_t;
 
   void configure(index_t d_model, const graphmoe::RouterConfig& cfg) {
-    cfg_ = cfg;
+    // KnnGraph<K> is dependent on K here, so it is complete when this is instantiated
+    detach_ = cfg.options<KnnGraph<K>>().detach;
+    causal_ = cfg.causal;
     d_model_ = d_model;
   }
 
@@ -56,7 +66,7 @@ class KnnGraphImpl {
     double entropy = 0;
     std::vector<std::pair<T, index_t>> cand;
     for (index_t i = 0; i < n; ++i) {
-      const index_t s0 = i / len * len, s1 = cfg_.causal ? i + 1 : s0 + len;
+      const index_t s0 = i / len * len, s1 = causal_ ? i + 1 : s0 + len;
       cand.clear();
       for (index_t j = s0; j < s1; ++j) cand.emplace_back(dot(u, i, j, d) * scale, j);
       const index_t m = std::min<index_t>(K, static_cast<index_t>(cand.size()));
@@ -87,7 +97,7 @@ class KnnGraphImpl {
                    "no forward of these ", n, " tokens to take the gradient of");
     graphmoe::check_shape("KnnGraph::backward", "dp", dp, r.shape());
     dr = Tensor(r.shape());
-    const bool to_u = !cfg_.detach_graph;
+    const bool to_u = !detach_;
     if (to_u) graphmoe::check_shape("KnnGraph::backward", "du", du, u.shape());
     const T scale = T(1) / std::sqrt(static_cast<T>(d));
     T dw[K];
@@ -142,7 +152,7 @@ class KnnGraphImpl {
     return s;
   }
 
-  graphmoe::RouterConfig cfg_;
+  bool detach_ = false, causal_ = false;
   index_t d_model_ = 0;
   // forward cache: for token i, slots [i K, i K + count_[i]) hold its neighbours and weights
   std::vector<index_t> nbr_;
@@ -156,6 +166,7 @@ struct KnnGraph {
   static_assert(K >= 1, "KnnGraph<K>: K must be at least 1");
   static constexpr const char* name = "knn";
   static constexpr int neighbours = K;
+  using Options = KnnGraphOptions;  // cfg.options<KnnGraph<K>>().detach = true
   template <class T, class B>
   using impl = KnnGraphImpl<K, T, B>;
 };

@@ -31,6 +31,13 @@
 
 namespace custom_router {
 
+// The policy's options (NoisyScorer::Options), defined before the implementation that reads them.
+struct NoisyScorerOptions {
+  double init_std = 0.02;  // W_g, W_n ~ N(0, init_std^2)
+  void validate() const {
+    GRAPHMOE_CHECK(init_std >= 0, "NoisyScorer::Options", "init_std must be >= 0, got ", init_std);
+  }
+};
 // CPU only (the loops below read tensors on the host).
 template <class T, class B>
   requires std::same_as<B, graphmoe::cpu>
@@ -42,12 +49,9 @@ class NoisyScorerImpl {
   bool resample = true;  // see the header comment
   bool noisy = true;
 
+  // defined below NoisyScorer, whose options it reads
   void declare(graphmoe::ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
-               const graphmoe::RouterConfig& cfg) {
-    cfg_ = cfg;
-    id_gate_ = arena.add(prefix + "w_gate", graphmoe::Shape{cfg.num_experts, d_model});
-    id_noise_ = arena.add(prefix + "w_noise", graphmoe::Shape{cfg.num_experts, d_model});
-  }
+               const graphmoe::RouterConfig& cfg);
   void bind(const graphmoe::ParameterArena<T, B>& arena) {
     w_gate_ = arena.value(id_gate_);
     dw_gate_ = arena.grad(id_gate_);
@@ -55,8 +59,8 @@ class NoisyScorerImpl {
     dw_noise_ = arena.grad(id_noise_);
   }
   void init(graphmoe::Rng& rng) {
-    graphmoe::fill_normal(w_gate_, rng, cfg_.init_std);
-    graphmoe::fill_normal(w_noise_, rng, cfg_.init_std);
+    graphmoe::fill_normal(w_gate_, rng, init_std_);
+    graphmoe::fill_normal(w_noise_, rng, init_std_);
     // the noise stream: its own Rng, seeded from two words of the model's
     const std::uint64_t hi = rng.next_u32(), lo = rng.next_u32();
     noise_rng_ = graphmoe::Rng((hi << 32) | lo);
@@ -107,7 +111,7 @@ class NoisyScorerImpl {
   }
 
  private:
-  graphmoe::RouterConfig cfg_;
+  double init_std_ = 0.02;
   index_t id_gate_ = -1, id_noise_ = -1;
   Tensor w_gate_, dw_gate_, w_noise_, dw_noise_;
   graphmoe::Rng noise_rng_;
@@ -116,8 +120,21 @@ class NoisyScorerImpl {
 
 struct NoisyScorer {
   static constexpr const char* name = "noisy";
+  using Options = NoisyScorerOptions;  // cfg.options<NoisyScorer>().init_std = 0.05
   template <class T, class B>
   using impl = NoisyScorerImpl<T, B>;
 };
+
+template <class T, class B>
+  requires std::same_as<B, graphmoe::cpu>
+void NoisyScorerImpl<T, B>::declare(graphmoe::ParameterArena<T, B>& arena,
+                                    const std::string& prefix, index_t d_model,
+                                    const graphmoe::RouterConfig& cfg) {
+  const NoisyScorer::Options& opts = cfg.options<NoisyScorer>();
+  opts.validate();
+  init_std_ = opts.init_std;
+  id_gate_ = arena.add(prefix + "w_gate", graphmoe::Shape{cfg.num_experts, d_model});
+  id_noise_ = arena.add(prefix + "w_noise", graphmoe::Shape{cfg.num_experts, d_model});
+}
 
 }  // namespace custom_router

@@ -1,7 +1,7 @@
 // custom_router/top_p_selector.hpp: top-p (nucleus) selection, written as a graphmoe selector
 // policy outside namespace graphmoe.
 //
-// Per token i, with k = current_k() (RouterConfig::k):
+// Per token i, with k = current_k() (RouterConfig::k) and the threshold TopP::Options::threshold:
 //   indices_i = the k experts of largest p_i, descending (ties: the lower expert index first)
 //   values_i  = p_i at those experts
 //   keep_i    = 1 for the smallest prefix of them whose cumulative p reaches the threshold
@@ -28,21 +28,24 @@
 
 namespace custom_router {
 
-// Threshold = Percent / 100 (an int template parameter: floating-point template parameters are not
-// supported by every C++20 compiler yet).
-template <int Percent, class T, class B>
-  requires(Percent > 0 && Percent <= 100 && std::same_as<B, graphmoe::cpu>)
+// The policy's options (TopP::Options), defined before the implementation that reads them.
+struct TopPOptions {
+  double threshold = 0.6;  // keep experts until their cumulative p reaches it
+  void validate() const {
+    GRAPHMOE_CHECK(threshold > 0 && threshold <= 1, "TopP::Options", "threshold must be in (0, 1], got ",
+                   threshold);
+  }
+};
+
+template <class T, class B>
+  requires std::same_as<B, graphmoe::cpu>
 class TopPSelectorImpl {
  public:
   using index_t = graphmoe::index_t;
-  static constexpr double threshold = Percent / 100.0;
 
-  void configure(const graphmoe::RouterConfig& cfg) {
-    GRAPHMOE_CHECK(cfg.capacity_factor <= 0, "TopP", "capacity_factor ", cfg.capacity_factor,
-                   " is not supported by the top-p selector (use 0: dropless)");
-    cfg_ = cfg;
-  }
-  index_t current_k() const { return cfg_.k; }
+  void configure(const graphmoe::RouterConfig& cfg);  // defined below TopP, whose options it reads
+  index_t current_k() const { return k_; }
+  double threshold() const { return threshold_; }
   void set_step(std::int64_t) {}
 
   void select(const graphmoe::Tensor<T, B>& p, index_t k, graphmoe::Selection<T, B>& sel) const {
@@ -73,7 +76,7 @@ class TopPSelectorImpl {
         } else {
           s += p(i, c);
           cum += static_cast<double>(p(i, c));
-          reached = cum >= threshold;
+          reached = cum >= threshold_;
         }
       }
       for (index_t l = 0; l < k; ++l)
@@ -99,18 +102,26 @@ class TopPSelectorImpl {
   }
 
  private:
-  graphmoe::RouterConfig cfg_;
+  index_t k_ = 1;
+  double threshold_ = 0.6;
 };
 
-template <int Percent>
-struct TopPAt {
+struct TopP {
   static constexpr const char* name = "top-p";
-  static constexpr double threshold = Percent / 100.0;
+  using Options = TopPOptions;  // cfg.options<TopP>().threshold = 0.8
   template <class T, class B>
-  using impl = TopPSelectorImpl<Percent, T, B>;
+  using impl = TopPSelectorImpl<T, B>;
 };
 
-// Threshold 0.6.
-using TopP = TopPAt<60>;
+template <class T, class B>
+  requires std::same_as<B, graphmoe::cpu>
+void TopPSelectorImpl<T, B>::configure(const graphmoe::RouterConfig& cfg) {
+  GRAPHMOE_CHECK(cfg.capacity_factor <= 0, "TopP", "capacity_factor ", cfg.capacity_factor,
+                 " is not supported by the top-p selector (use 0: dropless)");
+  const TopP::Options& opts = cfg.options<TopP>();
+  opts.validate();
+  k_ = cfg.k;
+  threshold_ = opts.threshold;
+}
 
 }  // namespace custom_router

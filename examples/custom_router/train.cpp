@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
     mc.d_ff = 128;
     mc.router.num_experts = 8;
     mc.router.k = 2;
-    mc.router.init_std = 0.02;
+    mc.router.options<custom_router::NoisyScorer>().init_std = 0.02;
     mc.router.load_balance_coef = 0.01;
     Model lm(mc, 1);
     std::printf("train: router %s, vocabulary %zu, %zu train / %zu test tokens, %lld parameters\n",

@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a graph-routed MoE transformer language model (graphmoe)"};
   std::string routers;
   for (const auto& n : router_names()) routers += (routers.empty() ? "" : ", ") + n;
+  // the options of the policies train_lm's routers use (the Similarity and Attention graphs,
+  // SMoE-Dropout's schedule); a router ignores those of policies it does not have
+  auto& sim = m.router.options<Similarity>();
+  auto& sched = m.router.options<ScheduledTopK>();
   std::string layout = "switch", tau_mode = "fixed";
   app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
   app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
@@ -53,15 +57,15 @@ int main(int argc, char** argv) {
   app.add_option("--experts", m.router.num_experts, "experts per MoE layer E")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--top-k", m.router.k, "experts per token k")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--seq", m.max_seq_len, "sequence length")->check(examples::integer<index_t>(1, examples::kMaxSeq));
-  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_option("--tau", sim.tau, "Similarity graph temperature (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau (CPU)")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
-  app.add_flag("--graph-exclude-self", m.router.similarity_exclude_self, "Similarity graph: leave S[i,i] out of each row (CPU)");
-  app.add_flag("--graph-projection", m.router.similarity_projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity (CPU)");
-  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_flag("--graph-exclude-self", sim.exclude_self, "Similarity graph: leave S[i,i] out of each row (CPU)");
+  app.add_flag("--graph-projection", sim.projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity (CPU)");
+  app.add_option("--sigma", m.router.options<Attention>().sigma, "Attention graph sigma (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(examples::real(0, examples::kMaxCoef));
-  app.add_option("--k-min", m.router.k_min, "SMoE-Dropout: first k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
-  app.add_option("--k-max", m.router.k_max, "SMoE-Dropout: last k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--k-min", sched.k_min, "SMoE-Dropout: first k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--k-max", sched.k_max, "SMoE-Dropout: last k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--steps", opt.steps, "optimizer steps")->check(examples::integer<std::int64_t>(1, examples::kMaxSteps));
   app.add_option("--batch", opt.batch, "sequences per batch")->check(examples::integer<index_t>(1, examples::kMaxBatch));
   app.add_option("--lr", opt.lr, "peak learning rate (AdamW)")->check(examples::positive_real(examples::kMaxLR));
@@ -85,12 +89,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
-  m.router.tau_mode = tau_mode == "scaled"    ? TauMode::ScaledSqrtD
-                     : tau_mode == "learned" ? TauMode::Learned
-                                             : TauMode::Fixed;
+  sim.tau_mode = tau_mode == "scaled"    ? TauMode::ScaledSqrtD
+                 : tau_mode == "learned" ? TauMode::Learned
+                                         : TauMode::Fixed;
   if (opt.router.rfind("smoe-dropout", 0) == 0) {
-    m.router.k_max = std::max(m.router.k_max, m.router.k);
-    m.router.schedule_steps = opt.steps;
+    sched.k_max = std::max(sched.k_max, m.router.k);
+    sched.schedule_steps = opt.steps;
   }
   try {
     train_lm::Data data;
@@ -104,8 +108,7 @@ int main(int argc, char** argv) {
     GRAPHMOE_CHECK(opt.attack_rate == 0.0 || !opt.test_path.empty(), "train_lm",
                    "--attack-rate needs a test set (--test)");
     // The similarity graph's options on a router without it would be silently ignored.
-    GRAPHMOE_CHECK((m.router.tau_mode != TauMode::Learned && !m.router.similarity_exclude_self &&
-                    !m.router.similarity_projection) ||
+    GRAPHMOE_CHECK((sim.tau_mode != TauMode::Learned && !sim.exclude_self && !sim.projection) ||
                        opt.router.find("similarity") != std::string::npos,
                    "train_lm", "--tau-mode learned, --graph-exclude-self and --graph-projection are options of the "
                    "Similarity graph; the router '", opt.router, "' has none");

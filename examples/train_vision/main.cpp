@@ -44,8 +44,8 @@ int main(int argc, char** argv) {
   app.add_option("--d-ff", m.d_ff, "expert hidden size")->check(examples::integer<index_t>(1, examples::kMaxWidth));
   app.add_option("--experts", m.router.num_experts, "experts per MoE layer")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--top-k", m.router.k, "experts per token")->check(examples::integer<index_t>(1, examples::kMaxExperts));
-  app.add_option("--tau", m.router.similarity_tau, "Similarity graph temperature")->check(examples::positive_real(examples::kMaxCoef));
-  app.add_option("--sigma", m.router.attention_sigma, "Attention graph sigma")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_option("--tau", m.router.options<Similarity>().tau, "Similarity graph temperature")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_option("--sigma", m.router.options<Attention>().sigma, "Attention graph sigma")->check(examples::positive_real(examples::kMaxCoef));
   std::string head_choice = "per-sequence";
   app.add_option("--head-choice", head_choice,
                  "Attention graph: h* of lowest mean entropy over the whole image (per-sequence, "
@@ -72,9 +72,12 @@ int main(int argc, char** argv) {
   app.add_option("--corrupt-seed", opt.corrupt_seed, "seed of the corruptions' noise")->check(examples::seed());
   CLI11_PARSE(app, argc, argv);
   m.layout = layout == "alternating" ? VisionLayout::Alternating : VisionLayout::Last;
-  m.router.head_choice =
+  m.router.options<Attention>().head_choice =
       head_choice == "per-prefix" ? HeadChoice::PerSequenceCausal : HeadChoice::PerSequence;
-  if (opt.router.rfind("smoe-dropout", 0) == 0) m.router.k_max = std::max(m.router.k_max, m.router.k);
+  if (opt.router.rfind("smoe-dropout", 0) == 0) {
+    auto& sched = m.router.options<ScheduledTopK>();
+    sched.k_max = std::max(sched.k_max, m.router.k);
+  }
   try {
     // --corrupt: names in the order given, each once; "all" = every corruption
     for (std::size_t at = 0; !corrupt.empty() && at <= corrupt.size();) {

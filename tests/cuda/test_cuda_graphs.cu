@@ -31,6 +31,7 @@
 #include "cuda/cuda_test_support.cuh"
 #include "routing/router_fixtures.hpp"
 #include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
 
 // Everything lives in namespace graphmoe: with `using namespace graphmoe;` at global scope the
 // backend tag `cuda` would be ambiguous with CCCL's `namespace cuda` (libcu++).
@@ -127,8 +128,8 @@ void compare_similarity(const SimilarityCase& sc, const RouterConfig& cfg, Rng& 
   CAPTURE(sc.d);
   CAPTURE(sc.e);
   CAPTURE(cfg.causal);
-  CAPTURE(static_cast<int>(cfg.tau_mode));
-  CAPTURE(cfg.detach_graph);
+  CAPTURE(static_cast<int>(cfg.options<Similarity>().tau_mode));
+  CAPTURE(cfg.options<Similarity>().detach);
   const index_t n = sc.nseq * sc.len;
   auto u = random_normal<T>({n, sc.d}, rng, 0.7);
   auto r = random_probs<T>(n, sc.e, rng);
@@ -179,8 +180,8 @@ void compare_attention(const AttentionCase& ac, const RouterConfig& cfg, bool ca
   CAPTURE(ac.len);
   CAPTURE(ac.heads);
   CAPTURE(causal);
-  CAPTURE(static_cast<int>(cfg.head_choice));
-  CAPTURE(cfg.detach_graph);
+  CAPTURE(static_cast<int>(cfg.options<Attention>().head_choice_for(cfg.causal)));
+  CAPTURE(cfg.options<Attention>().detach);
   CAPTURE(with_bias);
   CAPTURE(with_row_entropy);
   const index_t n = ac.nb * ac.len;
@@ -272,8 +273,8 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Similarity forward and backward, causal and not
         RouterConfig cfg;
         cfg.num_experts = sc.e;
         cfg.causal = causal;
-        cfg.tau_mode = mode;
-        cfg.similarity_tau = mode == TauMode::Fixed ? 2.0 : 0.5;
+        cfg.options<Similarity>().tau_mode = mode;
+        cfg.options<Similarity>().tau = mode == TauMode::Fixed ? 2.0 : 0.5;
         compare_similarity<T>(sc, cfg, rng);
       }
     }
@@ -288,10 +289,10 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Similarity detached, and similarity_recompute c
     RouterConfig cfg;
     cfg.num_experts = 5;
     cfg.causal = causal;
-    cfg.detach_graph = true;  // du untouched, dr still assigned
+    cfg.options<Similarity>().detach = true;  // du untouched, dr still assigned
     compare_similarity<T>(SimilarityCase{2, 45, 20, 5}, cfg, rng);
-    cfg.detach_graph = false;
-    cfg.similarity_recompute = true;  // the CPU recomputes too; the GPU always does
+    cfg.options<Similarity>().detach = false;
+    cfg.options<Similarity>().recompute = true;  // the CPU recomputes too; the GPU always does
     compare_similarity<T>(SimilarityCase{2, 45, 20, 5}, cfg, rng);
   }
 }
@@ -330,17 +331,17 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Attention forward and backward into the attenti
       for (const HeadChoice choice : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
         RouterConfig cfg;
         cfg.num_experts = ac.e;
-        cfg.attention_sigma = 1.5;
-        cfg.head_choice = choice;
+        cfg.options<Attention>().sigma = 1.5;
+        cfg.options<Attention>().head_choice = choice;
         compare_attention<T>(ac, cfg, causal, true, false, rng);
       }
     }
   }
   RouterConfig cfg;
   cfg.num_experts = 4;
-  cfg.head_choice = HeadChoice::PerSequenceCausal;
+  cfg.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;
   compare_attention<T>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, false, true, rng);
-  cfg.detach_graph = true;
+  cfg.options<Attention>().detach = true;
   compare_attention<T>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, true, false, rng);
 }
 
@@ -386,7 +387,7 @@ TEST_CASE("cuda vs cpu: bad graph inputs throw the CPU messages") {
     same("du shape", error_of([&] { c.backward(u, r, p, r, {len, nullptr}, dr, du_bad); }),
          error_of([&] { g.backward(ud, rd, pd, rd, {len, nullptr}, drd, dud_bad); }));
     RouterConfig bad = cfg;
-    bad.similarity_tau = -1;
+    bad.options<Similarity>().tau = -1;
     same("tau", error_of([&] { c.configure(d, bad); }), error_of([&] { g.configure(d, bad); }));
   }
 

@@ -220,7 +220,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the Similarity-Aware router", T,
     CAPTURE(causal);
     RouterConfig rc = small_router();
     rc.causal = causal;
-    rc.similarity_tau = 2.0;
+    rc.options<graphmoe::Similarity>().tau = 2.0;
     compare_moe<SimilarityRouter, T>(rc, 3, 37);
   }
 }
@@ -235,7 +235,7 @@ TEST_CASE("cuda vs cpu: MoE layer with bf16 and fp16 expert compute (fp32 router
   SKIP_WITHOUT_CUDA_DEVICE();
   RouterConfig rc = small_router();
   rc.causal = true;
-  rc.similarity_tau = 2.0;
+  rc.options<graphmoe::Similarity>().tau = 2.0;
   compare_moe<SimilarityRouter, float, __nv_bfloat16>(rc, 3, 37, 2e-2);
   compare_moe<SoftmaxRouter, float, __nv_bfloat16>(small_router(), 2, 9, 2e-2);
   compare_moe<SimilarityRouter, float, __half>(rc, 3, 37, 3e-3);
@@ -246,9 +246,9 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the X-MoE (cosine) routers", T, 
   for (bool learnable : {false, true}) {
     CAPTURE(learnable);
     RouterConfig rc = small_router();
-    rc.cosine_dim = 8;
-    rc.cosine_learnable_temperature = learnable;
-    rc.similarity_tau = 2.0;
+    rc.options<graphmoe::CosineScorer>().dim = 8;
+    rc.options<graphmoe::CosineScorer>().learnable_temperature = learnable;
+    rc.options<graphmoe::Similarity>().tau = 2.0;
     compare_moe<XMoERouter, T>(rc, 2, 9);
     compare_moe<SimilarityXMoERouter, T>(rc, 2, 9);
   }
@@ -258,9 +258,9 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the SMoE-Dropout router (frozen,
                    float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();
   RouterConfig rc = small_router();
-  rc.k_min = 1;
-  rc.k_max = 4;
-  rc.schedule_steps = 10;
+  rc.options<graphmoe::ScheduledTopK>().k_min = 1;
+  rc.options<graphmoe::ScheduledTopK>().k_max = 4;
+  rc.options<graphmoe::ScheduledTopK>().schedule_steps = 10;
   compare_moe<SMoEDropoutRouter, T>(rc, 2, 8);
   compare_moe<SimilaritySMoEDropoutRouter, T>(rc, 2, 8);
 }

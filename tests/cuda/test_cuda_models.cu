@@ -47,7 +47,7 @@ TransformerLMConfig tiny_lm(MoELayout layout) {
   c.layout = layout;
   c.router.num_experts = 4;
   c.router.k = 2;
-  c.router.similarity_tau = 2.0;
+  c.router.options<graphmoe::Similarity>().tau = 2.0;
   c.init_std = 0.2;
   return c;
 }

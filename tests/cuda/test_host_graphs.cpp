@@ -30,6 +30,7 @@
 #include "graphmoe/routing/token_graphs.hpp"
 #include "routing/router_fixtures.hpp"
 #include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
 
 #if THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM_CPP && \
     THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM_OMP
@@ -256,9 +257,9 @@ void check_similarity(const SimilarityCase& sc, bool causal, TauMode mode, bool 
   RouterConfig cfg;
   cfg.num_experts = sc.e;
   cfg.causal = causal;
-  cfg.tau_mode = mode;
-  cfg.similarity_tau = mode == TauMode::Fixed ? 2.0 : 0.5;
-  cfg.detach_graph = detach;
+  cfg.options<Similarity>().tau_mode = mode;
+  cfg.options<Similarity>().tau = mode == TauMode::Fixed ? 2.0 : 0.5;
+  cfg.options<Similarity>().detach = detach;
   GraphImpl<Similarity, T> ref;
   ref.configure(sc.d, cfg);
   auto u = random_normal<T>({n, sc.d}, rng, 1.0);
@@ -371,7 +372,7 @@ struct HostAttention {
     post = filled<T>({n, len}, std::numeric_limits<T>::quiet_NaN());
     row_entropy = Tensor<T>({n});
     heads.assign(static_cast<std::size_t>(n), -1);
-    const T inv_var = static_cast<T>(1.0 / (cfg.attention_sigma * cfg.attention_sigma));
+    const T inv_var = static_cast<T>(1.0 / (cfg.options<Attention>().sigma * cfg.options<Attention>().sigma));
     // attention_row_entropy_kernel
     Tensor<T> ent = c.row_entropy;
     if (ent.empty()) {
@@ -384,7 +385,7 @@ struct HostAttention {
     }
     // attention_choose_heads_kernel: one call per sequence
     std::vector<double> prefix(static_cast<std::size_t>(nb * nh));
-    const bool causal_choice = cfg.head_choice == HeadChoice::PerSequenceCausal;
+    const bool causal_choice = cfg.options<Attention>().head_choice == HeadChoice::PerSequenceCausal;
     thrust::for_each(thrust::cpp::par, thrust::counting_iterator<index_t>(0),
                      thrust::counting_iterator<index_t>(nb), [&](index_t b) {
                        gm::choose_heads(ent.data() + b * nh * len, nh, len, causal_choice,
@@ -439,8 +440,8 @@ struct HostAttention {
     const index_t dvc = c.v.cols(), dh = dvc / nh;
     graph_gemm(Trans::T, Trans::N, len, e, len, T(1), post.data(), len, len * len, dp.data(), e,
                len * e, T(0), dr.data(), e, len * e, nb);
-    if (cfg.detach_graph) return;
-    const T inv_var = static_cast<T>(1.0 / (cfg.attention_sigma * cfg.attention_sigma));
+    if (cfg.options<Attention>().detach) return;
+    const T inv_var = static_cast<T>(1.0 / (cfg.options<Attention>().sigma * cfg.options<Attention>().sigma));
     const T fh = static_cast<T>(nh);
     Tensor<T> rowdot({n}), dl({n, len});
     for (index_t i = 0; i < n; ++i)
@@ -532,9 +533,9 @@ void check_attention(index_t nb, index_t len, index_t nh, index_t d, index_t e, 
     if (!g->empty()) *g = random_normal<T>(g->shape(), rng, 0.1);
   RouterConfig cfg;
   cfg.num_experts = e;
-  cfg.attention_sigma = 1.5;
-  cfg.head_choice = choice;
-  cfg.detach_graph = detach;
+  cfg.options<Attention>().sigma = 1.5;
+  cfg.options<Attention>().head_choice = choice;
+  cfg.options<Attention>().detach = detach;
   auto u = random_normal<T>({n, d}, rng);
   auto r = random_probs<T>(n, e, rng);
   auto dp = random_normal<T>({n, e}, rng);
@@ -725,7 +726,7 @@ TEST_CASE("host tiles vs cpu: Attention heads from the cache's row entropies, al
   auto r = random_probs<double>(nb * len, e, rng);
   RouterConfig cfg;
   cfg.num_experts = e;
-  cfg.head_choice = HeadChoice::PerSequenceCausal;
+  cfg.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;
   // reversed entropies pick other heads; host and CPU agree exactly
   cache.row_entropy = random_normal<double>({nb, nh, len}, rng);
   GraphImpl<Attention, double> ref;
@@ -742,7 +743,7 @@ TEST_CASE("host tiles vs cpu: Attention heads from the cache's row entropies, al
 
   // an all-zero attention row of the chosen head: the same message as the CPU
   cache.row_entropy = Tensor<double>();
-  cfg.head_choice = HeadChoice::PerSequence;
+  cfg.options<Attention>().head_choice = HeadChoice::PerSequence;
   ref.configure(d, cfg);
   host.cfg = cfg;
   ref.forward(u, r, {len, &cache}, p_ref);

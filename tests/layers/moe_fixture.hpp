@@ -6,6 +6,7 @@
 
 #include "graphmoe/layers/moe.hpp"
 #include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
 
 namespace graphmoe::test {
 
@@ -20,11 +21,11 @@ struct MoEFixture {
     cfg.d_ff = f;
     cfg.router.num_experts = e;
     cfg.router.k = k;
-    cfg.router.k_min = 1;
-    cfg.router.k_max = k;
-    cfg.router.schedule_steps = 1;
-    cfg.router.cosine_dim = 3;
-    cfg.router.init_std = 0.5;
+    cfg.router.options<graphmoe::ScheduledTopK>().k_min = 1;
+    cfg.router.options<graphmoe::ScheduledTopK>().k_max = k;
+    cfg.router.options<graphmoe::ScheduledTopK>().schedule_steps = 1;
+    cfg.router.options<graphmoe::CosineScorer>().dim = 3;
+    test::set_scorer_init_std(cfg.router, 0.5);
     cfg.init_std = 0.5;
   }
   void build(std::uint64_t seed) {

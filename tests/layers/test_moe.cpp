@@ -7,6 +7,7 @@
 #include "graphmoe/layers/moe.hpp"
 #include "layers/moe_fixture.hpp"
 #include "routing/router_fixtures.hpp"
+#include "support/router_options.hpp"
 
 using namespace graphmoe;
 using namespace graphmoe::test;
@@ -27,7 +28,7 @@ TEST_CASE_TEMPLATE("MoE layer gradient check with every router, graph attached a
     if (detach && std::is_same_v<typename Policy::graph, Independent>) continue;
     CAPTURE(detach);
     Fixture<Policy> fx;
-    fx.cfg.router.detach_graph = detach;
+    test::set_graph_detach(fx.cfg.router, detach);
     fx.cfg.router.causal = true;
     fx.cfg.router.load_balance_coef = expert_choice ? 0.0 : 0.05;
     fx.build(31);
@@ -88,7 +89,7 @@ TEST_CASE_TEMPLATE("MoE layer: causal graph, perturbing token j > i leaves outpu
   // Without the mask, a later token does change earlier outputs.
   Fixture<Policy> fx2(6, 5, 4, 2);
   fx2.cfg.router.causal = false;
-  fx2.cfg.router.similarity_tau = 5.0;
+  fx2.cfg.router.template options<Similarity>().tau = 5.0;
   fx2.build(41);
   Tensor<double> z0, z1;
   fx2.layer.forward(u, {len, nullptr}, z0);

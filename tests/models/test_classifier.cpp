@@ -10,6 +10,7 @@
 #include "graphmoe/models/sequence_classifier.hpp"
 #include "graphmoe/train/pretrained.hpp"
 #include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
 
 using namespace graphmoe;
 using namespace graphmoe::test;
@@ -25,8 +26,8 @@ TransformerLMConfig tiny() {
   c.d_ff = 3;
   c.router.num_experts = 3;
   c.router.k = 2;
-  c.router.init_std = 0.5;
-  c.router.similarity_tau = 2.0;
+  test::set_scorer_init_std(c.router, 0.5);
+  c.router.options<Similarity>().tau = 2.0;
   c.init_std = 0.4;
   return c;
 }

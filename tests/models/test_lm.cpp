@@ -4,6 +4,7 @@
 
 #include "graphmoe/models/transformer_lm.hpp"
 #include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
 
 using namespace graphmoe;
 using namespace graphmoe::test;
@@ -19,14 +20,14 @@ TransformerLMConfig tiny_config() {
   c.d_ff = 3;
   c.router.num_experts = 3;
   c.router.k = 2;
-  c.router.k_min = 1;
-  c.router.k_max = 2;
-  c.router.schedule_steps = 1;
-  c.router.cosine_dim = 3;
-  c.router.init_std = 0.5;
+  c.router.options<ScheduledTopK>().k_min = 1;
+  c.router.options<ScheduledTopK>().k_max = 2;
+  c.router.options<ScheduledTopK>().schedule_steps = 1;
+  c.router.options<CosineScorer>().dim = 3;
+  test::set_scorer_init_std(c.router, 0.5);
   c.router.load_balance_coef = 0.05;
   c.router.z_loss_coef = 0.01;
-  c.router.similarity_tau = 2.0;
+  c.router.options<Similarity>().tau = 2.0;
   c.init_std = 0.4;
   return c;
 }
@@ -67,9 +68,9 @@ TEST_CASE_TEMPLATE("TransformerLM gradient check of the whole tiny model (2 laye
 
 TEST_CASE("TransformerLM gradient check with the Similarity graph's parameters (learned tau, W_s)") {
   auto cfg = tiny_config();
-  cfg.router.tau_mode = TauMode::Learned;
-  cfg.router.similarity_projection = true;
-  cfg.router.similarity_exclude_self = true;
+  cfg.router.options<Similarity>().tau_mode = TauMode::Learned;
+  cfg.router.options<Similarity>().projection = true;
+  cfg.router.options<Similarity>().exclude_self = true;
   TransformerLM<SimilarityRouter, double> lm(cfg, 3);
   // one log_tau and one (D, D) W_s per MoE layer, in the arena (so in checkpoints)
   index_t graph_params = 0;
@@ -174,6 +175,10 @@ TEST_CASE("TransformerLM bad input") {
   bad.router.causal = false;
   CHECK_THROWS_WITH_AS((TransformerLM<SimilarityRouter, float>(bad)), doctest::Contains("router.causal is false, but the LM is causal"), Error);
   bad = tiny_config();
-  bad.router.head_choice = HeadChoice::PerSequence;
-  CHECK_THROWS_WITH_AS((TransformerLM<AttentionRouter, float>(bad)), doctest::Contains("needs HeadChoice::PerSequenceCausal"), Error);
+  bad.router.options<Attention>().head_choice = HeadChoice::PerSequence;
+  CHECK_THROWS_WITH_AS((TransformerLM<AttentionRouter, float>(bad)), doctest::Contains("use HeadChoice::PerSequenceCausal"), Error);
+  // unset, the Attention graph's head choice follows the router's causality; set, it is kept
+  CHECK(!tiny_config().router.options<Attention>().head_choice.has_value());
+  CHECK(tiny_config().router.options<Attention>().head_choice_for(true) == HeadChoice::PerSequenceCausal);
+  CHECK(tiny_config().router.options<Attention>().head_choice_for(false) == HeadChoice::PerSequence);
 }

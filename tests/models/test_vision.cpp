@@ -3,6 +3,7 @@
 
 #include "graphmoe/models/vision_moe.hpp"
 #include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
 
 using namespace graphmoe;
 using namespace graphmoe::test;
@@ -22,8 +23,8 @@ VisionMoEConfig tiny() {
   c.moe_last = 1;
   c.router.num_experts = 3;
   c.router.k = 2;
-  c.router.init_std = 0.5;
-  c.router.similarity_tau = 2.0;
+  test::set_scorer_init_std(c.router, 0.5);
+  c.router.options<Similarity>().tau = 2.0;
   c.router.load_balance_coef = 0.05;
   c.init_std = 0.4;
   return c;
@@ -92,7 +93,7 @@ TEST_CASE("VisionMoE bad input") {
   causal.router.causal = true;
   CHECK_THROWS_WITH_AS((VisionMoE<SimilarityRouter, float>(causal)), doctest::Contains("set router.causal = false"), Error);
   causal = tiny();
-  causal.router.head_choice = HeadChoice::PerSequenceCausal;  // h* per prefix: an allowed choice
+  causal.router.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;  // h* per prefix: an allowed choice
   VisionMoE<AttentionRouter, float> prefix(causal);
   VisionMoE<SoftmaxRouter, float> m(cfg);
   Tensor<std::int32_t> none;

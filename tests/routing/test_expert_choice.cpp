@@ -12,6 +12,7 @@
 #include "graphmoe/layers/moe.hpp"
 #include "layers/moe_fixture.hpp"
 #include "routing/router_fixtures.hpp"
+#include "support/router_options.hpp"
 
 using namespace graphmoe;
 using namespace graphmoe::test;
@@ -179,7 +180,7 @@ TEST_CASE("ExpertChoice: gradient check of the gates (dp at the kept slots)") {
 
 TEST_CASE("MoE layer with expert choice: y_t is the p-weighted sum of the experts that took t") {
   MoEFixture<ExpertChoiceRouter> fx(5, 4, 4, 1);  // k = 1: c = ceil(8 / 4) = 2 tokens per expert
-  fx.cfg.router.init_std = 0.8;
+  test::set_scorer_init_std(fx.cfg.router, 0.8);
   fx.build(6);
   auto& layer = fx.layer;
   auto& arena = fx.arena;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/routing/router.hpp"
@@ -119,9 +120,9 @@ TEST_CASE("similarity graph: matches Definition 2 evaluated loop by loop") {
       auto r = random_probs<double>(nb * len, e, rng);
       RouterConfig cfg;
       cfg.num_experts = e;
-      cfg.similarity_tau = 1.3;
+      cfg.options<Similarity>().tau = 1.3;
       cfg.causal = causal;
-      cfg.similarity_recompute = len > 100;
+      cfg.options<Similarity>().recompute = len > 100;
       GraphImpl<Similarity, double> g;
       g.configure(d, cfg);
       Tensor<double> p;
@@ -153,10 +154,10 @@ TEST_CASE("similarity graph: similarity_projection matches Definition 2 with W_s
         auto r = random_probs<double>(nb * len, e, rng);
         RouterConfig cfg;
         cfg.num_experts = e;
-        cfg.similarity_tau = 0.9;
+        cfg.options<Similarity>().tau = 0.9;
         cfg.causal = causal;
-        cfg.similarity_recompute = recompute;
-        cfg.similarity_projection = true;
+        cfg.options<Similarity>().recompute = recompute;
+        cfg.options<Similarity>().projection = true;
         ParameterArena<double> arena;
         GraphImpl<Similarity, double> g;
         g.declare(arena, "graph.", d, cfg);
@@ -195,7 +196,7 @@ TEST_CASE("similarity graph: similarity_projection matches Definition 2 with W_s
   // configure alone has no W_s: a clear error; tokens of another width too
   RouterConfig cfg;
   cfg.num_experts = 3;
-  cfg.similarity_projection = true;
+  cfg.options<Similarity>().projection = true;
   auto u = random_normal<double>({4, 3}, rng);
   auto r = random_probs<double>(4, 3, rng);
   Tensor<double> p;
@@ -224,10 +225,10 @@ TEST_CASE("similarity graph: exclude_self matches Definition 2 without the diago
         auto r = random_probs<double>(nb * len, e, rng);
         RouterConfig cfg;
         cfg.num_experts = e;
-        cfg.similarity_tau = 0.9;
+        cfg.options<Similarity>().tau = 0.9;
         cfg.causal = causal;
-        cfg.similarity_recompute = recompute;
-        cfg.similarity_exclude_self = true;
+        cfg.options<Similarity>().recompute = recompute;
+        cfg.options<Similarity>().exclude_self = true;
         GraphImpl<Similarity, double> g;
         g.configure(d, cfg);
         Tensor<double> p;
@@ -247,7 +248,7 @@ TEST_CASE("similarity graph: exclude_self matches Definition 2 without the diago
         CHECK(g.mean_entropy() == doctest::Approx(ent_mean).epsilon(1e-10));
         CHECK(g.mean_self_weight() == doctest::Approx(self).epsilon(1e-12));
         // without the option, the self-weight is the diagonal of Definition 2's S
-        cfg.similarity_exclude_self = false;
+        cfg.options<Similarity>().exclude_self = false;
         GraphImpl<Similarity, double> plain;
         plain.configure(d, cfg);
         plain.forward(u, r, {len, nullptr}, p);
@@ -264,8 +265,8 @@ TEST_CASE("similarity graph: a learned temperature is exp(log_tau), read at ever
   auto r = random_probs<double>(nb * len, e, rng);
   RouterConfig cfg;
   cfg.num_experts = e;
-  cfg.similarity_tau = 2.5;
-  cfg.tau_mode = TauMode::Learned;
+  cfg.options<Similarity>().tau = 2.5;
+  cfg.options<Similarity>().tau_mode = TauMode::Learned;
   ParameterArena<double> arena;
   GraphImpl<Similarity, double> g;
   g.declare(arena, "graph.", d, cfg);
@@ -308,8 +309,8 @@ TEST_CASE("similarity graph: tau scaled with the width uses tau * sqrt(D)") {
   auto r = random_probs<double>(len, e, rng);
   RouterConfig cfg;
   cfg.num_experts = e;
-  cfg.similarity_tau = 0.5;
-  cfg.tau_mode = TauMode::ScaledSqrtD;
+  cfg.options<Similarity>().tau = 0.5;
+  cfg.options<Similarity>().tau_mode = TauMode::ScaledSqrtD;
   GraphImpl<Similarity, double> g;
   g.configure(d, cfg);
   CHECK(g.tau() == doctest::Approx(1.5));
@@ -331,7 +332,7 @@ TEST_CASE("attention graph: matches Lemma 1 / Eq. 13 with the full Gaussian like
     auto r = random_probs<double>(nb * len, e, rng);
     RouterConfig cfg;
     cfg.num_experts = e;
-    cfg.attention_sigma = sigma;
+    cfg.options<Attention>().sigma = sigma;
     GraphImpl<Attention, double> g;
     g.configure(d, cfg);
     Tensor<double> p;
@@ -380,7 +381,7 @@ TEST_CASE("attention graph: priors at or below the floor count as zero, so float
     RouterConfig cfg;
     cfg.num_experts = e;
     cfg.causal = causal;
-    cfg.attention_sigma = 0.05;
+    cfg.options<Attention>().sigma = 0.05;
     GraphImpl<Attention, float> g;
     g.configure(d, cfg);
     GraphContext<float> ctx{len, &c};
@@ -410,7 +411,7 @@ TEST_CASE("attention graph: h* is the head of lowest mean attention entropy (Eq.
   cfg.num_experts = e;
   std::set<int> chosen;
   for (HeadChoice hc : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
-    cfg.head_choice = hc;
+    cfg.options<Attention>().head_choice = hc;
     GraphImpl<Attention, double> g;
     g.configure(d, cfg);
     Tensor<double> p;
@@ -495,16 +496,17 @@ TEST_CASE("selector: gates sum to 1 over k distinct experts; capacity drops over
 TEST_CASE("ScheduledTopK: linear k schedule from k_min to k_max, and the dense override") {
   RouterConfig cfg;
   cfg.num_experts = 16;
-  cfg.k_min = 2;
-  cfg.k_max = 8;
-  cfg.schedule_steps = 60;
+  cfg.options<ScheduledTopK>().k_min = 2;
+  cfg.options<ScheduledTopK>().k_max = 8;
+  cfg.options<ScheduledTopK>().schedule_steps = 60;
   using S = SelectorImpl<ScheduledTopK, float>;
-  CHECK(S::k_at(cfg, 0) == 2);
-  CHECK(S::k_at(cfg, 5) == 2);    // 6 * 5 / 60 = 0.5 rounds half to even (Python's round) -> 0
-  CHECK(S::k_at(cfg, 15) == 4);   // 1.5 -> 2
-  CHECK(S::k_at(cfg, 30) == 5);
-  CHECK(S::k_at(cfg, 60) == 8);
-  CHECK(S::k_at(cfg, 1000) == 8);
+  const auto& o = cfg.options<ScheduledTopK>();
+  CHECK(S::k_at(o, 0) == 2);
+  CHECK(S::k_at(o, 5) == 2);    // 6 * 5 / 60 = 0.5 rounds half to even (Python's round) -> 0
+  CHECK(S::k_at(o, 15) == 4);   // 1.5 -> 2
+  CHECK(S::k_at(o, 30) == 5);
+  CHECK(S::k_at(o, 60) == 8);
+  CHECK(S::k_at(o, 1000) == 8);
   S s;
   s.configure(cfg);
   s.set_step(30);
@@ -530,7 +532,7 @@ TEST_CASE("tau -> 0: S becomes the identity and the Similarity router equals the
   RouterConfig cfg;
   cfg.num_experts = e;
   cfg.k = 2;
-  cfg.similarity_tau = 1e-3;
+  cfg.options<Similarity>().tau = 1e-3;
   ParameterArena<double> arena;
   RouterImpl<SoftmaxRouter, double> soft;
   RouterImpl<SimilarityRouter, double> sim;
@@ -599,12 +601,21 @@ TEST_CASE("router: bad input") {
   cfg.k = 5;
   CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("k = 5 must be in [1, num_experts = 4]"), Error);
   cfg.k = 2;
-  cfg.similarity_tau = 0;
-  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("tau must be > 0"), Error);
-  cfg.similarity_tau = 1;
-  cfg.attention_sigma = -1;
-  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("sigma must be > 0"), Error);
-  cfg.attention_sigma = 1;
+  cfg.options<Similarity>().tau = 0;
+  CHECK_NOTHROW(cfg.validate());  // the common fields only
+  CHECK_THROWS_WITH_AS((cfg.validate_for<LinearScorer, Similarity, TopK>()),
+                       doctest::Contains("Similarity::Options: tau must be > 0"), Error);
+  CHECK_NOTHROW((cfg.validate_for<LinearScorer, Independent, TopK>()));  // no Similarity graph
+  cfg.options<Similarity>().tau = 1;
+  cfg.options<Attention>().sigma = -1;
+  CHECK_THROWS_WITH_AS((cfg.validate_for<LinearScorer, Attention, TopK>()),
+                       doctest::Contains("Attention::Options: sigma must be > 0"), Error);
+  {
+    ParameterArena<float> a;
+    RouterImpl<AttentionRouter, float> r;
+    CHECK_THROWS_WITH_AS(r.declare(a, "a.", 3, cfg), doctest::Contains("sigma must be > 0"), Error);
+  }
+  cfg.options<Attention>().sigma = 1;
 
   ParameterArena<float> arena;
   RouterImpl<SimilarityRouter, float> sim;
@@ -631,6 +642,54 @@ TEST_CASE("router: bad input") {
   CHECK_THROWS_WITH_AS(att.forward(u, {4, &bad}, out), doctest::Contains("attention probs have shape (1, 2, 4, 3)"), Error);
 }
 
+TEST_CASE("RouterConfig: each policy's options, by the policy's type") {
+  RouterConfig cfg;
+  const RouterConfig& ccfg = cfg;
+  // unset: the policy's defaults, and nothing stored
+  CHECK(ccfg.options<Similarity>().tau == 1.0);
+  CHECK(ccfg.options<Attention>().sigma == 1.0);
+  CHECK(ccfg.options<CosineScorer>().dim == 16);
+  CHECK(ccfg.options<ScheduledTopK>().k_max == 2);
+  CHECK(!cfg.has_options<Similarity>());
+  static_assert(std::is_same_v<policy_options_t<TopK>, NoOptions>);
+  static_assert(std::is_same_v<policy_options_t<Similarity>, Similarity::Options>);
+  // set: kept per policy; a reference stays valid while other policies' options are added
+  Similarity::Options& sim = cfg.options<Similarity>();
+  sim.tau = 0.25;
+  cfg.options<Attention>().sigma = 3;
+  cfg.options<LinearScorer>().bias = false;
+  cfg.set_options<ScheduledTopK>({.k_min = 1, .k_max = 3, .schedule_steps = 7});
+  sim.exclude_self = true;
+  CHECK(cfg.has_options<Similarity>());
+  CHECK(ccfg.options<Similarity>().tau == 0.25);
+  CHECK(ccfg.options<Similarity>().exclude_self);
+  CHECK(ccfg.options<Attention>().sigma == 3);
+  CHECK(!ccfg.options<LinearScorer>().bias);
+  CHECK(ccfg.options<FrozenRandomScorer>().init_std == 0.02);  // a different policy: its defaults
+  CHECK(ccfg.options<ScheduledTopK>().schedule_steps == 7);
+  // a copy is independent
+  RouterConfig copy = cfg;
+  copy.options<Similarity>().tau = 4;
+  CHECK(cfg.options<Similarity>().tau == 0.25);
+  CHECK(copy.options<Similarity>().tau == 4);
+  CHECK(copy.options<Attention>().sigma == 3);
+  // the implementations read them
+  GraphImpl<Similarity, double> g;
+  g.configure(4, cfg);
+  CHECK(g.tau() == 0.25);
+  // cross-checks with the common fields happen where both are known
+  cfg.num_experts = 2;
+  SelectorImpl<ScheduledTopK, double> s;
+  CHECK_THROWS_WITH_AS(s.configure(cfg), doctest::Contains("k_max = 3 exceeds num_experts = 2"), Error);
+  RouterConfig causal;
+  causal.causal = true;
+  causal.options<Attention>().head_choice = HeadChoice::PerSequence;
+  GraphImpl<Attention, double> a;
+  CHECK_THROWS_WITH_AS(a.configure(4, causal), doctest::Contains("but the router is causal"), Error);
+  causal.options<Attention>().head_choice.reset();
+  CHECK_NOTHROW(a.configure(4, causal));
+}
+
 TEST_CASE("attention graph: the attention layer's row entropies give the same h* and p as probs") {
   Rng rng(19);
   const index_t nb = 3, len = 8, heads = 4, d = 4, e = 3;
@@ -639,7 +698,7 @@ TEST_CASE("attention graph: the attention layer's row entropies give the same h*
   auto r = random_probs<double>(nb * len, e, rng);
   RouterConfig cfg;
   cfg.num_experts = e;
-  cfg.head_choice = HeadChoice::PerSequenceCausal;
+  cfg.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;
   GraphImpl<Attention, double> g;
   g.configure(d, cfg);
   Tensor<double> p1, p2;

@@ -4,6 +4,7 @@
 
 #include "graphmoe/routing/router.hpp"
 #include "routing/router_fixtures.hpp"
+#include "support/router_options.hpp"
 
 using namespace graphmoe;
 using namespace graphmoe::test;
@@ -25,10 +26,10 @@ RouterConfig small_config(index_t e, index_t k) {
   RouterConfig cfg;
   cfg.num_experts = e;
   cfg.k = k;
-  cfg.k_min = 1;
-  cfg.k_max = k;
-  cfg.schedule_steps = 10;
-  cfg.init_std = 0.5;
+  cfg.options<ScheduledTopK>().k_min = 1;
+  cfg.options<ScheduledTopK>().k_max = k;
+  cfg.options<ScheduledTopK>().schedule_steps = 10;
+  test::set_scorer_init_std(cfg, 0.5);
   return cfg;
 }
 
@@ -41,8 +42,8 @@ TEST_CASE_TEMPLATE("scorer gradient check", Policy, LinearScorer, CosineScorer, 
     Rng rng(21);
     const index_t n = 6, d = 5, e = 4;
     RouterConfig cfg = small_config<Policy>(e, 2);
-    cfg.cosine_dim = 3;
-    cfg.cosine_learnable_temperature = learnable;
+    cfg.options<CosineScorer>().dim = 3;
+    cfg.options<CosineScorer>().learnable_temperature = learnable;
     ParameterArena<double> arena;
     ScorerImpl<Policy, double> sc;
     sc.declare(arena, "s.", d, cfg);
@@ -86,10 +87,10 @@ TEST_CASE("similarity graph gradient check: causal, non-causal, across row block
     auto w = random_normal<double>({nb * cs.len, e}, rng);
     RouterConfig cfg;
     cfg.num_experts = e;
-    cfg.similarity_tau = 0.7;
+    cfg.options<Similarity>().tau = 0.7;
     cfg.causal = cs.causal;
-    cfg.detach_graph = cs.detach;
-    cfg.similarity_recompute = cs.recompute;
+    test::set_graph_detach(cfg, cs.detach);
+    cfg.options<Similarity>().recompute = cs.recompute;
     GraphImpl<Similarity, double> g;
     g.configure(cs.d, cfg);
     GraphContext<double> ctx{cs.len, nullptr};
@@ -131,12 +132,12 @@ TEST_CASE("similarity graph gradient check: exclude_self, a learned temperature,
     auto w = random_normal<double>({nb * cs.len, e}, rng);
     RouterConfig cfg;
     cfg.num_experts = e;
-    cfg.similarity_tau = 0.7;
+    cfg.options<Similarity>().tau = 0.7;
     cfg.causal = cs.causal;
-    cfg.similarity_recompute = cs.recompute;
-    cfg.similarity_exclude_self = cs.exclude;
-    cfg.tau_mode = cs.learned ? TauMode::Learned : TauMode::Fixed;
-    cfg.similarity_projection = cs.projection;
+    cfg.options<Similarity>().recompute = cs.recompute;
+    cfg.options<Similarity>().exclude_self = cs.exclude;
+    cfg.options<Similarity>().tau_mode = cs.learned ? TauMode::Learned : TauMode::Fixed;
+    cfg.options<Similarity>().projection = cs.projection;
     ParameterArena<double> arena;
     GraphImpl<Similarity, double> g;
     g.declare(arena, "graph.", d, cfg);
@@ -178,9 +179,9 @@ TEST_CASE("attention graph gradient check: into r, the attention probabilities, 
         auto w = random_normal<double>({nb * len, e}, rng);
         RouterConfig cfg;
         cfg.num_experts = e;
-        cfg.attention_sigma = 1.7;
-        cfg.head_choice = hc;
-        cfg.detach_graph = detach;
+        cfg.options<Attention>().sigma = 1.7;
+        cfg.options<Attention>().head_choice = hc;
+        test::set_graph_detach(cfg, detach);
         GraphImpl<Attention, double> g;
         g.configure(d, cfg);
         GraphContext<double> ctx{len, &cache};
@@ -288,9 +289,9 @@ TEST_CASE_TEMPLATE("whole router gradient check (gates + load balancing + z-loss
     Rng rng(26);
     const index_t nb = 2, len = 5, d = 4, e = 4, k = 2;
     RouterConfig cfg = small_config<Policy>(e, k);
-    cfg.cosine_dim = 3;
+    cfg.options<CosineScorer>().dim = 3;
     cfg.causal = true;
-    cfg.detach_graph = detach;
+    test::set_graph_detach(cfg, detach);
     cfg.load_balance_coef = 0.1;
     cfg.z_loss_coef = 0.01;
     ParameterArena<double> arena;

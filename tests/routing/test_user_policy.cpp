@@ -8,6 +8,7 @@
 
 #include "graphmoe/layers/moe.hpp"
 #include "routing/router_fixtures.hpp"
+#include "support/router_options.hpp"
 
 namespace user {
 
@@ -102,7 +103,7 @@ TEST_CASE("user token graph: forward through Router matches the prefix mean") {
   RouterConfig cfg;
   cfg.num_experts = e;
   cfg.k = 2;
-  cfg.init_std = 0.5;
+  cfg.options<LinearScorer>().init_std = 0.5;
   ParameterArena<double> arena;
   RouterImpl<PrefixMeanRouter, double> router;
   router.declare(arena, "router.", d, cfg);
@@ -135,7 +136,7 @@ TEST_CASE("user token graph: MoE layer gradient check") {
   cfg.d_ff = 3;
   cfg.router.num_experts = 4;
   cfg.router.k = 2;
-  cfg.router.init_std = 0.5;
+  cfg.router.options<LinearScorer>().init_std = 0.5;
   cfg.router.load_balance_coef = 0.05;
   cfg.init_std = 0.5;
   ParameterArena<double> arena;

@@ -7,11 +7,12 @@
 //
 // Plain struct in llm.c's style: forward calls the blocks in order, backward in reverse. All
 // parameters live in one ParameterArena (`arena`), named as a PyTorch user would expect
-// ("blocks.3.moe.router.weight"). In a causal LM the routers' token graphs are causal: the
-// Similarity graph masks later tokens and the Attention graph chooses h* from the prefix
-// (HeadChoice::PerSequenceCausal), so no logit at position i depends on a token after i. These
-// are the defaults of TransformerLMConfig::router, and validate() rejects a config that turns them
-// off (the model never overrides what it was given).
+// ("blocks.3.moe.router.weight"). In a causal LM the routers are causal (RouterConfig::causal):
+// the Similarity graph masks later tokens and the Attention graph chooses h* from the prefix
+// (HeadChoice::PerSequenceCausal, its default in a causal router; PerSequence is refused), so no
+// logit at position i depends on a token after i. causal is TransformerLMConfig::router's
+// default, and validate() rejects a config that turns it off (the model never overrides what it
+// was given).
 #pragma once
 
 #include <cmath>
@@ -39,7 +40,7 @@ struct TransformerLMConfig {
   index_t d_ff = 512;
   MoELayout layout = MoELayout::Switch;
   bool tie_embeddings = true;
-  // num_experts, k, graph options; causal graph and causal h* (required, see validate)
+  // num_experts, k, policies' options; causal (required, see validate)
   RouterConfig router = causal_router();
   GeluForm gelu = GeluForm::Tanh;
   double init_std = 0.02;
@@ -62,11 +63,10 @@ struct TransformerLMConfig {
     return c;
   }
 
-  // The RouterConfig defaults with the token graph made causal, as a causal LM needs.
+  // The RouterConfig defaults with the router made causal, as a causal LM needs.
   static RouterConfig causal_router() {
     RouterConfig r;
     r.causal = true;
-    r.head_choice = HeadChoice::PerSequenceCausal;
     return r;
   }
 
@@ -91,10 +91,8 @@ struct TransformerLMConfig {
     GRAPHMOE_CHECK(router.causal, "TransformerLMConfig",
                    "router.causal is false, but the LM is causal: a non-causal token graph lets "
                    "later tokens change how earlier ones are routed (leave it true, the default)");
-    GRAPHMOE_CHECK(router.head_choice == HeadChoice::PerSequenceCausal, "TransformerLMConfig",
-                   "router.head_choice is PerSequence, which chooses the Attention graph's h* from "
-                   "the whole sequence, later tokens included: a causal LM needs "
-                   "HeadChoice::PerSequenceCausal (the default)");
+    // (the Attention graph refuses HeadChoice::PerSequence in a causal router itself)
+    (void)router.options<Attention>().head_choice_for(router.causal);
     router.validate();
   }
 };

@@ -6,6 +6,7 @@
 //     static constexpr const char* name = "my-graph";
 //     template <class T, class B> using impl = MyGraphImpl<T, B>;   // any class template, any namespace
 //     static constexpr bool needs_attention_cache = false;          // optional (default false)
+//     struct Options { double width = 1; void validate() const; };  // optional (routing/policies.hpp)
 //   };
 //
 // and the implementation has the members listed below (exactly the calls RouterImpl makes). The
@@ -13,7 +14,9 @@
 // with check_*_policy<P, T, B>(), which fails with one message naming the first missing member.
 // No specialisation inside namespace graphmoe is needed. The built-in policies (policies.hpp)
 // follow the same rule: their impl is ScorerImpl / GraphImpl / SelectorImpl<Policy, T, B>.
-// docs/routers.md ("Writing a policy") walks through an example.
+// The implementation reads its options in configure / declare with cfg.options<MyGraph>() (the
+// defaults when none were set) and the common fields (num_experts, k, causal, ...) from cfg.
+// docs/extending.md walks through an example.
 #pragma once
 
 #include <concepts>

@@ -8,14 +8,22 @@
 //                            (expert, gate, keep) slots, m = k for token choice (TopK); expert
 //                            choice (ExpertChoice) fills a varying number of slots per token
 //
-// The tags below name the parts and their implementation (`impl<T, B>`); their numerical options
-// live in RouterConfig (one struct, so that a command line or a checkpoint maps onto it directly).
-// The implementations are in scorers.hpp, token_graphs.hpp and selectors.hpp. A user's policy is
-// any tag of the same form (routing/concepts.hpp states what its implementation must provide).
+// The tags below name the parts, their implementation (`impl<T, B>`) and their options (`Options`,
+// a plain struct with defaults and an optional validate()). RouterConfig holds what every router
+// has (experts, k, causality, capacity, auxiliary-loss coefficients) and one Options value per
+// policy, reached by the policy's type: cfg.options<Similarity>().tau = 0.5. The implementations
+// are in scorers.hpp, token_graphs.hpp and selectors.hpp. A user's policy is any tag of the same
+// form, its Options included (routing/concepts.hpp states what its implementation must provide).
 #pragma once
 
+#include <any>
 #include <cstdint>
+#include <list>
+#include <optional>
 #include <type_traits>
+#include <typeindex>
+#include <typeinfo>
+#include <utility>
 
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/backend.hpp"
@@ -35,53 +43,156 @@ class SelectorImpl;
 // r = softmax(W u + b)                                        (Switch / GShard / the paper's SMoE)
 struct LinearScorer {
   static constexpr const char* name = "linear";
+  struct Options {
+    bool bias = true;       // b in W u + b
+    double init_std = 0.02; // W ~ N(0, init_std^2), b = 0
+    void validate() const {
+      GRAPHMOE_CHECK(init_std >= 0, "LinearScorer::Options", "init_std must be >= 0, got ", init_std);
+    }
+  };
   template <class T, class B>
   using impl = ScorerImpl<LinearScorer, T, B>;
 };
 // X-MoE (Chi et al. 2022): gamma_e = <normalize(P u), normalize(e_e)> / temperature
 struct CosineScorer {
   static constexpr const char* name = "cosine";
+  // Defaults: projection 16 and expert-side + token-side L2 normalisation as in the X-MoE paper and
+  // torchscale's projection size; temperature 0.3 as LibMoE's fixed value (the X-MoE paper's
+  // learnable temperature has no published initial value); learnable off.
+  struct Options {
+    index_t dim = 16;                    // d, the projection's size
+    double temperature = 0.3;            // gamma is divided by it
+    bool learnable_temperature = false;  // "log_scale" parameter initialised to ln(1 / temperature)
+    void validate() const {
+      GRAPHMOE_CHECK(dim >= 1, "CosineScorer::Options", "dim must be >= 1, got ", dim);
+      GRAPHMOE_CHECK(temperature > 0, "CosineScorer::Options", "temperature must be > 0, got ",
+                     temperature);
+    }
+  };
   template <class T, class B>
   using impl = ScorerImpl<CosineScorer, T, B>;
 };
 // SMoE-Dropout (Chen et al. 2023): r = softmax(W u), W ~ N(0, 0.02^2), never updated
 struct FrozenRandomScorer {
   static constexpr const char* name = "frozen-random";
+  struct Options {
+    double init_std = 0.02;  // W ~ N(0, init_std^2) (SMoE-Dropout: 0.02); no bias
+    void validate() const {
+      GRAPHMOE_CHECK(init_std >= 0, "FrozenRandomScorer::Options", "init_std must be >= 0, got ",
+                     init_std);
+    }
+  };
   template <class T, class B>
   using impl = ScorerImpl<FrozenRandomScorer, T, B>;
 };
 
 // ---- token graphs -----------------------------------------------------------------------------
+// How tau of the Similarity graph is set.
+enum class TauMode {
+  Fixed,        // tau = Similarity::Options::tau (the paper: 1)
+  ScaledSqrtD,  // tau = Similarity::Options::tau * sqrt(D), as attention scales its logits
+  Learned,      // tau = exp(log_tau), one trained parameter per router ("graph.log_tau"),
+                // initialised to Similarity::Options::tau (CPU backend)
+};
+
+// How h* of the Attention graph is chosen (the paper: lowest mean attention entropy over tokens).
+enum class HeadChoice {
+  PerSequence,        // h* = argmin_h mean_i H(A_h[i,:]) over the whole sequence
+  PerSequenceCausal,  // h*_i = argmin_h mean_{i' <= i} H(A_h[i',:]): no dependence on later tokens
+};
+
 // p = r
 struct Independent {
   static constexpr const char* name = "independent";
   template <class T, class B>
   using impl = GraphImpl<Independent, T, B>;
 };
-// p_i = sum_j S[i,j] r_j, S = softmax(U U^T / tau) row-wise within each sequence
+
+// p_i = sum_j S[i,j] r_j, S = softmax(U U^T / tau) row-wise within each sequence (masked to j <= i
+// when RouterConfig::causal).
 struct Similarity {
   static constexpr const char* name = "similarity";
+  struct Options {
+    double tau = 1.0;  // the paper's tau = 1
+    TauMode tau_mode = TauMode::Fixed;
+    // Leave S[i,i] out of row i: p_i = sum_{j != i} S[i,j] r_j, the token's own scores dropped
+    // (u_i still weighs its neighbours); a causal sequence's first token, which has no neighbour,
+    // keeps S[0,0] = 1. CPU backend.
+    bool exclude_self = false;
+    // The graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s (D, D) a parameter
+    // ("<router>.graph.w_s") initialised to the identity, so training starts from the paper's
+    // graph (the paper's Definition 2 has W_s, "in practice W_s = I"). CPU backend.
+    bool projection = false;
+    // false: keep S (N x seq_len values) from forward for backward; true: keep O(N) and recompute
+    // S block by block in backward (one more U U^T GEMM).
+    bool recompute = false;
+    // No gradient through S (r still gets its gradient through p = S r).
+    bool detach = false;
+    void validate() const {
+      GRAPHMOE_CHECK(tau > 0 && tau < 1e300, "Similarity::Options", "tau must be > 0 and finite, got ",
+                     tau);
+      GRAPHMOE_CHECK(tau_mode == TauMode::Fixed || tau_mode == TauMode::ScaledSqrtD ||
+                         tau_mode == TauMode::Learned,
+                     "Similarity::Options", "tau_mode ", static_cast<int>(tau_mode),
+                     " is not a TauMode");
+    }
+  };
   template <class T, class B>
   using impl = GraphImpl<Similarity, T, B>;
 };
+
 // p_i = sum_j A^p_{h*}[i,j] r_j, A^p the attention posterior of Lemma 1
 struct Attention {
   static constexpr const char* name = "attention";
+  struct Options {
+    double sigma = 1.0;  // the paper's sigma = 1
+    // Unset (the default): PerSequenceCausal in a causal router (RouterConfig::causal), PerSequence
+    // otherwise. PerSequence in a causal router is refused: h* would depend on later tokens.
+    std::optional<HeadChoice> head_choice;
+    // No gradient through A^p (r still gets its gradient through p = A^p r).
+    bool detach = false;
+    void validate() const {
+      GRAPHMOE_CHECK(sigma > 0 && sigma < 1e300, "Attention::Options",
+                     "sigma must be > 0 and finite, got ", sigma);
+    }
+    // The head choice in a router that is (or is not) causal; refuses PerSequence in a causal one.
+    HeadChoice head_choice_for(bool causal) const {
+      const HeadChoice h =
+          head_choice.value_or(causal ? HeadChoice::PerSequenceCausal : HeadChoice::PerSequence);
+      GRAPHMOE_CHECK(!(causal && h == HeadChoice::PerSequence), "Attention::Options",
+                     "head_choice is PerSequence, which chooses h* from the whole sequence, later "
+                     "tokens included, but the router is causal: use HeadChoice::PerSequenceCausal "
+                     "(or leave head_choice unset)");
+      return h;
+    }
+  };
   template <class T, class B>
   using impl = GraphImpl<Attention, T, B>;
   static constexpr bool needs_attention_cache = true;  // reads GraphContext::attention
 };
 
 // ---- selectors --------------------------------------------------------------------------------
-// top-k of p, renormalised (Appendix C.3)
+// top-k of p, renormalised (Appendix C.3); RouterConfig::k experts per token
 struct TopK {
   static constexpr const char* name = "topk";
   template <class T, class B>
   using impl = SelectorImpl<TopK, T, B>;
 };
-// SMoE-Dropout: k rises linearly from k_min to k_max over `schedule_steps` steps
+// SMoE-Dropout: k rises linearly from k_min to k_max over `schedule_steps` steps:
+// k(t) = clamp(round((k_max - k_min) t / T) + k_min) (RouterConfig::k is not used)
 struct ScheduledTopK {
   static constexpr const char* name = "scheduled-topk";
+  struct Options {
+    index_t k_min = 1;
+    index_t k_max = 2;
+    std::int64_t schedule_steps = 1000;  // T
+    void validate() const {
+      GRAPHMOE_CHECK(k_min >= 1 && k_min <= k_max, "ScheduledTopK::Options",
+                     "need 1 <= k_min <= k_max, got k_min = ", k_min, ", k_max = ", k_max);
+      GRAPHMOE_CHECK(schedule_steps >= 1, "ScheduledTopK::Options",
+                     "schedule_steps must be >= 1, got ", schedule_steps);
+    }
+  };
   template <class T, class B>
   using impl = SelectorImpl<ScheduledTopK, T, B>;
 };
@@ -100,62 +211,45 @@ struct ExpertChoice {
   static constexpr bool chooses_across_tokens = true;
 };
 
-// How tau of the Similarity graph is set.
-enum class TauMode {
-  Fixed,        // tau = similarity_tau (the paper: 1)
-  ScaledSqrtD,  // tau = similarity_tau * sqrt(D), as attention scales its logits
-  Learned,      // tau = exp(log_tau), one trained parameter per router ("graph.log_tau"),
-                // initialised to similarity_tau (CPU backend)
+// ---- options ----------------------------------------------------------------------------------
+// A policy without options has none to set: its options type is NoOptions.
+struct NoOptions {
+  void validate() const {}
 };
 
-// How h* of the Attention graph is chosen (the paper: lowest mean attention entropy over tokens).
-enum class HeadChoice {
-  PerSequence,        // h* = argmin_h mean_i H(A_h[i,:]) over the whole sequence
-  PerSequenceCausal,  // h*_i = argmin_h mean_{i' <= i} H(A_h[i',:]): no dependence on later tokens
+namespace policy_detail {
+template <class P>
+struct options_of {
+  using type = NoOptions;
 };
+template <class P>
+  requires requires { typename P::Options; }
+struct options_of<P> {
+  using type = typename P::Options;
+};
+}  // namespace policy_detail
 
+// P::Options, or NoOptions for a policy without them.
+template <class P>
+using policy_options_t = typename policy_detail::options_of<P>::type;
+
+// Calls opts.validate() when the options type has one (a user's Options need not).
+template <class Opts>
+void validate_options(const Opts& opts) {
+  if constexpr (requires { opts.validate(); }) opts.validate();
+}
+
+// What every router has, and each policy's options by the policy's type. The options of policies
+// that a router does not use are ignored by it (a command line may set them all).
 struct RouterConfig {
   index_t num_experts = 16;  // E
-  index_t k = 2;             // experts per token (TopK); ScheduledTopK uses k_min..k_max
+  index_t k = 2;             // experts per token (TopK; ExpertChoice: on average); ScheduledTopK
+                             // uses its own k_min..k_max
 
-  // LinearScorer / FrozenRandomScorer
-  bool scorer_bias = true;     // LinearScorer only; FrozenRandomScorer has none (as SMoE-Dropout)
-  double init_std = 0.02;      // N(0, init_std^2) for W (SMoE-Dropout: 0.02)
-
-  // CosineScorer (X-MoE). Defaults: projection 16 and expert-side + token-side L2 normalisation as
-  // in the X-MoE paper and torchscale's projection size; temperature 0.3 as LibMoE's fixed value
-  // (the X-MoE paper's learnable temperature has no published initial value); learnable off.
-  index_t cosine_dim = 16;
-  double cosine_temperature = 0.3;
-  bool cosine_learnable_temperature = false;
-
-  // Similarity graph
-  double similarity_tau = 1.0;  // the paper's tau = 1
-  TauMode tau_mode = TauMode::Fixed;
-  bool causal = false;          // mask j > i (on by default in the LM, off in ViT / classifiers)
-  // Leave S[i,i] out of row i: p_i = sum_{j != i} S[i,j] r_j, the token's own scores dropped (u_i
-  // still weighs its neighbours); a causal sequence's first token, which has no neighbour, keeps
-  // S[0,0] = 1. CPU backend.
-  bool similarity_exclude_self = false;
-  // The graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s (D, D) a parameter
-  // ("<router>.graph.w_s") initialised to the identity, so training starts from the paper's
-  // graph (the paper's Definition 2 has W_s, "in practice W_s = I"). CPU backend.
-  bool similarity_projection = false;
-  // false: keep S (N x seq_len values) from forward for backward; true: keep O(N) and recompute
-  // S block by block in backward (one more U U^T GEMM).
-  bool similarity_recompute = false;
-
-  // Attention graph
-  double attention_sigma = 1.0;  // the paper's sigma = 1
-  HeadChoice head_choice = HeadChoice::PerSequence;
-
-  // Either graph: no gradient through S or A^p (r still gets its gradient through p = G r).
-  bool detach_graph = false;
-
-  // ScheduledTopK (SMoE-Dropout): k(t) = clamp(round((k_max - k_min) t / T) + k_min)
-  index_t k_min = 1;
-  index_t k_max = 2;
-  std::int64_t schedule_steps = 1000;
+  // No token's routing may depend on a later token of its sequence: the Similarity graph masks
+  // j > i, the Attention graph chooses h* from the prefix (Attention::Options). On by default in
+  // the LM (which requires it), off in ViT / classifiers. A user's graph reads it too.
+  bool causal = false;
 
   // Capacity: each expert takes at most ceil(capacity_factor * N * k / E) token slots, in token
   // order; overflowing assignments are dropped (their gate is zero and the token's other experts
@@ -167,24 +261,64 @@ struct RouterConfig {
   double load_balance_coef = 0.0;
   double z_loss_coef = 0.0;
 
+  // The options of policy P, default-constructed and kept on first use:
+  //   cfg.options<Similarity>().tau = 0.5;
+  // The reference stays valid for the life of this RouterConfig (later calls do not move it).
+  template <class P>
+  policy_options_t<P>& options() {
+    using O = policy_options_t<P>;
+    static_assert(std::is_copy_constructible_v<O> && std::is_default_constructible_v<O>,
+                  "graphmoe::RouterConfig::options<P>(): P::Options must be default- and "
+                  "copy-constructible");
+    for (auto& e : options_)
+      if (e.policy == std::type_index(typeid(P))) return *std::any_cast<O>(&e.value);
+    options_.push_back({std::type_index(typeid(P)), O{}});
+    return *std::any_cast<O>(&options_.back().value);
+  }
+  // The options of policy P as set, or P's defaults when none were set.
+  template <class P>
+  const policy_options_t<P>& options() const {
+    using O = policy_options_t<P>;
+    for (const auto& e : options_)
+      if (e.policy == std::type_index(typeid(P))) return *std::any_cast<O>(&e.value);
+    static const O defaults{};
+    return defaults;
+  }
+  // Replaces P's options; returns *this, so that calls chain.
+  template <class P>
+  RouterConfig& set_options(policy_options_t<P> opts) {
+    options<P>() = std::move(opts);
+    return *this;
+  }
+  // Whether options<P>() was set (or reached through the non-const options<P>()).
+  template <class P>
+  bool has_options() const {
+    for (const auto& e : options_)
+      if (e.policy == std::type_index(typeid(P))) return true;
+    return false;
+  }
+
+  // The common fields; RouterImpl also validates its three policies' options (validate_for).
   void validate() const {
     GRAPHMOE_CHECK(num_experts >= 1, "RouterConfig", "num_experts must be >= 1, got ", num_experts);
     GRAPHMOE_CHECK(k >= 1 && k <= num_experts, "RouterConfig", "k = ", k,
                    " must be in [1, num_experts = ", num_experts, "]");
-    GRAPHMOE_CHECK(similarity_tau > 0, "RouterConfig", "tau must be > 0, got ", similarity_tau);
-    GRAPHMOE_CHECK(attention_sigma > 0, "RouterConfig", "sigma must be > 0, got ", attention_sigma);
-    GRAPHMOE_CHECK(cosine_dim >= 1, "RouterConfig", "cosine_dim must be >= 1, got ", cosine_dim);
-    GRAPHMOE_CHECK(cosine_temperature > 0, "RouterConfig", "cosine temperature must be > 0, got ",
-                   cosine_temperature);
-    GRAPHMOE_CHECK(init_std >= 0, "RouterConfig", "init_std must be >= 0, got ", init_std);
-    GRAPHMOE_CHECK(k_min >= 1 && k_min <= k_max && k_max <= num_experts, "RouterConfig",
-                   "need 1 <= k_min <= k_max <= num_experts, got k_min = ", k_min, ", k_max = ",
-                   k_max, ", num_experts = ", num_experts);
-    GRAPHMOE_CHECK(schedule_steps >= 1, "RouterConfig", "schedule_steps must be >= 1, got ",
-                   schedule_steps);
     GRAPHMOE_CHECK(load_balance_coef >= 0 && z_loss_coef >= 0, "RouterConfig",
                    "auxiliary loss coefficients must be >= 0");
   }
+  // validate() and the options of the given policies.
+  template <class... Policies>
+  void validate_for() const {
+    validate();
+    (validate_options(options<Policies>()), ...);
+  }
+
+ private:
+  struct StoredOptions {
+    std::type_index policy;
+    std::any value;  // policy_options_t<policy>
+  };
+  std::list<StoredOptions> options_;  // a list: references stay valid as entries are added
 };
 
 }  // namespace graphmoe

@@ -85,7 +85,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
 
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
-    cfg.validate();
+    cfg.validate_for<Scorer, Graph, Selector>();
     cfg_ = cfg;
     d_model_ = d_model;
     scorer_.declare(arena, prefix, d_model, cfg);

@@ -2,7 +2,7 @@
 //
 // The router turns gamma into the expert scores r = softmax(gamma) (in router.hpp), so every
 // scorer only produces logits. Every scorer has the same members:
-//   declare(arena, prefix, d_model, cfg)   register parameters
+//   declare(arena, prefix, d_model, cfg)   register parameters (options: cfg.options<Policy>())
 //   bind(arena)                             take views of values and gradients
 //   init(rng)                               initial values
 //   forward(u, gamma)                       gamma assigned
@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
@@ -24,11 +25,17 @@ namespace graphmoe {
 // without gradient (SMoE-Dropout).
 template <class T, class B, bool kFrozen>
 class LinearScorerBase {
+  using Policy = std::conditional_t<kFrozen, FrozenRandomScorer, LinearScorer>;
+
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
-    cfg_ = cfg;
-    bias_ = !kFrozen && cfg.scorer_bias;
+    const auto& opts = cfg.options<Policy>();
+    init_std_ = opts.init_std;
+    if constexpr (kFrozen)
+      bias_ = false;
+    else
+      bias_ = opts.bias;
     id_w_ = arena.add(prefix + "weight", Shape{cfg.num_experts, d_model}, !kFrozen);
     if (bias_) id_b_ = arena.add(prefix + "bias", Shape{cfg.num_experts});
   }
@@ -41,7 +48,7 @@ class LinearScorerBase {
     }
   }
   void init(Rng& rng) {
-    fill_normal(w_, rng, cfg_.init_std);
+    fill_normal(w_, rng, init_std_);
     if (bias_) b_.zero();
   }
   // (N, D) -> (N, E)
@@ -58,7 +65,7 @@ class LinearScorerBase {
   const Tensor<T, B>& weight() const { return w_; }
 
  private:
-  RouterConfig cfg_;
+  double init_std_ = 0.02;
   bool bias_ = true;
   index_t id_w_ = -1, id_b_ = -1;
   Tensor<T, B> w_, dw_, b_, db_;
@@ -79,11 +86,12 @@ class ScorerImpl<CosineScorer, T, B> {
 
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
-    cfg_ = cfg;
+    opts_ = cfg.options<CosineScorer>();
+    num_experts_ = cfg.num_experts;
     d_model_ = d_model;
-    id_p_ = arena.add(prefix + "proj.weight", Shape{cfg.cosine_dim, d_model});
-    id_e_ = arena.add(prefix + "expert_embeddings", Shape{cfg.num_experts, cfg.cosine_dim});
-    if (cfg.cosine_learnable_temperature) id_t_ = arena.add(prefix + "log_scale", Shape{1});
+    id_p_ = arena.add(prefix + "proj.weight", Shape{opts_.dim, d_model});
+    id_e_ = arena.add(prefix + "expert_embeddings", Shape{cfg.num_experts, opts_.dim});
+    if (opts_.learnable_temperature) id_t_ = arena.add(prefix + "log_scale", Shape{1});
   }
   void bind(const ParameterArena<T, B>& arena) {
     p_ = arena.value(id_p_);
@@ -98,15 +106,15 @@ class ScorerImpl<CosineScorer, T, B> {
   void init(Rng& rng) {
     fill_normal(p_, rng, 1.0 / std::sqrt(static_cast<double>(d_model_)));
     fill_normal(e_, rng, 1.0);
-    if (id_t_ >= 0) fill(t_, static_cast<T>(std::log(1.0 / cfg_.cosine_temperature)));
+    if (id_t_ >= 0) fill(t_, static_cast<T>(std::log(1.0 / opts_.temperature)));
   }
   T scale() const {
-    if (id_t_ < 0) return static_cast<T>(1.0 / cfg_.cosine_temperature);
+    if (id_t_ < 0) return static_cast<T>(1.0 / opts_.temperature);
     return std::exp(std::min(read_scalar(t_), static_cast<T>(std::log(100.0))));
   }
   void forward(const Tensor<T, B>& u, Tensor<T, B>& gamma) {
     const index_t n = u.rows();
-    prepare_output("CosineScorer", "gamma", gamma, Shape{n, cfg_.num_experts});
+    prepare_output("CosineScorer", "gamma", gamma, Shape{n, num_experts_});
     h_ = Tensor<T, B>();
     gemm(Trans::N, Trans::T, T(1), u, p_, T(0), h_);  // (N, d)
     hn_ = h_.clone();
@@ -136,7 +144,8 @@ class ScorerImpl<CosineScorer, T, B> {
   }
 
  private:
-  RouterConfig cfg_;
+  CosineScorer::Options opts_;
+  index_t num_experts_ = 0;
   index_t d_model_ = 0;
   index_t id_p_ = -1, id_e_ = -1, id_t_ = -1;
   Tensor<T, B> p_, dp_, e_, de_, t_, dt_;

@@ -87,14 +87,21 @@ class SelectorImpl<TopK, T, B> : public TopKSelectorBase<T, B> {
 template <class T, class B>
 class SelectorImpl<ScheduledTopK, T, B> : public TopKSelectorBase<T, B> {
  public:
-  static index_t k_at(const RouterConfig& c, std::int64_t step) {
+  void configure(const RouterConfig& cfg) {
+    opts_ = cfg.options<ScheduledTopK>();
+    validate_options(opts_);
+    GRAPHMOE_CHECK(opts_.k_max <= cfg.num_experts, "ScheduledTopK", "k_max = ", opts_.k_max,
+                   " exceeds num_experts = ", cfg.num_experts);
+    TopKSelectorBase<T, B>::configure(cfg);
+  }
+  static index_t k_at(const ScheduledTopK::Options& c, std::int64_t step) {
     const double t = static_cast<double>(std::max<std::int64_t>(step, 0));
     const double raw = std::nearbyint(static_cast<double>(c.k_max - c.k_min) * t /
                                   static_cast<double>(c.schedule_steps)) +
                        static_cast<double>(c.k_min);
     return std::clamp(static_cast<index_t>(raw), c.k_min, c.k_max);
   }
-  index_t current_k() const { return override_ > 0 ? override_ : k_at(this->cfg_, step_); }
+  index_t current_k() const { return override_ > 0 ? override_ : k_at(opts_, step_); }
   void set_step(std::int64_t step) { step_ = step; }
   void set_k_override(index_t k) {
     GRAPHMOE_CHECK(k >= 0 && k <= this->cfg_.num_experts, "ScheduledTopK", "k override ", k,
@@ -103,6 +110,7 @@ class SelectorImpl<ScheduledTopK, T, B> : public TopKSelectorBase<T, B> {
   }
 
  private:
+  ScheduledTopK::Options opts_;
   std::int64_t step_ = 0;
   index_t override_ = 0;
 };

@@ -11,8 +11,8 @@
 // Differences from the CPU graphs, none of them in the results beyond rounding:
 //   - Similarity never stores S: the forward is one fused online-softmax kernel that keeps the
 //     row log-sum-exp and entropy (O(N)), and the backward recomputes S tile by tile. So
-//     RouterConfig::similarity_recompute is ignored: the GPU path always recomputes (it costs one
-//     more U U^T product in backward, as similarity_recompute does on the CPU).
+//     Similarity::Options::recompute is ignored: the GPU path always recomputes (it costs one
+//     more U U^T product in backward, as Options::recompute does on the CPU).
 //   - row_entropy() (Similarity) and posterior() (Attention) are device tensors; heads() is a
 //     host vector, copied back during forward (the forward synchronises the stream there, and
 //     once more to read the all-zero-row flag, as the softmax op does).

@@ -59,7 +59,9 @@ template <class T>
 class GraphImpl<Attention, T, cpu> {
  public:
   void configure(index_t d_model, const RouterConfig& cfg) {
-    cfg_ = cfg;
+    opts_ = cfg.options<Attention>();
+    validate_options(opts_);
+    head_choice_ = opts_.head_choice_for(cfg.causal);
     d_model_ = d_model;
   }
 
@@ -73,7 +75,7 @@ class GraphImpl<Attention, T, cpu> {
     seq_len_ = len;
     head_.assign(static_cast<std::size_t>(n), 0);
     row_entropy_.assign(static_cast<std::size_t>(n), 0.0);
-    const T inv_var = static_cast<T>(1.0 / (cfg_.attention_sigma * cfg_.attention_sigma));
+    const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     constexpr T floor = attention_prior_floor<T>();
     auto R = as_matrix(r);
@@ -133,7 +135,7 @@ class GraphImpl<Attention, T, cpu> {
     auto dP = as_matrix(dp);
     auto dR = as_matrix(dr);
     auto Ap = as_matrix(post_);
-    const T inv_var = static_cast<T>(1.0 / (cfg_.attention_sigma * cfg_.attention_sigma));
+    const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
     const T fh = static_cast<T>(nh);
     // w_o and b_o are shared by the sequences: per-sequence partial gradients, summed after.
     std::vector<RowMatrix<T>> dwo(static_cast<std::size_t>(nseq));
@@ -143,7 +145,7 @@ class GraphImpl<Attention, T, cpu> {
       const auto Aps = Ap.middleRows(s0, len);
       const auto dPs = dP.middleRows(s0, len);
       dR.middleRows(s0, len).noalias() = Aps.transpose() * dPs;
-      if (cfg_.detach_graph) return;
+      if (opts_.detach) return;
       RowMatrix<T> dL, M, dLh, dM;
       Eigen::Matrix<T, Eigen::Dynamic, 1> rowdot, colsum;
       rowdot = (dPs.array() * P.middleRows(s0, len).array()).rowwise().sum();
@@ -179,7 +181,7 @@ class GraphImpl<Attention, T, cpu> {
         dB += dM.colwise().sum();
       }
     });
-    if (cfg_.detach_graph) return;
+    if (opts_.detach) return;
     for (index_t b = 0; b < nseq; ++b) {
       if (!c.dw_o.empty()) as_matrix(c.dw_o) += dwo[static_cast<std::size_t>(b)];
       if (!c.db_o.empty()) as_vector(c.db_o) += dbo[static_cast<std::size_t>(b)].transpose();
@@ -254,7 +256,7 @@ class GraphImpl<Attention, T, cpu> {
       }
       return best;
     };
-    if (cfg_.head_choice == HeadChoice::PerSequence) {
+    if (head_choice_ == HeadChoice::PerSequence) {
       for (index_t h = 0; h < nh; ++h)
         for (index_t i = 0; i < len; ++i)
           prefix[static_cast<std::size_t>(h)] += ent[static_cast<std::size_t>(h * len + i)];
@@ -269,7 +271,8 @@ class GraphImpl<Attention, T, cpu> {
     }
   }
 
-  RouterConfig cfg_;
+  Attention::Options opts_;
+  HeadChoice head_choice_ = HeadChoice::PerSequence;
   index_t d_model_ = 0;
   index_t seq_len_ = 0;
   Tensor<T, cpu> post_;

@@ -31,7 +31,9 @@ template <class T>
 class GraphImpl<Attention, T, cuda> {
  public:
   void configure(index_t d_model, const RouterConfig& cfg) {
-    cfg_ = cfg;
+    opts_ = cfg.options<Attention>();
+    validate_options(opts_);
+    head_choice_ = opts_.head_choice_for(cfg.causal);
     d_model_ = d_model;
   }
 
@@ -47,7 +49,7 @@ class GraphImpl<Attention, T, cuda> {
     head_dev_ = Tensor<std::int32_t, cuda>(Shape{n});
     head_.assign(static_cast<std::size_t>(n), 0);
     if (n == 0) return;
-    const T inv_var = static_cast<T>(1.0 / (cfg_.attention_sigma * cfg_.attention_sigma));
+    const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
 
     // h* per token
     Tensor<T, cuda> ent = c.row_entropy;
@@ -61,7 +63,7 @@ class GraphImpl<Attention, T, cuda> {
     Tensor<double, cuda> prefix(Shape{nb, nh});
     detail::launch_kernel<detail::attention_choose_heads_kernel<T>>(
         detail::grid_for(nb), detail::kThreads, ent.data(), nb, nh, len,
-        cfg_.head_choice == HeadChoice::PerSequenceCausal, prefix.data(), head_dev_.data());
+        head_choice_ == HeadChoice::PerSequenceCausal, prefix.data(), head_dev_.data());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
     const Tensor<std::int32_t, cpu> heads_host = to_host(head_dev_);
     head_.assign(heads_host.data(), heads_host.data() + n);
@@ -105,8 +107,8 @@ class GraphImpl<Attention, T, cuda> {
     // dr = A^p^T dp per sequence
     detail::graph_gemm(Trans::T, Trans::N, len, e, len, T(1), post_.data(), len, len * len,
                        dp.data(), e, len * e, T(0), dr.data(), e, len * e, nb);
-    if (cfg_.detach_graph) return;
-    const T inv_var = static_cast<T>(1.0 / (cfg_.attention_sigma * cfg_.attention_sigma));
+    if (opts_.detach) return;
+    const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
     const T fh = static_cast<T>(nh);
     const index_t nt = n * len;
 
@@ -195,7 +197,8 @@ class GraphImpl<Attention, T, cuda> {
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
 
-  RouterConfig cfg_;
+  Attention::Options opts_;
+  HeadChoice head_choice_ = HeadChoice::PerSequence;
   index_t d_model_ = 0;
   Tensor<T, cuda> post_, row_entropy_;
   Tensor<std::int32_t, cuda> head_dev_;

@@ -21,11 +21,11 @@ namespace graphmoe {
 
 namespace detail {
 // The Similarity graph's temperature for tokens of width d_model (every backend).
-inline double similarity_tau(index_t d_model, const RouterConfig& cfg) {
-  // Fixed, and Learned's initial value: similarity_tau; ScaledSqrtD: similarity_tau * sqrt(D)
-  const double tau = cfg.tau_mode == TauMode::ScaledSqrtD
-                         ? cfg.similarity_tau * std::sqrt(static_cast<double>(d_model))
-                         : cfg.similarity_tau;
+inline double similarity_tau(index_t d_model, const Similarity::Options& opts) {
+  // Fixed, and Learned's initial value: opts.tau; ScaledSqrtD: opts.tau * sqrt(D)
+  const double tau = opts.tau_mode == TauMode::ScaledSqrtD
+                         ? opts.tau * std::sqrt(static_cast<double>(d_model))
+                         : opts.tau;
   GRAPHMOE_CHECK(tau > 0, "Similarity", "tau must be > 0, got ", tau);
   return tau;
 }
@@ -38,13 +38,13 @@ inline double similarity_tau(index_t d_model, const RouterConfig& cfg) {
 //   forward   L = U_blk U^T / tau,  S = exp(L - lse),  p_blk = S r
 //   backward  dr += S^T dp_blk;  dL = S o (dp_blk r^T - rowdot(dp, p));
 //             dU_blk += dL U / tau;  dU += dL^T U_blk / tau
-// Options (RouterConfig): tau fixed, scaled by sqrt(D), or learned (tau = exp(log_tau), one
-// parameter, d loss / d log_tau = -sum_ij dL_ij L_ij); similarity_exclude_self leaves S[i,i] out
-// of its row (L_ii = -inf; a row with no other entry keeps it); similarity_projection uses
+// Options (Similarity::Options): tau fixed, scaled by sqrt(D), or learned (tau = exp(log_tau), one
+// parameter, d loss / d log_tau = -sum_ij dL_ij L_ij); exclude_self leaves S[i,i] out
+// of its row (L_ii = -inf; a row with no other entry keeps it); projection uses
 // L = Q U^T / tau with Q = U W_s (W_s a (D, D) parameter from the identity): the query side Q
 // gets the row gradient dQ_blk = dL U / tau, then dU += dQ W_s^T and dW_s += U^T dQ.
 // By default the S rows are kept from forward for backward (N x T values, T the sequence
-// length); RouterConfig::similarity_recompute keeps only the row log-sum-exp (O(N)) and
+// length); Similarity::Options::recompute keeps only the row log-sum-exp (O(N)) and
 // recomputes each (kBlock, T) block of S in backward, trading one more U U^T GEMM for memory.
 // Sequences run in parallel (one per thread, single-threaded GEMMs). Every product goes through
 // detail::gemm_view (backend/cpu/gemm.hpp) on views of one type, stored S rows and scratch alike,
@@ -54,13 +54,13 @@ class GraphImpl<Similarity, T, cpu> {
  public:
   static constexpr index_t kBlock = 64;
 
-  // TauMode::Learned declares "<prefix>log_tau" (shape (1)) and similarity_projection
+  // TauMode::Learned declares "<prefix>log_tau" (shape (1)) and Options::projection
   // "<prefix>w_s" (shape (D, D)); without them the graph has no parameter (configure suffices).
   void declare(ParameterArena<T, cpu>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
     configure(d_model, cfg);
-    if (cfg.tau_mode == TauMode::Learned) id_log_tau_ = arena.add(prefix + "log_tau", Shape{1});
-    if (cfg.similarity_projection) id_w_s_ = arena.add(prefix + "w_s", Shape{d_model, d_model});
+    if (opts_.tau_mode == TauMode::Learned) id_log_tau_ = arena.add(prefix + "log_tau", Shape{1});
+    if (opts_.projection) id_w_s_ = arena.add(prefix + "w_s", Shape{d_model, d_model});
   }
   void bind(const ParameterArena<T, cpu>& arena) {
     if (id_log_tau_ >= 0) {
@@ -73,13 +73,15 @@ class GraphImpl<Similarity, T, cpu> {
     }
   }
   void init(Rng&) {
-    if (id_log_tau_ >= 0) log_tau_.data()[0] = static_cast<T>(std::log(cfg_.similarity_tau));
+    if (id_log_tau_ >= 0) log_tau_.data()[0] = static_cast<T>(std::log(opts_.tau));
     if (id_w_s_ >= 0) as_matrix(w_s_).setIdentity();
   }
   void configure(index_t d_model, const RouterConfig& cfg) {
-    cfg_ = cfg;
+    opts_ = cfg.options<Similarity>();
+    validate_options(opts_);
+    causal_ = cfg.causal;
     d_model_ = d_model;
-    tau_ = detail::similarity_tau(d_model, cfg);
+    tau_ = detail::similarity_tau(d_model, opts_);
   }
   // The temperature of the last forward (the learned one's current value).
   double tau() const { return tau_; }
@@ -88,7 +90,7 @@ class GraphImpl<Similarity, T, cpu> {
                Tensor<T, cpu>& p) {
     using detail::gemm_view, detail::view_of;
     detail::check_graph_inputs("Similarity", u, r, ctx.seq_len);
-    if (cfg_.tau_mode == TauMode::Learned) {
+    if (opts_.tau_mode == TauMode::Learned) {
       GRAPHMOE_CHECK(!log_tau_.empty(), "Similarity",
                      "a learned temperature needs its parameter: declare and bind the graph "
                      "(RouterImpl does) instead of configure alone");
@@ -96,9 +98,9 @@ class GraphImpl<Similarity, T, cpu> {
       GRAPHMOE_CHECK(std::isfinite(tau_) && tau_ > 0, "Similarity", "the learned temperature is ",
                      tau_, " (log_tau = ", static_cast<double>(log_tau_.data()[0]), ")");
     }
-    if (cfg_.similarity_projection) {
+    if (opts_.projection) {
       GRAPHMOE_CHECK(!w_s_.empty(), "Similarity",
-                     "similarity_projection needs its parameter W_s: declare and bind the graph "
+                     "Options::projection needs its parameter W_s: declare and bind the graph "
                      "(RouterImpl does) instead of configure alone");
       GRAPHMOE_CHECK(u.cols() == d_model_, "Similarity", "u has ", u.cols(),
                      " columns, W_s was declared for D = ", d_model_);
@@ -106,7 +108,7 @@ class GraphImpl<Similarity, T, cpu> {
     const index_t n = u.rows(), len = ctx.seq_len;
     prepare_output("Similarity", "p", p, r.shape());
     // the query side of the logits: U itself, or Q = U W_s (kept for backward)
-    if (cfg_.similarity_projection) {
+    if (opts_.projection) {
       q_ = Tensor<T, cpu>(u.shape());
       gemm_view(Trans::N, Trans::N, T(1), view_of(as_matrix(u)), view_of(as_matrix(w_s_)), T(0),
                 view_of(as_matrix(q_)));
@@ -116,11 +118,11 @@ class GraphImpl<Similarity, T, cpu> {
     lse_ = Tensor<T, cpu>(Shape{n});
     entropy_ = Tensor<T, cpu>(Shape{n});
     self_ = Tensor<T, cpu>(Shape{n});
-    if (!cfg_.similarity_recompute && (s_.empty() || s_.shape() != Shape{n, len}))
+    if (!opts_.recompute && (s_.empty() || s_.shape() != Shape{n, len}))
       s_ = Tensor<T, cpu>(Shape{n, len});
-    if (cfg_.similarity_recompute) s_ = Tensor<T, cpu>();
+    if (opts_.recompute) s_ = Tensor<T, cpu>();
     auto U = as_matrix(u);
-    auto Q = as_matrix(cfg_.similarity_projection ? q_ : u);
+    auto Q = as_matrix(opts_.projection ? q_ : u);
     auto R = as_matrix(r);
     auto P = as_matrix(p);
     const T inv_tau = static_cast<T>(1.0 / tau_);
@@ -129,7 +131,7 @@ class GraphImpl<Similarity, T, cpu> {
       RowMatrix<T> scratch;
       for (index_t i0 = 0; i0 < len; i0 += kBlock) {
         const index_t bi = std::min(kBlock, len - i0);
-        const index_t jn = cfg_.causal ? i0 + bi : len;
+        const index_t jn = causal_ ? i0 + bi : len;
         auto run = [&](detail::MatrixView<T> S) {
           gemm_view(Trans::N, Trans::T, inv_tau, view_of(Q.middleRows(s0 + i0, bi)),
                     view_of(U.middleRows(s0, jn)), T(0), S);
@@ -137,7 +139,7 @@ class GraphImpl<Similarity, T, cpu> {
           gemm_view(Trans::N, Trans::N, T(1), S, view_of(R.middleRows(s0, jn)), T(0),
                     view_of(P.middleRows(s0 + i0, bi)));
         };
-        if (cfg_.similarity_recompute) {
+        if (opts_.recompute) {
           scratch.resize(bi, jn);
           run(view_of(scratch));
         } else {
@@ -161,10 +163,10 @@ class GraphImpl<Similarity, T, cpu> {
     auto P = as_matrix(p);
     auto dP = as_matrix(dp);
     auto dR = as_matrix(dr);
-    const bool to_u = !cfg_.detach_graph;
+    const bool to_u = !opts_.detach;
     if (to_u) check_shape("Similarity::backward", "du", du, u.shape());
     auto dU = as_matrix(du);
-    const bool proj = cfg_.similarity_projection;
+    const bool proj = opts_.projection;
     if (proj)
       GRAPHMOE_CHECK(q_.shape() == u.shape(), "Similarity::backward",
                      "no forward of these ", n, " tokens to take the gradient of");
@@ -184,7 +186,7 @@ class GraphImpl<Similarity, T, cpu> {
       Eigen::Matrix<T, Eigen::Dynamic, 1> rowdot;
       for (index_t i0 = 0; i0 < len; i0 += kBlock) {
         const index_t bi = std::min(kBlock, len - i0);
-        const index_t jn = cfg_.causal ? i0 + bi : len;
+        const index_t jn = causal_ ? i0 + bi : len;
         const auto Ub = Q.middleRows(s0 + i0, bi);  // the queries (U itself without projection)
         const auto Us = U.middleRows(s0, jn);
         auto run = [&](const detail::MatrixView<T>& S) {
@@ -210,12 +212,12 @@ class GraphImpl<Similarity, T, cpu> {
           gemm_view(Trans::T, Trans::N, inv_tau, view_of(dL), view_of(Ub), T(1),
                     view_of(dU.middleRows(s0, jn)));
         };
-        if (cfg_.similarity_recompute) {
+        if (opts_.recompute) {
           scratch.resize(bi, jn);
           gemm_view(Trans::N, Trans::T, inv_tau, view_of(Ub), view_of(Us), T(0), view_of(scratch));
           for (index_t a = 0; a < bi; ++a) {
             const T l = lse_.data()[s0 + i0 + a];
-            const index_t valid = cfg_.causal ? i0 + a + 1 : jn;
+            const index_t valid = causal_ ? i0 + a + 1 : jn;
             scratch.row(a).head(valid) = (scratch.row(a).head(valid).array() - l).exp();
             scratch.row(a).tail(jn - valid).setZero();
             if (masks_self(valid)) scratch(a, i0 + a) = T(0);
@@ -254,7 +256,7 @@ class GraphImpl<Similarity, T, cpu> {
   // the row entropy H = lse - sum_j S_j L_j and the self-weight S[i,i] at global row g0 + a.
   void softmax_block(detail::MatrixView<T> L, index_t i0, index_t g0) {
     for (index_t a = 0; a < L.rows(); ++a) {
-      const index_t valid = cfg_.causal ? i0 + a + 1 : L.cols();
+      const index_t valid = causal_ ? i0 + a + 1 : L.cols();
       auto row = L.row(a).head(valid);
       const bool mask = masks_self(valid);
       if (mask) row(i0 + a) = std::numeric_limits<T>::lowest();
@@ -275,9 +277,10 @@ class GraphImpl<Similarity, T, cpu> {
   }
 
   // Whether row i's own entry is left out (exclude_self, and the row has another entry).
-  bool masks_self(index_t valid) const { return cfg_.similarity_exclude_self && valid > 1; }
+  bool masks_self(index_t valid) const { return opts_.exclude_self && valid > 1; }
 
-  RouterConfig cfg_;
+  Similarity::Options opts_;
+  bool causal_ = false;
   index_t d_model_ = 0;
   double tau_ = 1.0;
   Tensor<T, cpu> lse_, entropy_, self_, s_, q_;

@@ -23,13 +23,14 @@ template <class T>
 class GraphImpl<Similarity, T, cuda> {
  public:
   void configure(index_t d_model, const RouterConfig& cfg) {
-    GRAPHMOE_CHECK(cfg.tau_mode != TauMode::Learned && !cfg.similarity_exclude_self &&
-                       !cfg.similarity_projection,
+    opts_ = cfg.options<Similarity>();
+    validate_options(opts_);
+    GRAPHMOE_CHECK(opts_.tau_mode != TauMode::Learned && !opts_.exclude_self && !opts_.projection,
                    "Similarity",
-                   "a learned temperature, similarity_exclude_self and similarity_projection are "
+                   "a learned temperature, Options::exclude_self and Options::projection are "
                    "implemented on the CPU backend only");
-    cfg_ = cfg;
-    tau_ = detail::similarity_tau(d_model, cfg);
+    causal_ = cfg.causal;
+    tau_ = detail::similarity_tau(d_model, opts_);
   }
   double tau() const { return tau_; }
 
@@ -41,7 +42,7 @@ class GraphImpl<Similarity, T, cuda> {
     if (lse_.empty() || lse_.shape() != Shape{n}) lse_ = Tensor<T, cuda>(Shape{n});
     entropy_ = Tensor<T, cuda>(Shape{n});
     detail::similarity_forward_cuda(u, r, p, lse_, entropy_, ctx.seq_len,
-                                    static_cast<T>(1.0 / tau_), cfg_.causal);
+                                    static_cast<T>(1.0 / tau_), causal_);
   }
 
   void backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r, const Tensor<T, cuda>& p,
@@ -49,19 +50,20 @@ class GraphImpl<Similarity, T, cuda> {
                 Tensor<T, cuda>& dr, Tensor<T, cuda>& du) {
     const index_t n = u.rows();
     prepare_output("Similarity", "dr", dr, r.shape());
-    const bool to_u = !cfg_.detach_graph;
+    const bool to_u = !opts_.detach;
     if (to_u) check_shape("Similarity::backward", "du", du, u.shape());
     GRAPHMOE_CHECK(lse_.shape() == Shape{n}, "Similarity::backward",
                    "no forward of these ", n, " tokens to take the gradient of");
     detail::similarity_backward_cuda(u, r, p, dp, lse_, dr, to_u ? du.data() : nullptr,
-                                     ctx.seq_len, static_cast<T>(1.0 / tau_), cfg_.causal);
+                                     ctx.seq_len, static_cast<T>(1.0 / tau_), causal_);
   }
 
   double mean_entropy() const { return detail::device_mean(entropy_); }
   const Tensor<T, cuda>& row_entropy() const { return entropy_; }
 
  private:
-  RouterConfig cfg_;
+  Similarity::Options opts_;
+  bool causal_ = false;
   double tau_ = 1.0;
   Tensor<T, cuda> lse_, entropy_;
 };

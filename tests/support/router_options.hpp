@@ -1,0 +1,21 @@
+// tests/support/router_options.hpp: set an option that several built-in policies have, for tests
+// that run one body over many routers (a router reads only its own policies' options).
+#pragma once
+
+#include "graphmoe/routing/policies.hpp"
+
+namespace graphmoe::test {
+
+// W ~ N(0, s^2) for the linear and frozen-random scorers (the cosine scorer has its own init).
+inline void set_scorer_init_std(RouterConfig& cfg, double s) {
+  cfg.options<LinearScorer>().init_std = s;
+  cfg.options<FrozenRandomScorer>().init_std = s;
+}
+
+// No gradient through S or A^p, for either graph.
+inline void set_graph_detach(RouterConfig& cfg, bool detach) {
+  cfg.options<Similarity>().detach = detach;
+  cfg.options<Attention>().detach = detach;
+}
+
+}  // namespace graphmoe::test
