@@ -428,10 +428,10 @@ void BM_lm_train(benchmark::State& state) {
     const Tensor<std::int32_t, graphmoe::cuda> targets_dev = to_device(targets);
 
     std::int64_t step = 0;
-    T loss = 0;
+    double loss = 0;
     auto train_step = [&] {
       lm.set_step(step++);
-      loss = lm.forward(ids_dev, targets_dev);
+      loss = lm.forward(ids_dev, targets_dev).total();
       lm.arena.zero_grad();
       lm.backward();
       double norm = clip_grad_norm(lm.arena, 1.0);

@@ -71,7 +71,7 @@ void BM_lm_train(benchmark::State& state, const TransformerLMConfig& cfg, index_
   std::int64_t step = 0;
   auto train_step = [&] {
     lm.set_step(step++);
-    const float loss = lm.forward(ids, targets);
+    const double loss = lm.forward(ids, targets).total();
     lm.arena.zero_grad();
     lm.backward();
     const double norm = clip_grad_norm(lm.arena, 1.0);
@@ -81,7 +81,7 @@ void BM_lm_train(benchmark::State& state, const TransformerLMConfig& cfg, index_
     return loss;
   };
   for (int i = 0; i < kWarmupSteps; ++i) train_step();  // first-touch allocations, caches
-  float loss = 0;
+  double loss = 0;
   for (auto _ : state) loss = train_step();
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(batch * seq),
                                                   benchmark::Counter::kIsIterationInvariantRate);

@@ -53,9 +53,9 @@ struct Fixture {
       targets.data()[i] = static_cast<std::int32_t>(rng.next_u32() % kVocab);
     }
   }
-  float train_step() {
+  double train_step() {
     lm.set_step(step++);
-    const float loss = lm.forward(ids, targets);
+    const double loss = lm.forward(ids, targets).total();
     lm.arena.zero_grad();
     lm.backward();
     benchmark::DoNotOptimize(clip_grad_norm(lm.arena, 1.0));
@@ -68,8 +68,8 @@ template <class Policy>
 void BM_forward(benchmark::State& state) {
   set_num_threads(static_cast<int>(state.range(0)));
   Fixture<Policy> f;
-  benchmark::DoNotOptimize(f.lm.forward(f.ids, f.targets));  // first-touch allocations
-  for (auto _ : state) benchmark::DoNotOptimize(f.lm.forward(f.ids, f.targets));
+  benchmark::DoNotOptimize(f.lm.forward(f.ids, f.targets).total());  // first-touch allocations
+  for (auto _ : state) benchmark::DoNotOptimize(f.lm.forward(f.ids, f.targets).total());
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kBatch * kSeq),
                                                   benchmark::Counter::kIsIterationInvariantRate);
   state.counters["peak_rss_MiB"] = peak_rss_mib();

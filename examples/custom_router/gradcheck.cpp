@@ -400,7 +400,7 @@ void check_lm() {
   }
   lm.forward(ids, targets);  // draws the noise
   for (index_t l = 0; l < lm.num_layers(); ++l) lm.block(l).moe().router().scorer().resample = false;
-  auto loss = [&] { return static_cast<double>(lm.forward(ids, targets)); };
+  auto loss = [&] { return lm.forward(ids, targets).total(); };
   const double l0 = loss();
   index_t dropped = 0;
   for (index_t l = 0; l < lm.num_layers(); ++l) dropped += lm.block(l).moe().routing().selection.dropped;

@@ -41,7 +41,7 @@ double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches) {
   double sum = 0;
   for (index_t i = 0; i < nb; ++i) {
     const LMBatch b = batches.batch(i);
-    sum += static_cast<double>(lm.forward(b.inputs, b.targets));
+    sum += lm.forward(b.inputs, b.targets).task;
   }
   set_noise(lm, true);
   return sum / static_cast<double>(nb);
@@ -113,7 +113,7 @@ int main(int argc, char** argv) {
     for (std::int64_t step = 0; step < steps; ++step) {
       if (step > 0 && step % nb == 0) order = train.order(order_rng);
       const LMBatch b = train.batch(order[static_cast<std::size_t>(step % nb)]);
-      const double loss = static_cast<double>(lm.forward(b.inputs, b.targets)) + lm.aux_loss();
+      const double loss = lm.forward(b.inputs, b.targets).total();
       GRAPHMOE_CHECK(std::isfinite(loss), "train", "loss is ", loss, " at step ", step);
       lm.arena.zero_grad();
       lm.backward();

@@ -119,9 +119,7 @@ int run(const Options& opt, const Data& data) {
     model.set_step(step);
     double loss = 0;
     examples::before_optimizer_step("finetune_classifier", step + 1, [&] {
-      loss = static_cast<double>(model.forward(examples::on_backend<B>(ids), len,
-                                               examples::on_backend<B>(y))) +
-             model.aux_loss();
+      loss = model.forward(examples::on_backend<B>(ids), len, examples::on_backend<B>(y)).total();
       guard.check_loss(step + 1, loss);
       model.arena().zero_grad();
       model.backward();

@@ -50,8 +50,8 @@ double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches,
   double sum = 0;
   for (index_t i = 0; i < nb; ++i) {
     const LMBatch b = attacked ? attacked_batch(batches, *attacked, i) : batches.batch(i);
-    sum += static_cast<double>(
-        lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)));
+    // perplexity is of the task loss (the cross-entropy), not of the auxiliary terms
+    sum += lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).task;
   }
   return nb > 0 ? sum / static_cast<double>(nb) : std::nan("");
 }
@@ -139,9 +139,7 @@ int run(const Options& opt, const Data& data) {
     lm.set_step(step);
     double loss = 0;
     examples::before_optimizer_step("train_lm", step + 1, [&] {
-      loss = static_cast<double>(lm.forward(examples::on_backend<B>(b.inputs),
-                                            examples::on_backend<B>(b.targets))) +
-             lm.aux_loss();
+      loss = lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).total();
       guard.check_loss(step + 1, loss);
       lm.arena.zero_grad();
       lm.backward();

@@ -172,9 +172,7 @@ int run(const Options& opt, const Data& data) {
     model.set_step(step);
     double loss = 0;
     examples::before_optimizer_step("train_vision", step + 1, [&] {
-      loss = static_cast<double>(model.forward(examples::on_backend<B>(x),
-                                               examples::on_backend<B>(y))) +
-             model.aux_loss();
+      loss = model.forward(examples::on_backend<B>(x), examples::on_backend<B>(y)).total();
       guard.check_loss(step + 1, loss);
       model.arena.zero_grad();
       model.backward();

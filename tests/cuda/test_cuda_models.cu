@@ -77,8 +77,8 @@ void compare_lm(MoELayout layout) {
     targets.data()[3] = TransformerLM<Policy, T, cpu>::kIgnoreIndex;
     host.arena.zero_grad();
     dev.arena.zero_grad();
-    const T hl = host.forward(ids, targets);
-    const T dl = dev.forward(to_device(ids), to_device(targets));
+    const T hl = static_cast<T>(host.forward(ids, targets).total());
+    const T dl = static_cast<T>(dev.forward(to_device(ids), to_device(targets)).total());
     CHECK(static_cast<double>(dl) ==
           doctest::Approx(static_cast<double>(hl)).epsilon(model_tolerance<T>()));
     check_close("LM logits", host.logits(), dev.logits(), model_tolerance<T>());
@@ -126,8 +126,8 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM classification head", T, float, d
   const Tensor<std::int32_t, cpu> ids = random_ids(Shape{3, 10}, cfg.vocab_size, data);
   const Tensor<std::int32_t, cpu> lengths = Tensor<std::int32_t, cpu>::from(Shape{3}, {10, 4, 1});
   const Tensor<std::int32_t, cpu> labels = Tensor<std::int32_t, cpu>::from(Shape{3}, {2, 0, 1});
-  const T hl = host.forward_classify(ids, lengths, labels);
-  const T dl = dev.forward_classify(to_device(ids), lengths, to_device(labels));
+  const T hl = static_cast<T>(host.forward_classify(ids, lengths, labels).total());
+  const T dl = static_cast<T>(dev.forward_classify(to_device(ids), lengths, to_device(labels)).total());
   CHECK(static_cast<double>(dl) ==
         doctest::Approx(static_cast<double>(hl)).epsilon(model_tolerance<T>()));
   check_close("class logits", host.class_logits(), dev.class_logits(), model_tolerance<T>());
@@ -157,8 +157,8 @@ TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, doub
   Rng data(10);
   const Tensor<T, cpu> images = random_tensor<T>(Shape{3, 8, 8, 2}, data, 0.0, 1.0);
   const Tensor<std::int32_t, cpu> labels = Tensor<std::int32_t, cpu>::from(Shape{3}, {4, 0, 2});
-  const T hl = host.forward(images, labels);
-  const T dl = dev.forward(to_device(images), to_device(labels));
+  const T hl = static_cast<T>(host.forward(images, labels).total());
+  const T dl = static_cast<T>(dev.forward(to_device(images), to_device(labels)).total());
   CHECK(static_cast<double>(dl) ==
         doctest::Approx(static_cast<double>(hl)).epsilon(model_tolerance<T>()));
   check_close("vision logits", host.logits(), dev.logits(), model_tolerance<T>());

@@ -2,6 +2,9 @@
 // every router, layouts, bad input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "graphmoe/models/transformer_lm.hpp"
 #include "support/gradcheck.hpp"
 #include "support/router_options.hpp"
@@ -53,7 +56,7 @@ TEST_CASE_TEMPLATE("TransformerLM gradient check of the whole tiny model (2 laye
     auto ids = random_ids(2, 5, cfg.vocab_size, rng);
     auto targets = random_ids(2, 5, cfg.vocab_size, rng);
     targets(1, 2) = TransformerLM<Policy, double>::kIgnoreIndex;
-    auto loss = [&] { return static_cast<double>(lm.forward(ids, targets)) + lm.aux_loss(); };
+    auto loss = [&] { return lm.forward(ids, targets).total(); };
     const double l0 = loss();
     CHECK(std::isfinite(l0));
     lm.arena.zero_grad();
@@ -64,6 +67,56 @@ TEST_CASE_TEMPLATE("TransformerLM gradient check of the whole tiny model (2 laye
       check_gradient(info.name, v, lm.arena.grad(info.name), loss);
     }
   }
+}
+
+TEST_CASE_TEMPLATE("TransformerLM forward returns the loss broken down; backward differentiates its total", Policy,
+                   SoftmaxRouter, SimilarityRouter) {
+  auto cfg = tiny_config();  // load_balance_coef 0.05, z_loss_coef 0.01
+  auto plain = cfg;
+  plain.router.load_balance_coef = 0;
+  plain.router.z_loss_coef = 0;
+  TransformerLM<Policy, double> lm(cfg, 3), ce_only(plain, 3);  // the same weights
+  Rng rng(8);
+  auto ids = random_ids(2, 5, cfg.vocab_size, rng);
+  auto targets = random_ids(2, 5, cfg.vocab_size, rng);
+  const Loss l = lm.forward(ids, targets);
+  const Loss l0 = ce_only.forward(ids, targets);
+  // task: the cross-entropy alone, the same with or without auxiliary losses, and by a loop
+  double ce = 0;
+  const index_t v = cfg.vocab_size;
+  for (index_t i = 0; i < ids.numel(); ++i) {
+    const double* z = lm.logits().data() + i * v;
+    double m = z[0], se = 0;
+    for (index_t c = 1; c < v; ++c) m = std::max(m, z[c]);
+    for (index_t c = 0; c < v; ++c) se += std::exp(z[c] - m);
+    ce += (m + std::log(se) - z[targets.data()[i]]) / static_cast<double>(ids.numel());
+  }
+  CHECK(l.task == doctest::Approx(ce).epsilon(1e-12));
+  CHECK(l0.task == doctest::Approx(l.task).epsilon(1e-12));
+  CHECK(l0.aux() == 0);
+  // the auxiliary terms: coefficient x each MoE layer's unscaled value, summed over layers
+  double lb = 0, zl = 0;
+  for (index_t i = 0; i < lm.num_layers(); ++i) {
+    lb += 0.05 * lm.block(i).moe().routing().load_balance_loss;
+    zl += 0.01 * lm.block(i).moe().routing().z_loss;
+  }
+  CHECK(l.load_balance > 0);
+  CHECK(l.z_loss > 0);
+  CHECK(l.load_balance == doctest::Approx(lb).epsilon(1e-12));
+  CHECK(l.z_loss == doctest::Approx(zl).epsilon(1e-12));
+  CHECK(l.total() == doctest::Approx(l.task + lb + zl).epsilon(1e-12));
+  // backward is the gradient of total(): the gradients differ from the cross-entropy-only model's
+  lm.arena.zero_grad();
+  lm.backward();
+  ce_only.arena.zero_grad();
+  ce_only.backward();
+  const Tensor<double> g = lm.arena.grad("blocks.0.moe.router.weight");
+  const Tensor<double> g0 = ce_only.arena.grad("blocks.0.moe.router.weight");
+  CHECK(test::max_rel_diff(g, g0) > 1e-8);
+  // without targets: the auxiliary terms, no task loss
+  const Loss nl = lm.forward(ids, Tensor<std::int32_t>());
+  CHECK(nl.task == 0);
+  CHECK(nl.load_balance == doctest::Approx(l.load_balance).epsilon(1e-12));
 }
 
 TEST_CASE("TransformerLM gradient check with the Similarity graph's parameters (learned tau, W_s)") {
@@ -85,7 +138,7 @@ TEST_CASE("TransformerLM gradient check with the Similarity graph's parameters (
     }
   auto ids = random_ids(2, 5, cfg.vocab_size, rng);
   auto targets = random_ids(2, 5, cfg.vocab_size, rng);
-  auto loss = [&] { return static_cast<double>(lm.forward(ids, targets)) + lm.aux_loss(); };
+  auto loss = [&] { return lm.forward(ids, targets).total(); };
   CHECK(std::isfinite(loss()));
   lm.arena.zero_grad();
   lm.backward();

@@ -65,7 +65,7 @@ std::vector<float> train_steps(TransformerLM<Policy, float>& lm, AdamW<float>& o
   std::vector<float> losses;
   for (std::int64_t s = from; s < to; ++s) {
     const LMBatch b = data.batch(s % data.num_batches());
-    losses.push_back(lm.forward(b.inputs, b.targets));
+    losses.push_back(static_cast<float>(lm.forward(b.inputs, b.targets).task));
     lm.arena.zero_grad();
     lm.backward();
     clip_grad_norm(lm.arena, 1.0);
@@ -155,7 +155,7 @@ TEST_CASE("training: SGD with momentum also lowers the loss") {
   std::vector<float> losses;
   for (std::int64_t s = 0; s < 150; ++s) {
     const LMBatch b = data.batch(s % data.num_batches());
-    losses.push_back(lm.forward(b.inputs, b.targets));
+    losses.push_back(static_cast<float>(lm.forward(b.inputs, b.targets).task));
     lm.arena.zero_grad();
     lm.backward();
     clip_grad_norm(lm.arena, 1.0);

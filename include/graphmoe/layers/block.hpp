@@ -124,16 +124,14 @@ class TransformerBlock {
   Tensor<T, B> h1_, u_;
 };
 
-// Over a model's blocks: the sum of coef x (load-balancing, z) losses of the MoE blocks' last
-// forward, and the training step every router sees (ScheduledTopK's k schedule).
+// Over a model's blocks: the sum of the MoE blocks' auxiliary losses of the last forward
+// (MoELayer::losses, task = 0), and the training step every router sees (ScheduledTopK's k
+// schedule).
 template <class Blocks>
-double moe_aux_loss(const Blocks& blocks, const RouterConfig& cfg) {
-  double s = 0;
-  for (const auto& blk : blocks) {
-    if (!blk.is_moe()) continue;
-    const auto& r = blk.moe().routing();
-    s += cfg.load_balance_coef * r.load_balance_loss + cfg.z_loss_coef * r.z_loss;
-  }
+Loss moe_losses(const Blocks& blocks) {
+  Loss s;
+  for (const auto& blk : blocks)
+    if (blk.is_moe()) s += blk.moe().losses();
   return s;
 }
 template <class Blocks>

@@ -6,7 +6,8 @@
 //   combine:  y_i = sum_j gates_ij ys[slot of (i, j)]          (N, D)
 //
 // forward caches what backward needs; backward assigns du. routing() exposes the router's
-// output (selected experts, r and p) for metrics.
+// output (selected experts, r and p) for metrics; losses() the auxiliary losses of the last
+// forward, coefficient times value, whose gradients backward includes (layers/loss.hpp).
 #pragma once
 
 #include <string>
@@ -14,6 +15,7 @@
 #include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/layers/expert_bank.hpp"
+#include "graphmoe/layers/loss.hpp"
 #include "graphmoe/routing/router.hpp"
 
 namespace graphmoe {
@@ -93,6 +95,14 @@ class MoELayer {
   }
 
   const RouterOutput<T, B>& routing() const { return route_; }
+  // coef x (load-balancing, z) losses of the last forward (task = 0): the terms this layer's
+  // backward adds the gradients of.
+  Loss losses() const {
+    Loss l;
+    l.load_balance = cfg_.router.load_balance_coef * route_.load_balance_loss;
+    l.z_loss = cfg_.router.z_loss_coef * route_.z_loss;
+    return l;
+  }
   RouterImpl<RouterPolicy, T, B>& router() { return router_; }
   ExpertBank<T, B, C>& experts() { return experts_; }
   const dispatch_plan_t<B>& plan() const { return plan_; }

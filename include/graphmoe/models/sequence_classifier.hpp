@@ -54,12 +54,12 @@ class SequenceClassifier {
     }
   }
 
-  T forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
-            const Tensor<std::int32_t, B>& labels) {
+  // The loss broken down (layers/loss.hpp); backward differentiates its total().
+  Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
+               const Tensor<std::int32_t, B>& labels) {
     return lm_.forward_classify(ids, lengths, labels);
   }
   void backward() { lm_.backward_classify(); }
-  double aux_loss() const { return lm_.aux_loss(); }
   const Tensor<T, B>& logits() const { return lm_.class_logits(); }
   ParameterArena<T, B>& arena() { return lm_.arena; }
   TransformerLM<RouterPolicy, T, B>& backbone() { return lm_; }

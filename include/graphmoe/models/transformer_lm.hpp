@@ -144,9 +144,10 @@ class TransformerLM {
   TransformerLM(const TransformerLM&) = delete;
   TransformerLM& operator=(const TransformerLM&) = delete;
 
-  // ids, targets: (B, T) with T <= max_seq_len; targets may be empty (no loss, logits only).
-  // Returns the mean cross-entropy over targets != kIgnoreIndex.
-  T forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
+  // ids, targets: (B, T) with T <= max_seq_len; targets may be empty (logits only, task = 0).
+  // Returns the loss broken down (layers/loss.hpp): task = the mean cross-entropy over targets !=
+  // kIgnoreIndex, plus the routers' weighted auxiliary losses; backward differentiates total().
+  Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
     trunk_forward(ids);
     const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
@@ -164,12 +165,14 @@ class TransformerLM {
     Tensor<T, B> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
     gemm(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), T(0), lflat);
     has_loss_ = !targets.empty();
-    if (targets.empty()) return T(0);
-    return cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex);
+    Loss loss = moe_losses(blocks_);
+    if (!targets.empty())
+      loss.task = static_cast<double>(cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex));
+    return loss;
   }
 
-  // Gradients of (mean cross-entropy + the routers' auxiliary losses) into arena.grads(),
-  // accumulated: call arena.zero_grad() first.
+  // Gradients of the last forward's loss.total() (mean cross-entropy + the routers' weighted
+  // auxiliary losses) into arena.grads(), accumulated: call arena.zero_grad() first.
   void backward() {
     GRAPHMOE_CHECK(has_loss_, "TransformerLM::backward", "call forward with targets first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
@@ -185,9 +188,10 @@ class TransformerLM {
   // Sequence classification (needs num_classes > 0): ids (B, T) right-padded, lengths (B) the
   // number of real tokens of each sequence (1..T), labels (B) or empty. The causal trunk means
   // that padding after a sequence's last token never influences its tokens; the classifier reads
-  // the mean of LN_f(h) over the real tokens. Returns the mean cross-entropy (0 without labels);
-  // class_logits() holds (B, classes).
-  T forward_classify(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
+  // the mean of LN_f(h) over the real tokens. Returns the loss broken down (task = the mean
+  // cross-entropy, 0 without labels; backward_classify differentiates total()); class_logits()
+  // holds (B, classes).
+  Loss forward_classify(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
                      const Tensor<std::int32_t, B>& labels) {
     GRAPHMOE_CHECK(cfg_.num_classes > 0, "TransformerLM::forward_classify",
                    "the model has no classification head (num_classes = 0)");
@@ -212,8 +216,10 @@ class TransformerLM {
     class_logits_ = Tensor<T, B>();
     cls_head_.forward(pooled, class_logits_);
     class_log_probs_ = Tensor<T, B>();
-    if (labels.empty()) return T(0);
-    return cross_entropy_forward(class_logits_, labels, class_log_probs_);
+    Loss loss = moe_losses(blocks_);
+    if (!labels.empty())
+      loss.task = static_cast<double>(cross_entropy_forward(class_logits_, labels, class_log_probs_));
+    return loss;
   }
   void backward_classify() {
     GRAPHMOE_CHECK(!class_log_probs_.empty(), "TransformerLM::backward_classify",
@@ -233,8 +239,6 @@ class TransformerLM {
   }
   const Tensor<T, B>& class_logits() const { return class_logits_; }
 
-  // Sum over MoE layers of coef * (load-balancing, z) losses of the last forward.
-  double aux_loss() const { return moe_aux_loss(blocks_, cfg_.router); }
 
   const TransformerLMConfig& config() const { return cfg_; }
   const Tensor<T, B>& logits() const { return logits_; }  // (B, T, V) of the last forward

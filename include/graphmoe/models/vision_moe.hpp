@@ -108,8 +108,9 @@ class VisionMoE {
   VisionMoE& operator=(const VisionMoE&) = delete;
 
   // images: (B, H, W, C) or (B, H, W) for C = 1, values as given (e.g. [0, 1]); labels (B) or
-  // empty. Returns the mean cross-entropy (0 without labels); logits() holds (B, classes).
-  T forward(const Tensor<T, B>& images, const Tensor<std::int32_t, B>& labels) {
+  // empty. Returns the loss broken down (layers/loss.hpp): task = the mean cross-entropy (0
+  // without labels) and the routers' weighted auxiliary losses; logits() holds (B, classes).
+  Loss forward(const Tensor<T, B>& images, const Tensor<std::int32_t, B>& labels) {
     const index_t b = images.rank() >= 1 ? images.dim(0) : 0;
     const index_t per_image = cfg_.image_height * cfg_.image_width * cfg_.channels;
     GRAPHMOE_CHECK(images.rank() >= 2 && b >= 1 && images.numel() == b * per_image, "VisionMoE",
@@ -141,12 +142,15 @@ class VisionMoE {
     logits_ = Tensor<T, B>();
     head_.forward(cls_out, logits_);
     labels_ = labels;
-    if (labels.empty()) return T(0);
+    Loss loss = moe_losses(blocks_);
+    if (labels.empty()) return loss;
     log_probs_ = Tensor<T, B>();
-    return cross_entropy_forward(logits_, labels, log_probs_);
+    loss.task = static_cast<double>(cross_entropy_forward(logits_, labels, log_probs_));
+    return loss;
   }
 
-  // Gradients of (mean cross-entropy + the routers' auxiliary losses), accumulated.
+  // Gradients of the last forward's loss.total() (mean cross-entropy + the routers' weighted
+  // auxiliary losses), accumulated.
   void backward() {
     GRAPHMOE_CHECK(!log_probs_.empty(), "VisionMoE::backward", "call forward with labels first");
     const index_t b = logits_.dim(0), np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model;
@@ -172,8 +176,6 @@ class VisionMoE {
     }
     patch_.backward(demb, nullptr);
   }
-
-  double aux_loss() const { return moe_aux_loss(blocks_, cfg_.router); }
 
   const VisionMoEConfig& config() const { return cfg_; }
   const Tensor<T, B>& logits() const { return logits_; }
