@@ -1,6 +1,8 @@
 // --device for the examples' main(): calls the training loop instantiated for the chosen backend.
 //
-// The CPU loops are built for every router. With GRAPHMOE_ENABLE_CUDA the examples in
+// The CPU loops are built for the routers of GRAPHMOE_EXAMPLE_ROUTERS (default: all nine; the
+// generated examples_routers.hpp says which: built_for_cpu<Policy>, cpu_router_list). With
+// GRAPHMOE_ENABLE_CUDA the examples in
 // GRAPHMOE_CUDA_EXAMPLES (default: train_lm) also get CUDA instantiations for the routers in
 // GRAPHMOE_CUDA_EXAMPLE_ROUTERS (each is an nvcc translation unit of a few minutes, so the
 // default list is short); the build defines GRAPHMOE_EXAMPLES_CUDA and generates
@@ -10,8 +12,10 @@
 #include <string>
 #include <type_traits>
 
+#include "examples_routers.hpp"  // generated: built_for_cpu<Policy>, cpu_router_list
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/routing/registry.hpp"
 
 #if defined(GRAPHMOE_EXAMPLES_CUDA)
 #include "examples_cuda_routers.hpp"  // generated: built_for_cuda<Policy>, cuda_router_list
@@ -27,10 +31,34 @@ inline std::string device_help() {
 #endif
 }
 
+// Throws graphmoe::Error when this binary has no CPU loop for Policy (GRAPHMOE_EXAMPLE_ROUTERS).
+template <class Policy>
+void require_cpu_router(const char* program, const std::string& router) {
+  if constexpr (!built_for_cpu<Policy>)
+    GRAPHMOE_CHECK(false, program, "router '", router, "' is not built in this binary (built: ",
+                   cpu_router_list, "; configure with -DGRAPHMOE_EXAMPLE_ROUTERS=... to add it)");
+  (void)program;
+  (void)router;
+}
+
+// The same check by the router's name, for main() to call before it reads any data.
+inline void require_cpu_router(const char* program, const std::string& router,
+                               const std::string& device) {
+  if (device != "cpu") return;  // on_device checks the CUDA loops
+  graphmoe::with_router(router, [&]<class Policy>() {
+    require_cpu_router<Policy>(program, router);
+    return 0;
+  });
+}
+
 // fn.template operator()<B>() for the backend named by `device` ("cpu" or "cuda").
 template <class Policy, class Fn>
 int on_device(const char* program, const std::string& device, const std::string& router, Fn&& fn) {
-  if (device == "cpu") return fn.template operator()<graphmoe::cpu>();
+  if (device == "cpu") {
+    require_cpu_router<Policy>(program, router);
+    if constexpr (built_for_cpu<Policy>) return fn.template operator()<graphmoe::cpu>();
+    return 1;
+  }
   GRAPHMOE_CHECK(device == "cuda", program, "unknown --device '", device, "' (cpu or cuda)");
 #if defined(GRAPHMOE_EXAMPLES_CUDA)
   if constexpr (built_for_cuda<Policy>) {

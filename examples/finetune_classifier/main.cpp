@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
     GRAPHMOE_CHECK(std::find(known.begin(), known.end(), opt.router) != known.end(),
                    "finetune_classifier", where,
                    ": config field 'router' is '", opt.router, "', not a known router");
+    examples::require_cpu_router("finetune_classifier", opt.router, opt.device);
     GRAPHMOE_CHECK(!examples::detail::config_field<bool>(cfg, "char_level", where),
                    "finetune_classifier",
                    "character-level LMs are not supported here; train a word-level LM");

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/cli_checks.hpp"
+#include "common/device_dispatch.hpp"
 #include "common/lm_config.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
@@ -93,8 +94,12 @@ Model load_and_probe(const std::string& path, const std::string& vocab_override,
   for (index_t i = 0; i < nb; ++i) in.batches.push_back(batches.batch(i));
   std::fprintf(stderr, "routing_report: %s (%s, step %lld): %lld probe tokens\n", path.c_str(),
                router.c_str(), static_cast<long long>(in.step), static_cast<long long>(nb * batch * in.config.max_seq_len));
-  Model m{path, router, with_router(router, [&]<class Policy>() { return routing_report::probe<Policy>(in); }),
-          in.step};
+  auto probe = [&]<class Policy>() -> graphmoe::RoutingProbe {
+    examples::require_cpu_router<Policy>("routing_report", router);
+    if constexpr (examples::built_for_cpu<Policy>) return routing_report::probe<Policy>(in);
+    return {};
+  };
+  Model m{path, router, with_router(router, probe), in.step};
   return m;
 }
 

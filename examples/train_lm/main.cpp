@@ -97,6 +97,7 @@ int main(int argc, char** argv) {
     sched.schedule_steps = opt.steps;
   }
   try {
+    examples::require_cpu_router("train_lm", opt.router, opt.device);
     train_lm::Data data;
     std::vector<std::int32_t> stream;
     auto split_valid = [&] {

@@ -79,6 +79,7 @@ int main(int argc, char** argv) {
     sched.k_max = std::max(sched.k_max, m.router.k);
   }
   try {
+    examples::require_cpu_router("train_vision", opt.router, opt.device);
     // --corrupt: names in the order given, each once; "all" = every corruption
     for (std::size_t at = 0; !corrupt.empty() && at <= corrupt.size();) {
       const std::size_t comma = std::min(corrupt.find(',', at), corrupt.size());
