@@ -410,7 +410,7 @@ void BM_lm_train(benchmark::State& state) {
     AdamWConfig acfg;
     acfg.lr = 1e-3;
     acfg.weight_decay = 0.01;
-    AdamW<T, graphmoe::cuda> opt(lm.arena, acfg);
+    AdamW<T, graphmoe::cuda> opt(lm.arena(), acfg);
 
     // Inputs and next-token targets from one random stream (bench_lm.cpp).
     Rng rng(1234);
@@ -432,10 +432,10 @@ void BM_lm_train(benchmark::State& state) {
     auto train_step = [&] {
       lm.set_step(step++);
       loss = lm.forward(ids_dev, targets_dev).total();
-      lm.arena.zero_grad();
+      lm.arena().zero_grad();
       lm.backward();
-      double norm = clip_grad_norm(lm.arena, 1.0);
-      opt.step(lm.arena);
+      double norm = clip_grad_norm(lm.arena(), 1.0);
+      opt.step(lm.arena());
       benchmark::DoNotOptimize(norm);
     };
     for (int i = 0; i < kWarmup; ++i) train_step();

@@ -54,7 +54,7 @@ void BM_lm_train(benchmark::State& state, const TransformerLMConfig& cfg, index_
   AdamWConfig acfg;
   acfg.lr = 1e-3;
   acfg.weight_decay = 0.01;
-  AdamW<T> opt(lm.arena, acfg);
+  AdamW<T> opt(lm.arena(), acfg);
 
   Rng rng(1234);
   Tensor<std::int32_t> ids(Shape{batch, seq}), targets(Shape{batch, seq});
@@ -72,10 +72,10 @@ void BM_lm_train(benchmark::State& state, const TransformerLMConfig& cfg, index_
   auto train_step = [&] {
     lm.set_step(step++);
     const double loss = lm.forward(ids, targets).total();
-    lm.arena.zero_grad();
+    lm.arena().zero_grad();
     lm.backward();
-    const double norm = clip_grad_norm(lm.arena, 1.0);
-    opt.step(lm.arena);
+    const double norm = clip_grad_norm(lm.arena(), 1.0);
+    opt.step(lm.arena());
     benchmark::DoNotOptimize(loss);
     benchmark::DoNotOptimize(norm);
     return loss;

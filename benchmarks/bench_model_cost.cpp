@@ -42,7 +42,7 @@ double peak_rss_mib() {
 template <class Policy>
 struct Fixture {
   TransformerLM<Policy, float> lm{TransformerLMConfig::paper_medium(kVocab), /*seed=*/1};
-  AdamW<float> opt{lm.arena, AdamWConfig{}};
+  AdamW<float> opt{lm.arena(), AdamWConfig{}};
   Tensor<std::int32_t> ids{Shape{kBatch, kSeq}}, targets{Shape{kBatch, kSeq}};
   std::int64_t step = 0;
 
@@ -56,10 +56,10 @@ struct Fixture {
   double train_step() {
     lm.set_step(step++);
     const double loss = lm.forward(ids, targets).total();
-    lm.arena.zero_grad();
+    lm.arena().zero_grad();
     lm.backward();
-    benchmark::DoNotOptimize(clip_grad_norm(lm.arena, 1.0));
-    opt.step(lm.arena);
+    benchmark::DoNotOptimize(clip_grad_norm(lm.arena(), 1.0));
+    opt.step(lm.arena());
     return loss;
   }
 };

@@ -406,13 +406,13 @@ void check_lm() {
   for (index_t l = 0; l < lm.num_layers(); ++l) dropped += lm.block(l).moe().routing().selection.dropped;
   report("lm: loss", std::isfinite(l0),
          fmt("loss %.6f, %.0f assignments dropped by top-p", l0, static_cast<double>(dropped)));
-  lm.arena.zero_grad();
+  lm.arena().zero_grad();
   lm.backward();
   index_t checked = 0;
-  for (const auto& info : lm.arena.params()) {
+  for (const auto& info : lm.arena().params()) {
     if (!info.trainable) continue;
-    Tensor<double> v = lm.arena.value(info.name);
-    check_gradient("lm " + info.name, v, lm.arena.grad(info.name), loss);
+    Tensor<double> v = lm.arena().value(info.name);
+    check_gradient("lm " + info.name, v, lm.arena().grad(info.name), loss);
     ++checked;
   }
   std::printf("lm: %lld trainable parameters checked\n", static_cast<long long>(checked));

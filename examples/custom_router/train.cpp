@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
     Model lm(mc, 1);
     std::printf("train: router %s, vocabulary %zu, %zu train / %zu test tokens, %lld parameters\n",
                 Policy::name().c_str(), tok.size(), train.stream().size(), test.stream().size(),
-                static_cast<long long>(lm.arena.numel()));
+                static_cast<long long>(lm.arena().numel()));
 
     const index_t eval_batches = 16;
     const double initial = evaluate(lm, test, eval_batches);
@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
     AdamWConfig acfg;
     acfg.lr = 3e-3;
     acfg.weight_decay = 0.01;
-    AdamW<float, cpu> adam(lm.arena, acfg);
+    AdamW<float, cpu> adam(lm.arena(), acfg);
     const LRSchedule sched{3e-3, 3e-4, std::min<std::int64_t>(30, steps), steps};
     sched.validate();
     Rng order_rng(2);
@@ -115,10 +115,10 @@ int main(int argc, char** argv) {
       const LMBatch b = train.batch(order[static_cast<std::size_t>(step % nb)]);
       const double loss = lm.forward(b.inputs, b.targets).total();
       GRAPHMOE_CHECK(std::isfinite(loss), "train", "loss is ", loss, " at step ", step);
-      lm.arena.zero_grad();
+      lm.arena().zero_grad();
       lm.backward();
-      clip_grad_norm(lm.arena, 1.0);
-      adam.step(lm.arena, sched.at(step));
+      clip_grad_norm(lm.arena(), 1.0);
+      adam.step(lm.arena(), sched.at(step));
       ema = step == 0 ? loss : 0.95 * ema + 0.05 * loss;
       if ((step + 1) % 50 == 0 || step + 1 == steps)
         std::printf("train: step %4lld  train loss (ema) %.4f\n", static_cast<long long>(step + 1), ema);

@@ -11,7 +11,7 @@ template <class Policy>
 graphmoe::RoutingProbe probe(const ProbeInput& in) {
   using namespace graphmoe;
   TransformerLM<Policy, float> lm(in.config, 0);
-  load_arena(*in.file, lm.arena, "model.");
+  load_arena(*in.file, lm.arena(), "model.");
   lm.set_step(in.step);
   RoutingProbe out;
   for (const LMBatch& b : in.batches) {

@@ -74,7 +74,7 @@ int run(const Options& opt, const Data& data) {
   AdamWConfig acfg;
   acfg.lr = opt.lr;
   acfg.weight_decay = opt.weight_decay;
-  AdamW<Scalar, B> adam(lm.arena, acfg);
+  AdamW<Scalar, B> adam(lm.arena(), acfg);
   LRSchedule sched{opt.lr, opt.min_lr, std::min(opt.warmup, opt.steps), opt.steps};
   sched.validate();
 
@@ -90,7 +90,7 @@ int run(const Options& opt, const Data& data) {
                    "this run's: ", saved.dump(), " vs ", config_json(opt, mc).dump());
     // the step is checked before load_training_state changes anything
     step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
-    load_training_state(f, lm.arena, adam);
+    load_training_state(f, lm.arena(), adam);
     std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
   auto save = [&](std::int64_t at_step) {
@@ -100,8 +100,8 @@ int run(const Options& opt, const Data& data) {
     if (opt.keep_checkpoints)
       save_training_state((fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +
                                                     ".safetensors")).string(),
-                          lm.arena, adam, meta);
-    save_training_state(ckpt, lm.arena, adam, meta);
+                          lm.arena(), adam, meta);
+    save_training_state(ckpt, lm.arena(), adam, meta);
   };
 
   // metrics.csv: one row per evaluation; routing metrics per MoE layer on a fixed probe batch
@@ -141,12 +141,12 @@ int run(const Options& opt, const Data& data) {
     examples::before_optimizer_step("train_lm", step + 1, [&] {
       loss = lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).total();
       guard.check_loss(step + 1, loss);
-      lm.arena.zero_grad();
+      lm.arena().zero_grad();
       lm.backward();
-      last_norm = examples::clip_checked(guard, step + 1, lm.arena, opt.clip);
+      last_norm = examples::clip_checked(guard, step + 1, lm.arena(), opt.clip);
     });
     const double lr = sched.at(step);
-    adam.step(lm.arena, lr);
+    adam.step(lm.arena(), lr);
     last_loss = loss;
     loss_ema = step == first_step ? loss : 0.98 * loss_ema + 0.02 * loss;
     const double tps = tokens_per_step * static_cast<double>(step + 1 - first_step) /

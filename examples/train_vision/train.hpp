@@ -119,7 +119,7 @@ int run(const Options& opt, const Data& data) {
   AdamWConfig ac;
   ac.lr = opt.lr;
   ac.weight_decay = opt.weight_decay;
-  AdamW<Scalar, B> adam(model.arena, ac);
+  AdamW<Scalar, B> adam(model.arena(), ac);
   LRSchedule sched{opt.lr, opt.min_lr, std::min<std::int64_t>(opt.warmup, total), total};
   sched.validate();
 
@@ -138,11 +138,11 @@ int run(const Options& opt, const Data& data) {
                    "this run's: ", saved.dump(), " vs ", config.dump());
     // the step is checked before load_training_state changes anything
     step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
-    load_training_state(f, model.arena, adam);
+    load_training_state(f, model.arena(), adam);
     std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
   auto save = [&](std::int64_t at) {
-    save_training_state(ckpt, model.arena, adam, {{"config", config.dump()}, {"step", std::to_string(at)}});
+    save_training_state(ckpt, model.arena(), adam, {{"config", config.dump()}, {"step", std::to_string(at)}});
   };
   CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(),
              {"step", "epoch", "train_loss", "test_accuracy", "lr", "grad_norm"}, opt.resume && step > 0);
@@ -174,11 +174,11 @@ int run(const Options& opt, const Data& data) {
     examples::before_optimizer_step("train_vision", step + 1, [&] {
       loss = model.forward(examples::on_backend<B>(x), examples::on_backend<B>(y)).total();
       guard.check_loss(step + 1, loss);
-      model.arena.zero_grad();
+      model.arena().zero_grad();
       model.backward();
-      norm = examples::clip_checked(guard, step + 1, model.arena, opt.clip);
+      norm = examples::clip_checked(guard, step + 1, model.arena(), opt.clip);
     });
-    adam.step(model.arena, sched.at(step));
+    adam.step(model.arena(), sched.at(step));
     ema = step == first ? loss : 0.98 * ema + 0.02 * loss;
     const double ips = static_cast<double>((step + 1 - first) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());
     char stats[96];

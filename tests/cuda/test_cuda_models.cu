@@ -64,19 +64,19 @@ void compare_lm(MoELayout layout) {
   const TransformerLMConfig cfg = tiny_lm(layout);
   TransformerLM<Policy, T, cpu> host(cfg, 21);
   TransformerLM<Policy, T, graphmoe::cuda> dev(cfg, 21);
-  check_arena("initial", host.arena, dev.arena, false);
+  check_arena("initial", host.arena(), dev.arena(), false);
   AdamWConfig oc;
   oc.lr = 1e-2;
-  AdamW<T, cpu> host_opt(host.arena, oc);
-  AdamW<T, graphmoe::cuda> dev_opt(dev.arena, oc);
+  AdamW<T, cpu> host_opt(host.arena(), oc);
+  AdamW<T, graphmoe::cuda> dev_opt(dev.arena(), oc);
   Rng data(5);
   for (int step = 0; step < 2; ++step) {
     CAPTURE(step);
     const Tensor<std::int32_t, cpu> ids = random_ids(Shape{2, 12}, cfg.vocab_size, data);
     Tensor<std::int32_t, cpu> targets = random_ids(Shape{2, 12}, cfg.vocab_size, data);
     targets.data()[3] = TransformerLM<Policy, T, cpu>::kIgnoreIndex;
-    host.arena.zero_grad();
-    dev.arena.zero_grad();
+    host.arena().zero_grad();
+    dev.arena().zero_grad();
     const T hl = static_cast<T>(host.forward(ids, targets).total());
     const T dl = static_cast<T>(dev.forward(to_device(ids), to_device(targets)).total());
     CHECK(static_cast<double>(dl) ==
@@ -84,19 +84,19 @@ void compare_lm(MoELayout layout) {
     check_close("LM logits", host.logits(), dev.logits(), model_tolerance<T>());
     host.backward();
     dev.backward();
-    check_arena("LM", host.arena, dev.arena, true);
-    const double hn = clip_grad_norm(host.arena, 1.0);
-    const double dn = clip_grad_norm(dev.arena, 1.0);
+    check_arena("LM", host.arena(), dev.arena(), true);
+    const double hn = clip_grad_norm(host.arena(), 1.0);
+    const double dn = clip_grad_norm(dev.arena(), 1.0);
     CHECK(dn == doctest::Approx(hn).epsilon(model_tolerance<T>()));
-    host_opt.step(host.arena);
-    dev_opt.step(dev.arena);
+    host_opt.step(host.arena());
+    dev_opt.step(dev.arena());
     // Relative to the arena's largest value: Adam divides by sqrt(v), so a gradient entry near 0
     // (an expert bias column that sums to almost nothing) turns the backends' different float
     // round-off into update differences of order lr, large beside a parameter that is itself of
     // order lr (biases start at 0) but not beside the model's weights. The gradients are compared
     // per parameter above, the AdamW math bit for bit in test_host_optim. k_proj.bias: its
     // round-off gradients take AdamW steps of up to lr on each backend.
-    check_arena("after AdamW", host.arena, dev.arena, false, 2 * oc.lr * (step + 1), true);
+    check_arena("after AdamW", host.arena(), dev.arena(), false, 2 * oc.lr * (step + 1), true);
   }
 }
 
@@ -133,7 +133,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM classification head", T, float, d
   check_close("class logits", host.class_logits(), dev.class_logits(), model_tolerance<T>());
   host.backward_classify();
   dev.backward_classify();
-  check_arena("classifier", host.arena, dev.arena, true);
+  check_arena("classifier", host.arena(), dev.arena(), true);
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, double) {
@@ -164,7 +164,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, doub
   check_close("vision logits", host.logits(), dev.logits(), model_tolerance<T>());
   host.backward();
   dev.backward();
-  check_arena("vision", host.arena, dev.arena, true);
+  check_arena("vision", host.arena(), dev.arena(), true);
 }
 
 }  // namespace graphmoe

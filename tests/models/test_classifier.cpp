@@ -67,13 +67,13 @@ TEST_CASE("SequenceClassifier initialised from a saved LM checkpoint") {
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("graphmoe_cls_" + std::to_string(getpid()) + ".safetensors")).string();
   std::vector<TensorRef> refs;
-  append_arena(refs, lm.arena, "model.");
+  append_arena(refs, lm.arena(), "model.");
   save_safetensors(path, refs, {});
   SequenceClassifier<AttentionRouter, float> cls(tiny(), 4, 99);
   const auto f = load_safetensors(path);
   load_pretrained(cls, f, "model.");
-  for (const auto& info : lm.arena.params())
-    CHECK(max_rel_diff(cls.arena().value(info.name), lm.arena.value(info.name)) == 0.0);
+  for (const auto& info : lm.arena().params())
+    CHECK(max_rel_diff(cls.arena().value(info.name), lm.arena().value(info.name)) == 0.0);
   CHECK(cls.arena().contains("cls_head.weight"));
   // a checkpoint of another shape is refused by name
   auto other = tiny();
@@ -91,13 +91,13 @@ TEST_CASE("SequenceClassifier::load_backbone takes the tensors from a callback (
   std::vector<std::string> asked;
   cls.load_backbone([&](const std::string& name, const Shape& shape) {
     asked.push_back(name);
-    CHECK(shape == lm.arena.value(name).shape());
-    return lm.arena.value(name);
+    CHECK(shape == lm.arena().value(name).shape());
+    return lm.arena().value(name);
   });
-  CHECK(asked.size() == lm.arena.params().size());  // every backbone parameter, once
+  CHECK(asked.size() == lm.arena().params().size());  // every backbone parameter, once
   for (const auto& name : asked) {
     CHECK(SequenceClassifier<SimilarityRouter, double>::is_backbone_parameter(name));
-    CHECK(max_rel_diff(cls.arena().value(name), lm.arena.value(name)) == 0.0);
+    CHECK(max_rel_diff(cls.arena().value(name), lm.arena().value(name)) == 0.0);
   }
   CHECK(max_rel_diff(cls.arena().value("cls_head.weight"), head) == 0.0);  // head untouched
   CHECK_FALSE(SequenceClassifier<SimilarityRouter, double>::is_backbone_parameter("cls_head.bias"));
@@ -116,4 +116,31 @@ TEST_CASE("SequenceClassifier bad input") {
   CHECK_THROWS_WITH_AS(m.forward(ids, Tensor<std::int32_t>::from({1}, {4}), none), doctest::Contains("length 4 of sequence 0 out of [1, 3]"), Error);
   CHECK_THROWS_WITH_AS(m.forward(ids, Tensor<std::int32_t>::from({2}, {1, 1}), none), doctest::Contains("lengths"), Error);
   CHECK_THROWS_WITH_AS(m.backward(), doctest::Contains("call forward_classify with labels first"), Error);
+}
+
+TEST_CASE("SequenceClassifier lifecycle: declared under a prefix, load_backbone reads its own parameters by their LM names") {
+  TransformerLM<SoftmaxRouter, double> lm(tiny(), 5);
+  ParameterArena<double> arena;
+  TransformerLM<SoftmaxRouter, double> other;  // another model in the same arena, declared first
+  other.declare(arena, "", tiny());
+  SequenceClassifier<SoftmaxRouter, double> cls;
+  cls.declare(arena, "cls.", tiny(), 3);
+  arena.allocate();
+  other.bind(arena);
+  cls.bind(arena);
+  Rng rng(11);
+  other.init(rng);
+  cls.init(rng);
+  const Tensor<double> other_tok = arena.value("tok_emb.weight").clone();
+  std::vector<std::string> asked;
+  cls.load_backbone([&](const std::string& name, const Shape&) {
+    asked.push_back(name);
+    return lm.arena().value(name);  // throws for a name the LM does not have
+  });
+  CHECK(asked.size() == lm.arena().params().size());
+  for (const auto& name : asked)
+    CHECK(max_rel_diff(arena.value("cls." + name), lm.arena().value(name)) == 0.0);
+  CHECK(max_rel_diff(arena.value("tok_emb.weight"), other_tok) == 0.0);  // the other model untouched
+  CHECK(arena.contains("cls.cls_head.weight"));
+  CHECK(&cls.arena() == &arena);
 }

@@ -59,12 +59,12 @@ TEST_CASE_TEMPLATE("TransformerLM gradient check of the whole tiny model (2 laye
     auto loss = [&] { return lm.forward(ids, targets).total(); };
     const double l0 = loss();
     CHECK(std::isfinite(l0));
-    lm.arena.zero_grad();
+    lm.arena().zero_grad();
     lm.backward();
-    for (const auto& info : lm.arena.params()) {
+    for (const auto& info : lm.arena().params()) {
       if (!info.trainable) continue;
-      Tensor<double> v = lm.arena.value(info.name);
-      check_gradient(info.name, v, lm.arena.grad(info.name), loss);
+      Tensor<double> v = lm.arena().value(info.name);
+      check_gradient(info.name, v, lm.arena().grad(info.name), loss);
     }
   }
 }
@@ -106,12 +106,12 @@ TEST_CASE_TEMPLATE("TransformerLM forward returns the loss broken down; backward
   CHECK(l.z_loss == doctest::Approx(zl).epsilon(1e-12));
   CHECK(l.total() == doctest::Approx(l.task + lb + zl).epsilon(1e-12));
   // backward is the gradient of total(): the gradients differ from the cross-entropy-only model's
-  lm.arena.zero_grad();
+  lm.arena().zero_grad();
   lm.backward();
-  ce_only.arena.zero_grad();
+  ce_only.arena().zero_grad();
   ce_only.backward();
-  const Tensor<double> g = lm.arena.grad("blocks.0.moe.router.weight");
-  const Tensor<double> g0 = ce_only.arena.grad("blocks.0.moe.router.weight");
+  const Tensor<double> g = lm.arena().grad("blocks.0.moe.router.weight");
+  const Tensor<double> g0 = ce_only.arena().grad("blocks.0.moe.router.weight");
   CHECK(test::max_rel_diff(g, g0) > 1e-8);
   // without targets: the auxiliary terms, no task loss
   const Loss nl = lm.forward(ids, Tensor<std::int32_t>());
@@ -127,25 +127,25 @@ TEST_CASE("TransformerLM gradient check with the Similarity graph's parameters (
   TransformerLM<SimilarityRouter, double> lm(cfg, 3);
   // one log_tau and one (D, D) W_s per MoE layer, in the arena (so in checkpoints)
   index_t graph_params = 0;
-  for (const auto& info : lm.arena.params())
+  for (const auto& info : lm.arena().params())
     if (info.name.find("graph.") != std::string::npos) ++graph_params;
   CHECK(graph_params == 2 * cfg.num_layers);
   Rng rng(8);
-  for (const auto& info : lm.arena.params())
+  for (const auto& info : lm.arena().params())
     if (info.name.find("graph.w_s") != std::string::npos) {
       CHECK(info.shape == (Shape{cfg.d_model, cfg.d_model}));
-      lm.arena.value(info.name).copy_from(random_normal<double>({cfg.d_model, cfg.d_model}, rng, 0.7));
+      lm.arena().value(info.name).copy_from(random_normal<double>({cfg.d_model, cfg.d_model}, rng, 0.7));
     }
   auto ids = random_ids(2, 5, cfg.vocab_size, rng);
   auto targets = random_ids(2, 5, cfg.vocab_size, rng);
   auto loss = [&] { return lm.forward(ids, targets).total(); };
   CHECK(std::isfinite(loss()));
-  lm.arena.zero_grad();
+  lm.arena().zero_grad();
   lm.backward();
-  for (const auto& info : lm.arena.params()) {
+  for (const auto& info : lm.arena().params()) {
     if (!info.trainable) continue;
-    Tensor<double> v = lm.arena.value(info.name);
-    check_gradient(info.name, v, lm.arena.grad(info.name), loss);
+    Tensor<double> v = lm.arena().value(info.name);
+    check_gradient(info.name, v, lm.arena().grad(info.name), loss);
   }
 }
 
@@ -199,10 +199,10 @@ TEST_CASE("TransformerLM layouts and the paper's medium configuration") {
   auto cfg = tiny_config();
   cfg.layout = MoELayout::GLaM;
   TransformerLM<SimilarityRouter, float> lm(cfg);
-  CHECK(lm.arena.contains("blocks.1.moe.router.weight"));
-  CHECK(lm.arena.contains("blocks.0.ffn.fc1.weight"));
-  CHECK(!lm.arena.contains("blocks.0.moe.router.weight"));
-  CHECK(!lm.arena.contains("lm_head.weight"));
+  CHECK(lm.arena().contains("blocks.1.moe.router.weight"));
+  CHECK(lm.arena().contains("blocks.0.ffn.fc1.weight"));
+  CHECK(!lm.arena().contains("blocks.0.moe.router.weight"));
+  CHECK(!lm.arena().contains("lm_head.weight"));
 }
 
 TEST_CASE("TransformerLM bad input") {
@@ -234,4 +234,93 @@ TEST_CASE("TransformerLM bad input") {
   CHECK(!tiny_config().router.options<Attention>().head_choice.has_value());
   CHECK(tiny_config().router.options<Attention>().head_choice_for(true) == HeadChoice::PerSequenceCausal);
   CHECK(tiny_config().router.options<Attention>().head_choice_for(false) == HeadChoice::PerSequence);
+}
+
+TEST_CASE_TEMPLATE("TransformerLM lifecycle: declare in a shared arena, allocate, bind, init equals the owning constructor",
+                   Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter) {
+  auto cfg = tiny_config();
+  cfg.tie_embeddings = false;
+  TransformerLM<Policy, double> owning(cfg, 17);
+  // two models and a layer in one arena: a "student" with the owning model's seed, a "teacher"
+  ParameterArena<double> arena;
+  Linear<double> probe;
+  probe.declare(arena, "probe.", cfg.d_model, 2);
+  TransformerLM<Policy, double> student, teacher;
+  CHECK_FALSE(student.bound());
+  student.declare(arena, "student.", cfg);
+  teacher.declare(arena, "teacher.", cfg);
+  arena.allocate();
+  student.bind(arena);
+  teacher.bind(arena);
+  probe.bind(arena);
+  Rng rng(17), other(99);
+  student.init(rng);
+  teacher.init(other);
+  CHECK(student.bound());
+  CHECK(&student.arena() == &arena);
+  CHECK(student.prefix() == "student.");
+  // the student's parameters are the owning model's, under its prefix and in one id range
+  const auto [first, end] = student.parameter_ids();
+  CHECK(end - first == owning.arena().size());
+  CHECK(arena.size() == 2 * owning.arena().size() + 2);
+  for (const auto& info : owning.arena().params()) {
+    CAPTURE(info.name);
+    const index_t id = arena.find("student." + info.name);
+    CHECK(first <= id);
+    CHECK(id < end);
+    CHECK(max_rel_diff(arena.value(id), owning.arena().value(info.name)) == 0.0);
+    CHECK(arena.contains("teacher." + info.name));
+  }
+  CHECK(max_rel_diff(arena.value("teacher.tok_emb.weight"), arena.value("student.tok_emb.weight")) > 0.1);
+  // the same forward and gradients; the teacher's gradients stay zero
+  Rng drng(5);
+  const auto ids = random_ids(2, 5, cfg.vocab_size, drng);
+  const auto targets = random_ids(2, 5, cfg.vocab_size, drng);
+  const double l_own = owning.forward(ids, targets).total();
+  const double l_student = student.forward(ids, targets).total();
+  CHECK(l_student == l_own);
+  owning.arena().zero_grad();
+  arena.zero_grad();
+  owning.backward();
+  student.backward();
+  for (const auto& info : owning.arena().params()) {
+    CAPTURE(info.name);
+    CHECK(max_rel_diff(arena.grad("student." + info.name), owning.arena().grad(info.name)) == 0.0);
+    CHECK(max_rel_diff(arena.grad("teacher." + info.name), Tensor<double>(info.shape)) == 0.0);
+  }
+}
+
+TEST_CASE("TransformerLM lifecycle: every step out of order raises graphmoe::Error naming it") {
+  const auto cfg = tiny_config();
+  Rng rng(1);
+  const auto ids = random_ids(1, 3, cfg.vocab_size, rng);
+  const Tensor<std::int32_t> none;
+  const auto before_bind = doctest::Contains("before bind()");
+  TransformerLM<SoftmaxRouter, float> lm;  // nothing declared
+  CHECK_THROWS_WITH_AS(lm.forward(ids, none), before_bind, Error);
+  CHECK_THROWS_WITH_AS(lm.forward_classify(ids, Tensor<std::int32_t>::from({1}, {3}), none), before_bind, Error);
+  CHECK_THROWS_WITH_AS(lm.arena(), before_bind, Error);
+  CHECK_THROWS_WITH_AS(lm.init(rng), before_bind, Error);
+  CHECK_THROWS_WITH_AS(lm.backward(), doctest::Contains("call forward with targets first"), Error);
+  ParameterArena<float> arena, other;
+  CHECK_THROWS_WITH_AS(lm.bind(arena), doctest::Contains("bind() before declare()"), Error);
+  lm.declare(arena, "", cfg);
+  CHECK_THROWS_WITH_AS(lm.declare(arena, "again.", cfg), doctest::Contains("already declared"), Error);
+  CHECK_THROWS_WITH_AS(lm.forward(ids, none), before_bind, Error);
+  CHECK_THROWS_WITH_AS(lm.bind(arena), doctest::Contains("before the arena's allocate()"), Error);
+  other.allocate();
+  CHECK_THROWS_WITH_AS(lm.bind(other), doctest::Contains("another arena"), Error);
+  arena.allocate();
+  lm.bind(arena);
+  lm.init(rng);
+  CHECK(std::isfinite(lm.forward(ids, ids).total()));
+  // a bad config leaves the model undeclared (declare can be called again with a good one)
+  auto bad = tiny_config();
+  bad.num_heads = 3;
+  TransformerLM<SoftmaxRouter, float> late;
+  ParameterArena<float> a2;
+  CHECK_THROWS_WITH_AS(late.declare(a2, "", bad), doctest::Contains("num_heads = 3"), Error);
+  CHECK(a2.size() == 0);
+  late.declare(a2, "", cfg);
+  CHECK(a2.size() == lm.arena().size());
 }

@@ -57,12 +57,12 @@ TEST_CASE_TEMPLATE("VisionMoE gradient check of the whole tiny model", Policy, S
     Tensor<std::int32_t> labels = Tensor<std::int32_t>::from({2}, {2, 0});
     auto loss = [&] { return m.forward(images, labels).total(); };
     loss();
-    m.arena.zero_grad();
+    m.arena().zero_grad();
     m.backward();
-    for (const auto& info : m.arena.params()) {
+    for (const auto& info : m.arena().params()) {
       if (!info.trainable) continue;
-      Tensor<double> v = m.arena.value(info.name);
-      check_gradient(info.name, v, m.arena.grad(info.name), loss);
+      Tensor<double> v = m.arena().value(info.name);
+      check_gradient(info.name, v, m.arena().grad(info.name), loss);
     }
   }
 }
@@ -108,4 +108,30 @@ TEST_CASE("VisionMoE bad input") {
   auto bad = tiny();
   bad.patch = 4;
   CHECK_THROWS_WITH_AS((VisionMoE<SoftmaxRouter, float>(bad)), doctest::Contains("must divide the image size"), Error);
+}
+
+TEST_CASE("VisionMoE lifecycle: declare / allocate / bind / init in a shared arena equals the owning constructor") {
+  const auto cfg = tiny();
+  VisionMoE<SimilarityRouter, double> owning(cfg, 6);
+  ParameterArena<double> arena;
+  const index_t before = arena.add("other.weight", Shape{3});
+  VisionMoE<SimilarityRouter, double> m;
+  Rng rng(2);
+  const auto images = random_tensor<double>({2, 4, 6, 2}, rng, 0.0, 1.0);
+  const auto labels = Tensor<std::int32_t>::from({2}, {0, 2});
+  CHECK_THROWS_WITH_AS(m.forward(images, labels), doctest::Contains("before bind()"), Error);
+  m.declare(arena, "vit.", cfg);
+  arena.allocate();
+  CHECK_THROWS_WITH_AS(m.arena(), doctest::Contains("before bind()"), Error);
+  m.bind(arena);
+  Rng init_rng(6);
+  m.init(init_rng);
+  CHECK(arena.size() == owning.arena().size() + 1);
+  for (const auto& info : owning.arena().params())
+    CHECK(max_rel_diff(arena.value("vit." + info.name), owning.arena().value(info.name)) == 0.0);
+  CHECK(m.forward(images, labels).total() == owning.forward(images, labels).total());
+  arena.zero_grad();
+  m.backward();
+  CHECK(max_rel_diff(arena.grad(before), Tensor<double>(Shape{3})) == 0.0);  // not the model's
+  CHECK_THROWS_WITH_AS(m.declare(arena, "x.", cfg), doctest::Contains("already declared"), Error);
 }

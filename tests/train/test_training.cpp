@@ -66,10 +66,10 @@ std::vector<float> train_steps(TransformerLM<Policy, float>& lm, AdamW<float>& o
   for (std::int64_t s = from; s < to; ++s) {
     const LMBatch b = data.batch(s % data.num_batches());
     losses.push_back(static_cast<float>(lm.forward(b.inputs, b.targets).task));
-    lm.arena.zero_grad();
+    lm.arena().zero_grad();
     lm.backward();
-    clip_grad_norm(lm.arena, 1.0);
-    opt.step(lm.arena, sched.at(s));
+    clip_grad_norm(lm.arena(), 1.0);
+    opt.step(lm.arena(), sched.at(s));
   }
   return losses;
 }
@@ -84,7 +84,7 @@ TEST_CASE_TEMPLATE("training: the LM's loss falls on real text (WikiText-2 slice
   LMBatcher data(c.stream, 8, 32);
   AdamWConfig ac;
   ac.lr = 3e-3;
-  AdamW<float> opt(lm.arena, ac);
+  AdamW<float> opt(lm.arena(), ac);
   LRSchedule sched{3e-3, 3e-4, 20, 300};
   const auto losses = train_steps(lm, opt, data, 0, 300, sched);
   double first = 0, last = 0;
@@ -107,7 +107,7 @@ TEST_CASE("training: same seed and thread count give bitwise identical losses") 
     std::vector<float> runs[2];
     for (auto& r : runs) {
       TransformerLM<SimilarityRouter, float> lm(small_lm(c.vocab), 11);
-      AdamW<float> opt(lm.arena, AdamWConfig{});
+      AdamW<float> opt(lm.arena(), AdamWConfig{});
       r = train_steps(lm, opt, data, 0, 30, sched);
     }
     CHECK(runs[0] == runs[1]);
@@ -123,20 +123,20 @@ TEST_CASE("training: a checkpoint with the AdamW state resumes bit for bit") {
                             ("graphmoe_resume_" + std::to_string(getpid()) + ".safetensors")).string();
   // uninterrupted
   TransformerLM<AttentionRouter, float> a(small_lm(c.vocab), 5);
-  AdamW<float> oa(a.arena, AdamWConfig{});
+  AdamW<float> oa(a.arena(), AdamWConfig{});
   const auto full = train_steps(a, oa, data, 0, 40, sched);
   // interrupted at step 25: save, then continue in a fresh model and optimizer
   std::vector<float> resumed;
   {
     TransformerLM<AttentionRouter, float> b(small_lm(c.vocab), 5);
-    AdamW<float> ob(b.arena, AdamWConfig{});
+    AdamW<float> ob(b.arena(), AdamWConfig{});
     train_steps(b, ob, data, 0, 25, sched);
-    save_training_state(path, b.arena, ob, {});
+    save_training_state(path, b.arena(), ob, {});
   }
   {
     TransformerLM<AttentionRouter, float> c2(small_lm(c.vocab), 999);  // different init, overwritten
-    AdamW<float> oc(c2.arena, AdamWConfig{});
-    load_training_state(load_safetensors(path), c2.arena, oc);
+    AdamW<float> oc(c2.arena(), AdamWConfig{});
+    load_training_state(load_safetensors(path), c2.arena(), oc);
     resumed = train_steps(c2, oc, data, 25, 40, sched);
   }
   std::filesystem::remove(path);
@@ -151,15 +151,15 @@ TEST_CASE("training: SGD with momentum also lowers the loss") {
   SGDConfig sc;
   sc.lr = 0.3;
   sc.momentum = 0.9;
-  SGD<float> opt(lm.arena, sc);
+  SGD<float> opt(lm.arena(), sc);
   std::vector<float> losses;
   for (std::int64_t s = 0; s < 150; ++s) {
     const LMBatch b = data.batch(s % data.num_batches());
     losses.push_back(static_cast<float>(lm.forward(b.inputs, b.targets).task));
-    lm.arena.zero_grad();
+    lm.arena().zero_grad();
     lm.backward();
-    clip_grad_norm(lm.arena, 1.0);
-    opt.step(lm.arena, sc.lr);
+    clip_grad_norm(lm.arena(), 1.0);
+    opt.step(lm.arena(), sc.lr);
   }
   CHECK(losses.back() < losses.front() - 1.0);
 }

@@ -16,10 +16,11 @@
 namespace graphmoe {
 
 namespace detail {
-// A layer's forward/backward before bind() has no parameters to read: every layer calls this.
+// A layer's or model's forward/backward before bind() has no parameters to read: every layer
+// and model calls this.
 inline void require_bound(bool bound, const char* layer, const char* op) {
   GRAPHMOE_CHECK(bound, layer, op,
-                 " before bind(): declare the layer, allocate the arena, then bind (and init) it");
+                 " before bind(): declare it in an arena, allocate the arena, then bind (and init) it");
 }
 }  // namespace detail
 
@@ -96,5 +97,21 @@ class ParameterArena {
   index_t size_ = 0;
   Tensor<T, B> values_, grads_;
 };
+
+namespace detail {
+// A model binds to the arena it declared its parameters in (the ids it keeps index that arena),
+// once the arena is allocated.
+template <class T, class B>
+void check_model_bind(const ParameterArena<T, B>* declared_in, const ParameterArena<T, B>& arena,
+                      const char* model) {
+  GRAPHMOE_CHECK(declared_in != nullptr, model,
+                 "bind() before declare(): declare the model in an arena, allocate the arena, "
+                 "then bind (and init) it");
+  GRAPHMOE_CHECK(declared_in == &arena, model,
+                 "bind() to another arena than the one the model was declared in");
+  GRAPHMOE_CHECK(arena.allocated(), model,
+                 "bind() before the arena's allocate(): declare, allocate, bind, then init");
+}
+}  // namespace detail
 
 }  // namespace graphmoe

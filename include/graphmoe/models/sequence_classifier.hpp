@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
@@ -25,8 +26,20 @@ namespace graphmoe {
 template <class RouterPolicy, class T, class B = cpu>
 class SequenceClassifier {
  public:
+  // The lifecycle of TransformerLM (whose declare / bind / init these forward to, with
+  // cfg.num_classes = num_classes): declare(arena, prefix, cfg, num_classes), the arena's
+  // allocate(), bind(arena), init(rng).
+  SequenceClassifier() = default;
+  // The owning shorthand: the model's own arena, no prefix, init from Rng(seed).
   SequenceClassifier(TransformerLMConfig cfg, index_t num_classes, std::uint64_t seed = 0)
-      : lm_((check_classes(num_classes), cfg.num_classes = num_classes, cfg), seed) {}
+      : lm_(with_classes(std::move(cfg), num_classes), seed) {}
+
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, TransformerLMConfig cfg,
+               index_t num_classes) {
+    lm_.declare(arena, prefix, with_classes(std::move(cfg), num_classes));
+  }
+  void bind(ParameterArena<T, B>& arena) { lm_.bind(arena); }
+  void init(Rng& rng) { lm_.init(rng); }
 
   // Whether `name` is a parameter of the backbone, i.e. one a pretrained LM provides: every
   // parameter but the classification head's ("cls_head.*").
@@ -44,13 +57,18 @@ class SequenceClassifier {
              std::convertible_to<std::invoke_result_t<Fetch&, const std::string&, const Shape&>,
                                  Tensor<T, cpu>>
   void load_backbone(Fetch&& fetch) {
-    for (const auto& info : lm_.arena.params()) {
-      if (!is_backbone_parameter(info.name)) continue;
-      const Tensor<T, cpu> t = fetch(info.name, info.shape);
+    ParameterArena<T, B>& arena = lm_.arena();
+    const std::string& prefix = lm_.prefix();
+    const auto [first, end] = lm_.parameter_ids();
+    for (index_t id = first; id < end; ++id) {  // this model's parameters (the arena may hold more)
+      const ParameterInfo& info = arena.params()[static_cast<std::size_t>(id)];
+      const std::string name = info.name.substr(prefix.size());  // as the pretrained LM names it
+      if (!is_backbone_parameter(name)) continue;
+      const Tensor<T, cpu> t = fetch(name, info.shape);
       GRAPHMOE_CHECK(t.shape() == info.shape, "SequenceClassifier::load_backbone",
-                     "the pretrained tensor for '", info.name, "' has shape ", t.shape(),
+                     "the pretrained tensor for '", name, "' has shape ", t.shape(),
                      ", the model expects ", info.shape);
-      copy_from_host(lm_.arena.value(info.name), t);
+      copy_from_host(arena.value(id), t);
     }
   }
 
@@ -61,13 +79,15 @@ class SequenceClassifier {
   }
   void backward() { lm_.backward_classify(); }
   const Tensor<T, B>& logits() const { return lm_.class_logits(); }
-  ParameterArena<T, B>& arena() { return lm_.arena; }
+  ParameterArena<T, B>& arena() const { return lm_.arena(); }
   TransformerLM<RouterPolicy, T, B>& backbone() { return lm_; }
   void set_step(std::int64_t s) { lm_.set_step(s); }
 
  private:
-  static void check_classes(index_t n) {
+  static TransformerLMConfig with_classes(TransformerLMConfig cfg, index_t n) {
     GRAPHMOE_CHECK(n >= 2, "SequenceClassifier", "num_classes must be >= 2, got ", n);
+    cfg.num_classes = n;
+    return cfg;
   }
   TransformerLM<RouterPolicy, T, B> lm_;
 };

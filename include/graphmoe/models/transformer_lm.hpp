@@ -6,8 +6,9 @@
 //   loss = mean cross-entropy over targets != ignore_index
 //
 // Plain struct in llm.c's style: forward calls the blocks in order, backward in reverse. All
-// parameters live in one ParameterArena (`arena`), named as a PyTorch user would expect
-// ("blocks.3.moe.router.weight"). In a causal LM the routers are causal (RouterConfig::causal):
+// parameters live in one ParameterArena (`arena()`: the model's own, or one it was declared in
+// beside other models and layers), named as a PyTorch user would expect
+// ("blocks.3.moe.router.weight", under the prefix given to declare). In a causal LM the routers are causal (RouterConfig::causal):
 // the Similarity graph masks later tokens and the Attention graph chooses h* from the prefix
 // (HeadChoice::PerSequenceCausal, its default in a causal router; PerSequence is refused), so no
 // logit at position i depends on a token after i. causal is TransformerLMConfig::router's
@@ -16,7 +17,9 @@
 #pragma once
 
 #include <cmath>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "graphmoe/backend/cpu/cross_entropy.hpp"
@@ -91,8 +94,8 @@ struct TransformerLMConfig {
     GRAPHMOE_CHECK(router.causal, "TransformerLMConfig",
                    "router.causal is false, but the LM is causal: a non-causal token graph lets "
                    "later tokens change how earlier ones are routed (leave it true, the default)");
-    // (the Attention graph refuses HeadChoice::PerSequence in a causal router itself)
-    (void)router.options<Attention>().head_choice_for(router.causal);
+    // (a graph that cannot be causal, e.g. the Attention graph with HeadChoice::PerSequence,
+    // refuses a causal router itself when the model is declared)
     router.validate();
   }
 };
@@ -110,10 +113,37 @@ class TransformerLM {
                 "selector (TopK, ScheduledTopK), or VisionMoE / a non-causal MoELayer");
   static constexpr std::int32_t kIgnoreIndex = -100;
 
-  explicit TransformerLM(const TransformerLMConfig& cfg, std::uint64_t seed = 0) : cfg_(cfg) {
-    cfg_.validate();
-    id_tok_ = arena.add("tok_emb.weight", Shape{cfg_.vocab_size, cfg_.d_model});
-    id_pos_ = arena.add("pos_emb.weight", Shape{cfg_.max_seq_len, cfg_.d_model});
+  // One lifecycle with the layers (docs/design.md "One lifecycle"):
+  //   TransformerLM<SimilarityRouter, float> lm;  // nothing declared yet
+  //   lm.declare(arena, "lm.", cfg);              // parameters named "lm.tok_emb.weight", ...
+  //   arena.allocate();                           // (other layers / models may share the arena)
+  //   lm.bind(arena);                             // the arena the model reads and writes
+  //   Rng rng(seed); lm.init(rng);
+  // forward, backward and arena() before bind() raise graphmoe::Error.
+  TransformerLM() = default;
+  // The owning shorthand: the model's own arena (arena()), no prefix, init from Rng(seed).
+  explicit TransformerLM(const TransformerLMConfig& cfg, std::uint64_t seed = 0)
+      : owned_(std::make_unique<ParameterArena<T, B>>()) {
+    declare(*owned_, "", cfg);
+    owned_->allocate();
+    bind(*owned_);
+    Rng rng(seed);
+    init(rng);
+  }
+
+  // Validates cfg and adds the model's parameters to arena under prefix. Once per model; if it
+  // throws (a bad config, or a name the arena already holds), the model stays undeclared.
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const TransformerLMConfig& cfg) {
+    GRAPHMOE_CHECK(declared_in_ == nullptr, "TransformerLM::declare",
+                   "the model is already declared (in an arena of ", declared_in_->size(),
+                   " parameters); declare a new model instead");
+    cfg.validate();
+    cfg_ = cfg;
+    prefix_ = prefix;
+    first_param_ = arena.size();
+    id_tok_ = arena.add(prefix + "tok_emb.weight", Shape{cfg_.vocab_size, cfg_.d_model});
+    id_pos_ = arena.add(prefix + "pos_emb.weight", Shape{cfg_.max_seq_len, cfg_.d_model});
+    blocks_.clear();
     blocks_.resize(static_cast<std::size_t>(cfg_.num_layers));
     for (index_t i = 0; i < cfg_.num_layers; ++i) {
       BlockConfig bc;
@@ -126,21 +156,53 @@ class TransformerLM {
       bc.moe_config.gelu = cfg_.gelu;
       bc.init_std = cfg_.init_std;
       bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
-      blocks_[static_cast<std::size_t>(i)].declare(arena, "blocks." + std::to_string(i) + ".", bc);
+      blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc);
     }
-    ln_f_.declare(arena, "ln_f.", cfg_.d_model);
-    if (!cfg_.tie_embeddings) id_head_ = arena.add("lm_head.weight", Shape{cfg_.vocab_size, cfg_.d_model});
-    if (cfg_.num_classes > 0) cls_head_.declare(arena, "cls_head.", cfg_.d_model, cfg_.num_classes);
-    arena.allocate();
-    bind();
-    Rng rng(seed);
-    fill_normal(arena.value(id_tok_), rng, cfg_.init_std);
-    fill_normal(arena.value(id_pos_), rng, cfg_.init_std);
+    ln_f_.declare(arena, prefix + "ln_f.", cfg_.d_model);
+    id_head_ = -1;
+    if (!cfg_.tie_embeddings) id_head_ = arena.add(prefix + "lm_head.weight", Shape{cfg_.vocab_size, cfg_.d_model});
+    if (cfg_.num_classes > 0) cls_head_.declare(arena, prefix + "cls_head.", cfg_.d_model, cfg_.num_classes);
+    end_param_ = arena.size();
+    declared_in_ = &arena;
+  }
+
+  // Binds the model to the arena it was declared in, once allocated. The model keeps a pointer to
+  // it (arena()): the arena must outlive the model's use.
+  void bind(ParameterArena<T, B>& arena) {
+    detail::check_model_bind(declared_in_, arena, "TransformerLM");
+    tok_ = arena.value(id_tok_);
+    dtok_ = arena.grad(id_tok_);
+    pos_ = arena.value(id_pos_);
+    dpos_ = arena.grad(id_pos_);
+    for (auto& b : blocks_) b.bind(arena);
+    ln_f_.bind(arena);
+    if (cfg_.num_classes > 0) cls_head_.bind(arena);
+    arena_ = &arena;
+  }
+
+  // Draws every parameter from rng, in the order the owning constructor always has (so a seed
+  // gives the same model either way).
+  void init(Rng& rng) {
+    check_bound("init");
+    fill_normal(arena_->value(id_tok_), rng, cfg_.init_std);
+    fill_normal(arena_->value(id_pos_), rng, cfg_.init_std);
     for (auto& b : blocks_) b.init(rng);
     ln_f_.init();
-    if (id_head_ >= 0) fill_normal(arena.value(id_head_), rng, cfg_.init_std);
+    if (id_head_ >= 0) fill_normal(arena_->value(id_head_), rng, cfg_.init_std);
     if (cfg_.num_classes > 0) cls_head_.init(rng, cfg_.init_std);
   }
+
+  // The arena the model is bound to (its own, for the owning constructor).
+  ParameterArena<T, B>& arena() const {
+    check_bound("arena()");
+    return *arena_;
+  }
+  bool bound() const { return arena_ != nullptr; }
+  // The prefix given to declare ("" for the owning constructor), and the ids [first, end) of the
+  // model's parameters in its arena (declare adds them in one run).
+  const std::string& prefix() const { return prefix_; }
+  std::pair<index_t, index_t> parameter_ids() const { return {first_param_, end_param_}; }
+
   TransformerLM(const TransformerLM&) = delete;
   TransformerLM& operator=(const TransformerLM&) = delete;
 
@@ -148,6 +210,7 @@ class TransformerLM {
   // Returns the loss broken down (layers/loss.hpp): task = the mean cross-entropy over targets !=
   // kIgnoreIndex, plus the routers' weighted auxiliary losses; backward differentiates total().
   Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
+    check_bound("forward");
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
     trunk_forward(ids);
     const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
@@ -193,6 +256,7 @@ class TransformerLM {
   // holds (B, classes).
   Loss forward_classify(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
                      const Tensor<std::int32_t, B>& labels) {
+    check_bound("forward_classify");
     GRAPHMOE_CHECK(cfg_.num_classes > 0, "TransformerLM::forward_classify",
                    "the model has no classification head (num_classes = 0)");
     GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM::forward_classify", "ids must be (B, T), got ", ids.shape());
@@ -247,8 +311,6 @@ class TransformerLM {
   // Sets the training step of every router (ScheduledTopK's k schedule).
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
 
-  ParameterArena<T, B> arena;
-
  private:
   // embeddings -> blocks -> LN_f into xf_ (B, T, D)
   void trunk_forward(const Tensor<std::int32_t, B>& ids) {
@@ -282,18 +344,15 @@ class TransformerLM {
     for (index_t i = 0; i < b; ++i) axpy(T(1), dh[i], dpos);
   }
 
-  void bind() {
-    tok_ = arena.value(id_tok_);
-    dtok_ = arena.grad(id_tok_);
-    pos_ = arena.value(id_pos_);
-    dpos_ = arena.grad(id_pos_);
-    for (auto& b : blocks_) b.bind(arena);
-    ln_f_.bind(arena);
-    if (cfg_.num_classes > 0) cls_head_.bind(arena);
-  }
-  Tensor<T, B> head_weight() const { return id_head_ >= 0 ? arena.value(id_head_) : tok_; }
-  Tensor<T, B> head_grad() const { return id_head_ >= 0 ? arena.grad(id_head_) : dtok_; }
+  void check_bound(const char* op) const { detail::require_bound(arena_ != nullptr, "TransformerLM", op); }
+  Tensor<T, B> head_weight() const { return id_head_ >= 0 ? arena_->value(id_head_) : tok_; }
+  Tensor<T, B> head_grad() const { return id_head_ >= 0 ? arena_->grad(id_head_) : dtok_; }
 
+  std::unique_ptr<ParameterArena<T, B>> owned_;  // the owning constructor's arena
+  ParameterArena<T, B>* declared_in_ = nullptr;
+  ParameterArena<T, B>* arena_ = nullptr;  // set by bind()
+  std::string prefix_;
+  index_t first_param_ = 0, end_param_ = 0;
   TransformerLMConfig cfg_;
   index_t id_tok_ = -1, id_pos_ = -1, id_head_ = -1;
   Tensor<T, B> tok_, dtok_, pos_, dpos_;

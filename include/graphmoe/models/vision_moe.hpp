@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,12 +70,32 @@ struct VisionMoEConfig {
 template <class RouterPolicy, class T, class B = cpu>
 class VisionMoE {
  public:
-  explicit VisionMoE(const VisionMoEConfig& cfg, std::uint64_t seed = 0) : cfg_(cfg) {
-    cfg_.validate();
+  // The lifecycle of TransformerLM and of every layer: declare(arena, prefix, cfg), the arena's
+  // allocate(), bind(arena), init(rng); forward, backward and arena() before bind() raise
+  // graphmoe::Error.
+  VisionMoE() = default;
+  // The owning shorthand: the model's own arena (arena()), no prefix, init from Rng(seed).
+  explicit VisionMoE(const VisionMoEConfig& cfg, std::uint64_t seed = 0)
+      : owned_(std::make_unique<ParameterArena<T, B>>()) {
+    declare(*owned_, "", cfg);
+    owned_->allocate();
+    bind(*owned_);
+    Rng rng(seed);
+    init(rng);
+  }
+
+  // Validates cfg and adds the model's parameters to arena under prefix, once per model.
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const VisionMoEConfig& cfg) {
+    GRAPHMOE_CHECK(declared_in_ == nullptr, "VisionMoE::declare",
+                   "the model is already declared (in an arena of ", declared_in_->size(),
+                   " parameters); declare a new model instead");
+    cfg.validate();
+    cfg_ = cfg;
     const index_t d = cfg_.d_model;
-    patch_.declare(arena, "patch_embed.", cfg_.patch_dim(), d);
-    id_cls_ = arena.add("cls_token", Shape{d});
-    id_pos_ = arena.add("pos_emb.weight", Shape{cfg_.num_patches() + 1, d});
+    patch_.declare(arena, prefix + "patch_embed.", cfg_.patch_dim(), d);
+    id_cls_ = arena.add(prefix + "cls_token", Shape{d});
+    id_pos_ = arena.add(prefix + "pos_emb.weight", Shape{cfg_.num_patches() + 1, d});
+    blocks_.clear();
     blocks_.resize(static_cast<std::size_t>(cfg_.num_layers));
     for (index_t i = 0; i < cfg_.num_layers; ++i) {
       BlockConfig bc;
@@ -87,23 +108,41 @@ class VisionMoE {
       bc.moe_config.gelu = cfg_.gelu;
       bc.init_std = cfg_.init_std;
       bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
-      blocks_[static_cast<std::size_t>(i)].declare(arena, "blocks." + std::to_string(i) + ".", bc);
+      blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc);
     }
-    ln_f_.declare(arena, "ln_f.", d);
-    head_.declare(arena, "head.", d, cfg_.num_classes);
-    arena.allocate();
+    ln_f_.declare(arena, prefix + "ln_f.", d);
+    head_.declare(arena, prefix + "head.", d, cfg_.num_classes);
+    declared_in_ = &arena;
+  }
+
+  // Binds the model to the arena it was declared in, once allocated (kept as arena(): the arena
+  // must outlive the model's use).
+  void bind(ParameterArena<T, B>& arena) {
+    detail::check_model_bind(declared_in_, arena, "VisionMoE");
     patch_.bind(arena);
     for (auto& b : blocks_) b.bind(arena);
     ln_f_.bind(arena);
     head_.bind(arena);
-    Rng rng(seed);
+    arena_ = &arena;
+  }
+
+  // Draws every parameter from rng (the owning constructor's order).
+  void init(Rng& rng) {
+    check_bound("init");
     patch_.init(rng, cfg_.init_std);
-    fill_normal(arena.value(id_cls_), rng, cfg_.init_std);
-    fill_normal(arena.value(id_pos_), rng, cfg_.init_std);
+    fill_normal(arena_->value(id_cls_), rng, cfg_.init_std);
+    fill_normal(arena_->value(id_pos_), rng, cfg_.init_std);
     for (auto& b : blocks_) b.init(rng);
     ln_f_.init();
     head_.init(rng, cfg_.init_std);
   }
+
+  ParameterArena<T, B>& arena() const {
+    check_bound("arena()");
+    return *arena_;
+  }
+  bool bound() const { return arena_ != nullptr; }
+
   VisionMoE(const VisionMoE&) = delete;
   VisionMoE& operator=(const VisionMoE&) = delete;
 
@@ -111,6 +150,7 @@ class VisionMoE {
   // empty. Returns the loss broken down (layers/loss.hpp): task = the mean cross-entropy (0
   // without labels) and the routers' weighted auxiliary losses; logits() holds (B, classes).
   Loss forward(const Tensor<T, B>& images, const Tensor<std::int32_t, B>& labels) {
+    check_bound("forward");
     const index_t b = images.rank() >= 1 ? images.dim(0) : 0;
     const index_t per_image = cfg_.image_height * cfg_.image_width * cfg_.channels;
     GRAPHMOE_CHECK(images.rank() >= 2 && b >= 1 && images.numel() == b * per_image, "VisionMoE",
@@ -125,7 +165,7 @@ class VisionMoE {
     patch_.forward(patches, emb);  // (B Np, D)
     // h_i = [cls; emb_i] + pos
     Tensor<T, B> h(Shape{b, t, d});
-    const Tensor<T, B> pos = arena.value(id_pos_), cls = arena.value(id_cls_).view(Shape{1, d});
+    const Tensor<T, B> pos = arena_->value(id_pos_), cls = arena_->value(id_cls_).view(Shape{1, d});
     for (index_t i = 0; i < b; ++i) {
       Tensor<T, B> hi = h[i];
       hi.slice(0, 1).copy_from(cls);
@@ -166,7 +206,7 @@ class VisionMoE {
       blocks_[l].backward(dh, dprev);
       dh = dprev;
     }
-    const Tensor<T, B> dpos = arena.grad(id_pos_), dclsv = arena.grad(id_cls_).view(Shape{1, d});
+    const Tensor<T, B> dpos = arena_->grad(id_pos_), dclsv = arena_->grad(id_cls_).view(Shape{1, d});
     Tensor<T, B> demb(Shape{b * np, d});
     for (index_t i = 0; i < b; ++i) {
       const Tensor<T, B> dhi = dh[i];
@@ -182,9 +222,12 @@ class VisionMoE {
   TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
 
-  ParameterArena<T, B> arena;
-
  private:
+  void check_bound(const char* op) const { detail::require_bound(arena_ != nullptr, "VisionMoE", op); }
+
+  std::unique_ptr<ParameterArena<T, B>> owned_;  // the owning constructor's arena
+  ParameterArena<T, B>* declared_in_ = nullptr;
+  ParameterArena<T, B>* arena_ = nullptr;  // set by bind()
   VisionMoEConfig cfg_;
   Linear<T, B> patch_, head_;
   index_t id_cls_ = -1, id_pos_ = -1;
