@@ -16,6 +16,7 @@ apt_packages=(
   zlib1g-dev dataset-fashion-mnist
   clang libclang-rt-dev llvm  # scripts/fuzz.sh: clang, libFuzzer + sanitizer runtimes, llvm-symbolizer
   bible-kjv bible-kjv-text
+  libopenmpi-dev openmpi-bin  # graphmoe::mpi (dist/mpi.hpp) and its tests under mpiexec
 )
 
 missing=()

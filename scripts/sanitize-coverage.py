@@ -9,10 +9,11 @@ through the compiler's preprocessor (its own command line, with -M instead of -c
 headers it includes, directly or not.
 
 The headers that must be covered: every include/graphmoe/**/*.hpp except those under
-include/graphmoe/backend/cuda/ (the CUDA backend: nvcc, Thrust and the CUDA headers); the *.cuh
-files are CUDA by name. test_sanitize_umbrella includes graphmoe/graphmoe.hpp and through it
-every header, so it counts only for the headers it exists for (UMBRELLA_ONLY): the others must
-be included by a test that runs their code.
+include/graphmoe/backend/cuda/ (the CUDA backend: nvcc, Thrust and the CUDA headers) and
+graphmoe/dist/mpi.hpp (needs MPI, and LSan reports Open MPI's own allocations; its tests run
+under mpiexec in the main suite: scripts/sanitize.sh); the *.cuh files are CUDA by name. test_sanitize_umbrella includes
+graphmoe/graphmoe.hpp and through it every header, so it counts only for the headers it exists
+for (UMBRELLA_ONLY): the others must be included by a test that runs their code.
 
 Prints which targets include each header; exits 1, naming the headers, when one is covered by
 none of the targets (add a test program that uses it to scripts/sanitize.sh's subset).
@@ -35,6 +36,9 @@ UMBRELLA_ONLY = {
     "graphmoe/train/progress.hpp",
 }
 
+# Public headers the sanitizer job does not build (see the docstring).
+NOT_REQUIRED = {"graphmoe/dist/mpi.hpp"}
+
 
 def main() -> int:
     if len(sys.argv) < 3:
@@ -48,6 +52,7 @@ def main() -> int:
         str(p.relative_to(include))
         for p in (include / "graphmoe").rglob("*.hpp")
         if not str(p.relative_to(include)).startswith("graphmoe/backend/cuda/")
+        and str(p.relative_to(include)) not in NOT_REQUIRED
     )
 
     db_path = build / "compile_commands.json"

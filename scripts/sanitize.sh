@@ -26,14 +26,19 @@
 #   test_image_corruptions   train/image_corruptions
 #   test_dropout             backend/cpu/dropout
 #   test_core                core/ (arena, tensor, rng, threads)
+#   test_communicator_self   dist/communicator (SelfCommunicator and the argument checks)
 #   replay_<target>          the fuzz targets of tests/fuzz on their seeds and regression inputs:
 #                            train/files, gzip, image_datasets, text_datasets, tokenizers,
 #                            checkpoint, training_state
 #   test_sanitize_umbrella   graphmoe.hpp, train/datasets.hpp (include-only headers),
 #                            routing/registry, train/progress (no other test includes them)
 #   test_data                the readers on the real data sets, when ../shared/data is there
-# Left out, for time: the other ops/, routing/, layers/ and models/ tests (their headers are
-# included above), the compile-fail, packaging and plot tests (nothing to sanitize), the examples.
+# Left out: dist/mpi.hpp (needs MPI and mpiexec; scripts/sanitize-coverage.py does not require
+# it). Its test_communicator, built by hand with ASan + UBSan and run with 2 ranks, gave no report
+# in graphmoe's code, but LSan reports ~120 kB of Open MPI 4.1's own allocations (libopen-pal,
+# libmpi) as leaks: adding it here needs suppressions for those. Left out, for time: the other ops/,
+# routing/, layers/ and models/ tests (their headers are included above), the compile-fail,
+# packaging and plot tests (nothing to sanitize), the examples.
 #
 # Environment: SANITIZE_BUILD_DIR (default build-asan), SANITIZE_JOBS (default 2).
 set -euo pipefail
@@ -42,11 +47,12 @@ cd "$(dirname "$0")/.."
 build="${SANITIZE_BUILD_DIR:-build-asan}"
 jobs="${SANITIZE_JOBS:-2}"
 targets=(test_classifier test_vision test_metrics test_optim test_divergence test_checkpoint
-         test_image_corruptions test_dropout test_core test_sanitize_umbrella
-         fuzz_make_seeds replay_safetensors replay_training_state replay_text_datasets
-         replay_image_datasets replay_tokenizers)
+         test_image_corruptions test_dropout test_core test_communicator_self
+         test_sanitize_umbrella fuzz_make_seeds replay_safetensors replay_training_state
+         replay_text_datasets replay_image_datasets replay_tokenizers)
 tests=(test_classifier test_vision test_metrics test_optim test_divergence test_checkpoint
-       test_image_corruptions test_dropout test_core test_sanitize_umbrella fuzz_replay)
+       test_image_corruptions test_dropout test_core test_communicator_self
+       test_sanitize_umbrella fuzz_replay)
 
 # test_data exists when the data sets do (tests/CMakeLists.txt: GRAPHMOE_HAVE_DATA, with the
 # same default folder: ../shared/data, else /work/shared/data; GRAPHMOE_DATA_DIR overrides).

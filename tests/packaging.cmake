@@ -17,6 +17,10 @@ file(GLOB_RECURSE GRAPHMOE_PUBLIC_HEADERS CONFIGURE_DEPENDS
      RELATIVE "${PROJECT_SOURCE_DIR}/include" "${PROJECT_SOURCE_DIR}/include/graphmoe/*.hpp")
 list(FILTER GRAPHMOE_PUBLIC_HEADERS EXCLUDE REGEX "(^|/)detail/")
 list(FILTER GRAPHMOE_PUBLIC_HEADERS EXCLUDE REGEX "^graphmoe/backend/cuda/")
+# dist/mpi.hpp needs MPI: checked (with graphmoe::mpi linked) only when the build has it.
+if(NOT TARGET graphmoe::mpi)
+  list(FILTER GRAPHMOE_PUBLIC_HEADERS EXCLUDE REGEX "^graphmoe/dist/mpi\\.hpp$")
+endif()
 list(SORT GRAPHMOE_PUBLIC_HEADERS)
 
 set(_header_check_dir "${CMAKE_CURRENT_BINARY_DIR}/header_check")
@@ -40,11 +44,17 @@ int main() { return 0; }
 
 add_library(graphmoe_header_check OBJECT ${_header_check_sources})
 target_link_libraries(graphmoe_header_check PRIVATE graphmoe::graphmoe)
+if(TARGET graphmoe::mpi)
+  target_link_libraries(graphmoe_header_check PRIVATE graphmoe::mpi)
+endif()
 target_compile_options(graphmoe_header_check PRIVATE -Wall -Wextra)
 
 add_executable(graphmoe_header_link "${_header_check_dir}/link_main.cpp"
                $<TARGET_OBJECTS:graphmoe_header_check>)
 target_link_libraries(graphmoe_header_link PRIVATE graphmoe::graphmoe)
+if(TARGET graphmoe::mpi)
+  target_link_libraries(graphmoe_header_link PRIVATE graphmoe::mpi)
+endif()
 
 add_test(NAME "headers: self-contained"
          COMMAND ${CMAKE_COMMAND} --build "${CMAKE_BINARY_DIR}" --config $<CONFIG>

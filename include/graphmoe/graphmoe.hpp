@@ -18,6 +18,9 @@
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
+// dist: the Communicator interface and SelfCommunicator (MPI: graphmoe/dist/mpi.hpp, not here)
+#include "graphmoe/dist/communicator.hpp"
+
 // backend/cpu: the op set on Eigen (and OpenBLAS through Eigen when GRAPHMOE_USE_BLAS)
 #include "graphmoe/backend/cpu/attention.hpp"
 #include "graphmoe/backend/cpu/cross_entropy.hpp"

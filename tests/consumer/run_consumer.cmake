@@ -10,6 +10,10 @@
 # consumer a second time with -DGRAPHMOE_USE_OPENMP=OFF -DGRAPHMOE_USE_BLAS=OFF and checks that the
 # program was compiled without OpenMP and OpenBLAS. Every mode checks that the consumer gets
 # OpenMP and OpenBLAS by default when graphmoe's configure found them.
+#
+# When graphmoe's configure reports "graphmoe: MPI=ON", the consumer also builds consumer_mpi
+# against graphmoe::mpi (find_package with COMPONENTS mpi in the first find_package build, never
+# in the second) and runs it as one process (an MPI singleton, no mpiexec).
 cmake_minimum_required(VERSION 3.20)
 
 foreach(_var MODE GRAPHMOE_SOURCE_DIR WORK_DIR)
@@ -78,8 +82,17 @@ function(expect_from_graphmoe_configure output)
   endif()
   set(expected_features "openmp=${_omp} blas=${_blas}" PARENT_SCOPE)
 endfunction()
+# Whether graphmoe's configure found MPI ("graphmoe: MPI=ON").
+function(mpi_from_graphmoe_configure output)
+  if(output MATCHES "graphmoe: MPI=ON")
+    set(graphmoe_has_mpi ON PARENT_SCOPE)
+  else()
+    set(graphmoe_has_mpi OFF PARENT_SCOPE)
+  endif()
+endfunction()
 if(MODE STREQUAL "find_package")
   expect_from_graphmoe_configure("${_graphmoe_configure_output}")
+  mpi_from_graphmoe_configure("${_graphmoe_configure_output}")
 endif()
 
 # Configures, builds and runs the consumer in build folder `bin` with extra cache entries ARGN;
@@ -91,8 +104,27 @@ function(build_and_run bin features)
   if(features STREQUAL "")
     expect_from_graphmoe_configure("${step_output}")
     set(features "${expected_features}")
+    mpi_from_graphmoe_configure("${step_output}")
+    set(expect_mpi ${graphmoe_has_mpi})
   endif()
   run_step("build consumer" ${CMAKE_COMMAND} --build "${bin}" --config ${BUILD_TYPE})
+
+  # consumer_mpi: built when graphmoe::mpi was asked for (find_package) or exists (subprojects).
+  unset(_mpi_exe CACHE)
+  unset(_mpi_exe)
+  find_program(_mpi_exe consumer_mpi PATHS "${bin}" "${bin}/${BUILD_TYPE}" NO_DEFAULT_PATH)
+  if(expect_mpi AND NOT _mpi_exe)
+    message(FATAL_ERROR "consumer(${MODE}): graphmoe has MPI but consumer_mpi was not built")
+  elseif(NOT expect_mpi AND _mpi_exe)
+    message(FATAL_ERROR "consumer(${MODE}): consumer_mpi was built although not expected")
+  endif()
+  if(_mpi_exe)
+    run_step("run consumer_mpi" "${_mpi_exe}")
+    message(STATUS "consumer(${MODE}): ${step_output}")
+    if(NOT step_output MATCHES "consumer_mpi: size=1 ok")
+      message(FATAL_ERROR "consumer(${MODE}): consumer_mpi printed:\n${step_output}")
+    endif()
+  endif()
 
   # The consumer's build tree must hold no graphmoe test, benchmark or example binaries.
   file(GLOB_RECURSE _stray LIST_DIRECTORIES false "${bin}/*test_core*" "${bin}/*bench_gemm*"
@@ -119,10 +151,14 @@ function(build_and_run bin features)
 endfunction()
 
 if(MODE STREQUAL "find_package")
-  build_and_run("${_consumer_bin}" "${expected_features}")
-  # The installed package lets a consumer turn OpenMP and OpenBLAS off before find_package.
+  set(expect_mpi ${graphmoe_has_mpi})
+  build_and_run("${_consumer_bin}" "${expected_features}" -DGRAPHMOE_CONSUMER_MPI=${expect_mpi})
+  # The installed package lets a consumer turn OpenMP and OpenBLAS off before find_package; MPI
+  # is not asked for, so graphmoe::mpi must not exist.
+  set(expect_mpi OFF)
   build_and_run("${WORK_DIR}/consumer-build-plain" "openmp=0 blas=0"
                 -DGRAPHMOE_USE_OPENMP=OFF -DGRAPHMOE_USE_BLAS=OFF)
 else()
+  set(expect_mpi "")  # from the consumer's configure output (graphmoe's messages)
   build_and_run("${_consumer_bin}" "")
 endif()
