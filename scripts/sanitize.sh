@@ -26,7 +26,8 @@
 #   test_image_corruptions   train/image_corruptions
 #   test_dropout             backend/cpu/dropout
 #   test_core                core/ (arena, tensor, rng, threads)
-#   test_communicator_self   dist/communicator (SelfCommunicator and the argument checks)
+#   test_communicator_self   dist/communicator (SelfCommunicator and the argument checks),
+#                            dist/data_parallel (on one process)
 #   replay_<target>          the fuzz targets of tests/fuzz on their seeds and regression inputs:
 #                            train/files, gzip, image_datasets, text_datasets, tokenizers,
 #                            checkpoint, training_state

@@ -18,8 +18,10 @@
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
-// dist: the Communicator interface and SelfCommunicator (MPI: graphmoe/dist/mpi.hpp, not here)
+// dist: the Communicator interface, SelfCommunicator and data parallelism (MPI:
+// graphmoe/dist/mpi.hpp, not here)
 #include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/dist/data_parallel.hpp"
 
 // backend/cpu: the op set on Eigen (and OpenBLAS through Eigen when GRAPHMOE_USE_BLAS)
 #include "graphmoe/backend/cpu/attention.hpp"

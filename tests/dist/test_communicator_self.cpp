@@ -10,6 +10,7 @@
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/dist/data_parallel.hpp"
 
 using namespace graphmoe;
 using dist::ElementType;
@@ -214,4 +215,59 @@ TEST_CASE("dist::element_type_of and element_size agree with the C++ types") {
   CHECK(dist::element_size(ElementType::I32) == sizeof(std::int32_t));
   CHECK(dist::element_size(ElementType::I64) == sizeof(std::int64_t));
   CHECK(std::string(dist::element_type_name(ElementType::I64)) == "int64");
+}
+
+TEST_CASE("dist data parallel on one process: shards tile the batch; averaging and broadcasting are identities") {
+  // shards tile the batch in rank order
+  index_t next = 0;
+  for (int r = 0; r < 4; ++r) {
+    const dist::RowRange s = dist::shard_rows(8, r, 4);
+    CHECK(s.begin == next);
+    CHECK(s.end == next + 2);
+    next = s.end;
+  }
+  CHECK(contains(error_of([] { dist::shard_rows(6, 0, 4); }), "a global batch of 6 sequences does not split into 4 equal shards"));
+  CHECK(contains(error_of([] { dist::shard_rows(2, 0, 4); }), "does not split"));
+  CHECK(contains(error_of([] { dist::shard_rows(8, 4, 4); }), "rank 4 out of range for a world of 4"));
+  CHECK(contains(error_of([] { dist::shard_rows(8, 0, 0); }), "out of range for a world of 0"));
+  LMBatch batch{Tensor<std::int32_t>({4, 3}), Tensor<std::int32_t>({4, 3})};
+  for (index_t i = 0; i < 12; ++i) {
+    batch.inputs.data()[i] = static_cast<std::int32_t>(i);
+    batch.targets.data()[i] = static_cast<std::int32_t>(100 + i);
+  }
+  const LMBatch second = dist::shard(batch, 1, 2);
+  CHECK(second.inputs.shape() == Shape{2, 3});
+  CHECK(second.inputs.data()[0] == 6);
+  CHECK(second.targets.data()[5] == 111);
+  CHECK(contains(error_of([&] { dist::shard(batch, 0, 3); }), "does not split into 3 equal shards"));
+  LMBatch mismatched{batch.inputs, Tensor<std::int32_t>({4, 2})};
+  CHECK(contains(error_of([&] { dist::shard(mismatched, 0, 2); }), "must be the same (B, T)"));
+
+  SelfCommunicator self;
+  CHECK(dist::shard(batch, self).inputs.shape() == batch.inputs.shape());
+  ParameterArena<float> arena;
+  arena.add("w", Shape{5});
+  arena.add("b", Shape{2});
+  arena.allocate();
+  for (index_t i = 0; i < 5; ++i) {
+    arena.grad(0).data()[i] = static_cast<float>(i) - 1.5f;
+    arena.value(0).data()[i] = 0.25f * static_cast<float>(i);
+  }
+  const Tensor<float> grads = arena.grads().clone(), values = arena.values().clone();
+  dist::average_gradients(self, arena);
+  dist::broadcast_parameters(self, arena);
+  for (index_t i = 0; i < grads.numel(); ++i) {
+    CHECK(arena.grads().data()[i] == grads.data()[i]);
+    CHECK(arena.values().data()[i] == values.data()[i]);
+  }
+  CHECK(dist::mean_over_ranks(self, 2.5) == 2.5);
+  CHECK(dist::max_parameter_divergence(self, arena) == 0.0);
+  ParameterArena<float> unallocated;
+  CHECK(contains(error_of([&] { dist::average_gradients(self, unallocated); }), "not allocated"));
+  CHECK(contains(error_of([&] { dist::broadcast_parameters(self, unallocated); }), "not allocated"));
+  // a host arena refuses a device-memory communicator
+  DeviceClaimingCommunicator device;
+  CHECK(contains(error_of([&] { dist::average_gradients(device, arena); }),
+                 "the arena's tensors live in host memory, the communicator's in device memory"));
+  CHECK(device.calls == 0);
 }
