@@ -15,26 +15,15 @@
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/dist/mpi.hpp"
+#include "support/errors.hpp"
 
 using namespace graphmoe;
+using graphmoe::test::contains;
+using graphmoe::test::error_of;
 using dist::ElementType;
 using dist::MpiCommunicator;
 
 namespace {
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no graphmoe::Error)";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // The value rank `rank` holds at index i before a reduction or broadcast. Integers stay exact;
 // floats are multiples of 1/4 below 2^10, so their sums over 4 ranks are exact in any order.

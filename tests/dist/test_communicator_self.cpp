@@ -11,26 +11,15 @@
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/dist/communicator.hpp"
 #include "graphmoe/dist/data_parallel.hpp"
+#include "support/errors.hpp"
 
 using namespace graphmoe;
+using graphmoe::test::contains;
+using graphmoe::test::error_of;
 using dist::ElementType;
 using dist::SelfCommunicator;
 
 namespace {
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no graphmoe::Error)";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 template <class T>
 std::vector<T> iota_values(std::size_t n, T start) {
@@ -270,4 +259,34 @@ TEST_CASE("dist data parallel on one process: shards tile the batch; averaging a
   CHECK(contains(error_of([&] { dist::average_gradients(device, arena); }),
                  "the arena's tensors live in host memory, the communicator's in device memory"));
   CHECK(device.calls == 0);
+}
+
+TEST_CASE("Communicator::traffic counts the payload of each operation, and the agreement apart") {
+  SelfCommunicator comm;
+  CHECK(comm.traffic().all_reduce_bytes == 0);
+  std::vector<double> d(5, 1.0);
+  comm.all_reduce_sum(d);
+  std::vector<std::int32_t> n(3, 2);
+  comm.broadcast(n, 0);
+  std::vector<float> send(4, 1.0f), recv(4, 0.0f);
+  const std::vector<index_t> counts = {4};
+  comm.all_to_all_v(send, counts, recv, counts);
+  std::vector<float> none;
+  comm.all_reduce_sum(none);  // nothing moves: not counted as a call
+  const dist::Traffic t = comm.traffic();
+  CHECK(t.all_reduce_calls == 1);
+  CHECK(t.all_reduce_bytes == 5 * 8);
+  CHECK(t.broadcast_calls == 1);
+  CHECK(t.broadcast_bytes == 3 * 4);
+  CHECK(t.all_to_all_calls == 1);
+  CHECK(t.all_to_all_sent_bytes == 16);
+  CHECK(t.all_to_all_received_bytes == 16);
+  CHECK(t.agreement_calls == 4);
+  CHECK(t.agreement_bytes > 0);
+  (void)comm.exchange_counts(counts);
+  CHECK(comm.traffic().count_exchange_calls == 1);
+  CHECK(comm.traffic().count_exchange_bytes == static_cast<std::int64_t>(sizeof(index_t)));
+  comm.reset_traffic();
+  CHECK(comm.traffic().agreement_calls == 0);
+  CHECK(comm.traffic().all_reduce_bytes == 0);
 }

@@ -18,8 +18,11 @@
 #include "graphmoe/train/optim.hpp"
 #include "support/gradcheck.hpp"
 #include "support/router_options.hpp"
+#include "support/errors.hpp"
 
 using namespace graphmoe;
+using graphmoe::test::contains;
+using graphmoe::test::error_of;
 
 namespace {
 
@@ -54,16 +57,6 @@ LMBatch random_batch(index_t rows, index_t t, index_t vocab, Rng& rng) {
     b.targets.data()[i] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(vocab)));
   }
   return b;
-}
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no graphmoe::Error)";
 }
 
 }  // namespace
@@ -103,7 +96,13 @@ TEST_CASE_TEMPLATE("data parallel: W ranks x b sequences train as one process wi
     dp.arena().zero_grad();
     const Loss ld = dp.forward(mine.inputs, mine.targets);
     dp.backward();
+    const dist::Traffic before = comm.traffic();
     dist::average_gradients(comm, dp.arena());
+    // one all-reduce of the whole gradient buffer: the analytic count, to the byte
+    CHECK(comm.traffic().all_reduce_calls - before.all_reduce_calls == 1);
+    CHECK(comm.traffic().all_reduce_bytes - before.all_reduce_bytes ==
+          dp.arena().grads().numel() * static_cast<index_t>(sizeof(double)));
+    CHECK(comm.traffic().agreement_calls - before.agreement_calls == 1);
     const double dp_norm = clip_grad_norm(dp.arena(), 0.5);
     dp_opt.step(dp.arena());
 

@@ -99,6 +99,19 @@ concept MutableCommRange =
 // communicator). The Tensor<T, cpu> overloads refuse a communicator whose memory is not host.
 enum class MemorySpace { Host, Device };
 
+// What a communicator was asked to move, counted by its public operations: the payload bytes
+// this rank hands the transport (all-reduce and broadcast: the buffer; all-to-all-v: the blocks
+// sent and received), not what the transport's algorithm puts on the wire (a ring all-reduce of
+// N bytes over W ranks sends and receives 2 (W - 1) / W x N per rank). The argument agreement's
+// few integers per operation and the count exchanges are counted apart.
+struct Traffic {
+  std::int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
+  std::int64_t broadcast_calls = 0, broadcast_bytes = 0;
+  std::int64_t all_to_all_calls = 0, all_to_all_sent_bytes = 0, all_to_all_received_bytes = 0;
+  std::int64_t count_exchange_calls = 0, count_exchange_bytes = 0;  // exchange_counts, all_gather
+  std::int64_t agreement_calls = 0, agreement_bytes = 0;
+};
+
 class Communicator {
  public:
   Communicator() = default;
@@ -115,6 +128,10 @@ class Communicator {
 
   virtual void barrier() = 0;
 
+  // The bytes moved since construction or the last reset_traffic() (this rank's view).
+  const Traffic& traffic() const { return traffic_; }
+  void reset_traffic() { traffic_ = Traffic{}; }
+
   // ---- raw (pointer, element count, element type): the form every implementation provides ----
 
   // In place: data[i] = sum over ranks of data[i], i < count. count equal on every rank.
@@ -123,7 +140,11 @@ class Communicator {
     std::string bad = check_buffer("data", data, count);
     agree(op, bad, {static_cast<std::int64_t>(type), count, max_count()},
           {"element type", "element count", "max_count() value"});
-    if (count > 0) all_reduce_sum_impl(data, count, type);
+    if (count > 0) {
+      all_reduce_sum_impl(data, count, type);
+      ++traffic_.all_reduce_calls;
+      traffic_.all_reduce_bytes += count * static_cast<index_t>(element_size(type));
+    }
   }
 
   // data on every rank := data on rank `root`. count equal on every rank.
@@ -136,7 +157,11 @@ class Communicator {
     }
     agree(op, bad, {static_cast<std::int64_t>(type), count, root, max_count()},
           {"element type", "element count", "root", "max_count() value"});
-    if (count > 0) broadcast_impl(data, count, type, root);
+    if (count > 0) {
+      broadcast_impl(data, count, type, root);
+      ++traffic_.broadcast_calls;
+      traffic_.broadcast_bytes += count * static_cast<index_t>(element_size(type));
+    }
   }
 
   // Rank r sends send[displ_j, displ_j + send_counts[j]) to rank j (displ_j: the sum of
@@ -162,6 +187,10 @@ class Communicator {
     agree(op, bad, {static_cast<std::int64_t>(type)}, {"element type"});
     all_to_all_v_impl(send, send_counts.data(), send_displs.data(), recv, recv_counts.data(),
                       recv_displs.data(), type);
+    const auto esize = static_cast<index_t>(element_size(type));
+    ++traffic_.all_to_all_calls;
+    for (index_t c : send_counts) traffic_.all_to_all_sent_bytes += c * esize;
+    for (index_t c : recv_counts) traffic_.all_to_all_received_bytes += c * esize;
   }
 
   // ---- counts and single values ----
@@ -294,6 +323,8 @@ class Communicator {
     for (std::size_t j = 0; j < p; ++j) displs[j] = static_cast<index_t>(j);
     all_to_all_v_impl(send, ones.data(), displs.data(), recv.data(), ones.data(), displs.data(),
                       ElementType::I64);
+    ++traffic_.count_exchange_calls;
+    traffic_.count_exchange_bytes += static_cast<index_t>(p * sizeof(index_t));
     return recv;
   }
 
@@ -376,6 +407,8 @@ class Communicator {
       v.push_back(-x);  // the minimum of -x is minus the maximum of x
     }
     min_over_ranks(v);
+    ++traffic_.agreement_calls;
+    traffic_.agreement_bytes += static_cast<index_t>(v.size() * sizeof(std::int64_t));
     if (!bad.empty()) {
       ::graphmoe::detail::throw_error(op, bad, " (rank ", rank(), " of ", size(), ")");
     }
@@ -395,6 +428,8 @@ class Communicator {
       i += 2;
     }
   }
+
+  Traffic traffic_;
 };
 
 // World size 1: rank 0, host memory. all_reduce_sum and broadcast leave the data as it is;
