@@ -30,6 +30,20 @@ struct ParameterInfo {
   index_t offset = 0;     // in elements, from the start of the buffer
   bool trainable = true;  // false: a fixed buffer (e.g. SMoE-Dropout's frozen router) that
                           // optimizers skip; it is still saved in checkpoints
+  // Expert parallelism (docs/distributed.md): a sharded parameter is rows
+  // [shard_begin, shard_begin + shape[0]) of a logical parameter of shard_rows rows (the rest of
+  // its shape is `shape`'s); each rank holds its own rows. shard_rows == 0: not sharded, every
+  // data-parallel rank holds the whole parameter.
+  index_t shard_begin = 0;
+  index_t shard_rows = 0;
+  bool sharded() const { return shard_rows > 0; }
+  // The logical (unsharded) shape.
+  Shape full_shape() const {
+    if (!sharded()) return shape;
+    std::vector<index_t> dims{shard_rows};
+    for (int i = 1; i < shape.rank(); ++i) dims.push_back(shape[i]);
+    return Shape::from_range(dims.begin(), dims.end());
+  }
 };
 
 template <class T, class B = cpu>
@@ -49,6 +63,26 @@ class ParameterArena {
     size_ += (shape.numel() + kAlign - 1) / kAlign * kAlign;
     index_[name] = id;
     return id;
+  }
+  // Declares this rank's rows [begin, begin + shape[0]) of a parameter of `rows` rows along its
+  // first dimension (an expert-parallel expert bank: ParameterInfo::sharded).
+  index_t add_shard(const std::string& name, const Shape& shape, index_t rows, index_t begin,
+                    bool trainable = true) {
+    GRAPHMOE_CHECK(shape.rank() >= 1 && shape[0] >= 1 && begin >= 0 && rows >= 1 &&
+                       begin + shape[0] <= rows,
+                   "ParameterArena::add_shard", "'", name, "': rows [", begin, ", ",
+                   begin + (shape.rank() >= 1 ? shape[0] : 0), ") of shape ", shape,
+                   " are not a non-empty block of a parameter with ", rows, " rows");
+    const index_t id = add(name, shape, trainable);
+    params_.back().shard_begin = begin;
+    params_.back().shard_rows = rows;
+    return id;
+  }
+  // Whether any parameter is sharded (expert parallel).
+  bool has_shards() const {
+    for (const auto& p : params_)
+      if (p.sharded()) return true;
+    return false;
   }
 
   void allocate() {

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "graphmoe/backend/cpu/elementwise.hpp"
@@ -33,6 +34,27 @@
 namespace graphmoe::dist {
 
 namespace detail {
+// The element ranges [begin, end) of an arena's buffers that hold replicated (not sharded)
+// parameters, padding included, adjacent ones merged: the whole buffer when nothing is sharded
+// (one collective), else one range per run of replicated parameters between expert shards.
+template <class T, class B>
+std::vector<std::pair<index_t, index_t>> replicated_ranges(const ParameterArena<T, B>& arena) {
+  std::vector<std::pair<index_t, index_t>> out;
+  const index_t total = arena.values().numel();
+  const auto& ps = arena.params();
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    if (ps[i].sharded()) continue;
+    const index_t begin = ps[i].offset;
+    const index_t end = i + 1 < ps.size() ? ps[i + 1].offset : total;
+    if (!out.empty() && out.back().second == begin) {
+      out.back().second = end;
+    } else {
+      out.emplace_back(begin, end);
+    }
+  }
+  return out;
+}
+
 template <class B>
 void require_memory_space(const Communicator& comm, const char* op) {
   constexpr MemorySpace want = std::is_same_v<B, cpu> ? MemorySpace::Host : MemorySpace::Device;
@@ -49,7 +71,10 @@ void broadcast_parameters(Communicator& comm, ParameterArena<T, B>& arena, int r
   GRAPHMOE_CHECK(arena.allocated(), "dist::broadcast_parameters",
                  "the arena is not allocated (declare, allocate, bind, init, then broadcast)");
   const Tensor<T, B>& v = arena.values();
-  comm.broadcast(v.data(), v.numel(), element_type_of<T>, root);
+  // expert shards differ by rank by design: only the replicated parameters are the root's
+  for (const auto& [begin, end] : detail::replicated_ranges(arena)) {
+    comm.broadcast(v.data() + begin, end - begin, element_type_of<T>, root);
+  }
 }
 
 // grads := the mean over ranks of grads (sum, then times 1 / W). Collective: call it on every
@@ -60,8 +85,49 @@ void average_gradients(Communicator& comm, ParameterArena<T, B>& arena) {
   detail::require_memory_space<B>(comm, "dist::average_gradients");
   GRAPHMOE_CHECK(arena.allocated(), "dist::average_gradients", "the arena is not allocated");
   const Tensor<T, B>& g = arena.grads();
-  comm.all_reduce_sum(g.data(), g.numel(), element_type_of<T>);
+  // An expert shard's gradient already sums every rank's tokens (they came to it): it is only
+  // scaled. Replicated parameters are all-reduced (one call when nothing is sharded).
+  for (const auto& [begin, end] : detail::replicated_ranges(arena)) {
+    comm.all_reduce_sum(g.data() + begin, end - begin, element_type_of<T>);
+  }
   if (comm.size() > 1) scale(g, static_cast<T>(1.0 / static_cast<double>(comm.size())));
+}
+
+// clip_grad_norm (train/optim.hpp) over the whole model when it is spread over the ranks: the
+// norm of every trainable gradient, each replicated parameter counted once and every rank's
+// expert shards included, then the same clipping on every rank. Call it after average_gradients.
+// Equal to clip_grad_norm when nothing is sharded (up to the order of the double sums). Returns
+// the norm before clipping; throws on every rank when any gradient is NaN or Inf. Collective.
+template <class T>
+double clip_grad_norm(Communicator& comm, ParameterArena<T, cpu>& arena, double max_norm) {
+  detail::require_memory_space<cpu>(comm, "dist::clip_grad_norm");
+  GRAPHMOE_CHECK(arena.allocated(), "dist::clip_grad_norm", "the parameter arena is not allocated");
+  GRAPHMOE_CHECK(!std::isnan(max_norm), "dist::clip_grad_norm", "max_norm is nan");
+  double sums[2] = {0.0, 0.0};  // replicated (the same on every rank), this rank's shards
+  const T* g = arena.grads().data();
+  for (const auto& p : arena.params()) {
+    if (!p.trainable) continue;
+    double s = 0;
+    for (index_t j = p.offset; j < p.offset + p.shape.numel(); ++j) {
+      s += static_cast<double>(g[j]) * static_cast<double>(g[j]);
+    }
+    sums[p.sharded() ? 1 : 0] += s;
+  }
+  comm.all_reduce_sum(&sums[1], 1, ElementType::F64);
+  const double norm = std::sqrt(sums[0] + sums[1]);
+  GRAPHMOE_CHECK(std::isfinite(norm), "dist::clip_grad_norm", "gradient norm is ",
+                 std::isnan(norm) ? "nan" : "inf",
+                 " (a trainable gradient holds NaN or Inf on some rank: check the loss and the "
+                 "learning rate)");
+  if (max_norm > 0 && norm > max_norm) {
+    const T factor = static_cast<T>(max_norm / norm);
+    T* gm = arena.grads().data();
+    for (const auto& p : arena.params()) {
+      if (!p.trainable) continue;
+      for (index_t j = p.offset; j < p.offset + p.shape.numel(); ++j) gm[j] *= factor;
+    }
+  }
+  return norm;
 }
 
 // The mean over ranks of one number (a loss to print or log). Collective.
@@ -71,8 +137,8 @@ inline double mean_over_ranks(Communicator& comm, double value) {
   return v / static_cast<double>(comm.size());
 }
 
-// The largest |value - root's value| over every parameter and every rank (0 when the ranks are in
-// sync, as they must be after each data-parallel step). Collective; host memory only; costs a
+// The largest |value - root's value| over every replicated parameter (expert shards differ by
+// design) and every rank (0 when the ranks are in sync, as they must be after each step). Collective; host memory only; costs a
 // broadcast of the whole arena, so it is a check, not something to call every step.
 template <class T>
 double max_parameter_divergence(Communicator& comm, const ParameterArena<T, cpu>& arena, int root = 0) {
@@ -83,8 +149,10 @@ double max_parameter_divergence(Communicator& comm, const ParameterArena<T, cpu>
   // NaN counts as infinitely divergent
   const auto worse = [](double d, double m) { return std::isnan(d) ? HUGE_VAL : std::max(d, m); };
   double m = 0;
-  for (index_t i = 0; i < v.numel(); ++i)
-    m = worse(std::abs(static_cast<double>(v.data()[i]) - static_cast<double>(ref.data()[i])), m);
+  for (const auto& [begin, end] : graphmoe::dist::detail::replicated_ranges(arena)) {
+    for (index_t i = begin; i < end; ++i)
+      m = worse(std::abs(static_cast<double>(v.data()[i]) - static_cast<double>(ref.data()[i])), m);
+  }
   // the max over ranks: every rank's value in its own slot, summed (a gather)
   std::vector<double> each(static_cast<std::size_t>(comm.size()), 0.0);
   each[static_cast<std::size_t>(comm.rank())] = m;

@@ -57,10 +57,32 @@ class ExpertBank {
     e_ = num_experts;
     d_ = d_model;
     f_ = d_ff;
+    total_ = num_experts;
+    first_ = 0;
     id_w1_ = arena.add(prefix + "w1", Shape{e_, f_, d_});
     id_b1_ = arena.add(prefix + "b1", Shape{e_, f_});
     id_w2_ = arena.add(prefix + "w2", Shape{e_, d_, f_});
     id_b2_ = arena.add(prefix + "b2", Shape{e_, d_});
+  }
+  // Expert parallel: this bank holds experts [first, first + count) of a layer of total_experts
+  // (its parameters are shards of the whole layer's, ParameterInfo::sharded, under the same
+  // names); the plans it is given number its experts 0 .. count - 1.
+  void declare_shard(ParameterArena<T, B>& arena, const std::string& prefix,
+                     index_t total_experts, index_t first, index_t count, index_t d_model,
+                     index_t d_ff) {
+    GRAPHMOE_CHECK(total_experts >= 1 && count >= 1 && first >= 0 &&
+                       first + count <= total_experts && d_model >= 1 && d_ff >= 1,
+                   "ExpertBank", "experts [", first, ", ", first + count, ") of ", total_experts,
+                   " with d_model ", d_model, " and d_ff ", d_ff, " are not a valid shard");
+    e_ = count;
+    d_ = d_model;
+    f_ = d_ff;
+    total_ = total_experts;
+    first_ = first;
+    id_w1_ = arena.add_shard(prefix + "w1", Shape{e_, f_, d_}, total_, first_);
+    id_b1_ = arena.add_shard(prefix + "b1", Shape{e_, f_}, total_, first_);
+    id_w2_ = arena.add_shard(prefix + "w2", Shape{e_, d_, f_}, total_, first_);
+    id_b2_ = arena.add_shard(prefix + "b2", Shape{e_, d_}, total_, first_);
   }
   void bind(const ParameterArena<T, B>& arena) {
     w1_ = arena.value(id_w1_); dw1_ = arena.grad(id_w1_);
@@ -70,9 +92,16 @@ class ExpertBank {
     bound_ = true;
   }
   // w ~ N(0, init_std^2), biases 0.
+  // A shard draws the whole layer's weights and keeps its own experts, so that every world size
+  // starts from the same model for the same seed.
   void init(Rng& rng, double init_std) {
-    fill_normal(w1_, rng, init_std);
-    fill_normal(w2_, rng, init_std);
+    if (total_ == e_) {
+      fill_normal(w1_, rng, init_std);
+      fill_normal(w2_, rng, init_std);
+    } else {
+      init_rows(w1_, Shape{total_, f_, d_}, rng, init_std);
+      init_rows(w2_, Shape{total_, d_, f_}, rng, init_std);
+    }
     b1_.zero();
     b2_.zero();
   }
@@ -164,6 +193,8 @@ class ExpertBank {
     });
   }
 
+  index_t total_experts() const { return total_; }
+  index_t first_expert() const { return first_; }
   const Tensor<T, B>& w1() const { return w1_; }
   const Tensor<T, B>& w2() const { return w2_; }
 
@@ -171,6 +202,12 @@ class ExpertBank {
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
   void check_bound(const char* op) const { detail::require_bound(bound_, "ExpertBank", op); }
+  void init_rows(const Tensor<T, B>& local, const Shape& full, Rng& rng, double init_std) {
+    Tensor<T, cpu> all(full);
+    fill_normal(all, rng, init_std);
+    const index_t per = full.numel() / total_;
+    copy_from_host(local, Tensor<T, cpu>::borrow(all.data() + first_ * per, local.shape()));
+  }
   // src as the compute type: src itself when C = T, else converted into cache (reallocated when
   // its shape differs) and the cache returned.
   static Tensor<C, B> to_compute(const Tensor<T, B>& src, Tensor<C, B> cache) {
@@ -281,6 +318,7 @@ class ExpertBank {
     }
   }
 
+  index_t total_ = 0, first_ = 0;  // the layer's experts, this bank's first (expert parallel)
   index_t e_ = 0, d_ = 0, f_ = 0;
   index_t id_w1_ = -1, id_b1_ = -1, id_w2_ = -1, id_b2_ = -1;
   Tensor<T, B> w1_, dw1_, b1_, db1_, w2_, dw2_, b2_, db2_;

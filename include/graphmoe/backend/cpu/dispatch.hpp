@@ -16,7 +16,7 @@
 //              dgates[t, j] = <dy[t], ys[source_slot[t k + j]]>
 //
 // Every loop is a gather or a scatter to distinct rows, so each parallelises without races. This
-// is the seam where an expert-parallel all-to-all would replace the local copies.
+// is the seam where expert parallelism (dist/expert_parallel.hpp) sends the rows to other ranks.
 #pragma once
 
 #include <algorithm>

@@ -1,0 +1,341 @@
+// Expert parallel under mpiexec (ctest runs it with 2 and with 4 ranks): an MoE layer whose E
+// experts are split over the W ranks, each rank holding b sequences, gives the outputs and the
+// gradients of one process's layer on all W b sequences, for each router; also with uneven
+// token counts per expert, an expert that receives no tokens, and (at 4 ranks) a rank whose
+// experts receive none. Double precision: the only differences are the order of float sums.
+//
+// Every rank runs every test case in the same order and only CHECK is used (never REQUIRE), so
+// that a failed assertion on one rank does not make it skip a collective the others enter.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/dist/mpi.hpp"
+#include "graphmoe/layers/moe.hpp"
+#include "graphmoe/train/optim.hpp"
+#include "routing/router_fixtures.hpp"
+#include "support/errors.hpp"
+#include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
+
+using namespace graphmoe;
+using graphmoe::test::contains;
+using graphmoe::test::error_of;
+
+namespace {
+
+dist::MpiCommunicator* g_comm = nullptr;
+
+constexpr index_t kExperts = 8, kDim = 6, kFf = 5, kLen = 4, kSeqs = 2;  // kSeqs per rank
+
+MoEConfig config() {
+  MoEConfig c;
+  c.d_model = kDim;
+  c.d_ff = kFf;
+  c.router.num_experts = kExperts;
+  c.router.k = 2;
+  c.router.causal = true;
+  c.router.load_balance_coef = 0.0;  // per rank, as in data parallel (docs/distributed.md)
+  c.router.z_loss_coef = 0.0;  // a mean over each rank's tokens: see the training-step case
+  c.router.options<ScheduledTopK>().k_min = 1;
+  c.router.options<ScheduledTopK>().k_max = 2;
+  c.router.options<ScheduledTopK>().schedule_steps = 1;
+  c.router.options<CosineScorer>().dim = 3;
+  c.router.options<Similarity>().tau = 2.0;
+  test::set_scorer_init_std(c.router, 0.5);
+  c.init_std = 0.5;
+  return c;
+}
+
+// One process's layer (all experts) and this rank's expert-parallel layer, from the same seed.
+template <class Policy>
+struct Pair {
+  ParameterArena<double> ref_arena, ep_arena;
+  MoELayer<Policy, double> ref, ep;
+  Pair(const MoEConfig& cfg, dist::Communicator& comm, std::uint64_t seed) {
+    ref.declare(ref_arena, "moe.", cfg);
+    ref_arena.allocate();
+    ref.bind(ref_arena);
+    Rng r1(seed);
+    ref.init(r1);
+    ref.router().set_step(1);
+    ep.declare(ep_arena, "moe.", cfg, comm);
+    ep_arena.allocate();
+    ep.bind(ep_arena);
+    Rng r2(seed);
+    ep.init(r2);
+    ep.router().set_step(1);
+  }
+};
+
+// rows [begin, end) of t (a copy), t viewed as a matrix of `cols` columns
+Tensor<double> rows_of(const Tensor<double>& t, index_t begin, index_t end) {
+  return t.slice(begin, end).clone();
+}
+
+// The rank's sequences of a global attention cache (nb sequences of len tokens): its own slices
+// of probs, v, out and their gradients; w_o and b_o (and their gradients) whole.
+AttentionCache<double> cache_shard(const AttentionCache<double>& g, index_t s0, index_t s1,
+                                   index_t len) {
+  AttentionCache<double> c;
+  c.num_heads = g.num_heads;
+  c.probs = g.probs.slice(s0, s1).clone();
+  c.v = g.v.slice(s0 * len, s1 * len).clone();
+  c.out = g.out.slice(s0 * len, s1 * len).clone();
+  c.w_o = g.w_o.clone();
+  c.b_o = g.b_o.clone();
+  c.dprobs = Tensor<double>(c.probs.shape());
+  c.dv = Tensor<double>(c.v.shape());
+  c.dout = Tensor<double>(c.out.shape());
+  c.dw_o = Tensor<double>(c.w_o.shape());
+  c.db_o = Tensor<double>(c.b_o.shape());
+  return c;
+}
+
+double max_abs_diff(const Tensor<double>& a, const Tensor<double>& b) {
+  CHECK(a.numel() == b.numel());
+  double m = 0;
+  for (index_t i = 0; i < std::min(a.numel(), b.numel()); ++i)
+    m = std::max(m, std::abs(a.data()[i] - b.data()[i]));
+  return m;
+}
+
+// Runs one forward and backward of both layers (the reference on all W b sequences, the
+// expert-parallel one on this rank's b) and checks outputs, input gradients and every parameter
+// gradient: a replicated parameter's summed over the ranks, an expert shard's against its rows.
+template <class Policy>
+void check_equal(Pair<Policy>& p, dist::Communicator& comm, const Tensor<double>& u_global,
+                 const Tensor<double>& w_global, AttentionCache<double>* cache_global) {
+  const int world = comm.size(), rank = comm.rank();
+  const index_t nb = kSeqs * world, n0 = rank * kSeqs * kLen, n1 = n0 + kSeqs * kLen;
+  AttentionCache<double> cache;
+  if (cache_global != nullptr) {
+    test::zero_sinks(*cache_global);
+    cache = cache_shard(*cache_global, rank * kSeqs, (rank + 1) * kSeqs, kLen);
+  }
+  GraphContext<double> ref_ctx{kLen, cache_global};
+  GraphContext<double> ep_ctx{kLen, cache_global != nullptr ? &cache : nullptr};
+  (void)nb;
+
+  Tensor<double> y_ref, du_ref, y_ep, du_ep;
+  p.ref_arena.zero_grad();
+  p.ref.forward(u_global, ref_ctx, y_ref);
+  p.ref.backward(w_global, du_ref);
+
+  const Tensor<double> u = rows_of(u_global, n0, n1), w = rows_of(w_global, n0, n1);
+  p.ep_arena.zero_grad();
+  const dist::Traffic before = comm.traffic();
+  p.ep.forward(u, ep_ctx, y_ep);
+  p.ep.backward(w, du_ep);
+  // the bytes moved, to the byte: E / W counts to each rank, then the rows sent (xs forward, dys
+  // backward) and received (ys and dxs go back the same way)
+  const dist::ExpertExchange<double>& x = p.ep.expert_exchange();
+  const index_t row = kDim * static_cast<index_t>(sizeof(double));
+  CHECK(comm.traffic().all_to_all_calls - before.all_to_all_calls == 5);
+  CHECK(comm.traffic().all_to_all_sent_bytes - before.all_to_all_sent_bytes ==
+        kExperts * static_cast<index_t>(sizeof(index_t)) +
+            2 * row * (x.sent_rows() + x.received_rows()));
+  CHECK(comm.traffic().all_to_all_received_bytes - before.all_to_all_received_bytes ==
+        kExperts * static_cast<index_t>(sizeof(index_t)) +
+            2 * row * (x.sent_rows() + x.received_rows()));
+  CHECK(x.sent_rows() == p.ep.plan().offset(kExperts));
+
+  CHECK(max_abs_diff(y_ep, rows_of(y_ref, n0, n1)) < 1e-12);
+  CHECK(max_abs_diff(du_ep, rows_of(du_ref, n0, n1)) < 1e-12);
+  for (const auto& info : p.ep_arena.params()) {
+    CAPTURE(info.name);
+    const Tensor<double> g_ref = p.ref_arena.grad(info.name);
+    Tensor<double> g = p.ep_arena.grad(info.name).clone();
+    if (info.sharded()) {
+      // this rank's experts: the rows of the whole layer's gradient
+      const index_t per = g_ref.numel() / info.shard_rows;
+      const Tensor<double> want = Tensor<double>::borrow(
+          const_cast<double*>(g_ref.data()) + info.shard_begin * per, g.shape());
+      CHECK(info.full_shape() == g_ref.shape());
+      CHECK(max_abs_diff(g, want) < 1e-12);
+    } else {
+      comm.all_reduce_sum(g);  // each rank's tokens' part of the router's gradient
+      CHECK(max_abs_diff(g, g_ref) < 1e-12);
+    }
+  }
+  if (cache_global != nullptr) {
+    CHECK(max_abs_diff(cache.dv, rows_of(cache_global->dv, n0, n1)) < 1e-12);
+    Tensor<double> dw_o = cache.dw_o.clone();
+    comm.all_reduce_sum(dw_o);
+    CHECK(max_abs_diff(dw_o, cache_global->dw_o) < 1e-12);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("expert parallel: W ranks give the outputs and gradients of one process",
+                   Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
+                   SMoEDropoutRouter, SimilarityXMoERouter, AttentionSMoEDropoutRouter) {
+  dist::Communicator& comm = *g_comm;
+  const int world = comm.size();
+  const auto cfg = config();
+  Pair<Policy> p(cfg, comm, 41);
+  // the same initial model: the router whole, the experts this rank's rows of the whole layer's
+  for (const auto& info : p.ep_arena.params()) {
+    CAPTURE(info.name);
+    const Tensor<double> v_ref = p.ref_arena.value(info.name), v = p.ep_arena.value(info.name);
+    if (info.sharded()) {
+      CHECK(info.shard_rows == kExperts);
+      CHECK(info.shard_begin == comm.rank() * (kExperts / world));
+      const index_t per = v_ref.numel() / kExperts;
+      CHECK(max_abs_diff(v, Tensor<double>::borrow(const_cast<double*>(v_ref.data()) +
+                                                       info.shard_begin * per,
+                                                   v.shape())) == 0.0);
+    } else {
+      CHECK(max_abs_diff(v, v_ref) == 0.0);
+    }
+  }
+  Rng rng(42);  // the same global batch on every rank
+  const index_t nb = kSeqs * world, n = nb * kLen;
+  auto u = test::random_normal<double>({n, kDim}, rng);
+  auto w = test::random_normal<double>({n, kDim}, rng);
+  auto cache = test::random_attention_cache<double>(nb, kLen, 2, kDim, true, rng);
+  for (int step = 0; step < 2; ++step) {  // twice: the exchange's buffers are reused
+    CAPTURE(step);
+    check_equal(p, comm, u, w, Policy::needs_attention ? &cache : nullptr);
+  }
+}
+
+TEST_CASE("expert parallel: uneven counts, an expert with no tokens, a rank with none") {
+  dist::Communicator& comm = *g_comm;
+  const int world = comm.size();
+  const auto cfg = config();
+  Pair<SoftmaxRouter> p(cfg, comm, 51);
+  Rng rng(52);
+  const index_t n = kSeqs * world * kLen;
+  auto u = test::random_normal<double>({n, kDim}, rng, 0.3);
+  for (index_t i = 0; i < n; ++i) u(i, 0) += 3.0;  // every token has a large first component
+  auto w = test::random_normal<double>({n, kDim}, rng);
+  // the last two experts (rank W-1's at W = 4) score -30 below the others for every token
+  for (auto* arena : {&p.ref_arena, &p.ep_arena}) {
+    Tensor<double> weight = arena->value("moe.router.weight");
+    for (const index_t e : {kExperts - 2, kExperts - 1}) {
+      for (index_t c = 0; c < kDim; ++c) weight(e, c) = c == 0 ? -10.0 : 0.0;
+    }
+  }
+  check_equal(p, comm, u, w, nullptr);
+  // the scenario holds: those experts got no tokens, and the others uneven counts
+  const DispatchPlan& plan = p.ref.plan();
+  CHECK(plan.count(kExperts - 1) == 0);
+  CHECK(plan.count(kExperts - 2) == 0);
+  index_t lo = n, hi = 0;
+  for (index_t e = 0; e < kExperts - 2; ++e) {
+    lo = std::min(lo, plan.count(e));
+    hi = std::max(hi, plan.count(e));
+  }
+  CHECK(hi > lo);
+  // at 4 ranks the last rank holds just those two experts: it receives no rows at all
+  if (world == 4 && comm.rank() == 3) CHECK(p.ep.expert_exchange().received_rows() == 0);
+  index_t received = p.ep.expert_exchange().received_rows();
+  comm.all_reduce_sum(std::span<index_t>(&received, 1));
+  CHECK(received == n * cfg.router.k);  // every assignment went to exactly one rank
+}
+
+TEST_CASE("expert parallel: capacity drops stay on the sending rank") {
+  // With a capacity, each rank drops by its own tokens (as data parallel routes per rank): compare
+  // against one process run on this rank's tokens alone, whose drops are the same.
+  dist::Communicator& comm = *g_comm;
+  auto cfg = config();
+  cfg.router.capacity_factor = 0.5;
+  Pair<SoftmaxRouter> p(cfg, comm, 61);
+  Rng rng(62 + static_cast<std::uint64_t>(comm.rank()));  // each rank its own tokens
+  const index_t n = kSeqs * kLen;
+  auto u = test::random_normal<double>({n, kDim}, rng);
+  auto w = test::random_normal<double>({n, kDim}, rng);
+  Tensor<double> y_ref, du_ref, y_ep, du_ep;
+  p.ref.forward(u, {kLen, nullptr}, y_ref);
+  p.ref.backward(w, du_ref);
+  p.ep.forward(u, {kLen, nullptr}, y_ep);
+  p.ep.backward(w, du_ep);
+  CHECK(p.ep.routing().selection.dropped > 0);
+  CHECK(max_abs_diff(y_ep, y_ref) < 1e-12);
+  CHECK(max_abs_diff(du_ep, du_ref) < 1e-12);
+}
+
+TEST_CASE("expert parallel: a training step equals one process's (averaged gradients, global clip)") {
+  dist::Communicator& comm = *g_comm;
+  const int world = comm.size(), rank = comm.rank();
+  auto cfg = config();
+  cfg.router.z_loss_coef = 0.01;  // a mean over tokens: averaging the ranks' gives the batch's
+  Pair<SimilarityRouter> p(cfg, comm, 71);
+  AdamWConfig ac;
+  ac.lr = 0.05;
+  AdamW<double> ref_opt(p.ref_arena, ac), ep_opt(p.ep_arena, ac);
+  Rng rng(72);
+  const index_t n = kSeqs * world * kLen, n0 = rank * kSeqs * kLen, n1 = n0 + kSeqs * kLen;
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    auto u = test::random_normal<double>({n, kDim}, rng);
+    auto w = test::random_normal<double>({n, kDim}, rng);
+    // the reference's loss is the mean over all W b sequences: dy = w / W; each rank's is the
+    // mean over its own: dy = w, and average_gradients divides by W
+    Tensor<double> w_ref = w.clone();
+    scale(w_ref, 1.0 / world);
+    Tensor<double> y, du;
+    p.ref_arena.zero_grad();
+    p.ref.forward(u, {kLen, nullptr}, y);
+    p.ref.backward(w_ref, du);
+    const double ref_norm = clip_grad_norm(p.ref_arena, 0.1);
+    ref_opt.step(p.ref_arena);
+
+    Tensor<double> y_ep, du_ep;
+    p.ep_arena.zero_grad();
+    p.ep.forward(rows_of(u, n0, n1), {kLen, nullptr}, y_ep);
+    p.ep.backward(rows_of(w, n0, n1), du_ep);
+    dist::average_gradients(comm, p.ep_arena);
+    const double ep_norm = dist::clip_grad_norm(comm, p.ep_arena, 0.1);
+    ep_opt.step(p.ep_arena);
+    CHECK(dist::mean_over_ranks(comm, p.ep.routing().z_loss) ==
+          doctest::Approx(p.ref.routing().z_loss).epsilon(1e-12));
+    CHECK(ep_norm == doctest::Approx(ref_norm).epsilon(1e-12));
+    CHECK(ref_norm > 0.1);  // the clip acted
+    for (const auto& info : p.ep_arena.params()) {
+      CAPTURE(info.name);
+      const Tensor<double> v_ref = p.ref_arena.value(info.name), v = p.ep_arena.value(info.name);
+      const index_t per = info.sharded() ? v_ref.numel() / info.shard_rows : 0;
+      const Tensor<double> want =
+          info.sharded() ? Tensor<double>::borrow(const_cast<double*>(v_ref.data()) +
+                                                      info.shard_begin * per,
+                                                  v.shape())
+                         : v_ref;
+      CHECK(max_abs_diff(v, want) < 1e-11);
+    }
+    CHECK(dist::max_parameter_divergence(comm, p.ep_arena) == 0.0);
+  }
+}
+
+TEST_CASE("expert parallel: bad configurations are refused on every rank") {
+  dist::Communicator& comm = *g_comm;
+  auto cfg = config();
+  cfg.router.num_experts = comm.size() * 2 + 1;  // not a multiple of the world size
+  ParameterArena<double> arena;
+  MoELayer<SoftmaxRouter, double> layer;
+  const std::string e = error_of([&] { layer.declare(arena, "moe.", cfg, comm); });
+  CHECK(contains(e, "must be a multiple of the number of expert-parallel ranks"));
+  CHECK(dist::expert_shard(4, 0, 1).count == 4);
+  CHECK(dist::expert_shard(8, 3, 4).first == 6);
+  CHECK(contains(error_of([] { (void)dist::expert_shard(8, 4, 4); }), "rank 4 out of range"));
+}
+
+int main(int argc, char** argv) {
+  alarm(240);  // no rank outlives a stuck test by much
+  dist::MpiEnvironment mpi(argc, argv);
+  dist::MpiCommunicator comm;
+  g_comm = &comm;
+  doctest::Context context(argc, argv);
+  const int failed = context.run();
+  int any_failed = failed != 0;
+  MPI_Allreduce(MPI_IN_PLACE, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  g_comm = nullptr;
+  if (context.shouldExit()) return failed;
+  return any_failed;
+}
