@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <type_traits>
 
@@ -44,6 +45,14 @@ struct DataParallel {
 struct SameOnEveryRank : graphmoe::Error {
   using graphmoe::Error::Error;
 };
+// Throws SameOnEveryRank("graphmoe::<op>: <parts>"), worded like GRAPHMOE_CHECK's errors.
+template <class... Args>
+[[noreturn]] void throw_same_on_every_rank(const char* op, const Args&... parts) {
+  std::ostringstream os;
+  os << "graphmoe::" << op << ": ";
+  (os << ... << parts);
+  throw SameOnEveryRank(os.str());
+}
 
 // The number of processes the MPI launcher started, from its environment (Open MPI's mpirun,
 // MPICH's Hydra); 0 when none says so. Read without initialising MPI.

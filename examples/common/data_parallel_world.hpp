@@ -54,11 +54,10 @@ class DataParallelWorld {
     }
 #if defined(GRAPHMOE_EXAMPLES_MPI)
     if (world_->size() != dp_.ranks)
-      throw SameOnEveryRank(std::string(program_) + ": --dp " + std::to_string(dp_.ranks) +
-                            " must equal the number of MPI processes, which is " +
-                            std::to_string(world_->size()) + ": launch with mpirun -n " +
-                            std::to_string(dp_.ranks) + " (or pass --dp " +
-                            std::to_string(world_->size()) + ")");
+      throw_same_on_every_rank(program_, "--dp ", dp_.ranks,
+                               " must equal the number of MPI processes, which is ",
+                               world_->size(), ": launch with mpirun -n ", dp_.ranks,
+                               " (or pass --dp ", world_->size(), ")");
 #else
     GRAPHMOE_CHECK(false, program_, "--dp ", dp_.ranks,
                    ": this binary was built without MPI, so it trains in one process only (--dp "

@@ -103,13 +103,13 @@ int main(int argc, char** argv) {
     world.check();
     if (opt.dp.ranks > 1) {
       if (opt.batch % opt.dp.ranks != 0)
-        throw examples::SameOnEveryRank(
-            "train_lm: --batch " + std::to_string(opt.batch) + " is not a multiple of --dp " +
-            std::to_string(opt.dp.ranks) + ": --batch is the global batch, split into " +
-            std::to_string(opt.dp.ranks) + " equal shards of --batch / --dp sequences");
+        examples::throw_same_on_every_rank(
+            "train_lm", "--batch ", opt.batch, " is not a multiple of --dp ", opt.dp.ranks,
+            ": --batch is the global batch, split into ", opt.dp.ranks,
+            " equal shards of --batch / --dp sequences");
       if (opt.device != "cpu")
-        throw examples::SameOnEveryRank("train_lm: --dp " + std::to_string(opt.dp.ranks) +
-                                        " needs --device cpu (the MPI communicator moves host memory)");
+        examples::throw_same_on_every_rank("train_lm", "--dp ", opt.dp.ranks,
+                                           " needs --device cpu (the MPI communicator moves host memory)");
     }
     examples::require_cpu_router("train_lm", opt.router, opt.device);
     train_lm::Data data;

@@ -113,10 +113,9 @@ int run(const Options& opt, const Data& data) {
     const std::vector<index_t> steps = dp.comm->all_gather(static_cast<index_t>(step));
     for (std::size_t r = 0; r < steps.size(); ++r)
       if (steps[r] != steps[0])
-        throw examples::SameOnEveryRank(
-            "train_lm --resume: rank " + std::to_string(r) + " starts at step " +
-            std::to_string(steps[r]) + " but rank 0 at step " + std::to_string(steps[0]) +
-            ": every rank must see the same '" + ckpt + "' (a shared output directory)");
+        examples::throw_same_on_every_rank(
+            "train_lm --resume", "rank ", r, " starts at step ", steps[r], " but rank 0 at step ",
+            steps[0], ": every rank must see the same '", ckpt, "' (a shared output directory)");
     examples::broadcast_parameters(dp, lm.arena());  // everyone starts from rank 0's values
   }
   auto save = [&](std::int64_t at_step) {
@@ -222,9 +221,9 @@ int run(const Options& opt, const Data& data) {
     // the ranks must still hold the same parameters (checked once: it broadcasts the arena)
     const double divergence = examples::max_parameter_divergence(dp, lm.arena());
     if (divergence != 0)
-      throw examples::SameOnEveryRank(
-          "train_lm --dp " + std::to_string(dp.size()) + ": after training, the ranks' parameters "
-          "differ from rank 0's by up to " + std::to_string(divergence) + " (they must be identical)");
+      examples::throw_same_on_every_rank(
+          "train_lm", "--dp ", dp.size(), ": after training, the ranks' parameters differ from "
+          "rank 0's by up to ", divergence, " (they must be identical)");
     if (root)
       std::fprintf(stderr, "train_lm: data parallel over %d ranks: parameters identical on every rank\n",
                    dp.size());
