@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "common/cli_checks.hpp"
+#include "common/data_parallel_world.hpp"
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
@@ -67,7 +68,7 @@ int main(int argc, char** argv) {
   app.add_option("--k-min", sched.k_min, "SMoE-Dropout: first k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--k-max", sched.k_max, "SMoE-Dropout: last k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--steps", opt.steps, "optimizer steps")->check(examples::integer<std::int64_t>(1, examples::kMaxSteps));
-  app.add_option("--batch", opt.batch, "sequences per batch")->check(examples::integer<index_t>(1, examples::kMaxBatch));
+  app.add_option("--batch", opt.batch, "sequences per batch (with --dp N: the global batch, a multiple of N)")->check(examples::integer<index_t>(1, examples::kMaxBatch));
   app.add_option("--lr", opt.lr, "peak learning rate (AdamW)")->check(examples::positive_real(examples::kMaxLR));
   examples::add_divergence_options(app, opt.divergence);
   app.add_option("--min-lr", opt.min_lr, "final learning rate of the cosine schedule")->check(examples::real(0, examples::kMaxLR));
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", opt.checkpoint_every, "checkpoint every N steps (0 = at the end)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
   app.add_option("--seed", opt.seed, "random seed (initialisation and data order)")->check(examples::seed());
   app.add_option("--threads", opt.threads, "CPU threads")->check(examples::threads());
+  app.add_option("--dp", opt.dp.ranks, "data parallel over N MPI processes (mpirun -n N ... --dp N; docs/distributed.md)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
@@ -96,7 +98,19 @@ int main(int argc, char** argv) {
     sched.k_max = std::max(sched.k_max, m.router.k);
     sched.schedule_steps = opt.steps;
   }
+  examples::DataParallelWorld world(argc, argv, "train_lm", opt.dp);
   try {
+    world.check();
+    if (opt.dp.ranks > 1) {
+      if (opt.batch % opt.dp.ranks != 0)
+        examples::throw_same_on_every_rank(
+            "train_lm", "--batch ", opt.batch, " is not a multiple of --dp ", opt.dp.ranks,
+            ": --batch is the global batch, split into ", opt.dp.ranks,
+            " equal shards of --batch / --dp sequences");
+      if (opt.device != "cpu")
+        examples::throw_same_on_every_rank("train_lm", "--dp ", opt.dp.ranks,
+                                           " needs --device cpu (the MPI communicator moves host memory)");
+    }
     examples::require_cpu_router("train_lm", opt.router, opt.device);
     train_lm::Data data;
     std::vector<std::int32_t> stream;
@@ -121,9 +135,10 @@ int main(int argc, char** argv) {
       data.attacked_test = attack_stream(data.test, opt.attack_rate, word, opt.attack_seed, keep, &st);
       GRAPHMOE_CHECK(st.replaced > 0, "train_lm", "--attack-rate ", opt.attack_rate,
                      " replaces no word of the ", st.attackable, " test words: raise it or set 0");
-      std::fprintf(stderr, "train_lm: attacked test: %zu of %zu words replaced by '%s' (id %d), seed %llu\n",
-                   st.replaced, st.attackable, word_text, static_cast<int>(word),
-                   static_cast<unsigned long long>(opt.attack_seed));
+      if (opt.dp.root())
+        std::fprintf(stderr, "train_lm: attacked test: %zu of %zu words replaced by '%s' (id %d), seed %llu\n",
+                     st.replaced, st.attackable, word_text, static_cast<int>(word),
+                     static_cast<unsigned long long>(opt.attack_seed));
     };
     if (opt.char_level) {
       const CharTokenizer tok = CharTokenizer::build(opt.train_path);
@@ -131,8 +146,10 @@ int main(int argc, char** argv) {
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
       data.vocab_size = tok.size();
-      std::filesystem::create_directories(opt.out_dir);
-      tok.save(opt.out_dir + "/vocab.txt");
+      if (opt.dp.root()) {  // the other ranks write nothing
+        std::filesystem::create_directories(opt.out_dir);
+        tok.save(opt.out_dir + "/vocab.txt");
+      }
       const std::vector<std::int32_t> w = tok.encode(opt.attack_word);
       GRAPHMOE_CHECK(opt.attack_rate == 0.0 || w.size() == 1, "train_lm",
                      "--attack-word must be one character with --char, got '", opt.attack_word, "'");
@@ -145,8 +162,10 @@ int main(int argc, char** argv) {
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
       data.vocab_size = tok.size();
-      std::filesystem::create_directories(opt.out_dir);
-      tok.save(opt.out_dir + "/vocab.txt");
+      if (opt.dp.root()) {  // the other ranks write nothing
+        std::filesystem::create_directories(opt.out_dir);
+        tok.save(opt.out_dir + "/vocab.txt");
+      }
       const std::vector<std::int32_t> w = tok.encode_line(opt.attack_word);
       GRAPHMOE_CHECK(opt.attack_rate == 0.0 || w.size() == 1, "train_lm",
                      "--attack-word must be one word, got '", opt.attack_word, "'");
@@ -154,15 +173,15 @@ int main(int argc, char** argv) {
         attack(w.front(), {tok.eos()}, tok.contains(opt.attack_word) ? opt.attack_word.c_str() : "<unk>");
     }
     split_valid();
-    std::fprintf(stderr, "train_lm: router %s, %zu train / %zu valid / %zu test tokens, vocabulary %zu\n",
-                 opt.router.c_str(), data.train.size(), data.valid.size(), data.test.size(), data.vocab_size);
+    if (opt.dp.root())
+      std::fprintf(stderr, "train_lm: router %s, %zu train / %zu valid / %zu test tokens, vocabulary %zu\n",
+                   opt.router.c_str(), data.train.size(), data.valid.size(), data.test.size(), data.vocab_size);
     return with_router(opt.router, [&]<class Policy>() {
       return examples::on_device<Policy>("train_lm", opt.device, opt.router, [&]<class B>() {
         return train_lm::run<Policy, B>(opt, data);
       });
     });
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_lm: error: %s\n", e.what());
-    return 1;
+    return world.fail(e);
   }
 }

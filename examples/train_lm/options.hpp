@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/data_parallel.hpp"
 #include "common/divergence.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/tokenizers.hpp"
@@ -30,6 +31,7 @@ struct Options {
   std::int64_t checkpoint_every = 0;   // 0 = only at the end
   std::uint64_t seed = 1;
   int threads = 2;
+  examples::DataParallel dp;  // --dp N (ranks; the communicator main() set up when N > 1)
   std::string device = "cpu";  // cpu, or cuda when built with GRAPHMOE_ENABLE_CUDA
   std::string out_dir = "runs/lm";
   bool resume = false;

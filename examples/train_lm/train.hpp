@@ -4,6 +4,12 @@
 // on the CPU or (B = graphmoe::cuda, --device cuda) the GPU,
 // periodic evaluation (perplexity and routing metrics to metrics.csv), atomic checkpoints with the
 // optimizer state, and --resume that continues bit for bit.
+//
+// --dp N (common/data_parallel.hpp, docs/distributed.md): every rank runs this loop on the same
+// global batches and trains on its shard of each; the gradients are averaged before clipping,
+// the training loss the guard sees is the mean over the ranks, evaluation batches are sharded
+// too (the same mean), and only rank 0 prints and writes files. With one process every one of
+// these steps is the identity, and the loop is the one it always was.
 #pragma once
 
 #include <cmath>
@@ -12,6 +18,9 @@
 #include <limits>
 #include <iostream>
 #include <map>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -22,6 +31,7 @@
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
 #include "graphmoe/train/text_attack.hpp"
+#include "common/data_parallel.hpp"
 #include "common/device.hpp"
 #include "common/divergence.hpp"
 #include "common/lm_config.hpp"
@@ -42,18 +52,19 @@ inline nlohmann::json config_json(const Options& opt, const TransformerLMConfig&
 }
 
 // Mean cross-entropy over the first `max_batches` (0 = all) batches of a stream; with `attacked`,
-// the inputs come from the attacked stream and the targets from the clean one.
+// the inputs come from the attacked stream and the targets from the clean one. With --dp, each
+// rank evaluates its shard of every batch and the sum is averaged over the ranks (collective).
 template <class B, class Model>
 double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches,
-                const LMBatcher* attacked = nullptr) {
+                const examples::DataParallel& dp, const LMBatcher* attacked = nullptr) {
   const index_t nb = max_batches > 0 ? std::min(max_batches, batches.num_batches()) : batches.num_batches();
   double sum = 0;
   for (index_t i = 0; i < nb; ++i) {
-    const LMBatch b = attacked ? attacked_batch(batches, *attacked, i) : batches.batch(i);
+    const LMBatch b = examples::shard(dp, attacked ? attacked_batch(batches, *attacked, i) : batches.batch(i));
     // perplexity is of the task loss (the cross-entropy), not of the auxiliary terms
     sum += lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).task;
   }
-  return nb > 0 ? sum / static_cast<double>(nb) : std::nan("");
+  return nb > 0 ? examples::mean_over_ranks(dp, sum) / static_cast<double>(nb) : std::nan("");
 }
 
 template <class Policy, class B>
@@ -78,10 +89,12 @@ int run(const Options& opt, const Data& data) {
   LRSchedule sched{opt.lr, opt.min_lr, std::min(opt.warmup, opt.steps), opt.steps};
   sched.validate();
 
-  fs::create_directories(opt.out_dir);
+  const examples::DataParallel& dp = opt.dp;
+  const bool root = dp.root();  // prints and writes files; the other ranks write nothing
+  if (root) fs::create_directories(opt.out_dir);
   const std::string ckpt = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
   std::int64_t step = 0;
-  examples::remove_stale_checkpoint_temporaries(ckpt, "train_lm");
+  if (root) examples::remove_stale_checkpoint_temporaries(ckpt, "train_lm");
   if (opt.resume && examples::checkpoint_to_resume(ckpt, "train_lm")) {
     const SafetensorsFile f = load_safetensors(ckpt);
     const nlohmann::json saved = metadata_json(f, "config");
@@ -91,7 +104,19 @@ int run(const Options& opt, const Data& data) {
     // the step is checked before load_training_state changes anything
     step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
     load_training_state(f, lm.arena(), adam);
-    std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
+    if (root)
+      std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
+  }
+  if (dp.active()) {
+    // every rank read the checkpoint (the output directory must be visible to all of them);
+    // they must have found the same one
+    const std::vector<index_t> steps = dp.comm->all_gather(static_cast<index_t>(step));
+    for (std::size_t r = 0; r < steps.size(); ++r)
+      if (steps[r] != steps[0])
+        examples::throw_same_on_every_rank(
+            "train_lm --resume", "rank ", r, " starts at step ", steps[r], " but rank 0 at step ",
+            steps[0], ": every rank must see the same '", ckpt, "' (a shared output directory)");
+    examples::broadcast_parameters(dp, lm.arena());  // everyone starts from rank 0's values
   }
   auto save = [&](std::int64_t at_step) {
     const std::map<std::string, std::string> meta = {
@@ -112,7 +137,8 @@ int run(const Options& opt, const Data& data) {
   for (index_t l : moe_layers)
     for (const char* m : {"entropy_r", "entropy_p", "graph_entropy", "fluctuation", "max_load_share"})
       cols.push_back("layer" + std::to_string(l) + "_" + m);
-  CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(), cols, opt.resume && step > 0);
+  std::optional<CsvLog> csv;  // rank 0's
+  if (root) csv.emplace((fs::path(opt.out_dir) / "metrics.csv").string(), cols, opt.resume && step > 0);
   std::vector<Tensor<std::int32_t, cpu>> prev_probe(moe_layers.size());
   const LMBatch probe = valid.batch(0);
   const Tensor<std::int32_t, B> probe_inputs = examples::on_backend<B>(probe.inputs);
@@ -135,14 +161,17 @@ int run(const Options& opt, const Data& data) {
                         "train_lm");
   for (; step < opt.steps; ++step) {
     if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
-    const LMBatch b = train.batch(order[static_cast<std::size_t>(step % nb)]);
+    // with --dp, this rank's shard of the global batch every rank draws
+    const LMBatch b = examples::shard(dp, train.batch(order[static_cast<std::size_t>(step % nb)]));
     lm.set_step(step);
     double loss = 0;
     examples::before_optimizer_step("train_lm", step + 1, [&] {
       loss = lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).total();
+      loss = examples::mean_over_ranks(dp, loss);  // the whole batch's: the same guard everywhere
       guard.check_loss(step + 1, loss);
       lm.arena().zero_grad();
       lm.backward();
+      examples::average_gradients(dp, lm.arena());  // clipping sees the whole batch's gradient
       last_norm = examples::clip_checked(guard, step + 1, lm.arena(), opt.clip);
     });
     const double lr = sched.at(step);
@@ -153,11 +182,11 @@ int run(const Options& opt, const Data& data) {
                        std::max(1e-9, bar.elapsed_seconds());
     char stats[128];
     std::snprintf(stats, sizeof stats, "loss %.3f | %s tok/s", loss_ema, ProgressBar::si(tps).c_str());
-    bar.update(step + 1, stats);
+    if (root) bar.update(step + 1, stats);
 
     const bool last = step + 1 == opt.steps;
     if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || last) {
-      const double vloss = evaluate<B>(lm, valid, opt.eval_batches);
+      const double vloss = evaluate<B>(lm, valid, opt.eval_batches, dp);
       guard.check_eval(step + 1, "validation loss", vloss);  // before the row and the save
       std::vector<double> row = {static_cast<double>(step + 1), last_loss, vloss, std::exp(vloss),
                                  lr, last_norm, tps};
@@ -177,15 +206,29 @@ int run(const Options& opt, const Data& data) {
                                mean_entropy(examples::host_values(r.p)), r.graph_entropy, fl,
                                tot > 0 ? static_cast<double>(mx) / static_cast<double>(tot) : 0.0});
       }
-      csv.row(row);
-      bar.finish();
-      std::fprintf(stderr, "step %lld  train loss %.4f  val loss %.4f  val ppl %.2f\n",
-                   static_cast<long long>(step + 1), loss_ema, vloss, std::exp(vloss));
+      if (root) {
+        csv->row(row);
+        bar.finish();
+        std::fprintf(stderr, "step %lld  train loss %.4f  val loss %.4f  val ppl %.2f\n",
+                     static_cast<long long>(step + 1), loss_ema, vloss, std::exp(vloss));
+      }
     }
-    if ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last) save(step + 1);
+    if (root && ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last))
+      save(step + 1);
   }
-  bar.finish();
-  const double vloss = evaluate<B>(lm, valid, 0);
+  if (root) bar.finish();
+  if (dp.active()) {
+    // the ranks must still hold the same parameters (checked once: it broadcasts the arena)
+    const double divergence = examples::max_parameter_divergence(dp, lm.arena());
+    if (divergence != 0)
+      examples::throw_same_on_every_rank(
+          "train_lm", "--dp ", dp.size(), ": after training, the ranks' parameters differ from "
+          "rank 0's by up to ", divergence, " (they must be identical)");
+    if (root)
+      std::fprintf(stderr, "train_lm: data parallel over %d ranks: parameters identical on every rank\n",
+                   dp.size());
+  }
+  const double vloss = evaluate<B>(lm, valid, 0, dp);
   guard.check_eval(step, "validation loss", vloss);
   // mean over MoE layers of the token graph's row entropy on the probe batch (0: no graph, or a
   // degenerate identity graph)
@@ -197,23 +240,24 @@ int run(const Options& opt, const Data& data) {
   double fluctuation = 0;
   for (double f : last_fluctuation) fluctuation += f;
   if (!moe_layers.empty()) fluctuation /= static_cast<double>(moe_layers.size());
-  std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f fluctuation=%.4f", opt.router.c_str(),
-              std::exp(vloss), graph_entropy, fluctuation);
+  if (root)
+    std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f fluctuation=%.4f", opt.router.c_str(),
+                std::exp(vloss), graph_entropy, fluctuation);
   if (!data.test.empty()) {
     LMBatcher test(data.test, opt.batch, seq);
-    const double test_loss = evaluate<B>(lm, test, 0);
+    const double test_loss = evaluate<B>(lm, test, 0, dp);
     guard.check_eval(step, "test loss", test_loss);
-    std::printf(" test_ppl=%.3f", std::exp(test_loss));
+    if (root) std::printf(" test_ppl=%.3f", std::exp(test_loss));
     if (!data.attacked_test.empty()) {
       LMBatcher attacked(data.attacked_test, opt.batch, seq);
-      const double attacked_loss = evaluate<B>(lm, test, 0, &attacked);
+      const double attacked_loss = evaluate<B>(lm, test, 0, dp, &attacked);
       // an attack may legitimately raise the loss past the ceiling: only non-finite is an error
       GRAPHMOE_CHECK(std::isfinite(attacked_loss), "train_lm", "the attacked test loss is ",
                      attacked_loss, " after ", step, " steps");
-      std::printf(" attacked_test_ppl=%.3f", std::exp(attacked_loss));
+      if (root) std::printf(" attacked_test_ppl=%.3f", std::exp(attacked_loss));
     }
   }
-  std::printf("\n");
+  if (root) std::printf("\n");
   return 0;
 }
 

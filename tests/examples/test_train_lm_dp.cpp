@@ -1,0 +1,260 @@
+// train_lm --dp N under mpiexec (docs/distributed.md, "Running data parallel from the command
+// line"): a tiny model on a tiny corpus written here, each case a few seconds.
+//
+//   dp2 equals one process     mpiexec -n 2 train_lm --dp 2 --batch 4 trains like train_lm
+//                              --batch 4 (--load-balance 0): the same training and validation
+//                              losses at every step, to 1e-5 relative; rank 0 alone writes
+//   resume across world sizes  a checkpoint written under --dp 4 (-n 4 --oversubscribe) resumes
+//                              with --dp 1 and with --dp 2 to the same next losses, which are
+//                              also those of one uninterrupted process
+//   command-line errors        --dp 0, --dp -3, --dp 3 under a world of 2, --batch not a multiple
+//                              of --dp, --dp 2 without a launcher, -n 2 without --dp: a message
+//                              and a non-zero exit
+// A failing comparison prints both runs' output and metrics.
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if !defined(GRAPHMOE_TRAIN_LM) || !defined(GRAPHMOE_MPIEXEC)
+#error "GRAPHMOE_TRAIN_LM and GRAPHMOE_MPIEXEC must be defined by CMake"
+#endif
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Scratch {
+  fs::path dir;
+  explicit Scratch(const std::string& tag) {
+    dir = fs::temp_directory_path() / ("graphmoe_dp_" + tag + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  std::string operator/(const std::string& name) const { return (dir / name).string(); }
+};
+
+struct Result {
+  std::string command;
+  int status = -1;  // exit status; -1: killed by a signal
+  std::string out, err;
+  std::string text() const {
+    return "$ " + command + "\n[exit " + std::to_string(status) + "]\n[stdout]\n" + out +
+           "[stderr]\n" + err;
+  }
+};
+
+// `ranks` = 0: train_lm alone; otherwise under mpiexec -n ranks. Killed after 90 s.
+Result run(const Scratch& s, int ranks, const std::vector<std::string>& args) {
+  std::string cmd = "timeout -k 5 90";
+  if (ranks > 0) {
+    cmd += " " + quote(GRAPHMOE_MPIEXEC) + " " + GRAPHMOE_MPIEXEC_NUMPROC_FLAG + " " +
+           std::to_string(ranks);
+#if GRAPHMOE_MPIEXEC_OPEN_MPI
+    // more ranks than cores (CI has 2); no binding: each rank runs one thread (--threads 1)
+    cmd += " --oversubscribe --bind-to none";
+#endif
+  }
+  cmd += " " + quote(kTrainLM);
+  for (const auto& a : args) cmd += " " + quote(a);
+  Result r;
+  r.command = cmd;
+  const fs::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
+  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
+  const int raw = std::system(cmd.c_str());
+  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+// A word-level corpus of 240 lines of 10 words from a 12-word vocabulary.
+void write_corpus(const std::string& path) {
+  const char* words[] = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l"};
+  std::ofstream out(path);
+  std::uint32_t x = 12345;
+  for (int line = 0; line < 240; ++line) {
+    for (int w = 0; w < 10; ++w) {
+      x = x * 1664525u + 1013904223u;
+      out << (w ? " " : "") << words[(x >> 20) % 12];
+    }
+    out << "\n";
+  }
+}
+
+// A tiny model, a constant learning rate (so that a resumed run with more --steps continues the
+// same schedule), an evaluation (a metrics row) after every step, one thread per rank.
+std::vector<std::string> lm_args(const std::string& corpus, const std::string& out, int steps) {
+  return {"--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router", "softmax",
+          "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8", "--experts", "2",
+          "--top-k", "1", "--seq", "8", "--batch", "4", "--load-balance", "0",
+          "--steps", std::to_string(steps), "--lr", "0.01", "--min-lr", "0.01", "--warmup", "0",
+          "--eval-every", "1", "--threads", "1", "--out", out};
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+// args with the value of `option` (which must be there) replaced: CLI11 refuses an option twice.
+std::vector<std::string> set(std::vector<std::string> args, const std::string& option,
+                             const std::string& value) {
+  const auto it = std::find(args.begin(), args.end(), option);
+  REQUIRE(it != args.end());
+  *(it + 1) = value;
+  return args;
+}
+
+// metrics.csv: step -> (train_loss, val_loss).
+std::map<long, std::pair<double, double>> losses(const std::string& csv) {
+  std::istringstream in(csv);
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> header;
+  for (std::istringstream h(line); std::getline(h, line, ',');) header.push_back(line);
+  std::size_t step_col = header.size(), train_col = header.size(), val_col = header.size();
+  for (std::size_t i = 0; i < header.size(); ++i) {
+    if (header[i] == "step") step_col = i;
+    if (header[i] == "train_loss") train_col = i;
+    if (header[i] == "val_loss") val_col = i;
+  }
+  std::map<long, std::pair<double, double>> rows;
+  if (step_col == header.size() || train_col == header.size() || val_col == header.size())
+    return rows;
+  while (std::getline(in, line)) {
+    std::vector<std::string> f;
+    for (std::istringstream l(line); std::getline(l, line, ',');) f.push_back(line);
+    if (f.size() != header.size()) continue;
+    rows[std::stol(f[step_col])] = {std::stod(f[train_col]), std::stod(f[val_col])};
+  }
+  return rows;
+}
+
+bool close(double a, double b) {
+  return std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= 1e-5 * std::max(std::abs(a), std::abs(b));
+}
+
+// The losses of `got` at the steps in [first, last] equal `want`'s, to 1e-5 relative; on failure
+// the message shows both runs.
+void check_same_losses(const Result& want_run, const std::string& want_csv, const Result& got_run,
+                       const std::string& got_csv, long first, long last) {
+  INFO("reference run:\n" << want_run.text() << "metrics.csv:\n" << want_csv);
+  INFO("data-parallel run:\n" << got_run.text() << "metrics.csv:\n" << got_csv);
+  REQUIRE(want_run.status == 0);
+  REQUIRE(got_run.status == 0);
+  const auto want = losses(want_csv), got = losses(got_csv);
+  for (long step = first; step <= last; ++step) {
+    CAPTURE(step);
+    REQUIRE(want.count(step) == 1);
+    REQUIRE(got.count(step) == 1);
+    CHECK(close(want.at(step).first, got.at(step).first));    // training loss (whole batch)
+    CHECK(close(want.at(step).second, got.at(step).second));  // validation loss
+  }
+}
+
+void check_refused(const Result& r, const std::vector<std::string>& parts) {
+  INFO(r.text());
+  CHECK(r.status > 0);
+  for (const auto& p : parts) {
+    CAPTURE(p);
+    CHECK(r.err.find(p) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("train_lm --dp 2 under mpiexec -n 2 trains like one process with the same global batch") {
+  Scratch s("equal");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const Result one = run(s, 0, lm_args(corpus, s / "one", 5));
+  const Result two = run(s, 2, with(lm_args(corpus, s / "two", 5), {"--dp", "2"}));
+  check_same_losses(one, slurp(s / "one/metrics.csv"), two, slurp(s / "two/metrics.csv"), 1, 5);
+  INFO(two.text());
+  // rank 0 alone prints and writes: one result line, one progress report, the usual files
+  CHECK(two.out.find("router=softmax") == two.out.rfind("router=softmax"));
+  CHECK(two.out.find("router=softmax") != std::string::npos);
+  CHECK(two.err.find("step 5  train loss") == two.err.rfind("step 5  train loss"));
+  CHECK(two.err.find("train_lm: data parallel over 2 ranks: parameters identical on every rank") !=
+        std::string::npos);
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(s / "two")) files.push_back(e.path().filename().string());
+  std::sort(files.begin(), files.end());
+  CHECK(files == std::vector<std::string>{"checkpoint.safetensors", "metrics.csv", "vocab.txt"});
+}
+
+TEST_CASE("a train_lm checkpoint written under --dp 4 resumes with --dp 1 and --dp 2 alike") {
+  Scratch s("resume");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  // 3 steps under 4 ranks (one sequence each), then 3 more from its checkpoint under 1 and 2
+  const Result four = run(s, 4, with(lm_args(corpus, s / "four", 3), {"--dp", "4"}));
+  INFO(four.text());
+  REQUIRE(four.status == 0);
+  for (const std::string dir : {"r1", "r2"}) fs::copy(s / "four", s / dir);
+  const Result r1 = run(s, 0, with(lm_args(corpus, s / "r1", 6), {"--resume"}));
+  const Result r2 = run(s, 2, with(lm_args(corpus, s / "r2", 6), {"--resume", "--dp", "2"}));
+  CHECK(r1.err.find("resumed from") != std::string::npos);
+  CHECK(r2.err.find("resumed from") == r2.err.rfind("resumed from"));  // rank 0 says it once
+  check_same_losses(r1, slurp(s / "r1/metrics.csv"), r2, slurp(s / "r2/metrics.csv"), 1, 6);
+  // and both continue the run one process would have made uninterrupted
+  const Result whole = run(s, 0, lm_args(corpus, s / "whole", 6));
+  check_same_losses(whole, slurp(s / "whole/metrics.csv"), r2, slurp(s / "r2/metrics.csv"), 1, 6);
+}
+
+TEST_CASE("train_lm --dp: bad values and worlds of the wrong size are refused with a message") {
+  Scratch s("errors");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const auto args = [&](const std::vector<std::string>& more) {
+    return with(lm_args(corpus, s / "out", 2), more);
+  };
+  check_refused(run(s, 2, args({"--dp", "0"})),
+                {"--dp: value 0 is out of range; expected an integer in [1, "});
+  check_refused(run(s, 2, args({"--dp", "-3"})),
+                {"--dp: value -3 is out of range; expected an integer in [1, "});
+  check_refused(run(s, 2, set(args({"--dp", "3"}), "--batch", "6")),
+                {"train_lm: error: graphmoe::train_lm: --dp 3 must equal the number of MPI "
+                 "processes, which is 2: launch with mpirun -n 3"});
+  const Result odd = run(s, 2, set(args({"--dp", "2"}), "--batch", "5"));
+  check_refused(odd, {"graphmoe::train_lm: --batch 5 is not a multiple of --dp 2: --batch is the "
+                      "global batch"});
+  CHECK(odd.err.find("is not a multiple") == odd.err.rfind("is not a multiple"));  // rank 0 only
+  check_refused(run(s, 0, args({"--dp", "2"})),
+                {"--dp 2 must equal the number of MPI processes, which is 1"});
+  check_refused(run(s, 2, args({})),
+                {"this is one of 2 processes started by an MPI launcher, but --dp is 1", "Pass --dp 2"});
+  CHECK(!fs::exists(s / "out"));  // nothing was written
+}
