@@ -11,12 +11,15 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
+#include "graphmoe/dist/checkpoint.hpp"
 #include "graphmoe/dist/data_parallel.hpp"
 #include "graphmoe/dist/mpi.hpp"
 #include "graphmoe/layers/moe.hpp"
 #include "graphmoe/train/optim.hpp"
+#include "graphmoe/train/training_state.hpp"
 #include "routing/router_fixtures.hpp"
 #include "support/errors.hpp"
 #include "support/gradcheck.hpp"
@@ -311,6 +314,120 @@ TEST_CASE("expert parallel: a training step equals one process's (averaged gradi
     }
     CHECK(dist::max_parameter_divergence(comm, p.ep_arena) == 0.0);
   }
+}
+
+namespace {
+// One training step of a layer on its rows of (u, w): loss = sum(y * w) / (rows of the whole
+// batch), averaged gradients, the global clip, AdamW. Returns the loss summed over the ranks
+// (the whole batch's). comm: the layer's communicator (nullptr: a one-process layer on all rows).
+template <class Policy>
+double train_step(MoELayer<Policy, double>& layer, ParameterArena<double>& arena,
+                  AdamW<double>& opt, dist::Communicator* comm, const Tensor<double>& u,
+                  const Tensor<double>& w, bool step = true) {
+  const int world = comm != nullptr ? comm->size() : 1, rank = comm != nullptr ? comm->rank() : 0;
+  const index_t n = u.rows() / world, n0 = rank * n;
+  const Tensor<double> mu = rows_of(u, n0, n0 + n), mw = rows_of(w, n0, n0 + n);
+  Tensor<double> dy = mw.clone();
+  scale(dy, 1.0 / static_cast<double>(u.rows()) * world);  // each rank's loss: its mean x rows
+  Tensor<double> y, du;
+  arena.zero_grad();
+  layer.forward(mu, {kLen, nullptr}, y);
+  double loss = test::weighted_sum(y, mw) / static_cast<double>(u.rows());
+  if (comm != nullptr) comm->all_reduce_sum(&loss, 1, dist::ElementType::F64);
+  if (!step) return loss;
+  layer.backward(dy, du);
+  if (comm != nullptr) {
+    dist::average_gradients(*comm, arena);
+    dist::clip_grad_norm(*comm, arena, 0.1);
+  } else {
+    clip_grad_norm(arena, 0.1);
+  }
+  opt.step(arena);
+  return loss;
+}
+}  // namespace
+
+TEST_CASE("expert parallel: a checkpoint written at W ranks resumes at 1 and at W / 2 ranks") {
+  dist::Communicator& comm = *g_comm;
+  const int world = comm.size();
+  auto cfg = config();
+  cfg.router.z_loss_coef = 0.01;
+  Pair<SimilarityRouter> p(cfg, comm, 81);
+  AdamWConfig ac;
+  ac.lr = 0.05;
+  AdamW<double> ref_opt(p.ref_arena, ac), ep_opt(p.ep_arena, ac);
+  Rng rng(82);
+  const index_t n = kSeqs * world * kLen;
+  std::vector<Tensor<double>> us, ws;
+  for (int i = 0; i < 4; ++i) {
+    us.push_back(test::random_normal<double>({n, kDim}, rng));
+    ws.push_back(test::random_normal<double>({n, kDim}, rng));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const double lr = train_step(p.ref, p.ref_arena, ref_opt, nullptr, us[i], ws[i]);
+    const double le = train_step(p.ep, p.ep_arena, ep_opt, &comm, us[i], ws[i]);
+    CHECK(le == doctest::Approx(lr).epsilon(1e-11));
+  }
+  const std::string path = "test_expert_parallel_w" + std::to_string(world) + ".safetensors";
+  // one process's function refuses what it cannot write whole
+  CHECK(contains(error_of([&] { save_training_state(path, p.ep_arena, ep_opt, {}); }),
+                 "holds expert shards"));
+  CHECK(contains(error_of([&] {
+                   std::vector<TensorRef> refs;
+                   append_arena(refs, p.ep_arena);
+                 }),
+                 "is an expert shard"));
+  dist::save_training_state(comm, path, p.ep_arena, ep_opt, {{"note", "test"}});
+  comm.barrier();  // written before anyone reads
+  const SafetensorsFile f = load_safetensors(path);
+  CHECK(f.at("model.moe.experts.w1").shape == Shape{kExperts, kFf, kDim});
+  CHECK(f.at("adamw.v.moe.experts.b2").shape == Shape{kExperts, kDim});
+  // the reference's next two losses (one step between them)
+  const double next0 = train_step(p.ref, p.ref_arena, ref_opt, nullptr, us[2], ws[2]);
+  const double next1 = train_step(p.ref, p.ref_arena, ref_opt, nullptr, us[3], ws[3], false);
+
+  {  // world size 1: a one-process layer (other initial values, overwritten by the load)
+    ParameterArena<double> a;
+    MoELayer<SimilarityRouter, double> one;
+    one.declare(a, "moe.", cfg);
+    a.allocate();
+    one.bind(a);
+    Rng r(999);
+    one.init(r);
+    one.router().set_step(1);
+    AdamW<double> opt(a, ac);
+    load_training_state(f, a, opt);
+    CHECK(opt.steps() == 2);
+    CHECK(train_step(one, a, opt, nullptr, us[2], ws[2]) == doctest::Approx(next0).epsilon(1e-11));
+    CHECK(train_step(one, a, opt, nullptr, us[3], ws[3], false) ==
+          doctest::Approx(next1).epsilon(1e-11));
+  }
+  if (world >= 4) {  // world size W / 2: two groups of W / 2 ranks, each resuming the whole job
+    MPI_Comm half_comm = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, comm.rank() / (world / 2), comm.rank(), &half_comm);
+    {
+      dist::MpiCommunicator half(half_comm);
+      CHECK(half.size() == world / 2);
+      // the half-world layer sees the batch rows of its own ranks: give it the whole batch
+      // split W / 2 ways (train_step takes rows by the communicator's rank and size)
+      ParameterArena<double> a;
+      MoELayer<SimilarityRouter, double> ep;
+      ep.declare(a, "moe.", cfg, half);
+      a.allocate();
+      ep.bind(a);
+      Rng r(999);
+      ep.init(r);
+      ep.router().set_step(1);
+      AdamW<double> opt(a, ac);
+      load_training_state(f, a, opt);
+      CHECK(train_step(ep, a, opt, &half, us[2], ws[2]) == doctest::Approx(next0).epsilon(1e-11));
+      CHECK(train_step(ep, a, opt, &half, us[3], ws[3], false) ==
+            doctest::Approx(next1).epsilon(1e-11));
+    }
+    MPI_Comm_free(&half_comm);
+  }
+  comm.barrier();
+  if (comm.rank() == 0) std::remove(path.c_str());
 }
 
 TEST_CASE("expert parallel: bad configurations are refused on every rank") {

@@ -721,13 +721,19 @@ void append_arena(std::vector<TensorRef>& out, const ParameterArena<T, cpu>& are
   GRAPHMOE_CHECK(arena.allocated(), "append_arena", "the arena is not allocated");
   for (index_t i = 0; i < arena.size(); ++i) {
     const ParameterInfo& p = arena.params()[static_cast<std::size_t>(i)];
+    GRAPHMOE_CHECK(!p.sharded(), "append_arena", "parameter '", p.name, "' is an expert shard (rows ",
+                   p.shard_begin, "..", p.shard_begin + p.shape[0], " of ", p.shard_rows,
+                   "): this rank alone cannot write it; use dist::save_training_state or "
+                   "dist::gather_parameter (graphmoe/dist/checkpoint.hpp)");
     out.push_back({prefix + p.name, dtype_of<T>(), p.shape, arena.value(i).data()});
   }
 }
 
 // Copies the tensors named prefix + name into the arena's values. The dtype must be exactly
 // dtype_of<T>() and the shape exactly the parameter's; there is no conversion (an F32 file into
-// a double arena throws). strict: every parameter must be present, and every tensor of the file
+// a double arena throws). An expert shard (ParameterInfo::sharded) reads its rows of the file's
+// whole tensor, whose shape must be full_shape(): a checkpoint of any world size loads into any
+// other (docs/checkpoints.md). strict: every parameter must be present, and every tensor of the file
 // whose name starts with `prefix` must be a parameter. !strict: missing parameters keep their
 // values, extra tensors are ignored. Everything is checked before anything is copied, so a
 // failed load leaves the arena unchanged.
@@ -750,8 +756,9 @@ void load_arena(const SafetensorsFile& f, ParameterArena<T, cpu>& arena,
     GRAPHMOE_CHECK(t.dtype == dtype_of<T>(), op, "'", f.path, "': tensor '", name,
                    "' has dtype ", t.dtype, ", the arena holds ", dtype_of<T>(),
                    " (no conversion is done)");
-    GRAPHMOE_CHECK(t.shape == p.shape, op, "'", f.path, "': tensor '", name, "' has shape ",
-                   t.shape, ", parameter '", p.name, "' has shape ", p.shape);
+    GRAPHMOE_CHECK(t.shape == p.full_shape(), op, "'", f.path, "': tensor '", name,
+                   "' has shape ", t.shape, ", parameter '", p.name, "' has shape ",
+                   p.full_shape(), p.sharded() ? " (this rank holds a shard of it)" : "");
     copies.emplace_back(i, &t);
   }
   if (strict) {
@@ -761,8 +768,15 @@ void load_arena(const SafetensorsFile& f, ParameterArena<T, cpu>& arena,
                      "' has the tensor '", name, "' that matches no parameter (strict load)");
     }
   }
-  for (const auto& [i, t] : copies)
-    if (!t->bytes.empty()) std::memcpy(arena.value(i).data(), t->bytes.data(), t->bytes.size());
+  for (const auto& [i, t] : copies) {
+    const ParameterInfo& p = arena.params()[static_cast<std::size_t>(i)];
+    const std::size_t bytes = static_cast<std::size_t>(p.shape.numel()) * sizeof(T);
+    if (bytes == 0) continue;
+    // a shard: its rows of the whole tensor (row-major, so one contiguous block)
+    const std::size_t skip =
+        p.sharded() ? bytes / static_cast<std::size_t>(p.shape[0]) * static_cast<std::size_t>(p.shard_begin) : 0;
+    std::memcpy(arena.value(i).data(), t->bytes.data() + skip, bytes);
+  }
 }
 
 }  // namespace graphmoe

@@ -95,6 +95,10 @@ template <class T, class B>
 void save_training_state(const std::string& path, const ParameterArena<T, B>& arena,
                          const AdamW<T, B>& adam, std::map<std::string, std::string> metadata) {
   GRAPHMOE_CHECK(arena.allocated(), "save_training_state", "the arena is not allocated");
+  GRAPHMOE_CHECK(!arena.has_shards(), "save_training_state",
+                 "the arena holds expert shards (expert parallel): this rank alone cannot write "
+                 "the model; use dist::save_training_state (graphmoe/dist/checkpoint.hpp), "
+                 "collective over the ranks");
   std::vector<Tensor<T, cpu>> host;  // keeps the host copies alive until the file is written
   std::vector<TensorRef> refs;
   for (index_t i = 0; i < arena.size(); ++i) {
@@ -130,15 +134,23 @@ const std::map<std::string, std::string>& load_training_state(const SafetensorsF
   std::vector<Tensor<T, cpu>> loaded;
   for (const auto& [name, view] : state) {
     expected.insert(name);
+    // an expert shard's state ("adamw.m." / "adamw.v." + its name) is its rows of the whole tensor
+    const ParameterInfo* shard = nullptr;
+    if (name.size() > 8 && arena.contains(name.substr(8)) &&
+        arena.params()[static_cast<std::size_t>(arena.find(name.substr(8)))].sharded()) {
+      shard = &arena.params()[static_cast<std::size_t>(arena.find(name.substr(8)))];
+    }
+    const Shape want = shard != nullptr ? shard->full_shape() : view.shape();
     GRAPHMOE_CHECK(f.contains(name), op, "'", f.path, "' has no optimizer-state tensor '", name,
-                   "' of shape ", view.shape());
+                   "' of shape ", want);
     const LoadedTensor& lt = f.at(name);
     GRAPHMOE_CHECK(lt.dtype == dtype_of<T>(), op, "'", f.path, "': optimizer-state tensor '",
                    name, "' has dtype ", lt.dtype, ", expected ", dtype_of<T>(),
                    " (no conversion is done)");
-    GRAPHMOE_CHECK(lt.shape == view.shape(), op, "'", f.path, "': optimizer-state tensor '", name,
-                   "' has shape ", lt.shape, ", expected ", view.shape());
+    GRAPHMOE_CHECK(lt.shape == want, op, "'", f.path, "': optimizer-state tensor '", name,
+                   "' has shape ", lt.shape, ", expected ", want);
     Tensor<T, cpu> t = lt.template to_tensor<T>();
+    if (shard != nullptr) t = t.slice(shard->shard_begin, shard->shard_begin + shard->shape[0]).clone();
     const bool second_moment = name.rfind("adamw.v.", 0) == 0;
     for (index_t i = 0; i < t.numel(); ++i) {
       const T x = t.data()[i];
