@@ -16,12 +16,15 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <sstream>
 #include <string>
 #include <type_traits>
 
 #include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/dist/checkpoint.hpp"
 #include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/train/training_state.hpp"
 
 namespace examples {
 
@@ -30,8 +33,12 @@ inline constexpr std::int64_t kMaxRanks = 65'536;  // --dp
 // The run's ranks: `comm` is the MPI world's communicator when --dp N > 1, null for one process.
 struct DataParallel {
   int ranks = 1;                                 // --dp
+  int experts = 1;                               // --ep: 1, or ranks (the experts split over them)
   graphmoe::dist::Communicator* comm = nullptr;  // set by main() when ranks > 1
   bool active() const { return comm != nullptr && comm->size() > 1; }
+  // --ep N: every MoE layer's experts split over the ranks (TransformerLM's expert-parallel
+  // constructor); the forward and backward passes, clipping and saving are then collective.
+  bool expert_parallel() const { return active() && experts > 1; }
   int rank() const { return comm != nullptr ? comm->rank() : 0; }
   int size() const { return comm != nullptr ? comm->size() : 1; }
   // Rank 0 prints, writes metrics and checkpoints; the other ranks write nothing.
@@ -100,6 +107,31 @@ double max_parameter_divergence(const DataParallel& dp, const graphmoe::Paramete
     if (dp.active()) return graphmoe::dist::max_parameter_divergence(*dp.comm, arena);
   }
   return 0.0;
+}
+
+// The global gradient norm, clipped: over every rank's expert shards with --ep (collective),
+// else this arena's (the same on every rank after average_gradients).
+template <class T, class B>
+double clip_grad_norm(const DataParallel& dp, graphmoe::ParameterArena<T, B>& arena, double clip) {
+  if constexpr (std::is_same_v<B, graphmoe::cpu>) {
+    if (dp.expert_parallel()) return graphmoe::dist::clip_grad_norm(*dp.comm, arena, clip);
+  }
+  return graphmoe::clip_grad_norm(arena, clip);
+}
+
+// Writes a training checkpoint: rank 0 alone, or with --ep every rank (collective: rank 0 gathers
+// the expert shards and writes, graphmoe/dist/checkpoint.hpp). Call it on every rank.
+template <class T, class B>
+void save_training_state(const DataParallel& dp, const std::string& path,
+                         const graphmoe::ParameterArena<T, B>& arena, const graphmoe::AdamW<T, B>& adam,
+                         const std::map<std::string, std::string>& metadata) {
+  if constexpr (std::is_same_v<B, graphmoe::cpu>) {
+    if (dp.expert_parallel()) {
+      graphmoe::dist::save_training_state(*dp.comm, path, arena, adam, metadata);
+      return;
+    }
+  }
+  if (dp.root()) graphmoe::save_training_state(path, arena, adam, metadata);
 }
 
 }  // namespace examples

@@ -38,20 +38,29 @@ inline graphmoe::DivergenceConfig divergence_config(const DivergenceOptions& o, 
   return c;
 }
 
+// clip_checked with the clipping function given (e.g. the global norm over ranks,
+// common/data_parallel.hpp).
+template <class Arena, class Clip>
+double clip_checked(graphmoe::DivergenceGuard& guard, std::int64_t step, Arena& arena, double clip,
+                    Clip&& clip_fn) {
+  double norm = 0;
+  try {
+    norm = clip_fn(arena, clip);
+  } catch (const graphmoe::Error&) {
+    norm = std::numeric_limits<double>::quiet_NaN();
+  }
+  guard.check_grad_norm(step, norm);
+  return norm;
+}
+
 // clip_grad_norm(arena, clip) with its norm checked by the guard before the optimizer step.
 // clip_grad_norm refuses a NaN or Inf norm with an Error before it changes anything; here (an
 // allocated arena, a checked clip) that is the only Error it raises, so it becomes the guard's
 // DivergenceError naming the step.
 template <class Arena>
 double clip_checked(graphmoe::DivergenceGuard& guard, std::int64_t step, Arena& arena, double clip) {
-  double norm = 0;
-  try {
-    norm = clip_grad_norm(arena, clip);  // the backend's overload, found by argument lookup
-  } catch (const graphmoe::Error&) {
-    norm = std::numeric_limits<double>::quiet_NaN();
-  }
-  guard.check_grad_norm(step, norm);
-  return norm;
+  return clip_checked(guard, step, arena, clip,
+                      [](Arena& a, double c) { return clip_grad_norm(a, c); });  // the backend's
 }
 
 // Runs the part of training step `step` before the optimizer step (forward, the guard's checks,

@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "random seed (initialisation and data order)")->check(examples::seed());
   app.add_option("--threads", opt.threads, "CPU threads")->check(examples::threads());
   app.add_option("--dp", opt.dp.ranks, "data parallel over N MPI processes (mpirun -n N ... --dp N; docs/distributed.md)")->check(examples::integer<int>(1, examples::kMaxRanks));
+  app.add_option("--ep", opt.dp.experts, "expert parallel: split every MoE layer's experts over the --dp ranks (1, or the --dp N; --experts a multiple of N)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
@@ -101,6 +102,17 @@ int main(int argc, char** argv) {
   examples::DataParallelWorld world(argc, argv, "train_lm", opt.dp);
   try {
     world.check();
+    if (opt.dp.experts > 1) {
+      if (opt.dp.experts != opt.dp.ranks)
+        examples::throw_same_on_every_rank(
+            "train_lm", "--ep ", opt.dp.experts, " must be 1 or equal --dp ", opt.dp.ranks,
+            ": the experts are split over all the data-parallel ranks (expert groups smaller than "
+            "the world are not built)");
+      if (opt.model.router.num_experts % opt.dp.experts != 0)
+        examples::throw_same_on_every_rank(
+            "train_lm", "--experts ", opt.model.router.num_experts, " is not a multiple of --ep ",
+            opt.dp.experts, ": every rank holds the same number of experts");
+    }
     if (opt.dp.ranks > 1) {
       if (opt.batch % opt.dp.ranks != 0)
         examples::throw_same_on_every_rank(

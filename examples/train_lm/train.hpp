@@ -74,7 +74,11 @@ int run(const Options& opt, const Data& data) {
   examples::require_device<B>("train_lm");
   TransformerLMConfig mc = opt.model;
   mc.vocab_size = static_cast<index_t>(data.vocab_size);
-  TransformerLM<Policy, Scalar, B> lm(mc, opt.seed);
+  // --ep: the experts of every MoE layer split over the ranks (the same seed everywhere gives
+  // one process's model); the rest is data parallel as with --dp alone
+  TransformerLM<Policy, Scalar, B> lm = opt.dp.expert_parallel()
+                                            ? TransformerLM<Policy, Scalar, B>(mc, opt.seed, *opt.dp.comm)
+                                            : TransformerLM<Policy, Scalar, B>(mc, opt.seed);
   const index_t seq = mc.max_seq_len;
   LMBatcher train(data.train, opt.batch, seq);
   LMBatcher valid(data.valid, opt.batch, seq);
@@ -122,11 +126,12 @@ int run(const Options& opt, const Data& data) {
     const std::map<std::string, std::string> meta = {
         {"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
         {"format", "graphmoe-lm-1"}};
+    // rank 0 writes (with --ep every rank takes part: the experts are gathered to rank 0)
     if (opt.keep_checkpoints)
-      save_training_state((fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +
-                                                    ".safetensors")).string(),
-                          lm.arena(), adam, meta);
-    save_training_state(ckpt, lm.arena(), adam, meta);
+      examples::save_training_state(dp, (fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +
+                                                                   ".safetensors")).string(),
+                                    lm.arena(), adam, meta);
+    examples::save_training_state(dp, ckpt, lm.arena(), adam, meta);
   };
 
   // metrics.csv: one row per evaluation; routing metrics per MoE layer on a fixed probe batch
@@ -172,7 +177,9 @@ int run(const Options& opt, const Data& data) {
       lm.arena().zero_grad();
       lm.backward();
       examples::average_gradients(dp, lm.arena());  // clipping sees the whole batch's gradient
-      last_norm = examples::clip_checked(guard, step + 1, lm.arena(), opt.clip);
+      last_norm = examples::clip_checked(guard, step + 1, lm.arena(), opt.clip, [&](auto& a, double c) {
+        return examples::clip_grad_norm(dp, a, c);  // with --ep, over every rank's experts
+      });
     });
     const double lr = sched.at(step);
     adam.step(lm.arena(), lr);
@@ -213,8 +220,8 @@ int run(const Options& opt, const Data& data) {
                      static_cast<long long>(step + 1), loss_ema, vloss, std::exp(vloss));
       }
     }
-    if (root && ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last))
-      save(step + 1);
+    if ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last)
+      save(step + 1);  // on every rank: rank 0 writes
   }
   if (root) bar.finish();
   if (dp.active()) {

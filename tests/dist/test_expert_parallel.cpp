@@ -18,6 +18,7 @@
 #include "graphmoe/dist/data_parallel.hpp"
 #include "graphmoe/dist/mpi.hpp"
 #include "graphmoe/layers/moe.hpp"
+#include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/training_state.hpp"
 #include "routing/router_fixtures.hpp"
@@ -430,6 +431,71 @@ TEST_CASE("expert parallel: a checkpoint written at W ranks resumes at 1 and at 
   if (comm.rank() == 0) std::remove(path.c_str());
 }
 
+TEST_CASE_TEMPLATE("expert parallel: a TransformerLM with its experts over W ranks and data parallel "
+                   "trains as one process", Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter) {
+  dist::Communicator& comm = *g_comm;
+  const int world = comm.size();
+  TransformerLMConfig cfg;
+  cfg.vocab_size = 11;
+  cfg.max_seq_len = 5;
+  cfg.d_model = 8;
+  cfg.num_layers = 2;
+  cfg.num_heads = 2;
+  cfg.d_ff = 6;
+  cfg.router.num_experts = 4;
+  cfg.router.k = 2;
+  cfg.router.load_balance_coef = 0.0;  // per rank (docs/distributed.md)
+  cfg.router.z_loss_coef = 0.01;
+  cfg.router.options<Similarity>().tau = 2.0;
+  test::set_scorer_init_std(cfg.router, 0.5);
+  cfg.init_std = 0.3;
+  AdamWConfig ac;
+  ac.lr = 0.02;
+  TransformerLM<Policy, double> ref(cfg, 7), ep(cfg, 7, comm);
+  AdamW<double> ref_opt(ref.arena(), ac), ep_opt(ep.arena(), ac);
+  CHECK(ep.arena().has_shards());
+  CHECK(ep.arena().numel() < ref.arena().numel());
+  Rng data(123);
+  const index_t b = 2, t = 5, rows = b * world;
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    LMBatch global{Tensor<std::int32_t>({rows, t}), Tensor<std::int32_t>({rows, t})};
+    for (index_t i = 0; i < rows * t; ++i) {
+      global.inputs.data()[i] = static_cast<std::int32_t>(data.uniform_int(11));
+      global.targets.data()[i] = static_cast<std::int32_t>(data.uniform_int(11));
+    }
+    ref.arena().zero_grad();
+    const Loss lr = ref.forward(global.inputs, global.targets);
+    ref.backward();
+    const double ref_norm = clip_grad_norm(ref.arena(), 0.5);
+    ref_opt.step(ref.arena());
+
+    const LMBatch mine = dist::shard(global, comm);
+    ep.arena().zero_grad();
+    const Loss le = ep.forward(mine.inputs, mine.targets);
+    ep.backward();
+    dist::average_gradients(comm, ep.arena());
+    const double ep_norm = dist::clip_grad_norm(comm, ep.arena(), 0.5);
+    ep_opt.step(ep.arena());
+
+    CHECK(dist::mean_over_ranks(comm, le.task) == doctest::Approx(lr.task).epsilon(1e-12));
+    CHECK(dist::mean_over_ranks(comm, le.z_loss) == doctest::Approx(lr.z_loss).epsilon(1e-12));
+    CHECK(ep_norm == doctest::Approx(ref_norm).epsilon(1e-11));
+    for (const auto& info : ep.arena().params()) {
+      CAPTURE(info.name);
+      const Tensor<double> v_ref = ref.arena().value(info.name), v = ep.arena().value(info.name);
+      const index_t per = info.sharded() ? v_ref.numel() / info.shard_rows : 0;
+      const Tensor<double> want =
+          info.sharded() ? Tensor<double>::borrow(const_cast<double*>(v_ref.data()) +
+                                                      info.shard_begin * per,
+                                                  v.shape())
+                         : v_ref;
+      CHECK(max_abs_diff(v, want) < 1e-11);
+    }
+    CHECK(dist::max_parameter_divergence(comm, ep.arena()) == 0.0);
+  }
+}
+
 TEST_CASE("expert parallel: bad configurations are refused on every rank") {
   dist::Communicator& comm = *g_comm;
   auto cfg = config();
@@ -438,6 +504,12 @@ TEST_CASE("expert parallel: bad configurations are refused on every rank") {
   MoELayer<SoftmaxRouter, double> layer;
   const std::string e = error_of([&] { layer.declare(arena, "moe.", cfg, comm); });
   CHECK(contains(e, "must be a multiple of the number of expert-parallel ranks"));
+  TransformerLMConfig lc;
+  lc.router.num_experts = comm.size() * 2 + 1;
+  TransformerLM<SoftmaxRouter, double> lm;
+  ParameterArena<double> la;
+  CHECK(contains(error_of([&] { lm.declare(la, "", lc, &comm); }), "must be a multiple"));
+  CHECK(la.size() == 0);  // refused before any parameter was added
   CHECK(dist::expert_shard(4, 0, 1).count == 4);
   CHECK(dist::expert_shard(8, 3, 4).first == 6);
   CHECK(contains(error_of([] { (void)dist::expert_shard(8, 4, 4); }), "rank 4 out of range"));

@@ -7,9 +7,12 @@
 //   resume across world sizes  a checkpoint written under --dp 4 (-n 4 --oversubscribe) resumes
 //                              with --dp 1 and with --dp 2 to the same next losses, which are
 //                              also those of one uninterrupted process
+//   expert parallel            --dp 2 --ep 2 (one expert per rank) trains like one process, and
+//                              its checkpoint (experts gathered to rank 0) resumes in one process
 //   command-line errors        --dp 0, --dp -3, --dp 3 under a world of 2, --batch not a multiple
-//                              of --dp, --dp 2 without a launcher, -n 2 without --dp: a message
-//                              and a non-zero exit
+//                              of --dp, --dp 2 without a launcher, -n 2 without --dp, --ep other
+//                              than 1 or --dp, --experts not a multiple of --ep: a message and a
+//                              non-zero exit
 // A failing comparison prints both runs' output and metrics.
 #include <doctest/doctest.h>
 
@@ -234,6 +237,24 @@ TEST_CASE("a train_lm checkpoint written under --dp 4 resumes with --dp 1 and --
   check_same_losses(whole, slurp(s / "whole/metrics.csv"), r2, slurp(s / "r2/metrics.csv"), 1, 6);
 }
 
+TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one process, and "
+          "its checkpoint resumes in one process") {
+  Scratch s("ep");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const Result whole = run(s, 0, lm_args(corpus, s / "whole", 6));
+  const Result ep = run(s, 2, with(lm_args(corpus, s / "ep", 3), {"--dp", "2", "--ep", "2"}));
+  check_same_losses(whole, slurp(s / "whole/metrics.csv"), ep, slurp(s / "ep/metrics.csv"), 1, 3);
+  {
+    INFO(ep.text());
+    CHECK(ep.err.find("parameters identical on every rank") != std::string::npos);
+  }
+  fs::copy(s / "ep", s / "r1");
+  const Result r1 = run(s, 0, with(lm_args(corpus, s / "r1", 6), {"--resume"}));
+  CHECK(r1.err.find("resumed from") != std::string::npos);
+  check_same_losses(whole, slurp(s / "whole/metrics.csv"), r1, slurp(s / "r1/metrics.csv"), 1, 6);
+}
+
 TEST_CASE("train_lm --dp: bad values and worlds of the wrong size are refused with a message") {
   Scratch s("errors");
   const std::string corpus = s / "corpus.txt";
@@ -256,5 +277,10 @@ TEST_CASE("train_lm --dp: bad values and worlds of the wrong size are refused wi
                 {"--dp 2 must equal the number of MPI processes, which is 1"});
   check_refused(run(s, 2, args({})),
                 {"this is one of 2 processes started by an MPI launcher, but --dp is 1", "Pass --dp 2"});
+  check_refused(run(s, 2, args({"--dp", "2", "--ep", "3"})),
+                {"graphmoe::train_lm: --ep 3 must be 1 or equal --dp 2"});
+  check_refused(run(s, 0, args({"--ep", "2"})), {"--ep 2 must be 1 or equal --dp 1"});
+  check_refused(run(s, 2, set(args({"--dp", "2", "--ep", "2"}), "--experts", "3")),
+                {"--experts 3 is not a multiple of --ep 2"});
   CHECK(!fs::exists(s / "out"));  // nothing was written
 }

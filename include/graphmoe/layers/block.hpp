@@ -31,14 +31,19 @@ struct BlockConfig {
 template <class RouterPolicy, class T, class B = cpu>
 class TransformerBlock {
  public:
-  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const BlockConfig& cfg) {
+  // experts: the expert-parallel communicator of the MoE layer (MoELayer::declare), or nullptr
+  // for all experts in this process.
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const BlockConfig& cfg,
+               dist::Communicator* experts = nullptr) {
     cfg_ = cfg;
     cfg_.moe_config.d_model = cfg.d_model;
     cfg_.moe_config.d_ff = cfg.d_ff;
     ln1_.declare(arena, prefix + "ln1.", cfg.d_model);
     attn_.declare(arena, prefix + "attn.", cfg.d_model, cfg.num_heads, cfg.causal);
     ln2_.declare(arena, prefix + "ln2.", cfg.d_model);
-    if (cfg.moe)
+    if (cfg.moe && experts != nullptr)
+      moe_.declare(arena, prefix + "moe.", cfg_.moe_config, *experts);
+    else if (cfg.moe)
       moe_.declare(arena, prefix + "moe.", cfg_.moe_config);
     else
       ffn_.declare(arena, prefix + "ffn.", cfg.d_model, cfg.d_ff, cfg_.moe_config.gelu);

@@ -131,13 +131,30 @@ class TransformerLM {
     init(rng);
   }
 
+  // Expert parallel (docs/distributed.md): every MoE layer's experts split over experts' ranks
+  // (cfg.router.num_experts a multiple of its size), the rest replicated; forward and backward
+  // are then collective. The same seed on every rank gives one process's model.
+  TransformerLM(const TransformerLMConfig& cfg, std::uint64_t seed, dist::Communicator& experts)
+      : owned_(std::make_unique<ParameterArena<T, B>>()) {
+    declare(*owned_, "", cfg, &experts);
+    owned_->allocate();
+    bind(*owned_);
+    Rng rng(seed);
+    init(rng);
+  }
+
   // Validates cfg and adds the model's parameters to arena under prefix. Once per model; if it
   // throws (a bad config, or a name the arena already holds), the model stays undeclared.
-  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const TransformerLMConfig& cfg) {
+  // experts: as in the expert-parallel constructor (nullptr: every expert in this process).
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, const TransformerLMConfig& cfg,
+               dist::Communicator* experts = nullptr) {
     GRAPHMOE_CHECK(declared_in_ == nullptr, "TransformerLM::declare",
                    "the model is already declared (in an arena of ", declared_in_->size(),
                    " parameters); declare a new model instead");
     cfg.validate();
+    if (experts != nullptr) {  // refused before any parameter is added
+      (void)dist::expert_shard(cfg.router.num_experts, experts->rank(), experts->size());
+    }
     cfg_ = cfg;
     prefix_ = prefix;
     first_param_ = arena.size();
@@ -156,7 +173,8 @@ class TransformerLM {
       bc.moe_config.gelu = cfg_.gelu;
       bc.init_std = cfg_.init_std;
       bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
-      blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc);
+      blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc,
+                                                   experts);
     }
     ln_f_.declare(arena, prefix + "ln_f.", cfg_.d_model);
     id_head_ = -1;
