@@ -16,10 +16,17 @@ case "$device" in
   *) echo "main-job.sh: DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;;
 esac
 # Let OpenBLAS pick its kernels for this CPU: a forced OPENBLAS_CORETYPE=Haswell (set in some of
-# our sandboxes) halves GEMM speed on AVX-512 machines (docs/benchmarks.md).
+# our sandboxes) halves GEMM speed on AVX-512 machines (docs/benchmarks.md) ...
 unset OPENBLAS_CORETYPE
 
 bash scripts/install-deps.sh
+# ... unless it does not know the CPU and falls back to its SSE3 kernels (Prescott): then the core
+# type the CPU's flags support (scripts/openblas-coretype.sh)
+coretype=$(bash scripts/openblas-coretype.sh)
+if [[ -n "$coretype" ]]; then
+  export OPENBLAS_CORETYPE=$coretype
+  echo "main-job.sh: OpenBLAS does not know this CPU (Prescott kernels); OPENBLAS_CORETYPE=$coretype" >&2
+fi
 # Only the two routers the job trains are compiled (GRAPHMOE_EXAMPLE_ROUTERS): 2 of train_lm's 9
 # router translation units.
 cmake -S . -B build-main -DCMAKE_BUILD_TYPE=Release -DGRAPHMOE_NATIVE=ON \

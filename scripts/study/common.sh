@@ -13,6 +13,9 @@ DATA=${GRAPHMOE_DATA_DIR:-$ROOT/../shared/data}
 THREADS=${THREADS:-1}
 export OPENBLAS_NUM_THREADS=1
 unset OPENBLAS_CORETYPE
+# OpenBLAS's SSE3 fallback on a CPU it does not know: the core type the flags support instead
+OPENBLAS_CORETYPE=$(bash "$ROOT/scripts/openblas-coretype.sh")
+[[ -n "$OPENBLAS_CORETYPE" ]] && export OPENBLAS_CORETYPE || unset OPENBLAS_CORETYPE
 
 # ---- language modelling (WikiText-2: train on wiki.valid.tokens, test on wiki.test.tokens) -----
 # Fixed before any router was compared, the same for every router of the LM studies:

@@ -4,13 +4,18 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/dist/checkpoint.hpp"
 #include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/layers/moe.hpp"
+#include "graphmoe/train/training_state.hpp"
 #include "support/errors.hpp"
 
 using namespace graphmoe;
@@ -289,4 +294,59 @@ TEST_CASE("Communicator::traffic counts the payload of each operation, and the a
   comm.reset_traffic();
   CHECK(comm.traffic().agreement_calls == 0);
   CHECK(comm.traffic().all_reduce_bytes == 0);
+}
+
+TEST_CASE("expert parallel on one rank: the exchange is a copy, and its checkpoint loads into a "
+          "plain layer") {
+  // (the many-rank cases are test_expert_parallel's, under mpiexec; this one runs in the
+  // sanitizer subset: every buffer of the exchange and the gather, on one rank)
+  SelfCommunicator comm;
+  MoEConfig cfg;
+  cfg.d_model = 5;
+  cfg.d_ff = 4;
+  cfg.router.num_experts = 4;
+  cfg.router.k = 2;
+  cfg.router.capacity_factor = 0.5;  // some assignments dropped: the bucket stays home
+  ParameterArena<double> pa, ea;
+  MoELayer<SoftmaxRouter, double> plain, ep;
+  plain.declare(pa, "moe.", cfg);
+  ep.declare(ea, "moe.", cfg, comm);
+  pa.allocate();
+  ea.allocate();
+  plain.bind(pa);
+  ep.bind(ea);
+  Rng r1(5), r2(5);
+  plain.init(r1);
+  ep.init(r2);
+  CHECK(ea.has_shards());
+  CHECK(ea.params()[ea.find("moe.experts.w1")].full_shape() == Shape{4, 4, 5});
+  Rng rng(6);
+  Tensor<double> u(Shape{12, 5}), w(Shape{12, 5});
+  fill_normal(u, rng, 1.0);
+  fill_normal(w, rng, 1.0);
+  Tensor<double> y1, y2, du1, du2;
+  plain.forward(u, {4, nullptr}, y1);
+  ep.forward(u, {4, nullptr}, y2);
+  CHECK(ep.routing().selection.dropped > 0);
+  CHECK(ep.expert_exchange().sent_rows() + ep.routing().selection.dropped == 12 * 2);
+  CHECK(ep.expert_exchange().received_rows() == ep.expert_exchange().sent_rows());
+  plain.backward(w, du1);
+  ep.backward(w, du2);
+  for (index_t i = 0; i < y1.numel(); ++i) {
+    CHECK(y2.data()[i] == doctest::Approx(y1.data()[i]).epsilon(1e-13));
+    CHECK(du2.data()[i] == doctest::Approx(du1.data()[i]).epsilon(1e-13));
+  }
+  AdamW<double> opt(ea, AdamWConfig{});
+  opt.step(ea);
+  const std::string path =
+      (std::filesystem::temp_directory_path() / "graphmoe_self_ep.safetensors").string();
+  dist::save_training_state(comm, path, ea, opt, {});
+  AdamW<double> opt2(pa, AdamWConfig{});
+  load_training_state(load_safetensors(path), pa, opt2);
+  CHECK(opt2.steps() == 1);
+  for (const auto& p : ea.params()) {
+    const Tensor<double> a = ea.value(p.name), b = pa.value(p.name);
+    for (index_t i = 0; i < a.numel(); ++i) CHECK(a.data()[i] == b.data()[i]);
+  }
+  std::remove(path.c_str());
 }
