@@ -2,31 +2,25 @@
 // each train the same steps as one process with the W b sequences, for each router (double, so
 // that the only difference is the order of the sums: 1e-12).
 //
-// Every rank runs every test case in the same order and only CHECK is used (never REQUIRE), so
-// that a failed assertion on one rank does not make it skip a collective the others enter.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
-#include <unistd.h>
+// Under mpiexec with support/mpi_main.hpp's main(): only CHECK, never REQUIRE (see there).
 
 #include <cmath>
 #include <cstdint>
 #include <string>
 
 #include "graphmoe/dist/data_parallel.hpp"
-#include "graphmoe/dist/mpi.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "support/gradcheck.hpp"
 #include "support/router_options.hpp"
 #include "support/errors.hpp"
+#include "support/mpi_main.hpp"
 
 using namespace graphmoe;
 using graphmoe::test::contains;
 using graphmoe::test::error_of;
 
 namespace {
-
-dist::MpiCommunicator* g_comm = nullptr;
 
 TransformerLMConfig tiny() {
   TransformerLMConfig c;
@@ -64,7 +58,7 @@ LMBatch random_batch(index_t rows, index_t t, index_t vocab, Rng& rng) {
 TEST_CASE_TEMPLATE("data parallel: W ranks x b sequences train as one process with W b sequences",
                    Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
                    SMoEDropoutRouter) {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   const int world = comm.size();
   const index_t b = 2, t = 5, rows = b * world;
   const auto cfg = tiny();
@@ -116,7 +110,7 @@ TEST_CASE_TEMPLATE("data parallel: W ranks x b sequences train as one process wi
 }
 
 TEST_CASE("data parallel: the load-balancing loss is per shard (the documented difference)") {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   const int world = comm.size();
   auto cfg = tiny();
   cfg.router.load_balance_coef = 0.1;
@@ -135,7 +129,7 @@ TEST_CASE("data parallel: the load-balancing loss is per shard (the documented d
 }
 
 TEST_CASE("data parallel: the average of rank-dependent gradients; a batch that does not split") {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   Rng rng(1);
   const LMBatch odd = random_batch(comm.size() + 1, 3, 5, rng);
   CHECK(error_of([&] { dist::shard(odd, comm); }).find("equal shards") != std::string::npos);
@@ -147,18 +141,4 @@ TEST_CASE("data parallel: the average of rank-dependent gradients; a batch that 
   dist::average_gradients(comm, a);
   const double mean_rank = (comm.size() + 1) / 2.0;  // mean of 1..W
   for (index_t i = 0; i < 3; ++i) CHECK(a.grad(0).data()[i] == doctest::Approx(mean_rank * static_cast<double>(i + 1)).epsilon(1e-15));
-}
-
-int main(int argc, char** argv) {
-  alarm(240);  // no rank outlives a stuck test by much
-  dist::MpiEnvironment mpi(argc, argv);
-  dist::MpiCommunicator comm;
-  g_comm = &comm;
-  doctest::Context context(argc, argv);
-  const int failed = context.run();
-  int any_failed = failed != 0;
-  MPI_Allreduce(MPI_IN_PLACE, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  g_comm = nullptr;
-  if (context.shouldExit()) return failed;
-  return any_failed;
 }

@@ -4,11 +4,7 @@
 // token counts per expert, an expert that receives no tokens, and (at 4 ranks) a rank whose
 // experts receive none. Double precision: the only differences are the order of float sums.
 //
-// Every rank runs every test case in the same order and only CHECK is used (never REQUIRE), so
-// that a failed assertion on one rank does not make it skip a collective the others enter.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
-#include <unistd.h>
+// Under mpiexec with support/mpi_main.hpp's main(): only CHECK, never REQUIRE (see there).
 
 #include <cstdint>
 #include <cstdio>
@@ -16,13 +12,13 @@
 
 #include "graphmoe/dist/checkpoint.hpp"
 #include "graphmoe/dist/data_parallel.hpp"
-#include "graphmoe/dist/mpi.hpp"
 #include "graphmoe/layers/moe.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/training_state.hpp"
 #include "routing/router_fixtures.hpp"
 #include "support/errors.hpp"
+#include "support/mpi_main.hpp"
 #include "support/gradcheck.hpp"
 #include "support/router_options.hpp"
 
@@ -31,8 +27,6 @@ using graphmoe::test::contains;
 using graphmoe::test::error_of;
 
 namespace {
-
-dist::MpiCommunicator* g_comm = nullptr;
 
 constexpr index_t kExperts = 8, kDim = 6, kFf = 5, kLen = 4, kSeqs = 2;  // kSeqs per rank
 
@@ -108,6 +102,24 @@ double max_abs_diff(const Tensor<double>& a, const Tensor<double>& b) {
   return m;
 }
 
+// The rows of one process's whole parameter `full` that `info` holds (full itself when the
+// parameter is not sharded).
+Tensor<double> mine_of(const Tensor<double>& full, const ParameterInfo& info) {
+  if (!info.sharded()) return full;
+  CHECK(info.full_shape() == full.shape());
+  return full.slice(info.shard_begin, info.shard_begin + info.shape[0]);
+}
+
+// The largest difference of any parameter of `arena` from its rows of `ref`'s.
+double max_param_diff(const ParameterArena<double>& arena, const ParameterArena<double>& ref) {
+  double m = 0;
+  for (const auto& info : arena.params()) {
+    CAPTURE(info.name);
+    m = std::max(m, max_abs_diff(arena.value(info.name), mine_of(ref.value(info.name), info)));
+  }
+  return m;
+}
+
 // Runs one forward and backward of both layers (the reference on all W b sequences, the
 // expert-parallel one on this rank's b) and checks outputs, input gradients and every parameter
 // gradient: a replicated parameter's summed over the ranks, an expert shard's against its rows.
@@ -156,11 +168,7 @@ void check_equal(Pair<Policy>& p, dist::Communicator& comm, const Tensor<double>
     Tensor<double> g = p.ep_arena.grad(info.name).clone();
     if (info.sharded()) {
       // this rank's experts: the rows of the whole layer's gradient
-      const index_t per = g_ref.numel() / info.shard_rows;
-      const Tensor<double> want = Tensor<double>::borrow(
-          const_cast<double*>(g_ref.data()) + info.shard_begin * per, g.shape());
-      CHECK(info.full_shape() == g_ref.shape());
-      CHECK(max_abs_diff(g, want) < 1e-12);
+      CHECK(max_abs_diff(g, mine_of(g_ref, info)) < 1e-12);
     } else {
       comm.all_reduce_sum(g);  // each rank's tokens' part of the router's gradient
       CHECK(max_abs_diff(g, g_ref) < 1e-12);
@@ -179,25 +187,19 @@ void check_equal(Pair<Policy>& p, dist::Communicator& comm, const Tensor<double>
 TEST_CASE_TEMPLATE("expert parallel: W ranks give the outputs and gradients of one process",
                    Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
                    SMoEDropoutRouter, SimilarityXMoERouter, AttentionSMoEDropoutRouter) {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   const int world = comm.size();
   const auto cfg = config();
   Pair<Policy> p(cfg, comm, 41);
   // the same initial model: the router whole, the experts this rank's rows of the whole layer's
   for (const auto& info : p.ep_arena.params()) {
     CAPTURE(info.name);
-    const Tensor<double> v_ref = p.ref_arena.value(info.name), v = p.ep_arena.value(info.name);
     if (info.sharded()) {
       CHECK(info.shard_rows == kExperts);
       CHECK(info.shard_begin == comm.rank() * (kExperts / world));
-      const index_t per = v_ref.numel() / kExperts;
-      CHECK(max_abs_diff(v, Tensor<double>::borrow(const_cast<double*>(v_ref.data()) +
-                                                       info.shard_begin * per,
-                                                   v.shape())) == 0.0);
-    } else {
-      CHECK(max_abs_diff(v, v_ref) == 0.0);
     }
   }
+  CHECK(max_param_diff(p.ep_arena, p.ref_arena) == 0.0);
   Rng rng(42);  // the same global batch on every rank
   const index_t nb = kSeqs * world, n = nb * kLen;
   auto u = test::random_normal<double>({n, kDim}, rng);
@@ -210,7 +212,7 @@ TEST_CASE_TEMPLATE("expert parallel: W ranks give the outputs and gradients of o
 }
 
 TEST_CASE("expert parallel: uneven counts, an expert with no tokens, a rank with none") {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   const int world = comm.size();
   const auto cfg = config();
   Pair<SoftmaxRouter> p(cfg, comm, 51);
@@ -247,7 +249,7 @@ TEST_CASE("expert parallel: uneven counts, an expert with no tokens, a rank with
 TEST_CASE("expert parallel: capacity drops stay on the sending rank") {
   // With a capacity, each rank drops by its own tokens (as data parallel routes per rank): compare
   // against one process run on this rank's tokens alone, whose drops are the same.
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   auto cfg = config();
   cfg.router.capacity_factor = 0.5;
   Pair<SoftmaxRouter> p(cfg, comm, 61);
@@ -266,7 +268,7 @@ TEST_CASE("expert parallel: capacity drops stay on the sending rank") {
 }
 
 TEST_CASE("expert parallel: a training step equals one process's (averaged gradients, global clip)") {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   const int world = comm.size(), rank = comm.rank();
   auto cfg = config();
   cfg.router.z_loss_coef = 0.01;  // a mean over tokens: averaging the ranks' gives the batch's
@@ -302,17 +304,7 @@ TEST_CASE("expert parallel: a training step equals one process's (averaged gradi
           doctest::Approx(p.ref.routing().z_loss).epsilon(1e-12));
     CHECK(ep_norm == doctest::Approx(ref_norm).epsilon(1e-12));
     CHECK(ref_norm > 0.1);  // the clip acted
-    for (const auto& info : p.ep_arena.params()) {
-      CAPTURE(info.name);
-      const Tensor<double> v_ref = p.ref_arena.value(info.name), v = p.ep_arena.value(info.name);
-      const index_t per = info.sharded() ? v_ref.numel() / info.shard_rows : 0;
-      const Tensor<double> want =
-          info.sharded() ? Tensor<double>::borrow(const_cast<double*>(v_ref.data()) +
-                                                      info.shard_begin * per,
-                                                  v.shape())
-                         : v_ref;
-      CHECK(max_abs_diff(v, want) < 1e-11);
-    }
+    CHECK(max_param_diff(p.ep_arena, p.ref_arena) < 1e-11);
     CHECK(dist::max_parameter_divergence(comm, p.ep_arena) == 0.0);
   }
 }
@@ -349,7 +341,7 @@ double train_step(MoELayer<Policy, double>& layer, ParameterArena<double>& arena
 }  // namespace
 
 TEST_CASE("expert parallel: a checkpoint written at W ranks resumes at 1 and at W / 2 ranks") {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   const int world = comm.size();
   auto cfg = config();
   cfg.router.z_loss_coef = 0.01;
@@ -433,7 +425,7 @@ TEST_CASE("expert parallel: a checkpoint written at W ranks resumes at 1 and at 
 
 TEST_CASE_TEMPLATE("expert parallel: a TransformerLM with its experts over W ranks and data parallel "
                    "trains as one process", Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter) {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   const int world = comm.size();
   TransformerLMConfig cfg;
   cfg.vocab_size = 11;
@@ -481,23 +473,13 @@ TEST_CASE_TEMPLATE("expert parallel: a TransformerLM with its experts over W ran
     CHECK(dist::mean_over_ranks(comm, le.task) == doctest::Approx(lr.task).epsilon(1e-12));
     CHECK(dist::mean_over_ranks(comm, le.z_loss) == doctest::Approx(lr.z_loss).epsilon(1e-12));
     CHECK(ep_norm == doctest::Approx(ref_norm).epsilon(1e-11));
-    for (const auto& info : ep.arena().params()) {
-      CAPTURE(info.name);
-      const Tensor<double> v_ref = ref.arena().value(info.name), v = ep.arena().value(info.name);
-      const index_t per = info.sharded() ? v_ref.numel() / info.shard_rows : 0;
-      const Tensor<double> want =
-          info.sharded() ? Tensor<double>::borrow(const_cast<double*>(v_ref.data()) +
-                                                      info.shard_begin * per,
-                                                  v.shape())
-                         : v_ref;
-      CHECK(max_abs_diff(v, want) < 1e-11);
-    }
+    CHECK(max_param_diff(ep.arena(), ref.arena()) < 1e-11);
     CHECK(dist::max_parameter_divergence(comm, ep.arena()) == 0.0);
   }
 }
 
 TEST_CASE("expert parallel: bad configurations are refused on every rank") {
-  dist::Communicator& comm = *g_comm;
+  dist::Communicator& comm = test::world();
   auto cfg = config();
   cfg.router.num_experts = comm.size() * 2 + 1;  // not a multiple of the world size
   ParameterArena<double> arena;
@@ -513,18 +495,4 @@ TEST_CASE("expert parallel: bad configurations are refused on every rank") {
   CHECK(dist::expert_shard(4, 0, 1).count == 4);
   CHECK(dist::expert_shard(8, 3, 4).first == 6);
   CHECK(contains(error_of([] { (void)dist::expert_shard(8, 4, 4); }), "rank 4 out of range"));
-}
-
-int main(int argc, char** argv) {
-  alarm(240);  // no rank outlives a stuck test by much
-  dist::MpiEnvironment mpi(argc, argv);
-  dist::MpiCommunicator comm;
-  g_comm = &comm;
-  doctest::Context context(argc, argv);
-  const int failed = context.run();
-  int any_failed = failed != 0;
-  MPI_Allreduce(MPI_IN_PLACE, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  g_comm = nullptr;
-  if (context.shouldExit()) return failed;
-  return any_failed;
 }
