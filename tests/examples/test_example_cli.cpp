@@ -22,6 +22,7 @@
 
 #include "graphmoe/core/threads.hpp"
 #include "graphmoe/train/checkpoint.hpp"
+#include "support/processes.hpp"
 
 #ifndef GRAPHMOE_TRAIN_LM
 #error "GRAPHMOE_TRAIN_LM (the train_lm executable) must be defined by CMake"
@@ -37,72 +38,15 @@ const std::string kTrainVision = GRAPHMOE_TRAIN_VISION;
 const std::string kFinetune = GRAPHMOE_FINETUNE_CLASSIFIER;
 const std::string kReport = GRAPHMOE_ROUTING_REPORT;
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) {
-    if (c == '\'')
-      q.append("'\\''");
-    else
-      q.push_back(c);
-  }
-  q.push_back('\'');
-  return q;
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// A scratch folder under the system temp dir, removed with everything in it.
-struct Scratch {
-  fs::path dir;
-  explicit Scratch(const std::string& tag) {
-    dir = fs::temp_directory_path() / ("graphmoe_cli_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-  std::string operator/(const std::string& name) const { return (dir / name).string(); }
-};
-
-struct Result {
-  int status = -1;  // exit status; -1: killed by a signal
-  std::string out, err;
-};
+using test::check_refused;
+using test::Result;
+using test::Scratch;
+using test::slurp;
 
 // Runs `exe args...` with stdout and stderr captured, killed after two minutes (a refusal takes
 // milliseconds; a command line wrongly accepted must not train for long).
 Result run(const Scratch& s, const std::string& exe, const std::vector<std::string>& args) {
-  std::string cmd = "timeout -k 5 120 " + quote(exe);
-  for (const auto& a : args) {
-    cmd.push_back(' ');
-    cmd.append(quote(a));
-  }
-  const fs::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
-  cmd.append(" >").append(quote(out.string())).append(" 2>").append(quote(err.string()));
-  cmd.append(" </dev/null");
-  const int raw = std::system(cmd.c_str());
-  Result r;
-  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
-
-// A refusal: a non-zero exit (not a crash) whose stderr holds every one of `parts`.
-void check_refused(const Result& r, const std::vector<std::string>& parts) {
-  CAPTURE(r.err);
-  CHECK(r.status > 0);
-  for (const auto& p : parts) {
-    CAPTURE(p);
-    CHECK(r.err.find(p) != std::string::npos);
-  }
+  return test::run_program(s, "", exe, args, 120);
 }
 
 // A word-level corpus of 300 lines (about 3,000 tokens) and its words.

@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include "support/processes.hpp"
+
 #if !defined(GRAPHMOE_TRAIN_LM) || !defined(GRAPHMOE_MPIEXEC)
 #error "GRAPHMOE_TRAIN_LM and GRAPHMOE_MPIEXEC must be defined by CMake"
 #endif
@@ -41,65 +43,24 @@ namespace {
 
 const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-struct Scratch {
-  fs::path dir;
-  explicit Scratch(const std::string& tag) {
-    dir = fs::temp_directory_path() / ("graphmoe_dp_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-  std::string operator/(const std::string& name) const { return (dir / name).string(); }
-};
-
-struct Result {
-  std::string command;
-  int status = -1;  // exit status; -1: killed by a signal
-  std::string out, err;
-  std::string text() const {
-    return "$ " + command + "\n[exit " + std::to_string(status) + "]\n[stdout]\n" + out +
-           "[stderr]\n" + err;
-  }
-};
+using graphmoe::test::check_refused;
+using graphmoe::test::quote;
+using graphmoe::test::Result;
+using graphmoe::test::Scratch;
+using graphmoe::test::slurp;
 
 // `ranks` = 0: train_lm alone; otherwise under mpiexec -n ranks. Killed after 90 s.
 Result run(const Scratch& s, int ranks, const std::vector<std::string>& args) {
-  std::string cmd = "timeout -k 5 90";
+  std::string prefix;
   if (ranks > 0) {
-    cmd += " " + quote(GRAPHMOE_MPIEXEC) + " " + GRAPHMOE_MPIEXEC_NUMPROC_FLAG + " " +
-           std::to_string(ranks);
+    prefix = quote(GRAPHMOE_MPIEXEC) + " " + GRAPHMOE_MPIEXEC_NUMPROC_FLAG + " " +
+             std::to_string(ranks);
 #if GRAPHMOE_MPIEXEC_OPEN_MPI
     // more ranks than cores (CI has 2); no binding: each rank runs one thread (--threads 1)
-    cmd += " --oversubscribe --bind-to none";
+    prefix += " --oversubscribe --bind-to none";
 #endif
   }
-  cmd += " " + quote(kTrainLM);
-  for (const auto& a : args) cmd += " " + quote(a);
-  Result r;
-  r.command = cmd;
-  const fs::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
-  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
-  const int raw = std::system(cmd.c_str());
-  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  return graphmoe::test::run_program(s, prefix, kTrainLM, args, 90);
 }
 
 // A word-level corpus of 240 lines of 10 words from a 12-word vocabulary.
@@ -187,19 +148,11 @@ void check_same_losses(const Result& want_run, const std::string& want_csv, cons
   }
 }
 
-void check_refused(const Result& r, const std::vector<std::string>& parts) {
-  INFO(r.text());
-  CHECK(r.status > 0);
-  for (const auto& p : parts) {
-    CAPTURE(p);
-    CHECK(r.err.find(p) != std::string::npos);
-  }
-}
 
 }  // namespace
 
 TEST_CASE("train_lm --dp 2 under mpiexec -n 2 trains like one process with the same global batch") {
-  Scratch s("equal");
+  Scratch s("dp_equal");
   const std::string corpus = s / "corpus.txt";
   write_corpus(corpus);
   const Result one = run(s, 0, lm_args(corpus, s / "one", 5));
@@ -219,7 +172,7 @@ TEST_CASE("train_lm --dp 2 under mpiexec -n 2 trains like one process with the s
 }
 
 TEST_CASE("a train_lm checkpoint written under --dp 4 resumes with --dp 1 and --dp 2 alike") {
-  Scratch s("resume");
+  Scratch s("dp_resume");
   const std::string corpus = s / "corpus.txt";
   write_corpus(corpus);
   // 3 steps under 4 ranks (one sequence each), then 3 more from its checkpoint under 1 and 2
@@ -239,7 +192,7 @@ TEST_CASE("a train_lm checkpoint written under --dp 4 resumes with --dp 1 and --
 
 TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one process, and "
           "its checkpoint resumes in one process") {
-  Scratch s("ep");
+  Scratch s("dp_ep");
   const std::string corpus = s / "corpus.txt";
   write_corpus(corpus);
   const Result whole = run(s, 0, lm_args(corpus, s / "whole", 6));
@@ -256,7 +209,7 @@ TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one
 }
 
 TEST_CASE("train_lm --dp: bad values and worlds of the wrong size are refused with a message") {
-  Scratch s("errors");
+  Scratch s("dp_errors");
   const std::string corpus = s / "corpus.txt";
   write_corpus(corpus);
   const auto args = [&](const std::vector<std::string>& more) {

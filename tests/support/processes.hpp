@@ -1,0 +1,92 @@
+// tests/support/processes.hpp: running the example programs from a test (a shell command with
+// its output captured), in a scratch folder that is removed afterwards. Shared by the example CLI
+// tests (test_example_cli, test_train_lm_dp, test_train_vision_dp).
+#pragma once
+
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace graphmoe::test {
+
+// s in single quotes for sh, its own single quotes escaped.
+inline std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A scratch folder under the system temp dir, "graphmoe_<tag>_<pid>", removed with everything in
+// it.
+struct Scratch {
+  std::filesystem::path dir;
+  explicit Scratch(const std::string& tag) {
+    dir = std::filesystem::temp_directory_path() /
+          ("graphmoe_" + tag + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  std::string operator/(const std::string& name) const { return (dir / name).string(); }
+};
+
+struct Result {
+  std::string command;
+  int status = -1;  // exit status; -1: killed by a signal
+  std::string out, err;
+  std::string text() const {
+    return "$ " + command + "\n[exit " + std::to_string(status) + "]\n[stdout]\n" + out +
+           "[stderr]\n" + err;
+  }
+};
+
+// Runs `prefix exe args...` (prefix: e.g. "mpiexec -n 2", already quoted; may be empty) under
+// `timeout -k 5 <seconds>`, stdin from /dev/null, stdout and stderr captured through files in s.
+inline Result run_program(const Scratch& s, const std::string& prefix, const std::string& exe,
+                          const std::vector<std::string>& args, int seconds) {
+  std::string cmd = "timeout -k 5 " + std::to_string(seconds);
+  if (!prefix.empty()) cmd += " " + prefix;
+  cmd += " " + quote(exe);
+  for (const auto& a : args) cmd += " " + quote(a);
+  Result r;
+  r.command = cmd;
+  const std::filesystem::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
+  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
+  const int raw = std::system(cmd.c_str());
+  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+// A refusal: a non-zero exit (not a crash) whose stderr holds every one of `parts`.
+inline void check_refused(const Result& r, const std::vector<std::string>& parts) {
+  INFO(r.text());
+  CHECK(r.status > 0);
+  for (const auto& p : parts) {
+    CAPTURE(p);
+    CHECK(r.err.find(p) != std::string::npos);
+  }
+}
+
+}  // namespace graphmoe::test
