@@ -2,6 +2,8 @@
 // on SST-2, SST-5 or Banking-77 (the paper's downstream tasks).
 //
 //   finetune_classifier --checkpoint runs/lm/checkpoint.safetensors --vocab runs/lm/vocab.txt --task sst2
+//   mpirun -n 2 --bind-to none finetune_classifier --dp 2 --batch 16 ...   (data parallel,
+//                                                                          docs/distributed.md)
 //
 // The router and the model shape come from the checkpoint; the classification head is new.
 #include <CLI/CLI.hpp>
@@ -10,6 +12,7 @@
 #include <cstdio>
 
 #include "common/cli_checks.hpp"
+#include "common/data_parallel_world.hpp"
 #include "common/device_dispatch.hpp"
 #include "common/lm_config.hpp"
 #include "finetune_classifier/options.hpp"
@@ -31,7 +34,7 @@ int main(int argc, char** argv) {
   app.add_option("--task", task, "sst2, sst5 or banking77")->check(CLI::IsMember({"sst2", "sst5", "banking77"}));
   app.add_option("--data-dir", dir, "folder holding sst2/, sst5/, banking77/ (default: $GRAPHMOE_DATA_DIR or ../shared/data)");
   app.add_option("--epochs", opt.epochs, "epochs")->check(examples::integer<int>(1, examples::kMaxEpochs));
-  app.add_option("--batch", opt.batch, "examples per batch (paper: 16)")->check(examples::integer<index_t>(1, examples::kMaxBatch));
+  app.add_option("--batch", opt.batch, "examples per batch (paper: 16; with --dp N: the global batch, a multiple of N)")->check(examples::integer<index_t>(1, examples::kMaxBatch));
   app.add_option("--lr", opt.lr, "learning rate (paper: 1e-3 SST, 1e-5 Banking-77)")->check(examples::positive_real(examples::kMaxLR));
   examples::add_divergence_options(app, opt.divergence);
   app.add_option("--warmup", opt.warmup, "warmup steps (paper: 0)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
@@ -39,11 +42,24 @@ int main(int argc, char** argv) {
   app.add_option("--max-len", max_len, "truncate examples to N tokens (0 = the LM's sequence length)")->check(examples::integer<index_t>(0, examples::kMaxSeq));
   app.add_option("--seed", opt.seed, "random seed")->check(examples::seed());
   app.add_option("--threads", opt.threads, "CPU threads")->check(examples::threads());
+  app.add_option("--dp", opt.dp.ranks, "data parallel over N MPI processes (mpirun -n N ... --dp N; docs/distributed.md)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv)");
   app.add_flag("--from-scratch", opt.from_scratch, "do not load the checkpoint's weights (baseline)");
   CLI11_PARSE(app, argc, argv);
+  examples::DataParallelWorld world(argc, argv, "finetune_classifier", opt.dp);
   try {
+    world.check();
+    if (opt.dp.ranks > 1) {
+      if (opt.batch % opt.dp.ranks != 0)
+        examples::throw_same_on_every_rank(
+            "finetune_classifier", "--batch ", opt.batch, " is not a multiple of --dp ", opt.dp.ranks,
+            ": --batch is the global batch, split into ", opt.dp.ranks,
+            " equal shards of --batch / --dp examples");
+      if (opt.device != "cpu")
+        examples::throw_same_on_every_rank("finetune_classifier", "--dp ", opt.dp.ranks,
+                                           " needs --device cpu (the MPI communicator moves host memory)");
+    }
     const SafetensorsFile ckpt = load_safetensors(opt.checkpoint);
     GRAPHMOE_CHECK(ckpt.metadata.count("config"), "finetune_classifier", "'", opt.checkpoint,
                    "' has no config in its metadata (not a train_lm checkpoint)");
@@ -92,9 +108,10 @@ int main(int argc, char** argv) {
     finetune_classifier::Data data;
     encode(train, data.train);
     encode(test, data.test);
-    std::fprintf(stderr, "finetune_classifier: %s, %zu train / %zu test examples, %lld classes, router %s\n",
-                 task.c_str(), data.train.labels.size(), data.test.labels.size(),
-                 static_cast<long long>(opt.num_classes), opt.router.c_str());
+    if (opt.dp.root())
+      std::fprintf(stderr, "finetune_classifier: %s, %zu train / %zu test examples, %lld classes, router %s\n",
+                   task.c_str(), data.train.labels.size(), data.test.labels.size(),
+                   static_cast<long long>(opt.num_classes), opt.router.c_str());
     return with_router(opt.router, [&]<class Policy>() {
       return examples::on_device<Policy>("finetune_classifier", opt.device, opt.router,
                                          [&]<class B>() {
@@ -102,7 +119,6 @@ int main(int argc, char** argv) {
                                          });
     });
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "finetune_classifier: error: %s\n", e.what());
-    return 1;
+    return world.fail(e);
   }
 }

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "common/data_parallel.hpp"
 #include "common/divergence.hpp"
 #include "graphmoe/models/sequence_classifier.hpp"
 #include "graphmoe/train/checkpoint.hpp"
@@ -29,6 +30,7 @@ struct Options {
   std::string device = "cpu";  // cpu, or cuda when built with CUDA (see examples/CMakeLists.txt)
   std::string out_dir = "runs/finetune";
   bool from_scratch = false;  // skip loading the LM checkpoint (a baseline)
+  examples::DataParallel dp;  // --dp: data parallel over the ranks of an MPI job
   examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss
 };
 

@@ -1,13 +1,27 @@
 // finetune_classifier: the reference fine-tuning loop (instantiated per router): a
 // SequenceClassifier initialised from an LM checkpoint, AdamW, accuracy on the test split.
+//
+// --dp N (common/data_parallel.hpp, docs/distributed.md): every rank reads the LM checkpoint and
+// runs this loop with the same seed, so it draws the same epoch order and the same global batch
+// of --batch examples, and trains on its contiguous shard of --batch / N of them; rank 0's
+// parameters are broadcast once the backbone is loaded, the losses are averaged over the ranks
+// (the whole batch's) and so are the gradients, before clipping. The test accuracy is sharded:
+// rank r classifies its contiguous share of the test set and the correct counts are summed over
+// the ranks, so every rank gets the whole set's accuracy (the value one process gets). Rank 0
+// alone prints and writes metrics.csv.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
 
+#include "common/data_parallel.hpp"
 #include "common/device.hpp"
 #include "common/divergence.hpp"
 #include "finetune_classifier/options.hpp"
@@ -41,15 +55,18 @@ inline void make_batch(const Encoded& d, const std::vector<index_t>& order, inde
   }
 }
 
+// The share of d classified correctly. With --dp, rank r classifies examples
+// [r n / N, (r + 1) n / N) and the counts are summed over the ranks (collective).
 template <class B, class Model>
-double accuracy(Model& m, const Encoded& d, index_t batch) {
+double accuracy(Model& m, const Encoded& d, index_t batch, const examples::DataParallel& dp) {
   const index_t n = static_cast<index_t>(d.labels.size());
   std::vector<index_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), index_t{0});
+  const index_t begin = n * dp.rank() / dp.size(), end = n * (dp.rank() + 1) / dp.size();
   index_t correct = 0;
   Tensor<std::int32_t, B> none;
-  for (index_t s = 0; s < n; s += batch) {
-    const index_t b = std::min(batch, n - s);
+  for (index_t s = begin; s < end; s += batch) {
+    const index_t b = std::min(batch, end - s);
     Tensor<std::int32_t, cpu> ids, len, y;
     make_batch(d, order, s, b, ids, len, y);
     m.forward(examples::on_backend<B>(ids), len, none);
@@ -60,6 +77,11 @@ double accuracy(Model& m, const Encoded& d, index_t batch) {
       L.row(i).maxCoeff(&arg);
       correct += arg == y.data()[i];
     }
+  }
+  if (dp.active()) {
+    std::array<double, 1> total{static_cast<double>(correct)};  // exact: integers below 2^53
+    dp.comm->all_reduce_sum(total);
+    return total[0] / static_cast<double>(n);
   }
   return static_cast<double>(correct) / static_cast<double>(n);
 }
@@ -88,6 +110,11 @@ int run(const Options& opt, const Data& data) {
     check_pretrained(f, model.arena());
     load_pretrained(model, f, "model.");
   }
+  const examples::DataParallel& dp = opt.dp;
+  const bool root = dp.root();  // prints and writes files; the other ranks write nothing
+  const index_t shard = opt.batch / dp.size();  // examples per rank (main() checks the division)
+  // every rank read the backbone and drew the head from the same seed: start from rank 0's values
+  examples::broadcast_parameters(dp, model.arena());
   const index_t n = static_cast<index_t>(data.train.labels.size());
   const index_t steps_per_epoch = n / opt.batch;
   GRAPHMOE_CHECK(steps_per_epoch >= 1, "finetune_classifier", "fewer training examples (", n,
@@ -98,10 +125,17 @@ int run(const Options& opt, const Data& data) {
   ac.weight_decay = opt.weight_decay;
   AdamW<Scalar, B> adam(model.arena(), ac);
   LRSchedule sched{opt.lr, 0.0, std::min<std::int64_t>(opt.warmup, total), total};
-  fs::create_directories(opt.out_dir);
-  CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(), {"step", "epoch", "train_loss", "test_accuracy"});
-  std::printf("router=%s initial_test_accuracy=%.4f\n", opt.router.c_str(), accuracy<B>(model, data.test, 64));
-  std::fflush(stdout);
+  std::optional<CsvLog> csv;  // rank 0's
+  if (root) {
+    fs::create_directories(opt.out_dir);
+    csv.emplace((fs::path(opt.out_dir) / "metrics.csv").string(),
+                std::vector<std::string>{"step", "epoch", "train_loss", "test_accuracy"});
+  }
+  const double initial = accuracy<B>(model, data.test, 64, dp);
+  if (root) {
+    std::printf("router=%s initial_test_accuracy=%.4f\n", opt.router.c_str(), initial);
+    std::fflush(stdout);
+  }
   ProgressBar bar(total, "finetune " + opt.router);
   DivergenceGuard guard(examples::divergence_config(opt.divergence, static_cast<double>(opt.num_classes)),
                         "finetune_classifier");
@@ -115,32 +149,53 @@ int run(const Options& opt, const Data& data) {
         std::swap(order[i - 1], order[rng.uniform_int(static_cast<std::uint32_t>(i))]);
     }
     Tensor<std::int32_t, cpu> ids, len, y;
-    make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, ids, len, y);
+    // with --dp, this rank's contiguous shard of the global batch every rank draws
+    make_batch(data.train, order, (step % steps_per_epoch) * opt.batch + dp.rank() * shard, shard,
+               ids, len, y);
     model.set_step(step);
     double loss = 0;
     examples::before_optimizer_step("finetune_classifier", step + 1, [&] {
       loss = model.forward(examples::on_backend<B>(ids), len, examples::on_backend<B>(y)).total();
+      loss = examples::mean_over_ranks(dp, loss);  // the whole batch's: the same guard everywhere
       guard.check_loss(step + 1, loss);
       model.arena().zero_grad();
       model.backward();
-      examples::clip_checked(guard, step + 1, model.arena(), opt.clip);
+      examples::average_gradients(dp, model.arena());  // clipping sees the whole batch's gradient
+      examples::clip_checked(guard, step + 1, model.arena(), opt.clip, [&](auto& a, double c) {
+        return examples::clip_grad_norm(dp, a, c);
+      });
     });
     adam.step(model.arena(), sched.at(step));
     ema = step == 0 ? loss : 0.98 * ema + 0.02 * loss;
     const double eps = static_cast<double>((step + 1) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());
     char stats[96];
     std::snprintf(stats, sizeof stats, "loss %.3f | %s ex/s", ema, ProgressBar::si(eps).c_str());
-    bar.update(step + 1, stats);
+    if (root) bar.update(step + 1, stats);
     if ((step + 1) % steps_per_epoch == 0) {
-      const double acc = accuracy<B>(model, data.test, 64);
-      bar.finish();
-      std::fprintf(stderr, "epoch %lld  train loss %.4f  test accuracy %.4f\n",
-                   static_cast<long long>((step + 1) / steps_per_epoch), ema, acc);
-      csv.row({static_cast<double>(step + 1), static_cast<double>((step + 1) / steps_per_epoch), ema, acc});
+      const double acc = accuracy<B>(model, data.test, 64, dp);
+      if (root) {
+        bar.finish();
+        std::fprintf(stderr, "epoch %lld  train loss %.4f  test accuracy %.4f\n",
+                     static_cast<long long>((step + 1) / steps_per_epoch), ema, acc);
+        csv->row({static_cast<double>(step + 1), static_cast<double>((step + 1) / steps_per_epoch), ema, acc});
+      }
     }
   }
-  bar.finish();
-  std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), accuracy<B>(model, data.test, 64));
+  if (root) bar.finish();
+  if (dp.active()) {
+    // the ranks must still hold the same parameters (checked once: it broadcasts the arena)
+    const double divergence = examples::max_parameter_divergence(dp, model.arena());
+    if (divergence != 0)
+      examples::throw_same_on_every_rank(
+          "finetune_classifier", "--dp ", dp.size(), ": after training, the ranks' parameters differ "
+          "from rank 0's by up to ", divergence, " (they must be identical)");
+    if (root)
+      std::fprintf(stderr,
+                   "finetune_classifier: data parallel over %d ranks: parameters identical on every rank\n",
+                   dp.size());
+  }
+  const double final_accuracy = accuracy<B>(model, data.test, 64, dp);
+  if (root) std::printf("router=%s test_accuracy=%.4f\n", opt.router.c_str(), final_accuracy);
   return 0;
 }
 

@@ -2,6 +2,7 @@
 // dataset-fashion-mnist) or the 8x8 digits, with any router.
 //
 //   train_vision --router similarity --epochs 2
+//   mpirun -n 2 --bind-to none train_vision --dp 2 --batch 64   (data parallel, docs/distributed.md)
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "common/cli_checks.hpp"
+#include "common/data_parallel_world.hpp"
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
@@ -53,7 +55,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"per-sequence", "per-prefix"}));
   app.add_option("--load-balance", m.router.load_balance_coef, "load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--epochs", opt.epochs, "epochs")->check(examples::integer<int>(1, examples::kMaxEpochs));
-  app.add_option("--batch", opt.batch, "images per batch")->check(examples::integer<index_t>(1, examples::kMaxBatch));
+  app.add_option("--batch", opt.batch, "images per batch (with --dp N: the global batch, a multiple of N)")->check(examples::integer<index_t>(1, examples::kMaxBatch));
   app.add_option("--train-limit", opt.train_limit, "use only the first N training images (0 = all)")->check(examples::integer<index_t>(0, examples::kMaxCount));
   app.add_option("--lr", opt.lr, "peak learning rate")->check(examples::positive_real(examples::kMaxLR));
   examples::add_divergence_options(app, opt.divergence);
@@ -61,6 +63,7 @@ int main(int argc, char** argv) {
   app.add_option("--eval-every", opt.eval_every, "evaluate every N steps (0 = each epoch)")->check(examples::integer<std::int64_t>(0, examples::kMaxSteps));
   app.add_option("--seed", opt.seed, "random seed")->check(examples::seed());
   app.add_option("--threads", opt.threads, "CPU threads")->check(examples::threads());
+  app.add_option("--dp", opt.dp.ranks, "data parallel over N MPI processes (mpirun -n N ... --dp N; docs/distributed.md)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors");
@@ -78,7 +81,19 @@ int main(int argc, char** argv) {
     auto& sched = m.router.options<ScheduledTopK>();
     sched.k_max = std::max(sched.k_max, m.router.k);
   }
+  examples::DataParallelWorld world(argc, argv, "train_vision", opt.dp);
   try {
+    world.check();
+    if (opt.dp.ranks > 1) {
+      if (opt.batch % opt.dp.ranks != 0)
+        examples::throw_same_on_every_rank(
+            "train_vision", "--batch ", opt.batch, " is not a multiple of --dp ", opt.dp.ranks,
+            ": --batch is the global batch, split into ", opt.dp.ranks,
+            " equal shards of --batch / --dp images");
+      if (opt.device != "cpu")
+        examples::throw_same_on_every_rank("train_vision", "--dp ", opt.dp.ranks,
+                                           " needs --device cpu (the MPI communicator moves host memory)");
+    }
     examples::require_cpu_router("train_vision", opt.router, opt.device);
     // --corrupt: names in the order given, each once; "all" = every corruption
     for (std::size_t at = 0; !corrupt.empty() && at <= corrupt.size();) {
@@ -115,16 +130,16 @@ int main(int argc, char** argv) {
       data.test = read_idx_images(dir + "/t10k-images-idx3-ubyte.gz", dir + "/t10k-labels-idx1-ubyte.gz");
     }
     m.channels = 1;
-    std::fprintf(stderr, "train_vision: %s, %lld train / %lld test images of %lldx%lld, router %s\n",
-                 dataset.c_str(), static_cast<long long>(data.train.count), static_cast<long long>(data.test.count),
-                 static_cast<long long>(data.train.rows), static_cast<long long>(data.train.cols), opt.router.c_str());
+    if (opt.dp.root())
+      std::fprintf(stderr, "train_vision: %s, %lld train / %lld test images of %lldx%lld, router %s\n",
+                   dataset.c_str(), static_cast<long long>(data.train.count), static_cast<long long>(data.test.count),
+                   static_cast<long long>(data.train.rows), static_cast<long long>(data.train.cols), opt.router.c_str());
     return with_router(opt.router, [&]<class Policy>() {
       return examples::on_device<Policy>("train_vision", opt.device, opt.router, [&]<class B>() {
         return train_vision::run<Policy, B>(opt, data);
       });
     });
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_vision: error: %s\n", e.what());
-    return 1;
+    return world.fail(e);
   }
 }

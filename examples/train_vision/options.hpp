@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "common/data_parallel.hpp"
 #include "common/divergence.hpp"
 #include "graphmoe/models/vision_moe.hpp"
 #include "graphmoe/train/image_corruptions.hpp"
@@ -24,6 +25,7 @@ struct Options {
   int threads = 2;
   std::string device = "cpu";  // cpu, or cuda when built with CUDA (see examples/CMakeLists.txt)
   std::string out_dir = "runs/vision";
+  examples::DataParallel dp;  // --dp: data parallel over the ranks of an MPI job
   examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss
   bool resume = false;
   // after training: the test accuracy under each of these corruptions (robustness.csv)

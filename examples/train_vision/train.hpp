@@ -1,12 +1,23 @@
 // train_vision: the reference training loop for VisionMoE (instantiated per router).
+//
+// --dp N (common/data_parallel.hpp, docs/distributed.md): every rank runs this loop with the same
+// seed, so it draws the same epoch order and the same global batch of --batch images, and trains
+// on its contiguous shard of --batch / N of them; the losses are averaged over the ranks (the
+// whole batch's) and so are the gradients, before clipping. The evaluations (test accuracy,
+// clean and corrupted) are sharded too: rank r classifies its contiguous share of the test set
+// and the correct counts are summed over the ranks, so every rank gets the whole set's accuracy
+// (the same value one process gets). Rank 0 alone prints and writes files (metrics.csv,
+// robustness.csv, load.csv, the checkpoint); with --resume every rank loads the checkpoint.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +29,7 @@
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
+#include "common/data_parallel.hpp"
 #include "common/device.hpp"
 #include "common/divergence.hpp"
 #include "common/resume.hpp"
@@ -42,14 +54,18 @@ inline void make_batch(const ImageDataset& ds, const std::vector<index_t>& order
   }
 }
 
+// The share of ds classified correctly. With --dp, rank r classifies images
+// [r count / N, (r + 1) count / N) and the counts are summed over the ranks (collective).
 template <class B, class Model>
-double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channels) {
+double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channels,
+                const examples::DataParallel& dp) {
   std::vector<index_t> order(static_cast<std::size_t>(ds.count));
   std::iota(order.begin(), order.end(), index_t{0});
+  const index_t begin = ds.count * dp.rank() / dp.size(), end = ds.count * (dp.rank() + 1) / dp.size();
   index_t correct = 0;
   Tensor<std::int32_t, B> none;
-  for (index_t s = 0; s < ds.count; s += batch) {
-    const index_t n = std::min(batch, ds.count - s);
+  for (index_t s = begin; s < end; s += batch) {
+    const index_t n = std::min(batch, end - s);
     Tensor<Scalar, cpu> x;
     Tensor<std::int32_t, cpu> y;
     make_batch(ds, order, s, n, channels, x, y);
@@ -61,6 +77,11 @@ double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channel
       L.row(i).maxCoeff(&arg);
       correct += arg == y.data()[i];
     }
+  }
+  if (dp.active()) {
+    std::array<double, 1> total{static_cast<double>(correct)};  // exact: integers below 2^53
+    dp.comm->all_reduce_sum(total);
+    return total[0] / static_cast<double>(ds.count);
   }
   return static_cast<double>(correct) / static_cast<double>(ds.count);
 }
@@ -111,6 +132,9 @@ int run(const Options& opt, const Data& data) {
   mc.image_height = data.train.rows;
   mc.image_width = data.train.cols;
   VisionMoE<Policy, Scalar, B> model(mc, opt.seed);
+  const examples::DataParallel& dp = opt.dp;
+  const bool root = dp.root();  // prints and writes files; the other ranks write nothing
+  const index_t shard = opt.batch / dp.size();  // images per rank (main() checks the division)
   const index_t n_train = opt.train_limit > 0 ? std::min(opt.train_limit, data.train.count) : data.train.count;
   const index_t steps_per_epoch = n_train / opt.batch;
   GRAPHMOE_CHECK(steps_per_epoch >= 1, "train_vision", "fewer training images (", n_train,
@@ -123,13 +147,13 @@ int run(const Options& opt, const Data& data) {
   LRSchedule sched{opt.lr, opt.min_lr, std::min<std::int64_t>(opt.warmup, total), total};
   sched.validate();
 
-  fs::create_directories(opt.out_dir);
+  if (root) fs::create_directories(opt.out_dir);
   const std::string ckpt = (fs::path(opt.out_dir) / "checkpoint.safetensors").string();
   const nlohmann::json config = {{"router", opt.router}, {"d_model", mc.d_model}, {"layers", mc.num_layers},
                                  {"heads", mc.num_heads}, {"d_ff", mc.d_ff}, {"experts", mc.router.num_experts},
                                  {"k", mc.router.k}, {"patch", mc.patch}, {"batch", opt.batch}, {"seed", opt.seed}};
   std::int64_t step = 0;
-  examples::remove_stale_checkpoint_temporaries(ckpt, "train_vision");
+  if (root) examples::remove_stale_checkpoint_temporaries(ckpt, "train_vision");
   if (opt.resume && examples::checkpoint_to_resume(ckpt, "train_vision")) {
     const SafetensorsFile f = load_safetensors(ckpt);
     const nlohmann::json saved = metadata_json(f, "config");
@@ -139,13 +163,29 @@ int run(const Options& opt, const Data& data) {
     // the step is checked before load_training_state changes anything
     step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
     load_training_state(f, model.arena(), adam);
-    std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
+    if (root)
+      std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
   }
-  auto save = [&](std::int64_t at) {
-    save_training_state(ckpt, model.arena(), adam, {{"config", config.dump()}, {"step", std::to_string(at)}});
+  if (dp.active()) {
+    // every rank read the checkpoint (the output directory must be visible to all of them);
+    // they must have found the same one
+    const std::vector<index_t> steps = dp.comm->all_gather(static_cast<index_t>(step));
+    for (std::size_t r = 0; r < steps.size(); ++r)
+      if (steps[r] != steps[0])
+        examples::throw_same_on_every_rank(
+            "train_vision --resume", "rank ", r, " starts at step ", steps[r], " but rank 0 at step ",
+            steps[0], ": every rank must see the same '", ckpt, "' (a shared output directory)");
+    examples::broadcast_parameters(dp, model.arena());  // everyone starts from rank 0's values
+  }
+  auto save = [&](std::int64_t at) {  // on every rank: rank 0 writes
+    examples::save_training_state(dp, ckpt, model.arena(), adam,
+                                  {{"config", config.dump()}, {"step", std::to_string(at)}});
   };
-  CsvLog csv((fs::path(opt.out_dir) / "metrics.csv").string(),
-             {"step", "epoch", "train_loss", "test_accuracy", "lr", "grad_norm"}, opt.resume && step > 0);
+  std::optional<CsvLog> csv;  // rank 0's
+  if (root)
+    csv.emplace((fs::path(opt.out_dir) / "metrics.csv").string(),
+                std::vector<std::string>{"step", "epoch", "train_loss", "test_accuracy", "lr", "grad_norm"},
+                opt.resume && step > 0);
 
   auto epoch_order = [&](std::int64_t epoch) {
     std::vector<index_t> order(static_cast<std::size_t>(data.train.count));
@@ -168,51 +208,77 @@ int run(const Options& opt, const Data& data) {
     if (step % steps_per_epoch == 0) order = epoch_order(step / steps_per_epoch);
     Tensor<Scalar, cpu> x;
     Tensor<std::int32_t, cpu> y;
-    make_batch(data.train, order, (step % steps_per_epoch) * opt.batch, opt.batch, mc.channels, x, y);
+    // with --dp, this rank's contiguous shard of the global batch every rank draws
+    make_batch(data.train, order, (step % steps_per_epoch) * opt.batch + dp.rank() * shard, shard,
+               mc.channels, x, y);
     model.set_step(step);
     double loss = 0;
     examples::before_optimizer_step("train_vision", step + 1, [&] {
       loss = model.forward(examples::on_backend<B>(x), examples::on_backend<B>(y)).total();
+      loss = examples::mean_over_ranks(dp, loss);  // the whole batch's: the same guard everywhere
       guard.check_loss(step + 1, loss);
       model.arena().zero_grad();
       model.backward();
-      norm = examples::clip_checked(guard, step + 1, model.arena(), opt.clip);
+      examples::average_gradients(dp, model.arena());  // clipping sees the whole batch's gradient
+      norm = examples::clip_checked(guard, step + 1, model.arena(), opt.clip, [&](auto& a, double c) {
+        return examples::clip_grad_norm(dp, a, c);
+      });
     });
     adam.step(model.arena(), sched.at(step));
     ema = step == first ? loss : 0.98 * ema + 0.02 * loss;
     const double ips = static_cast<double>((step + 1 - first) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());
     char stats[96];
     std::snprintf(stats, sizeof stats, "loss %.3f | %s img/s", ema, ProgressBar::si(ips).c_str());
-    bar.update(step + 1, stats);
+    if (root) bar.update(step + 1, stats);
     const bool end_of_epoch = (step + 1) % steps_per_epoch == 0;
     if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || (opt.eval_every == 0 && end_of_epoch)) {
-      const double acc = accuracy<B>(model, data.test, 256, mc.channels);
-      csv.row({static_cast<double>(step + 1), static_cast<double>((step + 1) / steps_per_epoch), ema, acc,
-               sched.at(step), norm});
-      bar.finish();
-      std::fprintf(stderr, "step %lld  train loss %.4f  test accuracy %.4f\n", static_cast<long long>(step + 1), ema, acc);
+      const double acc = accuracy<B>(model, data.test, 256, mc.channels, dp);
+      if (root) {
+        csv->row({static_cast<double>(step + 1), static_cast<double>((step + 1) / steps_per_epoch), ema, acc,
+                  sched.at(step), norm});
+        bar.finish();
+        std::fprintf(stderr, "step %lld  train loss %.4f  test accuracy %.4f\n", static_cast<long long>(step + 1), ema, acc);
+      }
       save(step + 1);
     }
   }
-  bar.finish();
-  const double clean = accuracy<B>(model, data.test, 256, mc.channels);
-  std::printf("router=%s test_accuracy=%.4f", opt.router.c_str(), clean);
+  if (root) bar.finish();
+  if (dp.active()) {
+    // the ranks must still hold the same parameters (checked once: it broadcasts the arena)
+    const double divergence = examples::max_parameter_divergence(dp, model.arena());
+    if (divergence != 0)
+      examples::throw_same_on_every_rank(
+          "train_vision", "--dp ", dp.size(), ": after training, the ranks' parameters differ from "
+          "rank 0's by up to ", divergence, " (they must be identical)");
+    if (root)
+      std::fprintf(stderr, "train_vision: data parallel over %d ranks: parameters identical on every rank\n",
+                   dp.size());
+  }
+  const double clean = accuracy<B>(model, data.test, 256, mc.channels, dp);
+  if (root) std::printf("router=%s test_accuracy=%.4f", opt.router.c_str(), clean);
   // robustness.csv: the clean test accuracy (severity 0) and one row per --corrupt corruption; the
   // seed column is --corrupt-seed on every row (only the noise uses it)
-  CsvLog robustness((fs::path(opt.out_dir) / "robustness.csv").string(),
-                    {"corruption", "severity", "seed", "accuracy"});
+  std::optional<CsvLog> robustness;  // rank 0's
+  if (root)
+    robustness.emplace((fs::path(opt.out_dir) / "robustness.csv").string(),
+                       std::vector<std::string>{"corruption", "severity", "seed", "accuracy"});
   const std::string seed = std::to_string(opt.corrupt_seed);
-  robustness.row(std::vector<std::string>{"clean", "0", seed, CsvLog::format(clean)});
+  if (root) robustness->row(std::vector<std::string>{"clean", "0", seed, CsvLog::format(clean)});
   for (Corruption c : opt.corruptions) {
+    // every rank corrupts the whole test set alike (same seed) and classifies its share
     const double acc = accuracy<B>(model, corrupted(data.test, c, opt.severity, opt.corrupt_seed), 256,
-                                   mc.channels);
-    std::printf(" %s_accuracy=%.4f", corruption_name(c), acc);
-    robustness.row(std::vector<std::string>{corruption_name(c), std::to_string(opt.severity), seed,
-                                            CsvLog::format(acc)});
+                                   mc.channels, dp);
+    if (root) {
+      std::printf(" %s_accuracy=%.4f", corruption_name(c), acc);
+      robustness->row(std::vector<std::string>{corruption_name(c), std::to_string(opt.severity), seed,
+                                               CsvLog::format(acc)});
+    }
   }
-  std::printf("\n");
-  write_layer_loads<B>(model, data.test, std::min<index_t>(256, data.test.count), mc,
-                       (fs::path(opt.out_dir) / "load.csv").string());
+  if (root) {
+    std::printf("\n");
+    write_layer_loads<B>(model, data.test, std::min<index_t>(256, data.test.count), mc,
+                         (fs::path(opt.out_dir) / "load.csv").string());
+  }
   return 0;
 }
 

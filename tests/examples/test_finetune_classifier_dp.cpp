@@ -1,0 +1,272 @@
+// finetune_classifier --dp N under mpiexec (docs/distributed.md, "Running data parallel from the
+// command line"): a tiny train_lm checkpoint (pretrained here, --load-balance 0) fine-tuned on
+// SST-2 in miniature, each case a few seconds.
+//
+//   dp2 equals one process     mpiexec -n 2 finetune_classifier --dp 2 --batch 4 trains like
+//                              finetune_classifier --batch 4: the same training loss at every
+//                              step, to 1e-5 relative, and the same (sharded) test accuracy;
+//                              rank 0 alone prints and writes
+//   command-line errors        --batch not a multiple of --dp, --dp 3 under a world of 2, --dp 1
+//                              under a launcher: a message and a non-zero exit
+// A failing comparison prints both runs' output and metrics.
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#if !defined(GRAPHMOE_FINETUNE_CLASSIFIER) || !defined(GRAPHMOE_TRAIN_LM) || !defined(GRAPHMOE_MPIEXEC)
+#error "GRAPHMOE_FINETUNE_CLASSIFIER, GRAPHMOE_TRAIN_LM and GRAPHMOE_MPIEXEC must be defined by CMake"
+#endif
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kFinetune = GRAPHMOE_FINETUNE_CLASSIFIER;
+const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Scratch {
+  fs::path dir;
+  explicit Scratch(const std::string& tag) {
+    dir = fs::temp_directory_path() / ("graphmoe_ftdp_" + tag + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  std::string operator/(const std::string& name) const { return (dir / name).string(); }
+};
+
+struct Result {
+  std::string command;
+  int status = -1;  // exit status; -1: killed by a signal
+  std::string out, err;
+  std::string text() const {
+    return "$ " + command + "\n[exit " + std::to_string(status) + "]\n[stdout]\n" + out +
+           "[stderr]\n" + err;
+  }
+};
+
+// `ranks` = 0: `program` alone; otherwise under mpiexec -n ranks. Killed after 90 s.
+Result run(const Scratch& s, const std::string& program, int ranks, const std::vector<std::string>& args) {
+  std::string cmd = "timeout -k 5 90";
+  if (ranks > 0) {
+    cmd += " " + quote(GRAPHMOE_MPIEXEC) + " " + GRAPHMOE_MPIEXEC_NUMPROC_FLAG + " " +
+           std::to_string(ranks);
+#if GRAPHMOE_MPIEXEC_OPEN_MPI
+    // more ranks than cores (CI has 2); no binding: each rank runs one thread (--threads 1)
+    cmd += " --oversubscribe --bind-to none";
+#endif
+  }
+  cmd += " " + quote(program);
+  for (const auto& a : args) cmd += " " + quote(a);
+  Result r;
+  r.command = cmd;
+  const fs::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
+  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
+  const int raw = std::system(cmd.c_str());
+  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+// The tiny pretrained LM every case fine-tunes (the recipe of test_example_cli's fine-tuning
+// case): a word-level corpus of 300 lines over 15 words, a one-block MoE LM trained 2 steps with
+// --load-balance 0 (the classifier takes the coefficient from the checkpoint: the balancing loss
+// is per shard, so it would make --dp 2 differ from one process). Returns the run folder
+// (checkpoint.safetensors, vocab.txt).
+const std::vector<std::string> kWords = {"the", "cat", "sat", "on", "a", "mat", "dog", "ran",
+                                         "far", "good", "bad", "film", "was", "very", "not"};
+std::string pretrain(const Scratch& s) {
+  const std::string corpus = s / "corpus.txt", dir = s / "lm";
+  {
+    std::ofstream out(corpus);
+    unsigned x = 7;
+    for (int line = 0; line < 300; ++line) {
+      for (int w = 0; w < 10; ++w) {
+        x = x * 1103515245u + 12345u;
+        out << (w ? " " : "") << kWords[(x >> 16) % kWords.size()];
+      }
+      out << "\n";
+    }
+  }
+  const Result r = run(s, kTrainLM, 0,
+                       {"--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router",
+                        "softmax", "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8",
+                        "--experts", "2", "--top-k", "1", "--seq", "8", "--batch", "2", "--steps",
+                        "2", "--warmup", "0", "--eval-every", "0", "--load-balance", "0",
+                        "--threads", "1", "--out", dir});
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+  return dir;
+}
+
+// SST-2 in miniature: 4 training sentences of different lengths (one batch of 4: an epoch is one
+// step) and 5 test sentences (shards of 2 and 3 under --dp 2).
+std::string write_sst2(const Scratch& s) {
+  const std::string data = s / "data";
+  fs::create_directories(data + "/sst2");
+  const std::vector<std::pair<std::string, int>> train = {
+      {"the film was bad", 0}, {"a good film", 1}, {"not a very good film the dog ran far", 0},
+      {"very good", 1}};
+  const std::vector<std::pair<std::string, int>> dev = {
+      {"a bad film", 0}, {"the cat sat on a mat", 1}, {"good", 1}, {"the film was not good", 0},
+      {"a very bad dog", 0}};
+  for (const auto& [split, rows] : {std::pair{std::string("train"), train}, std::pair{std::string("dev"), dev}}) {
+    std::ofstream out(data + "/sst2/" + split + ".tsv");
+    out << "sentence\tlabel\n";
+    for (const auto& [text, label] : rows) out << text << "\t" << label << "\n";
+  }
+  return data;
+}
+
+// 5 epochs of one step each (a metrics row after every step), one thread per rank.
+std::vector<std::string> finetune_args(const std::string& lm, const std::string& data,
+                                       const std::string& out) {
+  return {"--checkpoint", lm + "/checkpoint.safetensors", "--vocab", lm + "/vocab.txt",
+          "--task", "sst2", "--data-dir", data, "--epochs", "5", "--batch", "4", "--lr", "0.01",
+          "--threads", "1", "--out", out};
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+// args with the value of `option` (which must be there) replaced: CLI11 refuses an option twice.
+std::vector<std::string> set(std::vector<std::string> args, const std::string& option,
+                             const std::string& value) {
+  const auto it = std::find(args.begin(), args.end(), option);
+  REQUIRE(it != args.end());
+  *(it + 1) = value;
+  return args;
+}
+
+struct Row {
+  double ema = 0, loss = 0, accuracy = 0;  // loss: the step's own, recovered from the EMA
+};
+
+// metrics.csv: step -> its row. train_loss is an EMA (0.98 old + 0.02 new, the first step's loss
+// at step 1); with a row every step, each step's own loss is recovered from two consecutive ones.
+std::map<long, Row> rows(const std::string& csv) {
+  std::istringstream in(csv);
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> header;
+  for (std::istringstream h(line); std::getline(h, line, ',');) header.push_back(line);
+  std::size_t step_col = header.size(), train_col = header.size(), acc_col = header.size();
+  for (std::size_t i = 0; i < header.size(); ++i) {
+    if (header[i] == "step") step_col = i;
+    if (header[i] == "train_loss") train_col = i;
+    if (header[i] == "test_accuracy") acc_col = i;
+  }
+  std::map<long, Row> out;
+  if (step_col == header.size() || train_col == header.size() || acc_col == header.size())
+    return out;
+  while (std::getline(in, line)) {
+    std::vector<std::string> f;
+    for (std::istringstream l(line); std::getline(l, line, ',');) f.push_back(line);
+    if (f.size() != header.size()) continue;
+    const long step = std::stol(f[step_col]);
+    Row r;
+    r.ema = std::stod(f[train_col]);
+    r.accuracy = std::stod(f[acc_col]);
+    r.loss = step == 1 ? r.ema : out.count(step - 1) ? (r.ema - 0.98 * out.at(step - 1).ema) / 0.02 : std::nan("");
+    out[step] = r;
+  }
+  return out;
+}
+
+bool close(double a, double b, double rel = 1e-5) {
+  return std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
+}
+
+void check_refused(const Result& r, const std::vector<std::string>& parts) {
+  INFO(r.text());
+  CHECK(r.status > 0);
+  for (const auto& p : parts) {
+    CAPTURE(p);
+    CHECK(r.err.find(p) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("finetune_classifier --dp 2 under mpiexec -n 2 trains like one process with the same global batch") {
+  Scratch s("equal");
+  const std::string lm = pretrain(s), data = write_sst2(s);
+  const Result one = run(s, kFinetune, 0, finetune_args(lm, data, s / "one"));
+  const Result two = run(s, kFinetune, 2, with(finetune_args(lm, data, s / "two"), {"--dp", "2"}));
+  const std::string one_csv = slurp(s / "one/metrics.csv"), two_csv = slurp(s / "two/metrics.csv");
+  INFO("reference run:\n" << one.text() << "metrics.csv:\n" << one_csv);
+  INFO("data-parallel run:\n" << two.text() << "metrics.csv:\n" << two_csv);
+  REQUIRE(one.status == 0);
+  REQUIRE(two.status == 0);
+  const auto want = rows(one_csv), got = rows(two_csv);
+  for (long step = 1; step <= 5; ++step) {
+    CAPTURE(step);
+    REQUIRE(want.count(step) == 1);
+    REQUIRE(got.count(step) == 1);
+    CHECK(close(want.at(step).ema, got.at(step).ema));    // the metrics' EMA of the whole batch's loss
+    CHECK(close(want.at(step).loss, got.at(step).loss));  // the step's own loss
+    CHECK(want.at(step).accuracy == got.at(step).accuracy);  // sharded: the counts are summed
+  }
+  // rank 0 alone prints and writes: the initial and final accuracies once each (the same as one
+  // process's), one report per epoch, metrics.csv only
+  CHECK(two.out == one.out);
+  CHECK(two.out.find("initial_test_accuracy=") == two.out.rfind("initial_test_accuracy="));
+  CHECK(two.out.find(" test_accuracy=") != std::string::npos);
+  CHECK(two.err.find("epoch 5  train loss") != std::string::npos);
+  CHECK(two.err.find("epoch 5  train loss") == two.err.rfind("epoch 5  train loss"));
+  CHECK(two.err.find("finetune_classifier: sst2,") == two.err.rfind("finetune_classifier: sst2,"));
+  CHECK(two.err.find("finetune_classifier: data parallel over 2 ranks: parameters identical on every rank") !=
+        std::string::npos);
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(s / "two")) files.push_back(e.path().filename().string());
+  CHECK(files == std::vector<std::string>{"metrics.csv"});
+}
+
+TEST_CASE("finetune_classifier --dp: a batch not a multiple of --dp and worlds of the wrong size are refused") {
+  Scratch s("errors");
+  const std::string lm = pretrain(s), data = write_sst2(s);
+  const auto args = [&](const std::vector<std::string>& more) {
+    return with(finetune_args(lm, data, s / "out"), more);
+  };
+  check_refused(run(s, kFinetune, 2, set(args({"--dp", "3"}), "--batch", "3")),
+                {"finetune_classifier: error: graphmoe::finetune_classifier: --dp 3 must equal the "
+                 "number of MPI processes, which is 2: launch with mpirun -n 3"});
+  const Result odd = run(s, kFinetune, 2, set(args({"--dp", "2"}), "--batch", "3"));
+  check_refused(odd, {"graphmoe::finetune_classifier: --batch 3 is not a multiple of --dp 2: --batch "
+                      "is the global batch"});
+  CHECK(odd.err.find("is not a multiple") == odd.err.rfind("is not a multiple"));  // rank 0 only
+  check_refused(run(s, kFinetune, 2, args({})),
+                {"this is one of 2 processes started by an MPI launcher, but --dp is 1", "Pass --dp 2"});
+  CHECK(!fs::exists(s / "out"));  // nothing was written
+}
