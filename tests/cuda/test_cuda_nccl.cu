@@ -206,7 +206,8 @@ TEST_CASE("NcclCommunicator: argument errors are raised before any NCCL call") {
                  "a Tensor<T, cpu> (host memory) was given to a communicator whose buffers are in "
                  "device memory"));
   std::vector<index_t> recv_counts;
-  CHECK(contains(error_of([&] { (void)comm.all_to_all_v(std::vector<float>(4), one, recv_counts); }),
+  const std::vector<float> host_send(4);
+  CHECK(contains(error_of([&] { (void)comm.all_to_all_v(host_send, one, recv_counts); }),
                  "returns its result in host memory"));
 
   // still usable
