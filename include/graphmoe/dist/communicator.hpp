@@ -5,10 +5,11 @@
 // contiguous grads() buffer; expert parallelism will all-to-all-v token rows. Implementations:
 //   SelfCommunicator  world size 1, host memory, always available (this header)
 //   MpiCommunicator   an MPI communicator, host memory (graphmoe/dist/mpi.hpp, needs MPI)
-// and later an NCCL one for device memory behind the same interface: the core of every operation
-// is a raw pointer, an element count and an ElementType, and this class reads the data only
-// through the implementation (it checks counts, never dereferences buffers), so device pointers
-// fit. Typed overloads for float, double, int32 and int64 ranges and Tensor<T, cpu> sit on top.
+//   NcclCommunicator  NCCL, device memory (graphmoe/dist/nccl.cuh, needs CUDA and NCCL)
+// The core of every operation is a raw pointer, an element count and an ElementType, and this
+// class reads the data only through the implementation (it checks counts, never dereferences
+// buffers), so device pointers fit. Typed overloads for float, double, int32 and int64 ranges and
+// Tensor<T, cpu> sit on top.
 //
 // Collective contract (every operation but rank() / size() / memory_space()):
 // - every rank calls the same operations in the same order (as in MPI);
@@ -95,8 +96,9 @@ template <class R>
 concept MutableCommRange =
     CommRange<R> && !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
 
-// Where a communicator's buffers live: host memory (Self, MPI) or device memory (a future NCCL
-// communicator). The Tensor<T, cpu> overloads refuse a communicator whose memory is not host.
+// Where a communicator's buffers live: host memory (Self, MPI) or device memory (NCCL,
+// graphmoe/dist/nccl.cuh). The Tensor<T, cpu> overloads refuse a communicator whose memory is
+// not host.
 enum class MemorySpace { Host, Device };
 
 // What a communicator was asked to move, counted by its public operations: the payload bytes
@@ -247,11 +249,16 @@ class Communicator {
   }
 
   // Exchanges the counts first (exchange_counts), then the data: returns what this rank
-  // received, and in recv_counts how much came from each rank.
+  // received, and in recv_counts how much came from each rank. Host-memory communicators only
+  // (the result is a std::vector).
   template <class S>
   requires CommRange<S> std::vector<std::remove_cv_t<std::ranges::range_value_t<S>>> all_to_all_v(
       const S& send, std::span<const index_t> send_counts, std::vector<index_t>& recv_counts) {
     using T = std::remove_cv_t<std::ranges::range_value_t<S>>;
+    GRAPHMOE_CHECK(memory_space() == MemorySpace::Host, "dist::all_to_all_v",
+                   "this overload returns its result in host memory (a std::vector); with a "
+                   "communicator whose buffers are in device memory, call exchange_counts and "
+                   "pass a device receive buffer");
     recv_counts = exchange_counts(send_counts);
     std::vector<T> recv(static_cast<std::size_t>(checked_sum(recv_counts)));
     all_to_all_v(send, send_counts, recv, recv_counts);
@@ -303,6 +310,18 @@ class Communicator {
                                  const index_t* recv_displs, ElementType type) = 0;
   // In place, values[i] := the minimum over ranks of values[i] (a tiny all-reduce).
   virtual void min_over_ranks(std::span<std::int64_t> values) = 0;
+  // The count exchange behind exchange_counts and all_gather: recv[i] := send[rank()] on rank i.
+  // send and recv are HOST arrays of size() index_t (the counts the library reads on the host),
+  // whatever memory_space() says. The default moves them with all_to_all_v_impl, right for a
+  // host-memory transport; a device-memory transport (NcclCommunicator) stages them through
+  // device memory.
+  virtual void exchange_host_counts(const index_t* send, index_t* recv) {
+    const std::size_t p = static_cast<std::size_t>(size());
+    std::vector<index_t> ones(p, 1), displs(p);
+    for (std::size_t j = 0; j < p; ++j) displs[j] = static_cast<index_t>(j);
+    all_to_all_v_impl(send, ones.data(), displs.data(), recv, ones.data(), displs.data(),
+                      ElementType::I64);
+  }
 
  private:
   template <class R>
@@ -319,10 +338,8 @@ class Communicator {
   // recv[i] = send[rank()] on rank i (send and recv hold one index_t per rank).
   std::vector<index_t> one_from_each(const index_t* send) {
     const std::size_t p = static_cast<std::size_t>(size());
-    std::vector<index_t> ones(p, 1), displs(p), recv(p, 0);
-    for (std::size_t j = 0; j < p; ++j) displs[j] = static_cast<index_t>(j);
-    all_to_all_v_impl(send, ones.data(), displs.data(), recv.data(), ones.data(), displs.data(),
-                      ElementType::I64);
+    std::vector<index_t> recv(p, 0);
+    exchange_host_counts(send, recv.data());
     ++traffic_.count_exchange_calls;
     traffic_.count_exchange_bytes += static_cast<index_t>(p * sizeof(index_t));
     return recv;

@@ -55,8 +55,9 @@ class MoELayer {
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, const MoEConfig& cfg,
                dist::Communicator& comm) {
     if constexpr (!std::is_same_v<B, cpu>) {
-      detail::throw_error("MoELayer", "expert parallelism needs a device communicator (NCCL) on "
-                          "the cuda backend, which graphmoe does not have yet");
+      detail::throw_error("MoELayer", "expert parallelism is not built for the cuda backend (the "
+                          "expert exchange moves host tensors; dist::NcclCommunicator exists but "
+                          "no device exchange uses it yet)");
     } else {
       GRAPHMOE_CHECK(comm.memory_space() == dist::MemorySpace::Host, "MoELayer",
                      "an expert-parallel CPU layer needs a host-memory communicator");
