@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "support/processes.hpp"
+
 #if !defined(GRAPHMOE_FINETUNE_CLASSIFIER) || !defined(GRAPHMOE_TRAIN_LM) || !defined(GRAPHMOE_MPIEXEC)
 #error "GRAPHMOE_FINETUNE_CLASSIFIER, GRAPHMOE_TRAIN_LM and GRAPHMOE_MPIEXEC must be defined by CMake"
 #endif
@@ -36,65 +38,14 @@ namespace {
 const std::string kFinetune = GRAPHMOE_FINETUNE_CLASSIFIER;
 const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-struct Scratch {
-  fs::path dir;
-  explicit Scratch(const std::string& tag) {
-    dir = fs::temp_directory_path() / ("graphmoe_ftdp_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-  std::string operator/(const std::string& name) const { return (dir / name).string(); }
-};
-
-struct Result {
-  std::string command;
-  int status = -1;  // exit status; -1: killed by a signal
-  std::string out, err;
-  std::string text() const {
-    return "$ " + command + "\n[exit " + std::to_string(status) + "]\n[stdout]\n" + out +
-           "[stderr]\n" + err;
-  }
-};
+using graphmoe::test::check_refused;
+using graphmoe::test::Result;
+using graphmoe::test::Scratch;
+using graphmoe::test::slurp;
 
 // `ranks` = 0: `program` alone; otherwise under mpiexec -n ranks. Killed after 90 s.
 Result run(const Scratch& s, const std::string& program, int ranks, const std::vector<std::string>& args) {
-  std::string cmd = "timeout -k 5 90";
-  if (ranks > 0) {
-    cmd += " " + quote(GRAPHMOE_MPIEXEC) + " " + GRAPHMOE_MPIEXEC_NUMPROC_FLAG + " " +
-           std::to_string(ranks);
-#if GRAPHMOE_MPIEXEC_OPEN_MPI
-    // more ranks than cores (CI has 2); no binding: each rank runs one thread (--threads 1)
-    cmd += " --oversubscribe --bind-to none";
-#endif
-  }
-  cmd += " " + quote(program);
-  for (const auto& a : args) cmd += " " + quote(a);
-  Result r;
-  r.command = cmd;
-  const fs::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
-  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
-  const int raw = std::system(cmd.c_str());
-  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  return graphmoe::test::run_program(s, graphmoe::test::mpiexec_prefix(ranks), program, args, 90);
 }
 
 // The tiny pretrained LM every case fine-tunes (the recipe of test_example_cli's fine-tuning
@@ -208,19 +159,11 @@ bool close(double a, double b, double rel = 1e-5) {
   return std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
 }
 
-void check_refused(const Result& r, const std::vector<std::string>& parts) {
-  INFO(r.text());
-  CHECK(r.status > 0);
-  for (const auto& p : parts) {
-    CAPTURE(p);
-    CHECK(r.err.find(p) != std::string::npos);
-  }
-}
 
 }  // namespace
 
 TEST_CASE("finetune_classifier --dp 2 under mpiexec -n 2 trains like one process with the same global batch") {
-  Scratch s("equal");
+  Scratch s("ftdp_equal");
   const std::string lm = pretrain(s), data = write_sst2(s);
   const Result one = run(s, kFinetune, 0, finetune_args(lm, data, s / "one"));
   const Result two = run(s, kFinetune, 2, with(finetune_args(lm, data, s / "two"), {"--dp", "2"}));
@@ -254,7 +197,7 @@ TEST_CASE("finetune_classifier --dp 2 under mpiexec -n 2 trains like one process
 }
 
 TEST_CASE("finetune_classifier --dp: a batch not a multiple of --dp and worlds of the wrong size are refused") {
-  Scratch s("errors");
+  Scratch s("ftdp_errors");
   const std::string lm = pretrain(s), data = write_sst2(s);
   const auto args = [&](const std::vector<std::string>& more) {
     return with(finetune_args(lm, data, s / "out"), more);

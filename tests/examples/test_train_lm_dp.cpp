@@ -44,23 +44,13 @@ namespace {
 const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
 
 using graphmoe::test::check_refused;
-using graphmoe::test::quote;
 using graphmoe::test::Result;
 using graphmoe::test::Scratch;
 using graphmoe::test::slurp;
 
 // `ranks` = 0: train_lm alone; otherwise under mpiexec -n ranks. Killed after 90 s.
 Result run(const Scratch& s, int ranks, const std::vector<std::string>& args) {
-  std::string prefix;
-  if (ranks > 0) {
-    prefix = quote(GRAPHMOE_MPIEXEC) + " " + GRAPHMOE_MPIEXEC_NUMPROC_FLAG + " " +
-             std::to_string(ranks);
-#if GRAPHMOE_MPIEXEC_OPEN_MPI
-    // more ranks than cores (CI has 2); no binding: each rank runs one thread (--threads 1)
-    prefix += " --oversubscribe --bind-to none";
-#endif
-  }
-  return graphmoe::test::run_program(s, prefix, kTrainLM, args, 90);
+  return graphmoe::test::run_program(s, graphmoe::test::mpiexec_prefix(ranks), kTrainLM, args, 90);
 }
 
 // A word-level corpus of 240 lines of 10 words from a 12-word vocabulary.

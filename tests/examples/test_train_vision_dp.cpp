@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "support/processes.hpp"
+
 #if !defined(GRAPHMOE_TRAIN_VISION) || !defined(GRAPHMOE_MPIEXEC)
 #error "GRAPHMOE_TRAIN_VISION and GRAPHMOE_MPIEXEC must be defined by CMake"
 #endif
@@ -35,65 +37,14 @@ namespace {
 
 const std::string kTrainVision = GRAPHMOE_TRAIN_VISION;
 
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-struct Scratch {
-  fs::path dir;
-  explicit Scratch(const std::string& tag) {
-    dir = fs::temp_directory_path() / ("graphmoe_visdp_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-  std::string operator/(const std::string& name) const { return (dir / name).string(); }
-};
-
-struct Result {
-  std::string command;
-  int status = -1;  // exit status; -1: killed by a signal
-  std::string out, err;
-  std::string text() const {
-    return "$ " + command + "\n[exit " + std::to_string(status) + "]\n[stdout]\n" + out +
-           "[stderr]\n" + err;
-  }
-};
+using graphmoe::test::check_refused;
+using graphmoe::test::Result;
+using graphmoe::test::Scratch;
+using graphmoe::test::slurp;
 
 // `ranks` = 0: train_vision alone; otherwise under mpiexec -n ranks. Killed after 90 s.
 Result run(const Scratch& s, int ranks, const std::vector<std::string>& args) {
-  std::string cmd = "timeout -k 5 90";
-  if (ranks > 0) {
-    cmd += " " + quote(GRAPHMOE_MPIEXEC) + " " + GRAPHMOE_MPIEXEC_NUMPROC_FLAG + " " +
-           std::to_string(ranks);
-#if GRAPHMOE_MPIEXEC_OPEN_MPI
-    // more ranks than cores (CI has 2); no binding: each rank runs one thread (--threads 1)
-    cmd += " --oversubscribe --bind-to none";
-#endif
-  }
-  cmd += " " + quote(kTrainVision);
-  for (const auto& a : args) cmd += " " + quote(a);
-  Result r;
-  r.command = cmd;
-  const fs::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
-  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
-  const int raw = std::system(cmd.c_str());
-  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  return graphmoe::test::run_program(s, graphmoe::test::mpiexec_prefix(ranks), kTrainVision, args, 90);
 }
 
 std::string be32(std::uint32_t v) {
@@ -186,19 +137,11 @@ bool close(double a, double b, double rel = 1e-5) {
   return std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
 }
 
-void check_refused(const Result& r, const std::vector<std::string>& parts) {
-  INFO(r.text());
-  CHECK(r.status > 0);
-  for (const auto& p : parts) {
-    CAPTURE(p);
-    CHECK(r.err.find(p) != std::string::npos);
-  }
-}
 
 }  // namespace
 
 TEST_CASE("train_vision --dp 2 under mpiexec -n 2 trains like one process with the same global batch") {
-  Scratch s("equal");
+  Scratch s("visdp_equal");
   const std::string data = s / "data";
   write_images(data);
   const Result one = run(s, 0, vision_args(data, s / "one"));
@@ -232,7 +175,7 @@ TEST_CASE("train_vision --dp 2 under mpiexec -n 2 trains like one process with t
 }
 
 TEST_CASE("train_vision --dp: a batch not a multiple of --dp and worlds of the wrong size are refused") {
-  Scratch s("errors");
+  Scratch s("visdp_errors");
   const std::string data = s / "data";
   write_images(data);
   const auto args = [&](const std::vector<std::string>& more) {

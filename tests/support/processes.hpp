@@ -20,8 +20,14 @@ namespace graphmoe::test {
 // s in single quotes for sh, its own single quotes escaped.
 inline std::string quote(const std::string& s) {
   std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
+  for (char c : s) {
+    if (c == '\'')
+      q.append("'\\''");
+    else
+      q.push_back(c);
+  }
+  q.push_back('\'');
+  return q;
 }
 
 inline std::string slurp(const std::filesystem::path& p) {
@@ -55,8 +61,10 @@ struct Result {
   int status = -1;  // exit status; -1: killed by a signal
   std::string out, err;
   std::string text() const {
-    return "$ " + command + "\n[exit " + std::to_string(status) + "]\n[stdout]\n" + out +
-           "[stderr]\n" + err;
+    std::string t = "$ ";
+    t.append(command).append("\n[exit ").append(std::to_string(status)).append("]\n[stdout]\n");
+    t.append(out).append("[stderr]\n").append(err);
+    return t;
   }
 };
 
@@ -64,20 +72,38 @@ struct Result {
 // `timeout -k 5 <seconds>`, stdin from /dev/null, stdout and stderr captured through files in s.
 inline Result run_program(const Scratch& s, const std::string& prefix, const std::string& exe,
                           const std::vector<std::string>& args, int seconds) {
-  std::string cmd = "timeout -k 5 " + std::to_string(seconds);
-  if (!prefix.empty()) cmd += " " + prefix;
-  cmd += " " + quote(exe);
-  for (const auto& a : args) cmd += " " + quote(a);
+  // (appends, not operator+ on temporaries: GCC 12 warns falsely about those, -Wrestrict)
+  std::string cmd = "timeout -k 5 ";
+  cmd.append(std::to_string(seconds));
+  if (!prefix.empty()) cmd.append(" ").append(prefix);
+  cmd.append(" ").append(quote(exe));
+  for (const auto& a : args) cmd.append(" ").append(quote(a));
   Result r;
   r.command = cmd;
   const std::filesystem::path out = s.dir / "stdout.txt", err = s.dir / "stderr.txt";
-  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
+  cmd.append(" >").append(quote(out.string())).append(" 2>").append(quote(err.string()));
+  cmd.append(" </dev/null");
   const int raw = std::system(cmd.c_str());
   r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
   r.out = slurp(out);
   r.err = slurp(err);
   return r;
 }
+
+#if defined(GRAPHMOE_MPIEXEC)
+// The command prefix that starts a program on `ranks` MPI processes (GRAPHMOE_MPIEXEC and
+// GRAPHMOE_MPIEXEC_NUMPROC_FLAG from CMake), "" for ranks = 0 (the program alone). With Open MPI:
+// more ranks than cores are allowed (CI has 2) and no binding (each rank runs --threads 1).
+inline std::string mpiexec_prefix(int ranks) {
+  if (ranks <= 0) return "";
+  std::string prefix = quote(GRAPHMOE_MPIEXEC);
+  prefix.append(" ").append(GRAPHMOE_MPIEXEC_NUMPROC_FLAG).append(" ").append(std::to_string(ranks));
+#if GRAPHMOE_MPIEXEC_OPEN_MPI
+  prefix.append(" --oversubscribe --bind-to none");
+#endif
+  return prefix;
+}
+#endif
 
 // A refusal: a non-zero exit (not a crash) whose stderr holds every one of `parts`.
 inline void check_refused(const Result& r, const std::vector<std::string>& parts) {
