@@ -2,6 +2,7 @@
 // bad input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -134,6 +135,49 @@ TEST_CASE("gelu: numerical stability at extreme inputs") {
   gelu_forward(GeluForm::Erf, xd, yd);
   CHECK(yd(0) == doctest::Approx(-12.0 * 0.5 * std::erfc(12.0 / std::sqrt(2.0))).epsilon(1e-13));
   CHECK(yd(0) < 0.0);
+}
+
+TEST_CASE_TEMPLATE("gelu: the vectorised tanh form equals the scalar formula elementwise", T,
+                   float, double) {
+  // Block edges (256 elements), in place, and the range where detail::gelu_tanh_block hands
+  // elements to the scalar functions (|x| beyond about 9 in float, inf, NaN).
+  const T inf = std::numeric_limits<T>::infinity();
+  for (index_t n : {index_t{1}, index_t{255}, index_t{257}, index_t{5000}}) {
+    CAPTURE(n);
+    Tensor<T> x({n}), dy({n});
+    for (index_t i = 0; i < n; ++i) {
+      x(i) = static_cast<T>(-30.0 + 60.0 * static_cast<double>(i) / static_cast<double>(n));
+      dy(i) = static_cast<T>(1.0 + 0.25 * static_cast<double>(i % 7));
+    }
+    if (n >= 257) {
+      x(3) = -inf;
+      x(100) = inf;
+      x(200) = std::numeric_limits<T>::quiet_NaN();
+      x(256) = static_cast<T>(-1e20);
+    }
+    Tensor<T> y, dx;
+    gelu_forward(GeluForm::Tanh, x, y);
+    gelu_backward(GeluForm::Tanh, x, dy, dx);
+    auto inplace = x.clone();
+    gelu_forward(GeluForm::Tanh, inplace, inplace);
+    const double tol = sizeof(T) == 4 ? 4e-7 : 1e-15;
+    for (index_t i = 0; i < n; ++i) {
+      CAPTURE(x(i));
+      const T want = detail::gelu_value(GeluForm::Tanh, x(i));
+      const T dwant = dy(i) * detail::gelu_derivative(GeluForm::Tanh, x(i));
+      // y relative to itself; dy gelu'(x) relative to dy (gelu' = s + 2 x s (1 - s) du/dx
+      // cancels near its zero at x = -0.75)
+      auto same = [&](T got, T ref, double scale) {
+        if (std::isnan(ref)) return std::isnan(got);
+        if (std::isinf(ref) || ref == T(0)) return got == ref;
+        return std::abs(static_cast<double>(got) - static_cast<double>(ref)) <=
+               tol * std::max(std::abs(static_cast<double>(ref)), scale);
+      };
+      CHECK(same(y(i), want, 0.0));
+      CHECK(same(dx(i), dwant, static_cast<double>(dy(i))));
+      CHECK((inplace(i) == y(i) || (std::isnan(y(i)) && std::isnan(inplace(i)))));
+    }
+  }
 }
 
 TEST_CASE("gelu: bad input") {

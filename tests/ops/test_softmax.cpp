@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "support/gradcheck.hpp"
@@ -213,6 +214,58 @@ TEST_CASE("softmax: a fully masked row, +inf or NaN throws instead of writing Na
   auto inplace = x.clone();
   CHECK_THROWS_AS(softmax_forward(inplace, inplace), Error);
   CHECK(inplace(1, 0) == -kInf);
+}
+
+TEST_CASE_TEMPLATE("softmax: the vectorised exp equals std::exp, masked entries exactly 0", T, float,
+                   double) {
+  // detail/vexp.hpp: Eigen's packet exp within a few ulp; std::exp outside its normal range
+  // (so -inf gives exactly 0, and subnormal results, +inf and NaN are std::exp's).
+  const T inf = std::numeric_limits<T>::infinity();
+  for (index_t n : {index_t{0}, index_t{1}, index_t{255}, index_t{256}, index_t{700}}) {
+    CAPTURE(n);
+    std::vector<T> x(static_cast<std::size_t>(n));
+    for (index_t i = 0; i < n; ++i)
+      x[static_cast<std::size_t>(i)] =
+          static_cast<T>(-760.0 + 800.0 * static_cast<double>(i) / static_cast<double>(n));
+    if (n == 700) {
+      x[0] = -inf;
+      x[1] = inf;
+      x[2] = std::numeric_limits<T>::quiet_NaN();
+      x[3] = static_cast<T>(-87.5);
+      x[4] = static_cast<T>(-708.5);
+    }
+    const T shift = static_cast<T>(-2.5);
+    std::vector<T> y(x.size());
+    const double sum = detail::exp_shifted(x.data(), shift, y.data(), n);
+    const double sum_only = detail::sum_exp_shifted(x.data(), shift, n);
+    std::vector<T> inplace = x;
+    detail::exp_shifted(inplace.data(), shift, inplace.data(), n);
+    double want_sum = 0;
+    for (index_t i = 0; i < n; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      const T want = std::exp(x[k] - shift);
+      CAPTURE(x[k]);
+      if (std::isnan(want)) {
+        CHECK(std::isnan(y[k]));
+        continue;
+      }
+      want_sum += static_cast<double>(want);
+      if (want == T(0) || std::isinf(want))
+        CHECK(y[k] == want);
+      else
+        CHECK(std::abs(static_cast<double>(y[k]) - static_cast<double>(want)) <=
+              (sizeof(T) == 4 ? 3e-7 : 1e-15) * static_cast<double>(want));
+      CHECK(inplace[k] == y[k]);
+      if (x[k] == -inf) CHECK(y[k] == T(0));
+    }
+    if (n == 700) {
+      CHECK(std::isnan(sum));
+      CHECK(std::isnan(sum_only));
+    } else {
+      CHECK(sum == doctest::Approx(want_sum).epsilon(1e-6));
+      CHECK(sum_only == sum);
+    }
+  }
 }
 
 TEST_CASE("softmax: bad input") {

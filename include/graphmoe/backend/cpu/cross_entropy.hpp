@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "graphmoe/backend/common/checks.hpp"
+#include "graphmoe/backend/cpu/detail/vexp.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -90,7 +91,9 @@ void cross_entropy_backward(const Tensor<T, cpu>& log_probs,
           for (index_t j = 0; j < classes; ++j) dr[j] = T(0);
           return;
         }
-        for (index_t j = 0; j < classes; ++j) dr[j] = std::exp(lpr[j]) * scale;
+        detail::for_exp_blocks(lpr, T(0), classes, [&](index_t j0, const T* e, index_t m) {
+          for (index_t j = 0; j < m; ++j) dr[j0 + j] = e[j] * scale;
+        });
         dr[t[i]] -= scale;
       },
       detail::softmax_row_grain(classes));

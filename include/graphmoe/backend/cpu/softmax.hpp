@@ -7,7 +7,8 @@
 //
 // Every tensor is read as a (rows, cols) matrix, all dimensions but the last flattened into rows;
 // rows are independent and split over set_num_threads() threads. Subtracting the row maximum keeps
-// exp() in range for any finite logits; row sums are accumulated in double. -inf entries (masked
+// exp() in range for any finite logits; row sums are accumulated in double. exp is vectorised
+// (detail/vexp.hpp: Eigen's packet exp, std::exp outside its normal range). -inf entries (masked
 // positions) are fine as long as the row has a finite entry: their probability is exactly 0.
 //
 // A row whose maximum is not finite (every entry -inf, or an entry +inf) has no defined softmax,
@@ -25,6 +26,7 @@
 #include <limits>
 
 #include "graphmoe/backend/cpu/detail/reduce.hpp"
+#include "graphmoe/backend/cpu/detail/vexp.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
@@ -86,15 +88,13 @@ void softmax_forward_impl(const char* op, const char* what, bool log, const Tens
           return;
         }
         if (log) {
-          const double sum =
-              accumulate_double(cols, [&](index_t j) { return std::exp(xr[j] - m); });
+          const double sum = sum_exp_shifted(xr, m, cols);
           // (x - m) is exact near the maximum; subtracting m + log(sum) at once would round the
           // small log(sum) to the precision of a large m.
           const T lse = static_cast<T>(std::log(sum));
           for (index_t j = 0; j < cols; ++j) yr[j] = (xr[j] - m) - lse;
         } else {
-          for (index_t j = 0; j < cols; ++j) yr[j] = std::exp(xr[j] - m);
-          const double sum = accumulate_double(cols, [&](index_t j) { return yr[j]; });
+          const double sum = exp_shifted(xr, m, yr, cols);
           const T inv = static_cast<T>(1.0 / sum);
           for (index_t j = 0; j < cols; ++j) yr[j] *= inv;
         }
@@ -165,7 +165,9 @@ void log_softmax_backward(const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy, Ten
         T* dxr = dxs + r * cols;
         const T s =
             static_cast<T>(detail::accumulate_double(cols, [&](index_t j) { return dyr[j]; }));
-        for (index_t j = 0; j < cols; ++j) dxr[j] = dyr[j] - std::exp(yr[j]) * s;
+        detail::for_exp_blocks(yr, T(0), cols, [&](index_t j0, const T* e, index_t m) {
+          for (index_t j = 0; j < m; ++j) dxr[j0 + j] = dyr[j0 + j] - e[j] * s;
+        });
       },
       detail::softmax_row_grain(cols));
 }

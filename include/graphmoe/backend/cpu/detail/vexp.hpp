@@ -1,0 +1,83 @@
+// graphmoe/backend/cpu/detail/vexp.hpp: vectorised exp over arrays (internal).
+//
+// std::exp is one libm call per element; Eigen's packet exp evaluates 4 to 16 of them at once
+// (SSE2 / AVX2 / AVX-512), within 2 ulp of std::exp for normal results. Where it differs in kind,
+// the element is recomputed with std::exp, so callers keep std::exp's edge cases:
+//   - below the smallest normal result (x < kVexpLow: the -inf of masked entries, subnormals),
+//     Eigen's SSE2/AVX2 exp clamps its argument and returns about 3e-39 (float) instead of 0;
+//   - NaN, +inf and overflow go through std::exp too (x > kVexpHigh or x != x).
+// Work is done in blocks of kVexpBlock elements in a stack buffer, so outputs may alias inputs.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include <Eigen/Core>
+
+#include "graphmoe/core/shape.hpp"
+
+namespace graphmoe::detail {
+
+inline constexpr index_t kVexpBlock = 256;
+
+// The range where the packet exp's result is a normal number (std::exp is used outside it).
+template <class T>
+constexpr T vexp_low() {
+  return sizeof(T) >= 8 ? T(-708) : T(-87);
+}
+template <class T>
+constexpr T vexp_high() {
+  return sizeof(T) >= 8 ? T(709) : T(88);
+}
+
+// Calls fn(j0, e, m) for consecutive blocks [j0, j0 + m) of [0, n), with e[0, m) holding
+// exp(x[j0 + i] - shift) in an aligned stack buffer (fn may write x's block: e is a copy).
+template <class T, class Fn>
+void for_exp_blocks(const T* x, T shift, index_t n, Fn&& fn) {
+  using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
+  alignas(64) T buf[kVexpBlock];
+  for (index_t j0 = 0; j0 < n; j0 += kVexpBlock) {
+    const index_t m = std::min(kVexpBlock, n - j0);
+    Eigen::Map<Array, Eigen::Aligned64> e(buf, m);
+    e = (Eigen::Map<const Array>(x + j0, m) - shift).exp();
+    // outside the packet exp's normal range (rare: masked or far-below-max entries): std::exp
+    for (index_t i = 0; i < m; ++i) {
+      const T s = x[j0 + i] - shift;
+      if (!(s >= vexp_low<T>() && s <= vexp_high<T>())) buf[i] = std::exp(s);
+    }
+    fn(j0, static_cast<const T*>(buf), m);
+  }
+}
+
+// sum_{i < m} e[i] in double: four partial sums, combined pairwise (a fixed order).
+template <class T>
+double sum_in_double(const T* e, index_t m) {
+  double a[4] = {0, 0, 0, 0};
+  index_t i = 0;
+  for (; i + 4 <= m; i += 4)
+    for (int k = 0; k < 4; ++k) a[k] += static_cast<double>(e[i + k]);
+  for (; i < m; ++i) a[0] += static_cast<double>(e[i]);
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// y[j] = exp(x[j] - shift) for j < n (y may be x); returns sum_j y[j] in double.
+template <class T>
+double exp_shifted(const T* x, T shift, T* y, index_t n) {
+  double total = 0;
+  for_exp_blocks(x, shift, n, [&](index_t j0, const T* e, index_t m) {
+    total += sum_in_double(e, m);
+    std::copy(e, e + m, y + j0);
+  });
+  return total;
+}
+
+// sum_j exp(x[j] - shift) in double; nothing is stored.
+template <class T>
+double sum_exp_shifted(const T* x, T shift, index_t n) {
+  double total = 0;
+  for_exp_blocks(x, shift, n, [&](index_t, const T* e, index_t m) { total += sum_in_double(e, m); });
+  return total;
+}
+
+}  // namespace graphmoe::detail
