@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""LM training beside a busy process: bench_lm's tokens/s at 2 threads, alone and beside one
+process that spins on one core, in alternation, and their ratio.
+
+Users share machines. With 2 cores and one of them taken by another process, a fair share is
+1.5 cores of 2 (each of the 3 runnable threads gets 2/3 of a core), so a job that scales well keeps
+about 50-75% of its idle speed; the issue's bar is 40%. An OpenMP runtime whose idle workers spin
+at barriers while their partner thread is descheduled can fall far below that.
+
+    python3 benchmarks/compare/contention.py --build-dir build [--repeats 3] [--router softmax]
+    python3 benchmarks/compare/contention.py --build-dir build --env OMP_WAIT_POLICY=active
+
+The busy process is `sh -c 'while :; do :; done'` pinned with taskset to --busy-core. Before each
+run the script samples /proc/stat: the CPU time that other processes used while bench_lm ran
+is printed as `other` (in cores); with the busy process it should be about 1.0, alone about 0.
+Runs where `other` is far from that (other users of the machine) are flagged, not dropped.
+--env NAME=VALUE sets variables for bench_lm only (e.g. to compare OpenMP wait policies).
+
+The last line is
+
+    lm_train contended/idle tokens/s: R
+
+with R the median over repeats of (tokens/s beside the busy process) / (tokens/s alone).
+"""
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+
+def cpu_busy_seconds():
+    """Total non-idle CPU seconds of the machine since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - idle) / hz
+
+
+def run_bench(bench, router, threads, min_time, env):
+    """tokens/s of one bench_lm run, its wall seconds, its own CPU seconds, the machine's busy
+    CPU seconds meanwhile."""
+    flt = f"^BM_lm_train_{router}/threads:{threads}/"
+    busy0, t0 = cpu_busy_seconds(), time.monotonic()
+    r0 = os.times()
+    out = subprocess.run([bench, f"--benchmark_filter={flt}", f"--benchmark_min_time={min_time}",
+                          "--benchmark_format=console"],
+                         capture_output=True, text=True, env=env, check=False)
+    r1 = os.times()
+    wall, busy = time.monotonic() - t0, cpu_busy_seconds() - busy0
+    if out.returncode != 0:
+        sys.exit(f"contention.py: {bench} failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    m = re.search(r"tokens/s=([0-9.]+)(k?)/s", out.stdout)
+    if not m:
+        sys.exit(f"contention.py: no tokens/s in bench_lm's output for {flt}:\n{out.stdout[-2000:]}")
+    tps = float(m.group(1)) * (1000.0 if m.group(2) == "k" else 1.0)
+    own = (r1.children_user - r0.children_user) + (r1.children_system - r0.children_system)
+    return tps, wall, own, busy
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build-dir", default="build")
+    ap.add_argument("--router", default="softmax", choices=["softmax", "similarity"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--busy-core", type=int, default=0)
+    ap.add_argument("--min-time", type=float, default=2.0, help="bench_lm's --benchmark_min_time")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    a = ap.parse_args()
+    if not 1 <= a.repeats <= 100:
+        sys.exit("contention.py: --repeats must be in [1, 100]")
+    if not 0 < a.min_time <= 60:
+        sys.exit("contention.py: --min-time must be in (0, 60]")
+    if a.busy_core < 0 or a.busy_core >= os.cpu_count():
+        sys.exit(f"contention.py: --busy-core must be in [0, {os.cpu_count() - 1}]")
+    bench = os.path.join(a.build_dir, "benchmarks", "bench_lm")
+    if not os.access(bench, os.X_OK):
+        sys.exit(f"contention.py: {bench} not found (build the bench_lm target)")
+    if shutil.which("taskset") is None:
+        sys.exit("contention.py: taskset (util-linux) is needed to pin the busy process")
+    env = dict(os.environ)
+    for kv in a.env:
+        if "=" not in kv:
+            sys.exit(f"contention.py: --env wants NAME=VALUE, got '{kv}'")
+        k, v = kv.split("=", 1)
+        env[k] = v
+    # OpenBLAS's own kernel choice, unless it falls back to SSE3 on a CPU it does not know
+    env.pop("OPENBLAS_CORETYPE", None)
+    here = os.path.dirname(os.path.abspath(__file__))
+    ct = subprocess.run(["bash", os.path.join(here, "..", "..", "scripts", "openblas-coretype.sh")],
+                        capture_output=True, text=True, env=env).stdout.strip()
+    if ct:
+        env["OPENBLAS_CORETYPE"] = ct
+    shown = " ".join(a.env) or "(none)"
+    print(f"bench_lm {a.router}, {a.threads} threads; extra environment: {shown}; "
+          f"OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', '(OpenBLAS default)')}")
+    print("| repeat | alone tok/s | other (cores) | beside busy tok/s | other (cores) | ratio |")
+    print("|---|---|---|---|---|---|")
+    ratios = []
+    for rep in range(a.repeats):
+        alone, wall, own, busy = run_bench(bench, a.router, a.threads, a.min_time, env)
+        other_alone = max(0.0, (busy - own) / wall)
+        spin = subprocess.Popen(["taskset", "-c", str(a.busy_core), "sh", "-c",
+                                 "while :; do :; done"])
+        try:
+            time.sleep(0.3)
+            shared, wall2, own2, busy2 = run_bench(bench, a.router, a.threads, a.min_time, env)
+        finally:
+            spin.kill()
+            spin.wait()
+        other_shared = max(0.0, (busy2 - own2) / wall2)
+        flag = " (other users?)" if other_alone > 0.2 or other_shared > 1.2 else ""
+        ratios.append(shared / alone)
+        print(f"| {rep + 1} | {alone:,.0f} | {other_alone:.2f} | {shared:,.0f} | {other_shared:.2f} | "
+              f"{shared / alone:.2f}{flag} |")
+    spread = f" (min {min(ratios):.2f}, max {max(ratios):.2f})" if len(ratios) > 1 else ""
+    print(f"median over {len(ratios)} repeats{spread}; target >= 0.40")
+    print(f"lm_train contended/idle tokens/s: {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
