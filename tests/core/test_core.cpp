@@ -1,9 +1,13 @@
 // Core: Shape, Tensor, ParameterArena, Rng, thread setting, error messages.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <limits>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
@@ -147,6 +151,62 @@ TEST_CASE("threads: setting is honoured and validated") {
   set_num_threads(1);
   CHECK(num_threads() == 1);
   CHECK_THROWS_WITH_AS(set_num_threads(0), doctest::Contains("must be >= 1"), Error);
+}
+
+TEST_CASE("threads: parallel_for and parallel_items run every item exactly once, on any thread count") {
+  // The pool (core/thread_pool.hpp): every item once, nested loops serial, loops back to back
+  // (workers that wake late must not touch the next loop's items), two user threads at once.
+  for (int threads : {1, 2, 3, 8}) {
+    CAPTURE(threads);
+    set_num_threads(std::min(threads, max_num_threads()));
+    for (index_t n : {index_t{0}, index_t{1}, index_t{2}, index_t{7}, index_t{1000}, index_t{100003}}) {
+      CAPTURE(n);
+      std::vector<std::atomic<int>> hits(static_cast<std::size_t>(n));
+      parallel_for(5, 5 + n, [&](index_t i) { hits[static_cast<std::size_t>(i - 5)].fetch_add(1); });
+      int wrong = 0;
+      for (auto& h : hits) wrong += h.load() != 1;
+      CHECK(wrong == 0);
+      std::vector<std::atomic<int>> items(static_cast<std::size_t>(n));
+      std::atomic<int> nested_parallel{0};
+      parallel_items(n, [&](index_t i) {
+        items[static_cast<std::size_t>(i)].fetch_add(1);
+        if (!in_parallel_region()) nested_parallel.fetch_add(1);
+        // a nested loop runs serially, in order, on this thread
+        index_t last = -1;
+        bool ordered = true;
+        parallel_for(0, 64, [&](index_t j) { ordered = ordered && j == last + 1; last = j; });
+        if (!ordered) nested_parallel.fetch_add(1);
+      });
+      wrong = 0;
+      for (auto& h : items) wrong += h.load() != 1;
+      CHECK(wrong == 0);
+      if (threads > 1 && n > 1) CHECK(nested_parallel.load() == 0);
+    }
+    // many short loops back to back, each writing its own loop id
+    std::vector<index_t> owner(257, -1);
+    int mismatches = 0;
+    for (index_t loop = 0; loop < 2000; ++loop) {
+      parallel_for(0, 257, [&](index_t i) { owner[static_cast<std::size_t>(i)] = loop; });
+      for (index_t v : owner) mismatches += v != loop;
+    }
+    CHECK(mismatches == 0);
+  }
+  // two user threads running loops at once: one gets the pool, the other runs serially
+  set_num_threads(2);
+  std::vector<long> sums(2, 0);
+  std::vector<std::thread> users;
+  for (int u = 0; u < 2; ++u)
+    users.emplace_back([&, u] {
+      for (int rep = 0; rep < 200; ++rep) {
+        std::vector<long> part(1000, 0);
+        parallel_for(0, 1000, [&](index_t i) { part[static_cast<std::size_t>(i)] = i; });
+        for (long v : part) sums[static_cast<std::size_t>(u)] += v;
+      }
+    });
+  for (auto& t : users) t.join();
+  CHECK(sums[0] == 200L * 999 * 1000 / 2);
+  CHECK(sums[1] == sums[0]);
+  set_num_threads(1);
 }
 
 TEST_CASE("threads: counts above 4 x the hardware threads are refused, naming the limit") {

@@ -1,10 +1,17 @@
 // graphmoe/core/threads.hpp: the thread-count setting every CPU op honours.
 //
 // set_num_threads(n) sets the count used by graphmoe's parallel loops. There is one threading
-// runtime, OpenMP: Eigen's and OpenBLAS's own threads are kept at 1, and gemm() splits a large
-// product over the threads itself (each part a single-threaded BLAS call). Two runtimes that both
-// spin-wait on 2 cores (OpenBLAS's pthreads and OpenMP's workers) were measured 2-8x slower than
-// one thread; see docs/benchmarks.md. The default is 1 thread: the caller opts in to parallelism.
+// runtime, graphmoe's own pool (core/thread_pool.hpp): Eigen's and OpenBLAS's own threads are kept
+// at 1, and gemm() splits a large product over the threads itself (each part a single-threaded
+// BLAS call). Two runtimes that both spin-wait on 2 cores (OpenBLAS's pthreads and OpenMP's
+// workers) were measured 2-8x slower than one thread; see docs/benchmarks.md. The default is 1
+// thread: the caller opts in to parallelism.
+//
+// The loops run on the pool when graphmoe is built with GRAPHMOE_USE_OPENMP (the build's switch
+// for parallel loops; compiling with -fopenmp also links the threads library), and serially
+// without it. The pool replaced OpenMP's parallel-for because OpenMP's fork-join barriers and
+// long spin-waits collapse when another process shares a core (thread_pool.hpp, docs/benchmarks.md
+// "Contention"); define GRAPHMOE_OPENMP_LOOPS to get the OpenMP loops back (for comparison).
 //
 // The count is limited to max_num_threads() = kMaxThreadsPerHardwareThread (4) x the hardware
 // threads (std::thread::hardware_concurrency(), 1 when unknown): more only oversubscribes the
@@ -23,6 +30,8 @@
 
 #if defined(_OPENMP)
 #include <omp.h>
+
+#include "graphmoe/core/thread_pool.hpp"
 #endif
 
 #if defined(GRAPHMOE_USE_BLAS)
@@ -67,14 +76,15 @@ inline void set_num_threads(int n) {
 // True inside a parallel region (where nested parallel loops run serially).
 inline bool in_parallel_region() {
 #if defined(_OPENMP)
-  return omp_in_parallel() != 0;
+  return detail::in_pool_loop() || omp_in_parallel() != 0;
 #else
   return false;
 #endif
 }
 
-// Calls fn(i) for i in [begin, end), split statically over num_threads() threads. Work below
-// `grain` iterations per thread runs serially. fn must not throw.
+// Calls fn(i) for i in [begin, end) over num_threads() threads, in contiguous chunks of about
+// n / (4 x threads) iterations that the threads claim in order. Work below `grain` iterations per
+// thread runs serially. fn must not throw.
 template <class Fn>
 void parallel_for(index_t begin, index_t end, Fn&& fn, index_t grain = 1) {
   const index_t n = end - begin;
@@ -82,8 +92,14 @@ void parallel_for(index_t begin, index_t end, Fn&& fn, index_t grain = 1) {
 #if defined(_OPENMP)
   const int threads = num_threads();
   if (threads > 1 && n >= 2 * grain && !in_parallel_region()) {
+#if defined(GRAPHMOE_OPENMP_LOOPS)
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (index_t i = begin; i < end; ++i) fn(i);
+#else
+    // contiguous chunks, four per thread: a late or descheduled thread's share is taken over
+    auto body = [&](index_t i) { fn(begin + i); };
+    detail::ThreadPool::instance().run(n, (n + 4 * threads - 1) / (4 * threads), threads, body);
+#endif
     return;
   }
 #else
@@ -102,9 +118,11 @@ void parallel_items(index_t n, Fn&& fn) {
     for (index_t i = 0; i < n; ++i) fn(i);
     return;
   }
-#if defined(_OPENMP)
+#if defined(_OPENMP) && defined(GRAPHMOE_OPENMP_LOOPS)
 #pragma omp parallel for num_threads(num_threads()) schedule(dynamic, 1)
   for (index_t i = 0; i < n; ++i) fn(i);
+#elif defined(_OPENMP)
+  detail::ThreadPool::instance().run(n, 1, num_threads(), fn);
 #else
   for (index_t i = 0; i < n; ++i) fn(i);
 #endif
