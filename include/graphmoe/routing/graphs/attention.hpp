@@ -58,8 +58,10 @@ const AttentionCache<T, B>& check_attention_cache(const GraphContext<T, B>& ctx,
 // docs/routers.md for the choice of tensors and the factor H.
 //
 // Per sequence and used head h (M_h, (T, D), one at a time), in blocks of kBlock rows i0..i0+bi:
-//   forward   G = Aout_blk M_h^T (bi, T), the rows of head h -> A^p in log space (lse kept),
+//   forward   G = Aout_blk M_h^T (bi, jn), the rows of head h -> A^p in log space (lse kept),
 //             rows of other heads 0;  p_blk += A^p_blk R
+//   (jn: the block's columns up to its last prior A > floor, block_cols: i0 + bi for a causal
+//   attention layer, so causal blocks cost half, as in the Similarity graph)
 //   backward  dR += A^p_blk^T dp_blk;  dL = A^p o (dp_blk R^T - rowdot(dp, p));
 //             dprobs_h += dL / A (A > floor);  dout_blk += dL M_h / sigma^2;
 //             dM_h += dL^T Aout_blk / sigma^2, colsum_h += column sums of dL;
@@ -107,10 +109,12 @@ class GraphImpl<Attention, T, cpu> {
         if (!head_used(s0, len, h)) continue;
         head_mean(c, b, h, len, M);
         msq = M.rowwise().squaredNorm();
+        const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
         for (index_t i0 = 0; i0 < len; i0 += kBlock) {
           const index_t bi = std::min(kBlock, len - i0);
           if (!head_used(s0 + i0, bi, h)) continue;
-          logits(c, b, h, i0, bi, M, msq, Ap);
+          const index_t jn = block_cols(A, i0, bi);
+          logits(c, b, h, i0, bi, jn, M, msq, Ap);
           for (index_t a = 0; a < bi; ++a) {
             if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) {
               Ap.row(a).setZero();
@@ -122,9 +126,12 @@ class GraphImpl<Attention, T, cpu> {
                                                     " is all zero";
               return;
             }
-            if (stores_) as_matrix(post_).row(s0 + i0 + a) = Ap.row(a);
+            if (stores_) {
+              as_matrix(post_).row(s0 + i0 + a).head(jn) = Ap.row(a);
+              as_matrix(post_).row(s0 + i0 + a).tail(len - jn).setZero();
+            }
           }
-          P.middleRows(s0 + i0, bi).noalias() += Ap * R.middleRows(s0, len);
+          P.middleRows(s0 + i0, bi).noalias() += Ap * R.middleRows(s0, jn);
         }
       }
     });
@@ -182,39 +189,42 @@ class GraphImpl<Attention, T, cpu> {
         for (index_t i0 = 0; i0 < len; i0 += kBlock) {
           const index_t bi = std::min(kBlock, len - i0);
           if (!head_used(s0 + i0, bi, h)) continue;
+          const index_t jn = block_cols(A, i0, bi);
           // this block's A^p rows of head h (the others 0): kept, or recomputed from lse
           if (stores_) {
-            Ap = as_matrix(post_).middleRows(s0 + i0, bi);
+            Ap = as_matrix(post_).block(s0 + i0, 0, bi, jn);
           } else {
-            logits(c, b, h, i0, bi, M, msq, Ap);
+            logits(c, b, h, i0, bi, jn, M, msq, Ap);
           }
           for (index_t a = 0; a < bi; ++a) {
             if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) {
               Ap.row(a).setZero();
             } else if (!stores_) {
               const T l = lse_.data()[s0 + i0 + a];
-              Ap.row(a) = (A.row(i0 + a).array() > floor).select((Ap.row(a).array() - l).exp(), T(0));
+              Ap.row(a) = (A.row(i0 + a).head(jn).array() > floor)
+                              .select((Ap.row(a).array() - l).exp(), T(0));
             }
           }
           const auto dPb = dP.middleRows(s0 + i0, bi);
-          dRs.noalias() += Ap.transpose() * dPb;
+          dRs.topRows(jn).noalias() += Ap.transpose() * dPb;
           if (opts_.detach) continue;
           rowdot = (dPb.array() * P.middleRows(s0 + i0, bi).array()).rowwise().sum();
-          dL.noalias() = dPb * Rs.transpose();
+          dL.noalias() = dPb * Rs.topRows(jn).transpose();
           dL = Ap.array() * (dL.colwise() - rowdot).array();
           // into log A_h: dA = dL / A where A > attention_prior_floor (0 where forward used -inf)
           if (!c.dprobs.empty()) {
             MatrixMap<T> dA(c.dprobs.data() + ((b * nh + h) * len) * len, len, len);
             for (index_t a = 0; a < bi; ++a) {
               if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) continue;
-              dA.row(i0 + a).array() +=
-                  (A.row(i0 + a).array() > floor).select(dL.row(a).array() / A.row(i0 + a).array(), T(0));
+              dA.row(i0 + a).head(jn).array() +=
+                  (A.row(i0 + a).head(jn).array() > floor)
+                      .select(dL.row(a).array() / A.row(i0 + a).head(jn).array(), T(0));
             }
           }
           if (!c.dout.empty())
-            as_matrix(c.dout).middleRows(s0 + i0, bi).noalias() += inv_var * dL * M;
-          colsum += dL.colwise().sum().transpose();
-          dM.noalias() += inv_var * dL.transpose() * Aout.middleRows(i0, bi);
+            as_matrix(c.dout).middleRows(s0 + i0, bi).noalias() += inv_var * dL * M.topRows(jn);
+          colsum.head(jn) += dL.colwise().sum().transpose();
+          dM.topRows(jn).noalias() += inv_var * dL.transpose() * Aout.middleRows(i0, bi);
         }
         if (opts_.detach) continue;
         dM -= inv_var * (M.array().colwise() * colsum.array()).matrix();
@@ -273,22 +283,41 @@ class GraphImpl<Attention, T, cpu> {
     return false;
   }
 
-  // G = Aout_blk M_h^T / sigma^2 turned into the log-posterior logits of rows [i0, i0 + bi) of
-  // sequence b under head h, in place: (bi, T), -inf where A <= attention_prior_floor:
-  //   log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2
+  // 1 + the last column j with A[i, j] > attention_prior_floor over rows [i0, i0 + bi) of one
+  // head's probabilities A (T, T), at least 1: A^p is 0 right of it (a causal layer's block ends
+  // at column i0 + bi), so the block's products stop there. O(T) per row, against O(T D).
+  index_t block_cols(const MatrixMap<T>& A, index_t i0, index_t bi) const {
+    constexpr T floor = attention_prior_floor<T>();
+    index_t jn = 1;
+    for (index_t a = 0; a < bi; ++a) {
+      const T* row = A.data() + (i0 + a) * A.cols();
+      for (index_t j = A.cols() - 1; j >= jn; --j) {
+        if (row[j] > floor) {
+          jn = j + 1;
+          break;
+        }
+      }
+    }
+    return jn;
+  }
+
+  // G = Aout_blk M_h^T turned into the log-posterior logits of rows [i0, i0 + bi) of sequence b
+  // under head h and its first jn columns (block_cols), in place: (bi, jn), -inf where
+  // A <= attention_prior_floor:  log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2
   void logits(const AttentionCache<T, cpu>& c, index_t b, index_t h, index_t i0, index_t bi,
-              const RowMatrix<T>& M, const Eigen::Matrix<T, Eigen::Dynamic, 1>& msq,
+              index_t jn, const RowMatrix<T>& M, const Eigen::Matrix<T, Eigen::Dynamic, 1>& msq,
               RowMatrix<T>& L) const {
     const index_t len = seq_len_, nh = c.num_heads;
     const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     constexpr T floor = attention_prior_floor<T>();
-    L.noalias() = as_matrix(c.out).middleRows(b * len + i0, bi) * M.transpose();  // a_i . m_hj
+    L.noalias() = as_matrix(c.out).middleRows(b * len + i0, bi) * M.topRows(jn).transpose();
     const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len + i0) * len, bi, len);
+    const auto msq_t = msq.head(jn).transpose().array();
     for (index_t a = 0; a < bi; ++a)
-      L.row(a) = (A.row(a).array() > floor)
-                     .select(A.row(a).array().log() +
-                                 (L.row(a).array() - T(0.5) * msq.transpose().array()) * inv_var,
+      L.row(a) = (A.row(a).head(jn).array() > floor)
+                     .select(A.row(a).head(jn).array().log() +
+                                 (L.row(a).array() - T(0.5) * msq_t) * inv_var,
                              kNegInf);
   }
 
@@ -305,7 +334,7 @@ class GraphImpl<Attention, T, cpu> {
     const T dot = (shifted > kNegInf).select(e * shifted, T(0)).sum();
     row = e.matrix() / sum;
     lse_.data()[g] = mx + std::log(sum);
-    self_.data()[g] = row(i);
+    self_.data()[g] = i < row.size() ? row(i) : T(0);
     row_entropy_[static_cast<std::size_t>(g)] = static_cast<double>(std::log(sum) - dot / sum);
     return true;
   }
