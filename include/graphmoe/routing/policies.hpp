@@ -114,7 +114,7 @@ enum class GraphMemory {
 // Auto's rule: store up to this sequence length. Both the stored bytes per token (4 T in float)
 // and recomputing's relative cost depend on T alone; the crossover measured on the CPU is in
 // docs/benchmarks.md ("Token graphs at long sequences").
-inline constexpr index_t kGraphStoreMaxLen = 1024;
+inline constexpr index_t kGraphStoreMaxLen = 512;
 
 // Whether a graph with option `memory` keeps its N x seq_len matrix for sequences of seq_len.
 inline bool graph_stores(GraphMemory memory, index_t seq_len) {
