@@ -281,7 +281,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Similarity forward and backward, causal and not
   }
 }
 
-TEST_CASE_TEMPLATE("cuda vs cpu: Similarity detached, and similarity_recompute changes nothing", T,
+TEST_CASE_TEMPLATE("cuda vs cpu: Similarity detached, and GraphMemory::Recompute changes nothing", T,
                    float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();
   Rng rng(3);
@@ -292,7 +292,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Similarity detached, and similarity_recompute c
     cfg.options<Similarity>().detach = true;  // du untouched, dr still assigned
     compare_similarity<T>(SimilarityCase{2, 45, 20, 5}, cfg, rng);
     cfg.options<Similarity>().detach = false;
-    cfg.options<Similarity>().recompute = true;  // the CPU recomputes too; the GPU always does
+    cfg.options<Similarity>().memory = GraphMemory::Recompute;  // the CPU recomputes too; the GPU always does
     compare_similarity<T>(SimilarityCase{2, 45, 20, 5}, cfg, rng);
   }
 }

@@ -36,6 +36,19 @@ AttentionCache<T> random_attention_cache(index_t nb, index_t len, index_t heads,
   return c;
 }
 
+// Row entropies (the attention layer's, which choose h*) under which HeadChoice::PerSequenceCausal
+// takes head 0 for rows 0..59 of every sequence and head 1 from row 60 on (head 0: 1 everywhere;
+// head 1: 2 on rows < 30, 0 after, so its prefix mean drops below 1 at row 60; others 1.5), so
+// that the first block of 64 rows mixes two heads.
+template <class T>
+void set_head_switch_at_60(AttentionCache<T>& c, index_t nb, index_t len) {
+  c.row_entropy = Tensor<T>({nb, c.num_heads, len});
+  for (index_t b = 0; b < nb; ++b)
+    for (index_t h = 0; h < c.num_heads; ++h)
+      for (index_t i = 0; i < len; ++i)
+        c.row_entropy(b, h, i) = static_cast<T>(h == 0 ? 1.0 : h == 1 ? (i < 30 ? 2.0 : 0.0) : 1.5);
+}
+
 template <class T>
 void zero_sinks(AttentionCache<T>& c) {
   c.dprobs.zero();

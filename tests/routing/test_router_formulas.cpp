@@ -122,7 +122,7 @@ TEST_CASE("similarity graph: matches Definition 2 evaluated loop by loop") {
       cfg.num_experts = e;
       cfg.options<Similarity>().tau = 1.3;
       cfg.causal = causal;
-      cfg.options<Similarity>().recompute = len > 100;
+      cfg.options<Similarity>().memory = len > 100 ? GraphMemory::Recompute : GraphMemory::Store;
       GraphImpl<Similarity, double> g;
       g.configure(d, cfg);
       Tensor<double> p;
@@ -156,7 +156,7 @@ TEST_CASE("similarity graph: similarity_projection matches Definition 2 with W_s
         cfg.num_experts = e;
         cfg.options<Similarity>().tau = 0.9;
         cfg.causal = causal;
-        cfg.options<Similarity>().recompute = recompute;
+        cfg.options<Similarity>().memory = recompute ? GraphMemory::Recompute : GraphMemory::Store;
         cfg.options<Similarity>().projection = true;
         ParameterArena<double> arena;
         GraphImpl<Similarity, double> g;
@@ -227,7 +227,7 @@ TEST_CASE("similarity graph: exclude_self matches Definition 2 without the diago
         cfg.num_experts = e;
         cfg.options<Similarity>().tau = 0.9;
         cfg.causal = causal;
-        cfg.options<Similarity>().recompute = recompute;
+        cfg.options<Similarity>().memory = recompute ? GraphMemory::Recompute : GraphMemory::Store;
         cfg.options<Similarity>().exclude_self = true;
         GraphImpl<Similarity, double> g;
         g.configure(d, cfg);
@@ -324,8 +324,12 @@ TEST_CASE("similarity graph: tau scaled with the width uses tau * sqrt(D)") {
 TEST_CASE("attention graph: matches Lemma 1 / Eq. 13 with the full Gaussian likelihood") {
   Rng rng(13);
   for (bool causal : {false, true}) {
+   for (index_t len : {6, 130}) {  // 130: three row blocks, causal ones cut at the block's end
+    for (GraphMemory memory : {GraphMemory::Store, GraphMemory::Recompute}) {
     CAPTURE(causal);
-    const index_t nb = 2, len = 6, heads = 3, d = 6, e = 4;
+    CAPTURE(len);
+    CAPTURE(static_cast<int>(memory));
+    const index_t nb = 2, heads = 3, d = 6, e = 4;
     const double sigma = 2.5;
     auto cache = random_attention_cache<double>(nb, len, heads, d, causal, rng);
     auto u = random_normal<double>({nb * len, d}, rng);
@@ -333,10 +337,12 @@ TEST_CASE("attention graph: matches Lemma 1 / Eq. 13 with the full Gaussian like
     RouterConfig cfg;
     cfg.num_experts = e;
     cfg.options<Attention>().sigma = sigma;
+    cfg.options<Attention>().memory = memory;
     GraphImpl<Attention, double> g;
     g.configure(d, cfg);
     Tensor<double> p;
     g.forward(u, r, {len, &cache}, p);
+    REQUIRE(g.stores() == (memory == GraphMemory::Store));
     for (index_t b = 0; b < nb; ++b) {
       const int hstar = naive_best_head(cache, b, len, len - 1);
       auto post = naive_posterior(cache, b, hstar, len, sigma);
@@ -347,10 +353,12 @@ TEST_CASE("attention graph: matches Lemma 1 / Eq. 13 with the full Gaussian like
           for (index_t j = 0; j < len; ++j) ref += post[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)] * r(b * len + j, c);
           CHECK(p(b * len + i, c) == doctest::Approx(static_cast<double>(ref)).epsilon(1e-9));
         }
-        if (causal)
+        if (causal && g.stores())
           for (index_t j = i + 1; j < len; ++j) CHECK(g.posterior()(b * len + i, j) == 0.0);
       }
     }
+    }
+   }
   }
 }
 
@@ -640,6 +648,63 @@ TEST_CASE("router: bad input") {
   AttentionCache<float> bad = random_attention_cache<float>(1, 4, 2, 3, false, rng);
   bad.probs = Tensor<float>({1, 2, 4, 3});
   CHECK_THROWS_WITH_AS(att.forward(u, {4, &bad}, out), doctest::Contains("attention probs have shape (1, 2, 4, 3)"), Error);
+}
+
+TEST_CASE("token graphs: GraphMemory's size rule, and both graphs follow it") {
+  CHECK(Similarity::Options{}.memory == GraphMemory::Auto);
+  CHECK(Attention::Options{}.memory == GraphMemory::Auto);
+  CHECK(graph_stores(GraphMemory::Auto, 1));
+  CHECK(graph_stores(GraphMemory::Auto, kGraphStoreMaxLen));
+  CHECK(!graph_stores(GraphMemory::Auto, kGraphStoreMaxLen + 1));
+  CHECK(graph_stores(GraphMemory::Store, kGraphStoreMaxLen * 64));
+  CHECK(!graph_stores(GraphMemory::Recompute, 1));
+  CHECK_THROWS_WITH_AS(graph_stores(static_cast<GraphMemory>(7), 4),
+                       doctest::Contains("7 is not a GraphMemory"), Error);
+  CHECK_THROWS_WITH_AS(graph_stores(GraphMemory::Auto, 0),
+                       doctest::Contains("sequence length must be >= 1, got 0"), Error);
+  RouterConfig bad;
+  bad.options<Similarity>().memory = static_cast<GraphMemory>(-1);
+  CHECK_THROWS_WITH_AS((bad.validate_for<LinearScorer, Similarity, TopK>()),
+                       doctest::Contains("-1 is not a GraphMemory"), Error);
+  bad.options<Attention>().memory = static_cast<GraphMemory>(3);
+  CHECK_THROWS_WITH_AS((bad.validate_for<LinearScorer, Attention, TopK>()),
+                       doctest::Contains("3 is not a GraphMemory"), Error);
+  // Auto (the default) at the threshold and one token past it, in both graphs
+  Rng rng(17);
+  const index_t d = 2, e = 2;
+  for (index_t len : {kGraphStoreMaxLen, kGraphStoreMaxLen + 1}) {
+    CAPTURE(len);
+    const bool stores = len <= kGraphStoreMaxLen;
+    auto u = random_normal<double>({len, d}, rng);
+    auto r = random_probs<double>(len, e, rng);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.causal = true;
+    Tensor<double> p;
+    GraphImpl<Similarity, double> sim;
+    sim.configure(d, cfg);
+    sim.forward(u, r, {len, nullptr}, p);
+    CHECK(sim.stores() == stores);
+    auto cache = random_attention_cache<double>(1, len, 1, d, true, rng);
+    GraphImpl<Attention, double> att;
+    att.configure(d, cfg);
+    CHECK(att.posterior().empty());  // no forward yet
+    att.forward(u, r, {len, &cache}, p);
+    CHECK(att.stores() == stores);
+    if (stores) {
+      CHECK(att.posterior().shape() == (Shape{len, len}));
+    } else {
+      CHECK_THROWS_WITH_AS(att.posterior(), doctest::Contains("did not keep A^p"), Error);
+    }
+    // a backward needs the forward of the same tokens
+    Tensor<double> dr, du(u.shape());
+    auto u2 = random_normal<double>({2 * len, d}, rng);
+    auto r2 = random_probs<double>(2 * len, e, rng);
+    CHECK_THROWS_WITH_AS(sim.backward(u2, r2, r2, r2, {len, nullptr}, dr, du),
+                         doctest::Contains("no forward of these"), Error);
+    CHECK_THROWS_WITH_AS(att.backward(u, r, p, p, {len - 1, &cache}, dr, du),
+                         doctest::Contains("does not divide"), Error);
+  }
 }
 
 TEST_CASE("RouterConfig: each policy's options, by the policy's type") {

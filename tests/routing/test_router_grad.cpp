@@ -90,7 +90,7 @@ TEST_CASE("similarity graph gradient check: causal, non-causal, across row block
     cfg.options<Similarity>().tau = 0.7;
     cfg.causal = cs.causal;
     test::set_graph_detach(cfg, cs.detach);
-    cfg.options<Similarity>().recompute = cs.recompute;
+    cfg.options<Similarity>().memory = cs.recompute ? GraphMemory::Recompute : GraphMemory::Store;
     GraphImpl<Similarity, double> g;
     g.configure(cs.d, cfg);
     GraphContext<double> ctx{cs.len, nullptr};
@@ -134,7 +134,7 @@ TEST_CASE("similarity graph gradient check: exclude_self, a learned temperature,
     cfg.num_experts = e;
     cfg.options<Similarity>().tau = 0.7;
     cfg.causal = cs.causal;
-    cfg.options<Similarity>().recompute = cs.recompute;
+    cfg.options<Similarity>().memory = cs.recompute ? GraphMemory::Recompute : GraphMemory::Store;
     cfg.options<Similarity>().exclude_self = cs.exclude;
     cfg.options<Similarity>().tau_mode = cs.learned ? TauMode::Learned : TauMode::Fixed;
     cfg.options<Similarity>().projection = cs.projection;
@@ -169,8 +169,10 @@ TEST_CASE("attention graph gradient check: into r, the attention probabilities, 
   for (bool causal : {false, true}) {
     for (HeadChoice hc : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
       for (bool detach : {false, true}) {
+       for (GraphMemory memory : {GraphMemory::Store, GraphMemory::Recompute}) {
         CAPTURE(causal);
         CAPTURE(detach);
+        CAPTURE(static_cast<int>(memory));
         Rng rng(23);
         const index_t nb = 2, len = 5, heads = 2, d = 4, e = 3;
         auto cache = random_attention_cache<double>(nb, len, heads, d, causal, rng);
@@ -181,6 +183,7 @@ TEST_CASE("attention graph gradient check: into r, the attention probabilities, 
         cfg.num_experts = e;
         cfg.options<Attention>().sigma = 1.7;
         cfg.options<Attention>().head_choice = hc;
+        cfg.options<Attention>().memory = memory;
         test::set_graph_detach(cfg, detach);
         GraphImpl<Attention, double> g;
         g.configure(d, cfg);
@@ -216,6 +219,216 @@ TEST_CASE("attention graph gradient check: into r, the attention probabilities, 
         check_gradient("dw_o", cache.w_o, cache.dw_o, loss);
         check_gradient("db_o", cache.b_o, cache.db_o, loss);
         check_gradient("dout", cache.out, cache.dout, loss);
+       }
+      }
+    }
+  }
+}
+
+TEST_CASE("attention graph gradient check: A^p recomputed across row blocks, two heads in one block") {
+  Rng rng(29);
+  const index_t nb = 1, len = 67, heads = 2, d = 4, e = 3;
+  auto cache = random_attention_cache<double>(nb, len, heads, d, /*causal=*/true, rng);
+  set_head_switch_at_60(cache, nb, len);
+  auto r = random_probs<double>(nb * len, e, rng);
+  auto u = random_normal<double>({nb * len, d}, rng);
+  auto w = random_normal<double>({nb * len, e}, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.causal = true;  // HeadChoice::PerSequenceCausal
+  cfg.options<Attention>().sigma = 1.7;
+  cfg.options<Attention>().memory = GraphMemory::Recompute;
+  GraphImpl<Attention, double> g;
+  g.configure(d, cfg);
+  GraphContext<double> ctx{len, &cache};
+  auto loss = [&] {
+    Tensor<double> p;
+    g.forward(u, r, ctx, p);
+    return weighted_sum(p, w);
+  };
+  Tensor<double> p, dr, du(u.shape());
+  g.forward(u, r, ctx, p);
+  REQUIRE(!g.stores());
+  REQUIRE(g.heads()[0] == 0);
+  REQUIRE(g.heads()[63] == 1);
+  zero_sinks(cache);
+  g.backward(u, r, p, w, ctx, dr, du);
+  check_gradient("dr", r, dr, loss);
+  Tensor<double> probs = cache.probs;
+  auto dprobs = cache.dprobs.clone();
+  const Tensor<double> mask = probs.clone();
+  GradcheckOptions opt;
+  opt.h = 1e-7;
+  // every positive probability of rows 55..66 (both heads' rows around the switch, the second
+  // block), and every 7th elsewhere
+  opt.skip = [&](index_t i) {
+    const index_t row = (i / len) % len;
+    return mask.data()[i] == 0.0 || (row < 55 && i % 7 != 0);
+  };
+  check_gradient("dprobs", probs, dprobs, loss, opt);
+  check_gradient("dv", cache.v, cache.dv, loss);
+  check_gradient("dw_o", cache.w_o, cache.dw_o, loss);
+  check_gradient("db_o", cache.b_o, cache.db_o, loss);
+  check_gradient("dout", cache.out, cache.dout, loss);
+}
+
+namespace {
+
+// max |a - b| / max(1, max |a|)
+template <class T>
+double rel_diff(const Tensor<T>& a, const Tensor<T>& b) {
+  REQUIRE(a.shape() == b.shape());
+  double scale = 1, worst = 0;
+  for (index_t i = 0; i < a.numel(); ++i) {
+    scale = std::max(scale, std::abs(static_cast<double>(a.data()[i])));
+    worst = std::max(worst, std::abs(static_cast<double>(a.data()[i]) - static_cast<double>(b.data()[i])));
+  }
+  return worst / scale;
+}
+
+// Stored and recomputed graphs differ by the rounding of exp(l - lse) against e / sum.
+template <class T>
+constexpr double kPathTol = std::is_same_v<T, double> ? 1e-11 : 1e-4;
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("similarity graph: stored and recomputed S agree, forward and backward", T, float,
+                   double) {
+  struct Case { bool exclude, learned, projection, detach; };
+  for (bool causal : {false, true}) {
+    for (index_t len : {1, 63, 65, 130}) {
+      for (Case cs : {Case{false, false, false, false}, Case{true, false, false, false},
+                      Case{false, true, false, false}, Case{false, false, true, false},
+                      Case{false, false, false, true}}) {
+        CAPTURE(causal);
+        CAPTURE(len);
+        CAPTURE(cs.exclude);
+        CAPTURE(cs.learned);
+        CAPTURE(cs.projection);
+        CAPTURE(cs.detach);
+        Rng rng(41);
+        const index_t nb = 2, d = 5, e = 4, n = nb * len;
+        const auto u = random_normal<T>({n, d}, rng, 0.8);
+        const auto r = random_probs<T>(n, e, rng);
+        const auto dp = random_normal<T>({n, e}, rng);
+        const auto w_s = random_normal<T>({d, d}, rng, 0.5);
+        struct Out {
+          Tensor<T> p, dr, du, entropy, self, grads;
+          bool stores = false;
+        };
+        auto run = [&](GraphMemory memory) {
+          RouterConfig cfg;
+          cfg.num_experts = e;
+          cfg.causal = causal;
+          auto& o = cfg.options<Similarity>();
+          o.tau = 0.8;
+          o.exclude_self = cs.exclude;
+          o.tau_mode = cs.learned ? TauMode::Learned : TauMode::Fixed;
+          o.projection = cs.projection;
+          o.detach = cs.detach;
+          o.memory = memory;
+          ParameterArena<T> arena;
+          GraphImpl<Similarity, T> g;
+          g.declare(arena, "graph.", d, cfg);
+          arena.allocate();
+          g.bind(arena);
+          Rng init(5);
+          g.init(init);
+          if (cs.projection) arena.value("graph.w_s").copy_from(w_s);
+          Out out;
+          g.forward(u, r, {len, nullptr}, out.p);
+          out.stores = g.stores();
+          arena.zero_grad();
+          out.du = Tensor<T>(u.shape());
+          g.backward(u, r, out.p, dp, {len, nullptr}, out.dr, out.du);
+          out.entropy = g.row_entropy().clone();
+          out.self = g.self_weight().clone();
+          if (arena.size() > 0) out.grads = arena.grads().clone();
+          return out;
+        };
+        const Out st = run(GraphMemory::Store), re = run(GraphMemory::Recompute);
+        CHECK(st.stores);
+        CHECK(!re.stores);
+        CHECK(rel_diff(st.p, re.p) <= kPathTol<T>);
+        CHECK(rel_diff(st.entropy, re.entropy) <= kPathTol<T>);
+        CHECK(rel_diff(st.self, re.self) <= kPathTol<T>);
+        CHECK(rel_diff(st.dr, re.dr) <= kPathTol<T>);
+        CHECK(rel_diff(st.du, re.du) <= kPathTol<T>);
+        CHECK(rel_diff(st.grads, re.grads) <= kPathTol<T>);
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("attention graph: stored and recomputed A^p agree, forward and backward", T, float,
+                   double) {
+  for (bool causal : {false, true}) {
+    for (HeadChoice hc : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
+      if (causal && hc == HeadChoice::PerSequence) continue;  // refused
+      for (index_t len : {1, 63, 65, 130}) {
+        for (bool detach : {false, true}) {
+          CAPTURE(causal);
+          CAPTURE(static_cast<int>(hc));
+          CAPTURE(len);
+          CAPTURE(detach);
+          Rng rng(43);
+          const index_t nb = 2, heads = 3, d = 6, e = 4, n = nb * len;
+          auto cache = random_attention_cache<T>(nb, len, heads, d, causal, rng);
+          if (hc == HeadChoice::PerSequenceCausal) set_head_switch_at_60(cache, nb, len);
+          const auto u = random_normal<T>({n, d}, rng);
+          const auto r = random_probs<T>(n, e, rng);
+          const auto dp = random_normal<T>({n, e}, rng);
+          struct Out {
+            Tensor<T> p, dr, self, dprobs, dv, dw_o, db_o, dout;
+            std::vector<double> entropy;
+            std::vector<int> heads;
+            bool stores = false;
+          };
+          auto run = [&](GraphMemory memory) {
+            RouterConfig cfg;
+            cfg.num_experts = e;
+            cfg.causal = causal;
+            cfg.options<Attention>().sigma = 1.3;
+            cfg.options<Attention>().head_choice = hc;
+            cfg.options<Attention>().detach = detach;
+            cfg.options<Attention>().memory = memory;
+            GraphImpl<Attention, T> g;
+            g.configure(d, cfg);
+            zero_sinks(cache);
+            Out out;
+            Tensor<T> du(u.shape());
+            g.forward(u, r, {len, &cache}, out.p);
+            out.stores = g.stores();
+            g.backward(u, r, out.p, dp, {len, &cache}, out.dr, du);
+            out.self = g.self_weight().clone();
+            out.entropy = g.row_entropy();
+            out.heads = g.heads();
+            out.dprobs = cache.dprobs.clone();
+            out.dv = cache.dv.clone();
+            out.dw_o = cache.dw_o.clone();
+            out.db_o = cache.db_o.clone();
+            out.dout = cache.dout.clone();
+            return out;
+          };
+          const Out st = run(GraphMemory::Store), re = run(GraphMemory::Recompute);
+          CHECK(st.stores);
+          CHECK(!re.stores);
+          if (hc == HeadChoice::PerSequenceCausal && len >= 63) CHECK(st.heads[59] != st.heads[60]);
+          CHECK(st.heads == re.heads);
+          CHECK(rel_diff(st.p, re.p) <= kPathTol<T>);
+          double worst_entropy = 0;
+          for (std::size_t i = 0; i < st.entropy.size(); ++i)
+            worst_entropy = std::max(worst_entropy, std::abs(st.entropy[i] - re.entropy[i]));
+          CHECK(worst_entropy <= kPathTol<T>);
+          CHECK(rel_diff(st.self, re.self) <= kPathTol<T>);
+          CHECK(rel_diff(st.dr, re.dr) <= kPathTol<T>);
+          CHECK(rel_diff(st.dprobs, re.dprobs) <= kPathTol<T>);
+          CHECK(rel_diff(st.dv, re.dv) <= kPathTol<T>);
+          CHECK(rel_diff(st.dw_o, re.dw_o) <= kPathTol<T>);
+          CHECK(rel_diff(st.db_o, re.db_o) <= kPathTol<T>);
+          CHECK(rel_diff(st.dout, re.dout) <= kPathTol<T>);
+          if (detach) CHECK(as_vector(re.dv).cwiseAbs().maxCoeff() == T(0));
+        }
       }
     }
   }

@@ -18,4 +18,10 @@ inline void set_graph_detach(RouterConfig& cfg, bool detach) {
   cfg.options<Attention>().detach = detach;
 }
 
+// Whether both graphs keep their (N, T) matrix for backward (GraphMemory).
+inline void set_graph_memory(RouterConfig& cfg, GraphMemory memory) {
+  cfg.options<Similarity>().memory = memory;
+  cfg.options<Attention>().memory = memory;
+}
+
 }  // namespace graphmoe::test

@@ -101,6 +101,31 @@ enum class HeadChoice {
   PerSequenceCausal,  // h*_i = argmin_h mean_{i' <= i} H(A_h[i',:]): no dependence on later tokens
 };
 
+// Whether a token graph keeps its (N, T) matrix from forward for backward (N tokens, sequences of
+// T): Similarity's S, Attention's posterior A^p. Both graphs work in blocks of 64 rows either way,
+// so neither ever holds a (T, T) temporary of its own.
+enum class GraphMemory {
+  Auto,       // Store while T <= kGraphStoreMaxLen, Recompute above (graph_stores)
+  Store,      // keep the N x T values: backward reads them (fastest for short sequences)
+  Recompute,  // keep O(N) (each row's log-sum-exp); backward recomputes the rows block by block,
+              // one more (T, T, D) product: O(T x (D + E)) memory per sequence
+};
+
+// Auto's rule: store up to this sequence length. Both the stored bytes per token (4 T in float)
+// and recomputing's relative cost depend on T alone; the crossover measured on the CPU is in
+// docs/benchmarks.md ("Token graphs at long sequences").
+inline constexpr index_t kGraphStoreMaxLen = 512;
+
+// Whether a graph with option `memory` keeps its N x seq_len matrix for sequences of seq_len.
+inline bool graph_stores(GraphMemory memory, index_t seq_len) {
+  GRAPHMOE_CHECK(memory == GraphMemory::Auto || memory == GraphMemory::Store ||
+                     memory == GraphMemory::Recompute,
+                 "GraphMemory", static_cast<int>(memory), " is not a GraphMemory");
+  GRAPHMOE_CHECK(seq_len >= 1, "GraphMemory", "sequence length must be >= 1, got ", seq_len);
+  if (memory == GraphMemory::Auto) return seq_len <= kGraphStoreMaxLen;
+  return memory == GraphMemory::Store;
+}
+
 // p = r
 struct Independent {
   static constexpr const char* name = "independent";
@@ -123,9 +148,10 @@ struct Similarity {
     // ("<router>.graph.w_s") initialised to the identity, so training starts from the paper's
     // graph (the paper's Definition 2 has W_s, "in practice W_s = I"). CPU backend.
     bool projection = false;
-    // false: keep S (N x seq_len values) from forward for backward; true: keep O(N) and recompute
-    // S block by block in backward (one more U U^T GEMM).
-    bool recompute = false;
+    // Keep S (N x seq_len values) for backward, or recompute it block by block (one more U U^T
+    // product); Auto chooses by the sequence length (graph_stores). The CUDA graph always
+    // recomputes.
+    GraphMemory memory = GraphMemory::Auto;
     // No gradient through S (r still gets its gradient through p = S r).
     bool detach = false;
     void validate() const {
@@ -135,6 +161,7 @@ struct Similarity {
                          tau_mode == TauMode::Learned,
                      "Similarity::Options", "tau_mode ", static_cast<int>(tau_mode),
                      " is not a TauMode");
+      graph_stores(memory, 1);  // refuses a value that is not a GraphMemory
     }
   };
   template <class T, class B>
@@ -149,11 +176,15 @@ struct Attention {
     // Unset (the default): PerSequenceCausal in a causal router (RouterConfig::causal), PerSequence
     // otherwise. PerSequence in a causal router is refused: h* would depend on later tokens.
     std::optional<HeadChoice> head_choice;
+    // Keep A^p (N x seq_len values) for backward, or recompute it block by block (one more
+    // (T, T, D) product); Auto chooses by the sequence length (graph_stores). CPU backend.
+    GraphMemory memory = GraphMemory::Auto;
     // No gradient through A^p (r still gets its gradient through p = A^p r).
     bool detach = false;
     void validate() const {
       GRAPHMOE_CHECK(sigma > 0 && sigma < 1e300, "Attention::Options",
                      "sigma must be > 0 and finite, got ", sigma);
+      graph_stores(memory, 1);  // refuses a value that is not a GraphMemory
     }
     // The head choice in a router that is (or is not) causal; refuses PerSequence in a causal one.
     HeadChoice head_choice_for(bool causal) const {

@@ -11,8 +11,9 @@
 // Differences from the CPU graphs, none of them in the results beyond rounding:
 //   - Similarity never stores S: the forward is one fused online-softmax kernel that keeps the
 //     row log-sum-exp and entropy (O(N)), and the backward recomputes S tile by tile. So
-//     Similarity::Options::recompute is ignored: the GPU path always recomputes (it costs one
-//     more U U^T product in backward, as Options::recompute does on the CPU).
+//     Similarity::Options::memory is ignored: the GPU path always recomputes (it costs one
+//     more U U^T product in backward, as GraphMemory::Recompute does on the CPU).
+//   - Attention::Options::memory is ignored: the GPU graph keeps A^p (posterior()).
 //   - row_entropy() (Similarity) and posterior() (Attention) are device tensors; heads() is a
 //     host vector, copied back during forward (the forward synchronises the stream there, and
 //     once more to read the all-zero-row flag, as the softmax op does).

@@ -3,6 +3,7 @@
 // (detail::check_attention_cache, shared with the CUDA graph of graphs/attention_cuda.cuh).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -55,9 +56,25 @@ const AttentionCache<T, B>& check_attention_cache(const GraphContext<T, B>& ctx,
 // computed in log space. h* = argmin_h of the mean attention-row entropy of the sequence
 // (HeadChoice::PerSequence), or of its prefix up to row i (PerSequenceCausal); see
 // docs/routers.md for the choice of tensors and the factor H.
+//
+// Per sequence and used head h (M_h, (T, D), one at a time), in blocks of kBlock rows i0..i0+bi:
+//   forward   G = Aout_blk M_h^T (bi, jn), the rows of head h -> A^p in log space (lse kept),
+//             rows of other heads 0;  p_blk += A^p_blk R
+//   (jn: the block's columns up to its last prior A > floor, block_cols: i0 + bi for a causal
+//   attention layer, so causal blocks cost half, as in the Similarity graph)
+//   backward  dR += A^p_blk^T dp_blk;  dL = A^p o (dp_blk R^T - rowdot(dp, p));
+//             dprobs_h += dL / A (A > floor);  dout_blk += dL M_h / sigma^2;
+//             dM_h += dL^T Aout_blk / sigma^2, colsum_h += column sums of dL;
+//   then      dM_h -= M_h o colsum_h / sigma^2, and dv, dw_o, db_o from dM_h.
+// Attention::Options::memory: Store keeps A^p (N x T values) for backward; Recompute keeps each
+// row's log-sum-exp and recomputes the block's A^p (one more Aout M_h^T product); Auto stores
+// while T <= kGraphStoreMaxLen. The graph's own memory is O(kBlock x T + T x D) per thread besides
+// A^p when stored; the cache's probs (B, H, T, T) belong to the attention layer.
 template <class T>
 class GraphImpl<Attention, T, cpu> {
  public:
+  static constexpr index_t kBlock = 64;
+
   void configure(index_t d_model, const RouterConfig& cfg) {
     opts_ = cfg.options<Attention>();
     validate_options(opts_);
@@ -71,53 +88,52 @@ class GraphImpl<Attention, T, cpu> {
     const AttentionCache<T, cpu>& c = check_cache(ctx, u.rows());
     const index_t n = u.rows(), len = ctx.seq_len, nh = c.num_heads;
     prepare_output("Attention", "p", p, r.shape());
-    if (post_.empty() || post_.shape() != Shape{n, len}) post_ = Tensor<T, cpu>(Shape{n, len});
+    stores_ = graph_stores(opts_.memory, len);
+    if (stores_ && (post_.empty() || post_.shape() != Shape{n, len})) post_ = Tensor<T, cpu>(Shape{n, len});
+    if (!stores_) post_ = Tensor<T, cpu>();
     seq_len_ = len;
     head_.assign(static_cast<std::size_t>(n), 0);
     row_entropy_.assign(static_cast<std::size_t>(n), 0.0);
-    const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
-    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-    constexpr T floor = attention_prior_floor<T>();
+    lse_ = Tensor<T, cpu>(Shape{n});
+    self_ = Tensor<T, cpu>(Shape{n});
     auto R = as_matrix(r);
     auto P = as_matrix(p);
-    auto Ap = as_matrix(post_);
     std::vector<std::string> errors(static_cast<std::size_t>(n / len));
     parallel_items(n / len, [&](index_t b) {
       const index_t s0 = b * len;
       choose_heads(c, b, len, s0);
-      auto Aout = as_matrix(c.out).middleRows(s0, len);
-      RowMatrix<T> M, G;
+      P.middleRows(s0, len).setZero();
+      RowMatrix<T> M, Ap;
       Eigen::Matrix<T, Eigen::Dynamic, 1> msq;
       for (index_t h = 0; h < nh; ++h) {
         if (!head_used(s0, len, h)) continue;
         head_mean(c, b, h, len, M);
         msq = M.rowwise().squaredNorm();
-        G.noalias() = Aout * M.transpose();  // (T, T): a_i . m_hj
         const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
-        for (index_t i = 0; i < len; ++i) {
-          if (head_[static_cast<std::size_t>(s0 + i)] != h) continue;
-          auto row = Ap.row(s0 + i);
-          // log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2, -inf where A <= attention_prior_floor
-          row = (A.row(i).array() > floor)
-                    .select(A.row(i).array().log() +
-                                (G.row(i).array() - T(0.5) * msq.transpose().array()) * inv_var,
-                            kNegInf);
-          const T mx = row.maxCoeff();
-          if (!(mx > kNegInf)) {
-            errors[static_cast<std::size_t>(b)] = "attention row " + std::to_string(i) +
-                                                  " of sequence " + std::to_string(b) +
-                                                  " is all zero";
-            return;
+        for (index_t i0 = 0; i0 < len; i0 += kBlock) {
+          const index_t bi = std::min(kBlock, len - i0);
+          if (!head_used(s0 + i0, bi, h)) continue;
+          const index_t jn = block_cols(A, i0, bi);
+          logits(c, b, h, i0, bi, jn, M, msq, Ap);
+          for (index_t a = 0; a < bi; ++a) {
+            if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) {
+              Ap.row(a).setZero();
+              continue;
+            }
+            if (!softmax_row(Ap.row(a), s0 + i0 + a, i0 + a)) {
+              errors[static_cast<std::size_t>(b)] = "attention row " + std::to_string(i0 + a) +
+                                                    " of sequence " + std::to_string(b) +
+                                                    " is all zero";
+              return;
+            }
+            if (stores_) {
+              as_matrix(post_).row(s0 + i0 + a).head(jn) = Ap.row(a);
+              as_matrix(post_).row(s0 + i0 + a).tail(len - jn).setZero();
+            }
           }
-          auto shifted = (row.array() - mx).eval();
-          auto e = (shifted > kNegInf).select(shifted.exp(), T(0)).eval();
-          const T sum = e.sum();
-          const T dot = (shifted > kNegInf).select(e * shifted, T(0)).sum();
-          row = e.matrix() / sum;
-          row_entropy_[static_cast<std::size_t>(s0 + i)] = static_cast<double>(std::log(sum) - dot / sum);
+          P.middleRows(s0 + i0, bi).noalias() += Ap * R.middleRows(s0, jn);
         }
       }
-      P.middleRows(s0, len).noalias() = Ap.middleRows(s0, len) * R.middleRows(s0, len);
     });
     for (const auto& e : errors) GRAPHMOE_CHECK(e.empty(), "Attention", e);
   }
@@ -125,52 +141,92 @@ class GraphImpl<Attention, T, cpu> {
   void backward(const Tensor<T, cpu>& u, const Tensor<T, cpu>& r, const Tensor<T, cpu>& p,
                 const Tensor<T, cpu>& dp, const GraphContext<T, cpu>& ctx, Tensor<T, cpu>& dr,
                 Tensor<T, cpu>&) {
+    detail::check_graph_inputs("Attention::backward", u, r, ctx.seq_len);
     AttentionCache<T, cpu>& c = *ctx.attention;
     check_cache(ctx, u.rows());
     const index_t n = u.rows(), len = ctx.seq_len, nh = c.num_heads, nseq = n / len;
+    GRAPHMOE_CHECK(lse_.numel() == n && seq_len_ == len &&
+                       (!stores_ || post_.shape() == (Shape{n, len})),
+                   "Attention::backward", "no forward of these ", n, " tokens in sequences of ",
+                   len, " to take the gradient of");
+    check_shape("Attention::backward", "p", p, r.shape());
+    check_shape("Attention::backward", "dp", dp, r.shape());
     const index_t dh = c.v.cols() / nh;
     prepare_output("Attention", "dr", dr, r.shape());
     auto R = as_matrix(r);
     auto P = as_matrix(p);
     auto dP = as_matrix(dp);
     auto dR = as_matrix(dr);
-    auto Ap = as_matrix(post_);
     const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
     const T fh = static_cast<T>(nh);
+    constexpr T floor = attention_prior_floor<T>();
     // w_o and b_o are shared by the sequences: per-sequence partial gradients, summed after.
     std::vector<RowMatrix<T>> dwo(static_cast<std::size_t>(nseq));
     std::vector<Eigen::Matrix<T, 1, Eigen::Dynamic>> dbo(static_cast<std::size_t>(nseq));
     parallel_items(nseq, [&](index_t b) {
       const index_t s0 = b * len;
-      const auto Aps = Ap.middleRows(s0, len);
-      const auto dPs = dP.middleRows(s0, len);
-      dR.middleRows(s0, len).noalias() = Aps.transpose() * dPs;
-      if (opts_.detach) return;
-      RowMatrix<T> dL, M, dLh, dM;
-      Eigen::Matrix<T, Eigen::Dynamic, 1> rowdot, colsum;
-      rowdot = (dPs.array() * P.middleRows(s0, len).array()).rowwise().sum();
-      dL.noalias() = dPs * R.middleRows(s0, len).transpose();
-      dL = Aps.array() * (dL.colwise() - rowdot).array();
+      const auto Rs = R.middleRows(s0, len);
+      auto dRs = dR.middleRows(s0, len);
+      dRs.setZero();
       auto Aout = as_matrix(c.out).middleRows(s0, len);
       auto& dW = dwo[static_cast<std::size_t>(b)];
       auto& dB = dbo[static_cast<std::size_t>(b)];
-      dW = RowMatrix<T>::Zero(c.w_o.rows(), c.w_o.cols());
-      dB = Eigen::Matrix<T, 1, Eigen::Dynamic>::Zero(c.w_o.rows());
+      if (!opts_.detach) {
+        dW = RowMatrix<T>::Zero(c.w_o.rows(), c.w_o.cols());
+        dB = Eigen::Matrix<T, 1, Eigen::Dynamic>::Zero(c.w_o.rows());
+      }
+      RowMatrix<T> M, Ap, dL, dM;
+      Eigen::Matrix<T, Eigen::Dynamic, 1> msq, colsum, rowdot;
       for (index_t h = 0; h < nh; ++h) {
         if (!head_used(s0, len, h)) continue;
-        dLh = dL;
-        for (index_t i = 0; i < len; ++i)
-          if (head_[static_cast<std::size_t>(s0 + i)] != h) dLh.row(i).setZero();
-        // into log A_h: dA = dL / A where A > attention_prior_floor (0 where forward used -inf)
-        if (!c.dprobs.empty()) {
-          const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
-          MatrixMap<T> dA(c.dprobs.data() + ((b * nh + h) * len) * len, len, len);
-          dA.array() += (A.array() > attention_prior_floor<T>()).select(dLh.array() / A.array(), T(0));
-        }
         head_mean(c, b, h, len, M);
-        if (!c.dout.empty()) as_matrix(c.dout).middleRows(s0, len).noalias() += inv_var * dLh * M;
-        colsum = dLh.colwise().sum().transpose();
-        dM.noalias() = inv_var * dLh.transpose() * Aout;
+        if (!stores_) msq = M.rowwise().squaredNorm();
+        if (!opts_.detach) {
+          dM = RowMatrix<T>::Zero(len, M.cols());
+          colsum = Eigen::Matrix<T, Eigen::Dynamic, 1>::Zero(len);
+        }
+        const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
+        for (index_t i0 = 0; i0 < len; i0 += kBlock) {
+          const index_t bi = std::min(kBlock, len - i0);
+          if (!head_used(s0 + i0, bi, h)) continue;
+          const index_t jn = block_cols(A, i0, bi);
+          // this block's A^p rows of head h (the others 0): kept, or recomputed from lse
+          if (stores_) {
+            Ap = as_matrix(post_).block(s0 + i0, 0, bi, jn);
+          } else {
+            logits(c, b, h, i0, bi, jn, M, msq, Ap);
+          }
+          for (index_t a = 0; a < bi; ++a) {
+            if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) {
+              Ap.row(a).setZero();
+            } else if (!stores_) {
+              const T l = lse_.data()[s0 + i0 + a];
+              Ap.row(a) = (A.row(i0 + a).head(jn).array() > floor)
+                              .select((Ap.row(a).array() - l).exp(), T(0));
+            }
+          }
+          const auto dPb = dP.middleRows(s0 + i0, bi);
+          dRs.topRows(jn).noalias() += Ap.transpose() * dPb;
+          if (opts_.detach) continue;
+          rowdot = (dPb.array() * P.middleRows(s0 + i0, bi).array()).rowwise().sum();
+          dL.noalias() = dPb * Rs.topRows(jn).transpose();
+          dL = Ap.array() * (dL.colwise() - rowdot).array();
+          // into log A_h: dA = dL / A where A > attention_prior_floor (0 where forward used -inf)
+          if (!c.dprobs.empty()) {
+            MatrixMap<T> dA(c.dprobs.data() + ((b * nh + h) * len) * len, len, len);
+            for (index_t a = 0; a < bi; ++a) {
+              if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) continue;
+              dA.row(i0 + a).head(jn).array() +=
+                  (A.row(i0 + a).head(jn).array() > floor)
+                      .select(dL.row(a).array() / A.row(i0 + a).head(jn).array(), T(0));
+            }
+          }
+          if (!c.dout.empty())
+            as_matrix(c.dout).middleRows(s0 + i0, bi).noalias() += inv_var * dL * M.topRows(jn);
+          colsum.head(jn) += dL.colwise().sum().transpose();
+          dM.topRows(jn).noalias() += inv_var * dL.transpose() * Aout.middleRows(i0, bi);
+        }
+        if (opts_.detach) continue;
         dM -= inv_var * (M.array().colwise() * colsum.array()).matrix();
         // m = H v_h W_o,h^T + b_o
         auto V = as_matrix(c.v).middleRows(s0, len).middleCols(h * dh, dh);
@@ -196,16 +252,25 @@ class GraphImpl<Attention, T, cpu> {
   }
   // Mean over tokens of A^p[i,i] in the last forward (1 where A^p is the identity).
   double mean_self_weight() const {
-    if (post_.empty() || seq_len_ == 0) return 1.0;
-    const index_t n = post_.rows();
-    double s = 0;
-    for (index_t i = 0; i < n; ++i) s += static_cast<double>(post_.data()[i * seq_len_ + i % seq_len_]);
-    return s / static_cast<double>(n);
+    return self_.empty() ? 1.0 : static_cast<double>(as_vector(self_).template cast<double>().mean());
   }
+  // A^p[i,i] of every token in the last forward, (N).
+  const Tensor<T, cpu>& self_weight() const { return self_; }
+  // H(A^p[i,:]) of every token in the last forward.
+  const std::vector<double>& row_entropy() const { return row_entropy_; }
   // h* of each token in the last forward.
   const std::vector<int>& heads() const { return head_; }
-  // A^p of the last forward, (N, T): row i holds token i's posterior over its sequence.
-  const Tensor<T, cpu>& posterior() const { return post_; }
+  // Whether the last forward kept A^p for backward (Options::memory, graph_stores).
+  bool stores() const { return stores_; }
+  // A^p of the last forward, (N, T): row i holds token i's posterior over its sequence. Kept only
+  // when the forward stored it (empty before any forward).
+  const Tensor<T, cpu>& posterior() const {
+    GRAPHMOE_CHECK(stores_ || lse_.empty(), "Attention",
+                   "posterior(): the last forward did not keep A^p (Options::memory is Recompute, "
+                   "or Auto with sequences of ", seq_len_, " > kGraphStoreMaxLen = ",
+                   kGraphStoreMaxLen, " tokens); set memory = GraphMemory::Store to read it");
+    return post_;
+  }
 
  private:
   const AttentionCache<T, cpu>& check_cache(const GraphContext<T, cpu>& ctx, index_t n) const {
@@ -216,6 +281,62 @@ class GraphImpl<Attention, T, cpu> {
     for (index_t i = 0; i < len; ++i)
       if (head_[static_cast<std::size_t>(s0 + i)] == h) return true;
     return false;
+  }
+
+  // 1 + the last column j with A[i, j] > attention_prior_floor over rows [i0, i0 + bi) of one
+  // head's probabilities A (T, T), at least 1: A^p is 0 right of it (a causal layer's block ends
+  // at column i0 + bi), so the block's products stop there. O(T) per row, against O(T D).
+  index_t block_cols(const MatrixMap<T>& A, index_t i0, index_t bi) const {
+    constexpr T floor = attention_prior_floor<T>();
+    index_t jn = 1;
+    for (index_t a = 0; a < bi; ++a) {
+      const T* row = A.data() + (i0 + a) * A.cols();
+      for (index_t j = A.cols() - 1; j >= jn; --j) {
+        if (row[j] > floor) {
+          jn = j + 1;
+          break;
+        }
+      }
+    }
+    return jn;
+  }
+
+  // G = Aout_blk M_h^T turned into the log-posterior logits of rows [i0, i0 + bi) of sequence b
+  // under head h and its first jn columns (block_cols), in place: (bi, jn), -inf where
+  // A <= attention_prior_floor:  log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2
+  void logits(const AttentionCache<T, cpu>& c, index_t b, index_t h, index_t i0, index_t bi,
+              index_t jn, const RowMatrix<T>& M, const Eigen::Matrix<T, Eigen::Dynamic, 1>& msq,
+              RowMatrix<T>& L) const {
+    const index_t len = seq_len_, nh = c.num_heads;
+    const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    constexpr T floor = attention_prior_floor<T>();
+    L.noalias() = as_matrix(c.out).middleRows(b * len + i0, bi) * M.topRows(jn).transpose();
+    const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len + i0) * len, bi, len);
+    const auto msq_t = msq.head(jn).transpose().array();
+    for (index_t a = 0; a < bi; ++a)
+      L.row(a) = (A.row(a).head(jn).array() > floor)
+                     .select(A.row(a).head(jn).array().log() +
+                                 (L.row(a).array() - T(0.5) * msq_t) * inv_var,
+                             kNegInf);
+  }
+
+  // In place: logits -> A^p row of global token g at position i of its sequence; saves lse, the
+  // row entropy and the self weight. False when every entry is -inf (an all-zero attention row).
+  template <class Row>
+  bool softmax_row(Row&& row, index_t g, index_t i) {
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    const T mx = row.maxCoeff();
+    if (!(mx > kNegInf)) return false;
+    auto shifted = (row.array() - mx).eval();
+    auto e = (shifted > kNegInf).select(shifted.exp(), T(0)).eval();
+    const T sum = e.sum();
+    const T dot = (shifted > kNegInf).select(e * shifted, T(0)).sum();
+    row = e.matrix() / sum;
+    lse_.data()[g] = mx + std::log(sum);
+    self_.data()[g] = i < row.size() ? row(i) : T(0);
+    row_entropy_[static_cast<std::size_t>(g)] = static_cast<double>(std::log(sum) - dot / sum);
+    return true;
   }
 
   // M = H * V_h W_o,h^T + b_o for sequence b: (T, D)
@@ -275,7 +396,8 @@ class GraphImpl<Attention, T, cpu> {
   HeadChoice head_choice_ = HeadChoice::PerSequence;
   index_t d_model_ = 0;
   index_t seq_len_ = 0;
-  Tensor<T, cpu> post_;
+  bool stores_ = false;  // the last forward's choice, which its backward follows
+  Tensor<T, cpu> post_, lse_, self_;
   std::vector<int> head_;
   std::vector<double> row_entropy_;
 };

@@ -43,9 +43,11 @@ inline double similarity_tau(index_t d_model, const Similarity::Options& opts) {
 // of its row (L_ii = -inf; a row with no other entry keeps it); projection uses
 // L = Q U^T / tau with Q = U W_s (W_s a (D, D) parameter from the identity): the query side Q
 // gets the row gradient dQ_blk = dL U / tau, then dU += dQ W_s^T and dW_s += U^T dQ.
-// By default the S rows are kept from forward for backward (N x T values, T the sequence
-// length); Similarity::Options::recompute keeps only the row log-sum-exp (O(N)) and
-// recomputes each (kBlock, T) block of S in backward, trading one more U U^T GEMM for memory.
+// Similarity::Options::memory: Store keeps the S rows from forward for backward (N x T values,
+// T the sequence length); Recompute keeps only the row log-sum-exp (O(N)) and recomputes each
+// (kBlock, T) block of S in backward, trading one more U U^T GEMM for memory; Auto (the default)
+// stores while T <= kGraphStoreMaxLen (graph_stores, policies.hpp). Either way the scratch is
+// O(kBlock x T) per thread (docs/routers.md, "Memory").
 // Sequences run in parallel (one per thread, single-threaded GEMMs). Every product goes through
 // detail::gemm_view (backend/cpu/gemm.hpp) on views of one type, stored S rows and scratch alike,
 // which keeps the graph's compile time down to the Eigen product code gemm already instantiates.
@@ -118,9 +120,9 @@ class GraphImpl<Similarity, T, cpu> {
     lse_ = Tensor<T, cpu>(Shape{n});
     entropy_ = Tensor<T, cpu>(Shape{n});
     self_ = Tensor<T, cpu>(Shape{n});
-    if (!opts_.recompute && (s_.empty() || s_.shape() != Shape{n, len}))
-      s_ = Tensor<T, cpu>(Shape{n, len});
-    if (opts_.recompute) s_ = Tensor<T, cpu>();
+    stores_ = graph_stores(opts_.memory, len);
+    if (stores_ && (s_.empty() || s_.shape() != Shape{n, len})) s_ = Tensor<T, cpu>(Shape{n, len});
+    if (!stores_) s_ = Tensor<T, cpu>();
     auto U = as_matrix(u);
     auto Q = as_matrix(opts_.projection ? q_ : u);
     auto R = as_matrix(r);
@@ -139,7 +141,7 @@ class GraphImpl<Similarity, T, cpu> {
           gemm_view(Trans::N, Trans::N, T(1), S, view_of(R.middleRows(s0, jn)), T(0),
                     view_of(P.middleRows(s0 + i0, bi)));
         };
-        if (opts_.recompute) {
+        if (!stores_) {
           scratch.resize(bi, jn);
           run(view_of(scratch));
         } else {
@@ -156,6 +158,10 @@ class GraphImpl<Similarity, T, cpu> {
                 Tensor<T, cpu>& du) {
     using detail::gemm_view, detail::view_of;
     const index_t n = u.rows(), len = ctx.seq_len;
+    detail::check_graph_inputs("Similarity::backward", u, r, len);
+    GRAPHMOE_CHECK(lse_.numel() == n && (!stores_ || s_.shape() == (Shape{n, len})),
+                   "Similarity::backward", "no forward of these ", n, " tokens in sequences of ",
+                   len, " to take the gradient of");
     prepare_output("Similarity", "dr", dr, r.shape());
     dr.zero();
     auto U = as_matrix(u);
@@ -212,7 +218,7 @@ class GraphImpl<Similarity, T, cpu> {
           gemm_view(Trans::T, Trans::N, inv_tau, view_of(dL), view_of(Ub), T(1),
                     view_of(dU.middleRows(s0, jn)));
         };
-        if (opts_.recompute) {
+        if (!stores_) {
           scratch.resize(bi, jn);
           gemm_view(Trans::N, Trans::T, inv_tau, view_of(Ub), view_of(Us), T(0), view_of(scratch));
           for (index_t a = 0; a < bi; ++a) {
@@ -245,6 +251,8 @@ class GraphImpl<Similarity, T, cpu> {
     return entropy_.empty() ? 0.0 : static_cast<double>(as_vector(entropy_).mean());
   }
   const Tensor<T, cpu>& row_entropy() const { return entropy_; }
+  // Whether the last forward kept S for backward (Options::memory, graph_stores).
+  bool stores() const { return stores_; }
   // S[i,i] of every token in the last forward, (N): 1 where S is the identity.
   const Tensor<T, cpu>& self_weight() const { return self_; }
   double mean_self_weight() const {
@@ -281,6 +289,7 @@ class GraphImpl<Similarity, T, cpu> {
 
   Similarity::Options opts_;
   bool causal_ = false;
+  bool stores_ = false;  // the last forward's choice, which its backward follows
   index_t d_model_ = 0;
   double tau_ = 1.0;
   Tensor<T, cpu> lse_, entropy_, self_, s_, q_;
