@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <limits>
 #include <set>
 #include <string>
@@ -208,6 +209,28 @@ TEST_CASE("threads: parallel_for and parallel_items run every item exactly once,
   CHECK(sums[1] == sums[0]);
   set_num_threads(1);
 }
+
+#if defined(_OPENMP)
+TEST_CASE("threads: GRAPHMOE_SPIN_US is read as microseconds, and bad values are refused") {
+  using detail::ThreadPool;
+  const char* old = std::getenv("GRAPHMOE_SPIN_US");
+  const std::string saved = old ? old : "";
+  unsetenv("GRAPHMOE_SPIN_US");
+  CHECK(ThreadPool::spin_micros_from_env() == ThreadPool::kDefaultSpinMicros);
+  for (const char* ok : {"0", "200", "1000000"}) {
+    setenv("GRAPHMOE_SPIN_US", ok, 1);
+    CHECK(ThreadPool::spin_micros_from_env() == std::stoll(ok));
+  }
+  for (const char* bad : {"abc", "-1", "1000001", "12x", " 5", "99999999999999999999"}) {
+    CAPTURE(bad);
+    setenv("GRAPHMOE_SPIN_US", bad, 1);
+    CHECK_THROWS_WITH_AS(ThreadPool::spin_micros_from_env(),
+                         doctest::Contains("GRAPHMOE_SPIN_US: must be a whole number of microseconds"),
+                         Error);
+  }
+  if (old) setenv("GRAPHMOE_SPIN_US", saved.c_str(), 1); else unsetenv("GRAPHMOE_SPIN_US");
+}
+#endif
 
 TEST_CASE("threads: counts above 4 x the hardware threads are refused, naming the limit") {
   const int hw = hardware_threads();

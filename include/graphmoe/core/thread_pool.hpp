@@ -11,7 +11,7 @@
 //     atomic counter, and the caller returns when every item is done, not when every worker has
 //     checked in; a worker that wakes late finds nothing left and goes back to waiting, so a
 //     descheduled thread delays a loop only by the chunk it already holds;
-//   - idle workers spin for a short while (kSpinMicros) and then sleep on a futex (C++20
+//   - idle workers spin for a short while (50 us; GRAPHMOE_SPIN_US) and then sleep on a futex (C++20
 //     std::atomic::wait), so they give the core back within microseconds, not milliseconds;
 //   - the caller wakes sleeping workers only when there are any (no system call otherwise).
 // Each loop is its own Job object, shared by the threads that took part, so a late worker can
@@ -24,13 +24,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "graphmoe/config.hpp"
 #include "graphmoe/core/shape.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -56,14 +60,33 @@ inline void cpu_relax() {
 
 class ThreadPool {
  public:
-  // How long an idle thread spins before it sleeps: long enough to cover the serial code between
-  // two loops of a training step, short enough to give a shared core back quickly.
-  static constexpr std::int64_t kSpinMicros = 50;
+  // How long an idle thread spins before it sleeps, by default: long enough to cover the serial
+  // code between two loops of a training step, short enough to give a shared core back quickly.
+  // The environment variable GRAPHMOE_SPIN_US (read once, when the pool is created) overrides it:
+  // 0 sleeps at once (the least CPU for others), larger values wake faster on a machine of one's own.
+  static constexpr std::int64_t kDefaultSpinMicros = 50;
+  static constexpr std::int64_t kMaxSpinMicros = 1000000;
 
   static ThreadPool& instance() {
-    static ThreadPool* pool = new ThreadPool();  // never destroyed: workers may still be asleep
-    return *pool;
+    static ThreadPool* pool = new ThreadPool(spin_micros_from_env());  // never destroyed: workers
+    return *pool;                                                     // may still be asleep
   }
+
+  // GRAPHMOE_SPIN_US as a number of microseconds in [0, kMaxSpinMicros], or the default when unset;
+  // throws graphmoe::Error naming the variable for anything else.
+  static std::int64_t spin_micros_from_env() {
+    const char* v = std::getenv("GRAPHMOE_SPIN_US");
+    if (v == nullptr || *v == '\0') return kDefaultSpinMicros;
+    char* end = nullptr;
+    errno = 0;
+    const long long us = std::strtoll(v, &end, 10);
+    GRAPHMOE_CHECK(std::isdigit(static_cast<unsigned char>(*v)) && errno == 0 && end != v &&
+                       *end == '\0' && us >= 0 && us <= kMaxSpinMicros,
+                   "GRAPHMOE_SPIN_US", "must be a whole number of microseconds in [0, ",
+                   kMaxSpinMicros, "], got '", v, "'");
+    return us;
+  }
+  std::int64_t spin_micros() const { return spin_micros_; }
 
   // Calls body(i) for every i in [0, n), in chunks of `chunk` consecutive items, on the calling
   // thread and up to threads - 1 workers. Returns when all items are done. body must not throw.
@@ -130,7 +153,7 @@ class ThreadPool {
   }
 
   // The caller: spin briefly, then sleep until the last chunk is done.
-  static void wait_done(Job& job) {
+  void wait_done(Job& job) const {
     const std::int32_t total = job.chunks();
     if (spin_until([&] { return job.done_chunks.load() == total; })) return;
     job.caller_waiting.store(1);
@@ -138,15 +161,16 @@ class ThreadPool {
       job.done_chunks.wait(d);
   }
 
-  // Spins up to kSpinMicros for pred(); returns whether it became true.
+  // Spins up to spin_micros_ for pred(); returns whether it became true.
   template <class Pred>
-  static bool spin_until(Pred&& pred) {
+  bool spin_until(Pred&& pred) const {
+    if (spin_micros_ == 0) return pred();
     const auto start = std::chrono::steady_clock::now();
     for (int k = 1;; ++k) {
       if (pred()) return true;
       cpu_relax();
       if ((k & 63) == 0 && std::chrono::steady_clock::now() - start >
-                                 std::chrono::microseconds(kSpinMicros))
+                                 std::chrono::microseconds(spin_micros_))
         return pred();
     }
   }
@@ -180,7 +204,7 @@ class ThreadPool {
     }
   }
 
-  ThreadPool() = default;
+  explicit ThreadPool(std::int64_t spin_micros) : spin_micros_(spin_micros) {}
 
   std::mutex run_mutex_;  // held by the thread whose loop is on the pool
   std::mutex job_mutex_;  // guards job_ and workers_
@@ -188,6 +212,7 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::atomic<std::uint32_t> epoch_{0};  // bumped for every loop
   std::atomic<int> sleepers_{0};         // workers asleep on epoch_
+  const std::int64_t spin_micros_;
 };
 
 }  // namespace graphmoe::detail

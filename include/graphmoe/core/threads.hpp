@@ -67,6 +67,9 @@ inline void set_num_threads(int n) {
                  " exceeds the limit of ", max_num_threads(), " (", kMaxThreadsPerHardwareThread,
                  " x the ", hardware_threads(), " hardware threads of this machine)");
   detail::thread_count().store(n, std::memory_order_relaxed);
+#if defined(_OPENMP) && !defined(GRAPHMOE_OPENMP_LOOPS)
+  if (n > 1) detail::ThreadPool::instance();  // created here: a bad GRAPHMOE_SPIN_US throws now
+#endif
   Eigen::setNbThreads(1);
 #if defined(GRAPHMOE_USE_BLAS)
   openblas_set_num_threads(1);
