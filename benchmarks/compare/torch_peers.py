@@ -167,7 +167,8 @@ def run_measured(cmd, env, args, label):
         load = max(0.0, busy - (c1 - c0)) / ((t1 - t0) * (os.cpu_count() or 1))
         if load <= args.max_other_load:
             break
-        print(f"  {label}: other processes used {100 * load:.0f}% of the CPUs, rerunning",
+        print(f"  {label}: other processes used {100 * load:.0f}% of the CPUs, "
+              f"{'rerunning' if attempt < args.retries else 'kept (no retries left)'}",
               file=sys.stderr)
     return out, load
 
