@@ -42,13 +42,15 @@ script, last:
     lm_train tokens/s graphmoe/torch: R
 
 with R = graphmoe's tokens/s / PyTorch's tokens/s at 2 threads (above 1: graphmoe is faster),
-and the last line's R against the first torch found, eager (Debian's 1.13 by default).
+and the last line's R against the first torch found whose runs succeeded, eager (Debian's 1.13 by
+default). A torch whose eager run fails is reported ("<torch>: failed, not compared") and left out.
 """
 import argparse
 import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch_peers
@@ -251,6 +253,7 @@ def main():
     runs = [(p, m) for p in peers for m in p.modes(not args.no_compile)]
     unavailable = {} if args.no_compile else {
         p.label: f"torch {p.version} has no torch.compile" for p in peers if not p.has_compile}
+    failed = {}  # label -> why its eager run failed: reported, not compared
     ours, theirs = {}, {}
     for threads in (1, 2):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
@@ -259,13 +262,13 @@ def main():
         if args.similarity:
             ours[threads] += graphmoe_step_ms(args, "similarity", threads, env)
         for peer, mode in runs:
-            if mode == "compiled" and peer.label in unavailable:
+            if (mode == "compiled" and peer.label in unavailable) or peer.label in failed:
                 continue
             res = torch_step_ms(args, peer, mode, threads, env)
             if "error" in res and mode == "compiled":
                 unavailable[peer.label] = res["error"]
             elif "error" in res:
-                raise RuntimeError(f"torch {peer.version} ({peer.python}): {res['error']}")
+                failed[peer.label] = res["error"]
             else:
                 theirs[(peer.label, mode, threads)] = res
 
@@ -298,9 +301,14 @@ def main():
             print(line)
     for label, reason in unavailable.items():
         print(f"{label} compiled: unavailable ({reason})")
+    for label, reason in failed.items():
+        print(f"{label}: failed, not compared ({reason})")
     for name, r in ratios.items():
         print(f"lm_train tokens/s graphmoe/{name}: {r:.2f}")
-    print(f"lm_train tokens/s graphmoe/torch: {ratios[peers[0].label]:.2f}")
+    eager = [p.label for p in peers if p.label in ratios]
+    if not eager:
+        sys.exit("no torch run succeeded: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    print(f"lm_train tokens/s graphmoe/torch: {ratios[eager[0]]:.2f}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ single-torch script, last:
     moe_layer fwd+bwd graphmoe/torch: softmax=R1 similarity=R2 attention=R3
 
 with R the ratio of median times at 2 threads (below 1: graphmoe is faster), and the last line's
-R against the first torch found, eager (Debian's 1.13 by default).
+R against the first torch found whose runs succeeded, eager (Debian's 1.13 by
+default). A torch whose eager run fails is reported ("<torch>: failed, not compared") and left out.
 """
 import argparse
 import json
@@ -36,6 +37,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch_peers
@@ -185,6 +187,7 @@ def main():
     runs = [(p, m) for p in peers for m in p.modes(not args.no_compile)]
     unavailable = {} if args.no_compile else {
         p.label: f"torch {p.version} has no torch.compile" for p in peers if not p.has_compile}
+    failed = {}  # label -> why its eager run failed: reported, not compared
     rows, ratios = [], {}
     for threads in (1, 2):
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -194,14 +197,15 @@ def main():
             best_p = min(candidates, key=candidates.get)
             t_ours = candidates[best_p]
             for peer, mode in runs:
-                if mode == "compiled" and peer.label in unavailable:
+                if (mode == "compiled" and peer.label in unavailable) or peer.label in failed:
                     continue
                 res = torch_ms(args, peer, mode, router, threads)
                 if "error" in res and mode == "compiled":
                     unavailable[peer.label] = res["error"]
                     continue
                 if "error" in res:
-                    raise RuntimeError(f"torch {peer.version} ({peer.python}): {res['error']}")
+                    failed[peer.label] = res["error"]
+                    continue
                 name = peer.label + ("-compiled" if mode == "compiled" else "")
                 rows.append((router, threads, t_ours, best_p, name, res["ms"], t_ours / res["ms"],
                              res["load"]))
@@ -219,10 +223,15 @@ def main():
               f"{fmt_load(our_load) + ' / ' + fmt_load(load):>26}")
     for label, reason in unavailable.items():
         print(f"{label} compiled: unavailable ({reason})")
+    for label, reason in failed.items():
+        print(f"{label}: failed, not compared ({reason})")
     summary = lambda rs: " ".join(f"{k}={rs[k]:.2f}" for k in ROUTERS if k in rs)  # noqa: E731
     for name, rs in ratios.items():
         print(f"moe_layer fwd+bwd graphmoe/{name}: {summary(rs)}")
-    print(f"moe_layer fwd+bwd graphmoe/torch: {summary(ratios[peers[0].label])}")
+    eager = [p.label for p in peers if p.label in ratios]
+    if not eager:
+        sys.exit("no torch run succeeded: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    print(f"moe_layer fwd+bwd graphmoe/torch: {summary(ratios[eager[0]])}")
 
 
 if __name__ == "__main__":
