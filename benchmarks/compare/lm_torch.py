@@ -12,30 +12,49 @@ renormalised gates and a per-expert index_select / index_add_ loop over separate
 weights, the head tied to the embedding, F.cross_entropy, torch.optim.AdamW and
 clip_grad_norm_; autograd does the backward.
 
-    /usr/bin/python3 benchmarks/compare/lm_torch.py --build-dir build [--steps 10] [--warmup 3]
+    python3 benchmarks/compare/lm_torch.py --build-dir build [--steps 10] [--warmup 3]
+        [--python PY ...] [--no-compile]
 
-Run it with Debian's python3-torch (/usr/bin/python3, torch 1.13): PyPI's newest torch installs
-on these machines but does not import (its CUDA libraries are missing). OMP_NUM_THREADS,
-OPENBLAS_NUM_THREADS and OMP_WAIT_POLICY=PASSIVE are set for both sides, which run as child
-processes at 1 and 2 threads. The machine is shared: as gemm_report.py does, each child's run is
-compared with the CPU time the whole VM spent meanwhile (/proc/stat) and repeated, after waiting
-for a quiet moment, when other processes used more than --max-other-load of the CPUs.
+Every torch found is measured (torch_peers.py): by default Debian's python3-torch
+(/usr/bin/python3, torch 1.13), the current PyPI torch of scripts/install-torch-current.sh
+(~/.cache/graphmoe/venv-torch, or $GRAPHMOE_TORCH_VENV), and the python running the script; or
+the --python interpreters given. One that is missing or whose torch does not import is reported
+and skipped. A torch with torch.compile is measured twice: eager, and with the model through
+torch.compile (default inductor backend; optimizer and clipping eager), its first
+max(--warmup, --compile-warmup) steps untimed; where torch.compile is missing or fails, the
+script prints "<torch> compiled: unavailable (reason)". OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and
+OMP_WAIT_POLICY=PASSIVE are set for both sides, which run as child processes (each torch under
+its own interpreter; compiled ones with TORCHINDUCTOR_COMPILE_THREADS=1, so that compilation
+stays in the child) at 1 and 2 threads. The machine is shared: as gemm_report.py does, each
+child's run is compared with the CPU time the whole VM spent meanwhile (/proc/stat) and repeated,
+after waiting for a quiet moment, when other processes used more than --max-other-load of the
+CPUs. OPENBLAS_CORETYPE is passed on as set; the output names it beside what
+scripts/openblas-coretype.sh advises for the CPU.
 
-graphmoe's time per step is Google Benchmark's median over --repetitions runs; PyTorch's is the
-median of --steps timed steps after --warmup untimed ones. The last line is
+graphmoe's time per step is Google Benchmark's median over --repetitions runs, measured once and
+compared with every torch; PyTorch's is the median of --steps timed steps after --warmup untimed
+ones. The summary lines are one per torch and mode, then the line kept from the single-torch
+script, last:
 
+    lm_train tokens/s graphmoe/torch-1.13.0a0: R
+    lm_train tokens/s graphmoe/torch-2.15.0: R
+    lm_train tokens/s graphmoe/torch-2.15.0-compiled: R
     lm_train tokens/s graphmoe/torch: R
 
-with R = graphmoe's tokens/s / PyTorch's tokens/s at 2 threads (above 1: graphmoe is faster).
+with R = graphmoe's tokens/s / PyTorch's tokens/s at 2 threads (above 1: graphmoe is faster),
+and the last line's R against the first torch found whose runs succeeded, eager (Debian's 1.13 by
+default). A torch whose eager run fails is reported ("<torch>: failed, not compared") and left out.
 """
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
+
+import torch_peers
+from torch_peers import fmt_load, run_measured
 
 B, T, D, H, L, E, K, FF, V = 8, 128, 128, 4, 6, 8, 2, 512, 10000
 TOKENS = B * T
@@ -43,8 +62,9 @@ TOKENS = B * T
 
 # ----------------------------------------------------------------------------- PyTorch side
 
-def torch_step_times(threads, warmup, steps, attention="mha", foreach=False):
-    """Median seconds per training step of the PyTorch model; returns (median_s, version, loss)."""
+def torch_step_times(threads, warmup, steps, attention="mha", foreach=False, mode="eager"):
+    """Median seconds per training step of the PyTorch model, as a dict: seconds, version, loss;
+    or version and error where mode "compiled" cannot run (torch.compile missing or failing)."""
     import math
 
     import torch
@@ -135,6 +155,11 @@ def torch_step_times(threads, warmup, steps, attention="mha", foreach=False):
             return F.cross_entropy(logits.view(-1, V), targets.reshape(-1))
 
     model = SwitchLM()
+    run = model
+    if mode == "compiled":
+        run, reason = torch_peers.compile_or_reason(torch, model)
+        if run is None:
+            return {"version": torch.__version__, "error": reason}
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
@@ -145,71 +170,26 @@ def torch_step_times(threads, warmup, steps, attention="mha", foreach=False):
     ids, targets = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
     def step():
-        loss = model(ids, targets)
+        loss = run(ids, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         return loss.item()
 
-    for _ in range(warmup):
-        step()
+    try:
+        for _ in range(warmup):
+            step()
+    except Exception as e:  # torch.compile's errors surface at the first call
+        if mode != "compiled":
+            raise
+        return {"version": torch.__version__, "error": torch_peers.error_reason(e)}
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.__version__, loss
-
-
-# ----------------------------------------------------------------------------- machine load
-
-def cpu_jiffies():
-    """(busy, total) jiffies of all CPUs from /proc/stat, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return sum(v) - idle, sum(v)
-
-
-def children_cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def wait_until_idle(threshold, timeout=300.0):
-    """Waits (up to timeout seconds) for a 2-second window with load below threshold."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        a = cpu_jiffies()
-        time.sleep(2.0)
-        b = cpu_jiffies()
-        if a is None or b is None or (b[0] - a[0]) / max(1, b[1] - a[1]) < threshold:
-            return
-
-
-def run_measured(cmd, env, args, label):
-    """Runs cmd; reruns it while other processes took more than args.max_other_load of the CPUs.
-    Returns (stdout, other load fraction or None)."""
-    load = None
-    for attempt in range(args.retries + 1):
-        if attempt > 0 or args.wait_idle:
-            wait_until_idle(args.max_other_load, args.idle_timeout)
-        j0, c0, t0 = cpu_jiffies(), children_cpu_seconds(), time.time()
-        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
-        j1, c1, t1 = cpu_jiffies(), children_cpu_seconds(), time.time()
-        if j0 is None or j1 is None:
-            return out, None
-        busy = (j1[0] - j0[0]) / os.sysconf("SC_CLK_TCK")
-        load = max(0.0, busy - (c1 - c0)) / ((t1 - t0) * (os.cpu_count() or 1))
-        if load <= args.max_other_load:
-            break
-        print(f"  {label}: other processes used {100 * load:.0f}% of the CPUs, rerunning",
-              file=sys.stderr)
-    return out, load
+    return {"seconds": statistics.median(times), "version": torch.__version__, "loss": loss}
 
 
 # ----------------------------------------------------------------------------- graphmoe side
@@ -230,27 +210,34 @@ def graphmoe_step_ms(args, router, threads, env):
     raise RuntimeError(f"no median in bench_lm's output for {router} at {threads} threads")
 
 
-def torch_step_ms(args, threads, env):
+def torch_step_ms(args, peer, mode, threads, env):
+    """{"ms", "loss", "load"} of one torch child, or {"error"} where it cannot run."""
     here = os.path.dirname(os.path.abspath(__file__))
+    warmup = max(args.warmup, args.compile_warmup) if mode == "compiled" else args.warmup
     # torch must see the thread settings at import: run it in a child process
-    code = (f"import sys; sys.path.insert(0, {here!r}); import lm_torch as m;"
-            f"s, v, l = m.torch_step_times({threads}, {args.warmup}, {args.steps}, "
-            f"{args.attention!r}, {args.foreach}); print(s, v, l)")
-    out, load = run_measured([args.python, "-c", code], env, args, f"torch {threads} threads")
-    s, version, loss = out.split()
-    return float(s) * 1e3, version, float(loss), load
-
-
-def fmt_load(x):
-    return "-" if x is None else f"{100 * x:.0f}%"
+    code = (f"import sys, json; sys.path.insert(0, {here!r}); import lm_torch as m;"
+            f"print(json.dumps(m.torch_step_times({threads}, {warmup}, {args.steps}, "
+            f"{args.attention!r}, {args.foreach}, {mode!r})))")
+    label = f"{peer.label}{'-compiled' if mode == 'compiled' else ''} {threads} threads"
+    try:
+        out, load = run_measured([peer.python, "-c", code], torch_peers.child_env(env, mode), args,
+                                 label)
+    except subprocess.CalledProcessError as e:
+        return {"error": f"{peer.python} exited with {e.returncode}"}
+    res = torch_peers.child_result(out)
+    if "error" in res:
+        return res
+    return {"ms": res["seconds"] * 1e3, "loss": res["loss"], "load": load}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build-dir", default="build", help="graphmoe build tree with bench_lm")
-    ap.add_argument("--python", default=sys.executable, help="Python with torch for the torch side")
+    torch_peers.add_peer_arguments(ap)
     ap.add_argument("--warmup", type=int, default=3, help="untimed PyTorch steps")
+    ap.add_argument("--compile-warmup", type=int, default=5,
+                    help="untimed steps of a compiled run (compilation and recompilation)")
     ap.add_argument("--steps", type=int, default=10, help="timed PyTorch steps (median)")
     ap.add_argument("--repetitions", type=int, default=3, help="Google Benchmark repetitions")
     ap.add_argument("--attention", choices=("mha", "explicit"), default="mha",
@@ -259,42 +246,69 @@ def main():
                     help="torch.optim.AdamW(foreach=True) (torch 1.13's default is False)")
     ap.add_argument("--similarity", action="store_true",
                     help="also time graphmoe's Similarity-router LM (for reference)")
-    ap.add_argument("--max-other-load", type=float, default=0.05,
-                    help="rerun a side when other processes used more than this share of CPUs")
-    ap.add_argument("--retries", type=int, default=5)
-    ap.add_argument("--idle-timeout", type=float, default=300.0,
-                    help="seconds to wait for a quiet moment before a rerun")
-    ap.add_argument("--wait-idle", action="store_true",
-                    help="wait for a quiet 2-second window before every run")
+    torch_peers.add_load_arguments(ap)
     args = ap.parse_args()
+    peers = torch_peers.peers_from_args(args)
 
-    rows, version = [], None
-    ratio = None
+    runs = [(p, m) for p in peers for m in p.modes(not args.no_compile)]
+    unavailable = {} if args.no_compile else {
+        p.label: f"torch {p.version} has no torch.compile" for p in peers if not p.has_compile}
+    failed = {}  # label -> why its eager run failed: reported, not compared
+    ours, theirs = {}, {}
     for threads in (1, 2):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                    OMP_WAIT_POLICY="PASSIVE")
-        ours, our_load = graphmoe_step_ms(args, "softmax", threads, env)
-        sim = graphmoe_step_ms(args, "similarity", threads, env) if args.similarity else (None, None)
-        theirs, version, loss, their_load = torch_step_ms(args, threads, env)
-        r = (TOKENS / ours) / (TOKENS / theirs)
-        rows.append((threads, ours, theirs, r, sim[0], our_load, their_load, sim[1], loss))
-        if threads == 2:
-            ratio = r
-    print(f"torch {version} ({args.attention} attention, AdamW foreach={args.foreach}); "
+        ours[threads] = graphmoe_step_ms(args, "softmax", threads, env)
+        if args.similarity:
+            ours[threads] += graphmoe_step_ms(args, "similarity", threads, env)
+        for peer, mode in runs:
+            if (mode == "compiled" and peer.label in unavailable) or peer.label in failed:
+                continue
+            res = torch_step_ms(args, peer, mode, threads, env)
+            if "error" in res and mode == "compiled":
+                unavailable[peer.label] = res["error"]
+            elif "error" in res:
+                failed[peer.label] = res["error"]
+            else:
+                theirs[(peer.label, mode, threads)] = res
+
+    for p in peers:
+        print(f"{p.label}: torch {p.version} ({p.python})")
+    print(f"PyTorch: {args.attention} attention, AdamW foreach={args.foreach}; "
           f"Switch LM L={L} D={D} H={H} E={E} top-{K} d_ff={FF} V={V}, batch {B} x {T}, float32")
-    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
-    hdr = (f"{'threads':>7} {'graphmoe ms/step':>17} {'graphmoe tok/s':>15} {'torch ms/step':>14} "
-           f"{'torch tok/s':>12} {'ratio':>6} {'other load (ours/torch)':>24}")
+    print(torch_peers.coretype_line())
+    hdr = (f"{'threads':>7} {'graphmoe ms/step':>17} {'graphmoe tok/s':>15} {'torch':>24} "
+           f"{'torch ms/step':>14} {'torch tok/s':>12} {'ratio':>6} {'other load (ours/torch)':>24}")
     if args.similarity:
         hdr += f" {'similarity ms/step':>19} {'tok/s':>8}"
     print(hdr)
-    for threads, ours, theirs, r, sim, ol, tl, sl, loss in rows:
-        line = (f"{threads:>7} {ours:>17.1f} {TOKENS / ours * 1e3:>15.0f} {theirs:>14.1f} "
-                f"{TOKENS / theirs * 1e3:>12.0f} {r:>6.2f} {fmt_load(ol) + ' / ' + fmt_load(tl):>24}")
-        if args.similarity:
-            line += f" {sim:>19.1f} {TOKENS / sim * 1e3:>8.0f}"
-        print(line)
-    print(f"lm_train tokens/s graphmoe/torch: {ratio:.2f}")
+    ratios = {}
+    for threads in (1, 2):
+        o = ours[threads]
+        for peer, mode in runs:
+            t = theirs.get((peer.label, mode, threads))
+            if t is None:
+                continue
+            name = peer.label + ("-compiled" if mode == "compiled" else "")
+            r = (TOKENS / o[0]) / (TOKENS / t["ms"])
+            if threads == 2:
+                ratios[name] = r
+            line = (f"{threads:>7} {o[0]:>17.1f} {TOKENS / o[0] * 1e3:>15.0f} {name:>24} "
+                    f"{t['ms']:>14.1f} {TOKENS / t['ms'] * 1e3:>12.0f} {r:>6.2f} "
+                    f"{fmt_load(o[1]) + ' / ' + fmt_load(t['load']):>24}")
+            if args.similarity:
+                line += f" {o[2]:>19.1f} {TOKENS / o[2] * 1e3:>8.0f}"
+            print(line)
+    for label, reason in unavailable.items():
+        print(f"{label} compiled: unavailable ({reason})")
+    for label, reason in failed.items():
+        print(f"{label}: failed, not compared ({reason})")
+    for name, r in ratios.items():
+        print(f"lm_train tokens/s graphmoe/{name}: {r:.2f}")
+    eager = [p.label for p in peers if p.label in ratios]
+    if not eager:
+        sys.exit("no torch run succeeded: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    print(f"lm_train tokens/s graphmoe/torch: {ratios[eager[0]]:.2f}")
 
 
 if __name__ == "__main__":

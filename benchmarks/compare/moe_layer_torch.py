@@ -5,15 +5,31 @@ Shape: the paper's medium size, batch 4 x 512 tokens, D = 352, E = 16, d_ff = 35
 causal token graphs. The PyTorch layer is written the usual way: per-expert index_select /
 index_add_, one weight tensor per expert, autograd for the backward.
 
-    python3 benchmarks/compare/moe_layer_torch.py --build-dir build [--threads 1 2] [--python PY]
+    python3 benchmarks/compare/moe_layer_torch.py --build-dir build [--repeats 7] [--python PY ...]
+        [--no-compile]
 
-Run it with a Python that has torch (PyPI's newest where it imports, else Debian's python3-torch
-under /usr/bin/python3). OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and OMP_WAIT_POLICY=PASSIVE are set
-for both sides. The last line is
+Every torch found is measured (torch_peers.py): by default Debian's python3-torch
+(/usr/bin/python3, torch 1.13), the current PyPI torch of scripts/install-torch-current.sh
+(~/.cache/graphmoe/venv-torch, or $GRAPHMOE_TORCH_VENV), and the python running the script; or
+the --python interpreters given. One that is missing or whose torch does not import is reported
+and skipped. A torch with torch.compile is measured twice: eager, and with the layer's forward
+through torch.compile (default inductor backend), its first 5 steps untimed; where torch.compile
+is missing or fails, the script prints "<torch> compiled: unavailable (reason)". Each torch side
+runs as a child process under its own interpreter (compiled ones with
+TORCHINDUCTOR_COMPILE_THREADS=1). OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and
+OMP_WAIT_POLICY=PASSIVE are set for both sides; graphmoe's times come from one bench_moe run
+(median of --repetitions), compared with every torch. As in lm_torch.py, each run is repeated,
+after waiting for a quiet moment, when other processes used more than --max-other-load of the
+CPUs (/proc/stat). The summary lines are one per torch and mode, then the line kept from the
+single-torch script, last:
 
+    moe_layer fwd+bwd graphmoe/torch-2.15.0: softmax=R1 similarity=R2 attention=R3
+    moe_layer fwd+bwd graphmoe/torch-2.15.0-compiled: softmax=R1 similarity=R2 attention=R3
     moe_layer fwd+bwd graphmoe/torch: softmax=R1 similarity=R2 attention=R3
 
-with R the ratio of median times at 2 threads (below 1: graphmoe is faster).
+with R the ratio of median times at 2 threads (below 1: graphmoe is faster), and the last line's
+R against the first torch found whose runs succeeded, eager (Debian's 1.13 by
+default). A torch whose eager run fails is reported ("<torch>: failed, not compared") and left out.
 """
 import argparse
 import json
@@ -24,10 +40,16 @@ import subprocess
 import sys
 import time
 
+import torch_peers
+from torch_peers import fmt_load, run_measured
+
 B, T, D, E, FF, K, H = 4, 512, 352, 16, 352, 2, 8
+ROUTERS = ("softmax", "similarity", "attention")
 
 
-def torch_layer_times(router, threads, repeats):
+def torch_layer_times(router, threads, repeats, mode="eager"):
+    """Median ms of the PyTorch layer's forward+backward, as a dict: ms, version; or version and
+    error where mode "compiled" cannot run (torch.compile missing or failing)."""
     import torch
     import torch.nn.functional as F
 
@@ -74,7 +96,7 @@ def torch_layer_times(router, threads, repeats):
             out.append(post @ r.view(B, T, E)[b])
         return torch.cat(out, 0)
 
-    def step():
+    def layer(u):
         r = F.linear(u, w_r, b_r).softmax(-1)
         p = graph(r)
         vals, idx = p.topk(K, dim=-1)
@@ -88,71 +110,128 @@ def torch_layer_times(router, threads, repeats):
             h = F.gelu(F.linear(x, w1[e], b1[e]), approximate="tanh")
             ye = F.linear(h, w2[e], b2[e]) * gates[tok, slot].unsqueeze(1)
             y = y.index_add(0, tok, ye)
-        y.backward(dy)
+        return y
 
-    for _ in range(2):
-        step()
+    run = layer
+    if mode == "compiled":
+        run, reason = torch_peers.compile_or_reason(torch, layer)
+        if run is None:
+            return {"version": torch.__version__, "error": reason}
+
+    def step():
+        run(u).backward(dy)
+
+    try:
+        for _ in range(2 if mode == "eager" else 5):  # compiled: compilation and recompilation
+            step()
+    except Exception as e:  # torch.compile's errors surface at the first call
+        if mode != "compiled":
+            raise
+        return {"version": torch.__version__, "error": torch_peers.error_reason(e)}
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, torch.__version__
+    return {"ms": statistics.median(times) * 1e3, "version": torch.__version__}
 
 
-def graphmoe_times(build_dir, repetitions):
-    exe = os.path.join(build_dir, "benchmarks", "bench_moe")
-    out = subprocess.run(
-        [exe, "--benchmark_filter=BM_moe_(softmax|similarity|attention)_fwdbwd",
-         "--benchmark_format=json", f"--benchmark_repetitions={repetitions}",
-         "--benchmark_report_aggregates_only=true"],
-        check=True, capture_output=True, text=True).stdout
+def graphmoe_times(args):
+    exe = os.path.join(args.build_dir, "benchmarks", "bench_moe")
+    cmd = [exe, "--benchmark_filter=BM_moe_(softmax|similarity|attention)_fwdbwd",
+           "--benchmark_format=json"]
+    if args.repetitions > 1:
+        cmd += [f"--benchmark_repetitions={args.repetitions}",
+                "--benchmark_report_aggregates_only=true"]
+    out, load = run_measured(cmd, dict(os.environ), args, "graphmoe")
     res = {}
     for b in json.loads(out)["benchmarks"]:
-        if b.get("aggregate_name") != "median":
+        if (b.get("aggregate_name") != "median" if args.repetitions > 1
+                else b.get("run_type", "iteration") != "iteration"):
             continue
         name = b["run_name"]  # BM_moe_similarity_fwdbwd/2/1/min_time:1.000/real_time
         parts = name.split("/")
         router = parts[0][len("BM_moe_"):-len("_fwdbwd")]
         res[(router, int(parts[1]), int(parts[2]))] = b["real_time"]
-    return res
+    return res, load
+
+
+def torch_ms(args, peer, mode, router, threads):
+    """{"ms", "load"} of one torch child, or {"error"} where it cannot run."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    # torch must see the thread settings at import: run it in a child process
+    code = (f"import sys, json; sys.path.insert(0, {here!r}); import moe_layer_torch as m;"
+            f"print(json.dumps(m.torch_layer_times({router!r}, {threads}, {args.repeats}, {mode!r})))")
+    label = f"{peer.label}{'-compiled' if mode == 'compiled' else ''} {router} {threads} threads"
+    try:
+        out, load = run_measured([peer.python, "-c", code],
+                                 torch_peers.child_env(dict(os.environ), mode), args, label)
+    except subprocess.CalledProcessError as e:
+        return {"error": f"{peer.python} exited with {e.returncode}"}
+    res = torch_peers.child_result(out)
+    return res if "error" in res else {"ms": res["ms"], "load": load}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build-dir", default="build")
+    torch_peers.add_peer_arguments(ap)
     ap.add_argument("--repeats", type=int, default=7, help="timed PyTorch steps per configuration")
     ap.add_argument("--repetitions", type=int, default=3, help="Google Benchmark repetitions")
+    torch_peers.add_load_arguments(ap)
     args = ap.parse_args()
+    peers = torch_peers.peers_from_args(args)
     os.environ.update(OMP_WAIT_POLICY="PASSIVE")
 
-    ours = graphmoe_times(args.build_dir, args.repetitions)
+    ours, our_load = graphmoe_times(args)
+    runs = [(p, m) for p in peers for m in p.modes(not args.no_compile)]
+    unavailable = {} if args.no_compile else {
+        p.label: f"torch {p.version} has no torch.compile" for p in peers if not p.has_compile}
+    failed = {}  # label -> why its eager run failed: reported, not compared
     rows, ratios = [], {}
-    version = None
     for threads in (1, 2):
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-        for router in ("softmax", "similarity", "attention"):
-            # torch must see the thread settings at import: run it in a child process
-            code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
-                    f"import moe_layer_torch as m; t, v = m.torch_layer_times({router!r}, {threads}, {args.repeats});"
-                    "print(t, v)")
-            env = dict(os.environ)
-            res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
-            t_torch, version = res.stdout.split()
-            t_torch = float(t_torch)
+        for router in ROUTERS:
             candidates = {p: ours[(router, threads, p)] for p in (0, 1) if (router, threads, p) in ours}
             best_p = min(candidates, key=candidates.get)
             t_ours = candidates[best_p]
-            rows.append((router, threads, t_ours, best_p, t_torch, t_ours / t_torch))
-            if threads == 2:
-                ratios[router] = t_ours / t_torch
-    print(f"torch {version}; shape B={B} T={T} D={D} E={E} d_ff={FF} top-{K}, float32, causal graphs")
-    print(f"{'router':<12}{'threads':>8}{'graphmoe ms':>14}{'(parallel)':>12}{'torch ms':>12}{'ratio':>8}")
-    for router, threads, a, p, b, r in rows:
+            for peer, mode in runs:
+                if (mode == "compiled" and peer.label in unavailable) or peer.label in failed:
+                    continue
+                res = torch_ms(args, peer, mode, router, threads)
+                if "error" in res and mode == "compiled":
+                    unavailable[peer.label] = res["error"]
+                    continue
+                if "error" in res:
+                    failed[peer.label] = res["error"]
+                    continue
+                name = peer.label + ("-compiled" if mode == "compiled" else "")
+                rows.append((router, threads, t_ours, best_p, name, res["ms"], t_ours / res["ms"],
+                             res["load"]))
+                if threads == 2:
+                    ratios.setdefault(name, {})[router] = t_ours / res["ms"]
+    for p in peers:
+        print(f"{p.label}: torch {p.version} ({p.python})")
+    print(f"shape B={B} T={T} D={D} E={E} d_ff={FF} top-{K}, float32, causal graphs")
+    print(torch_peers.coretype_line())
+    print(f"{'router':<12}{'threads':>8}{'graphmoe ms':>14}{'(parallel)':>12}{'torch':>26}"
+          f"{'torch ms':>12}{'ratio':>8}{'other load (ours/torch)':>26}")
+    for router, threads, a, p, name, b, r, load in rows:
         par = "experts" if p == 1 else "gemm"
-        print(f"{router:<12}{threads:>8}{a:>14.1f}{par:>12}{b:>12.1f}{r:>8.2f}")
-    print("moe_layer fwd+bwd graphmoe/torch: " + " ".join(f"{k}={ratios[k]:.2f}" for k in ("softmax", "similarity", "attention")))
+        print(f"{router:<12}{threads:>8}{a:>14.1f}{par:>12}{name:>26}{b:>12.1f}{r:>8.2f}"
+              f"{fmt_load(our_load) + ' / ' + fmt_load(load):>26}")
+    for label, reason in unavailable.items():
+        print(f"{label} compiled: unavailable ({reason})")
+    for label, reason in failed.items():
+        print(f"{label}: failed, not compared ({reason})")
+    summary = lambda rs: " ".join(f"{k}={rs[k]:.2f}" for k in ROUTERS if k in rs)  # noqa: E731
+    for name, rs in ratios.items():
+        print(f"moe_layer fwd+bwd graphmoe/{name}: {summary(rs)}")
+    eager = [p.label for p in peers if p.label in ratios]
+    if not eager:
+        sys.exit("no torch run succeeded: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    print(f"moe_layer fwd+bwd graphmoe/torch: {summary(ratios[eager[0]])}")
 
 
 if __name__ == "__main__":
