@@ -89,7 +89,8 @@ class ThreadPool {
   std::int64_t spin_micros() const { return spin_micros_; }
 
   // Calls body(i) for every i in [0, n), in chunks of `chunk` consecutive items, on the calling
-  // thread and up to threads - 1 workers. Returns when all items are done. body must not throw.
+  // thread and up to threads - 1 workers. Returns when all items are done. body must not throw
+  // (std::terminate if it does).
   template <class Body>
   void run(index_t n, index_t chunk, int threads, Body& body) {
     std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
@@ -140,8 +141,9 @@ class ThreadPool {
     for (index_t i = 0; i < n; ++i) body(i);
   }
 
-  // Claims and runs chunks until none is left.
-  static void work_on(Job& job) {
+  // Claims and runs chunks until none is left. noexcept: a body that throws ends the program (as
+  // inside OpenMP's loops) instead of unwinding the caller while workers still run its chunks.
+  static void work_on(Job& job) noexcept {
     for (;;) {
       const index_t b = job.next.fetch_add(job.chunk);
       if (b >= job.n) return;
