@@ -31,35 +31,25 @@ import subprocess
 import sys
 import time
 
-
-def cpu_busy_seconds():
-    """Total non-idle CPU seconds of the machine since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [float(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-    hz = os.sysconf("SC_CLK_TCK")
-    return (sum(fields[:8]) - idle) / hz
+from gemm_report import children_cpu_seconds, cpu_jiffies, other_load
 
 
 def run_bench(bench, router, threads, min_time, env):
-    """tokens/s of one bench_lm run, its wall seconds, its own CPU seconds, the machine's busy
-    CPU seconds meanwhile."""
+    """tokens/s of one bench_lm run and the CPU (in cores) other processes used meanwhile."""
     flt = f"^BM_lm_train_{router}/threads:{threads}/"
-    busy0, t0 = cpu_busy_seconds(), time.monotonic()
-    r0 = os.times()
+    j0, c0, t0 = cpu_jiffies(), children_cpu_seconds(), time.time()
     out = subprocess.run([bench, f"--benchmark_filter={flt}", f"--benchmark_min_time={min_time}",
                           "--benchmark_format=console"],
                          capture_output=True, text=True, env=env, check=False)
-    r1 = os.times()
-    wall, busy = time.monotonic() - t0, cpu_busy_seconds() - busy0
+    j1, c1, t1 = cpu_jiffies(), children_cpu_seconds(), time.time()
+    load = other_load(j0, j1, c1 - c0, t1 - t0)
     if out.returncode != 0:
         sys.exit(f"contention.py: {bench} failed ({out.returncode}):\n{out.stderr[-2000:]}")
     m = re.search(r"tokens/s=([0-9.]+)(k?)/s", out.stdout)
     if not m:
         sys.exit(f"contention.py: no tokens/s in bench_lm's output for {flt}:\n{out.stdout[-2000:]}")
     tps = float(m.group(1)) * (1000.0 if m.group(2) == "k" else 1.0)
-    own = (r1.children_user - r0.children_user) + (r1.children_system - r0.children_system)
-    return tps, wall, own, busy
+    return tps, (load or 0.0) * (os.cpu_count() or 1)
 
 
 def main():
@@ -103,17 +93,15 @@ def main():
     print("|---|---|---|---|---|---|")
     ratios = []
     for rep in range(a.repeats):
-        alone, wall, own, busy = run_bench(bench, a.router, a.threads, a.min_time, env)
-        other_alone = max(0.0, (busy - own) / wall)
+        alone, other_alone = run_bench(bench, a.router, a.threads, a.min_time, env)
         spin = subprocess.Popen(["taskset", "-c", str(a.busy_core), "sh", "-c",
                                  "while :; do :; done"])
         try:
             time.sleep(0.3)
-            shared, wall2, own2, busy2 = run_bench(bench, a.router, a.threads, a.min_time, env)
+            shared, other_shared = run_bench(bench, a.router, a.threads, a.min_time, env)
         finally:
             spin.kill()
             spin.wait()
-        other_shared = max(0.0, (busy2 - own2) / wall2)
         flag = " (other users?)" if other_alone > 0.2 or other_shared > 1.2 else ""
         ratios.append(shared / alone)
         print(f"| {rep + 1} | {alone:,.0f} | {other_alone:.2f} | {shared:,.0f} | {other_shared:.2f} | "

@@ -16,10 +16,12 @@ which on the CPU needs a C++ compiler) where torch has torch.compile.
 """
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
+
+# the machine-load helpers of the GEMM report (/proc/stat and the children's CPU time)
+from gemm_report import children_cpu_seconds, cpu_jiffies, other_load, wait_until_idle
 
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "graphmoe", "venv-torch")
 
@@ -114,33 +116,6 @@ def error_reason(e):
 
 # ----------------------------------------------------------------------------- machine load
 
-def cpu_jiffies():
-    """(busy, total) jiffies of all CPUs from /proc/stat, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return sum(v) - idle, sum(v)
-
-
-def children_cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def wait_until_idle(threshold, timeout=300.0):
-    """Waits (up to timeout seconds) for a 2-second window with load below threshold."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        a = cpu_jiffies()
-        time.sleep(2.0)
-        b = cpu_jiffies()
-        if a is None or b is None or (b[0] - a[0]) / max(1, b[1] - a[1]) < threshold:
-            return
-
-
 def add_load_arguments(ap):
     ap.add_argument("--max-other-load", type=float, default=0.05,
                     help="rerun a side when other processes used more than this share of CPUs")
@@ -161,10 +136,9 @@ def run_measured(cmd, env, args, label):
         j0, c0, t0 = cpu_jiffies(), children_cpu_seconds(), time.time()
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
         j1, c1, t1 = cpu_jiffies(), children_cpu_seconds(), time.time()
-        if j0 is None or j1 is None:
+        load = other_load(j0, j1, c1 - c0, t1 - t0)
+        if load is None:
             return out, None
-        busy = (j1[0] - j0[0]) / os.sysconf("SC_CLK_TCK")
-        load = max(0.0, busy - (c1 - c0)) / ((t1 - t0) * (os.cpu_count() or 1))
         if load <= args.max_other_load:
             break
         print(f"  {label}: other processes used {100 * load:.0f}% of the CPUs, "
