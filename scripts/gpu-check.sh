@@ -120,14 +120,9 @@ fi
 # The build dependencies carried from a networked machine (scripts/gpu-deps.sh), when present:
 # the GPU machine has CMake, ninja and the CUDA toolkit but no Eigen, doctest, Google Benchmark,
 # nlohmann_json or zlib headers, and cannot download them.
-dep_args=()
-deps=$root/.gpu-deps/root
-if [[ -d "$deps/usr" ]]; then
-  libdir=$deps/usr/lib/x86_64-linux-gnu
-  dep_args=("-DCMAKE_PREFIX_PATH=$deps/usr;$libdir/cmake;$deps/usr/lib/cmake;$deps/usr/share"
-            "-DZLIB_INCLUDE_DIR=$deps/usr/include" "-DZLIB_LIBRARY=$libdir/libz.a")
-  export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  say "dependencies: carried in $deps"
+source "$root/scripts/gpu-deps-env.sh" "$root"
+if (( ${#dep_args[@]} > 0 )); then
+  say "dependencies: carried in $gpu_deps"
 else
   say "dependencies: from the system (no .gpu-deps; run scripts/gpu-deps.sh where apt works)"
 fi

@@ -5,14 +5,19 @@
 # About 4 minutes on 2 cores (248 s from a fresh clone in session 11, build included; the two
 # training runs are most of it). Outputs (metrics.csv, checkpoints) under runs/main/.
 #   STEPS=1200 scripts/main-job.sh      (override the number of training steps)
-#   DEVICE=cuda scripts/main-job.sh     (train on the GPU; needs nvcc and a CUDA device)
+#   DEVICE=cuda scripts/main-job.sh     (train on the GPU; needs nvcc and a CUDA device; compiles for
+#                                        the GPU present: CMAKE_CUDA_ARCHITECTURES=native)
+#   OFFLINE=1 JOBS=16 DEVICE=cuda scripts/main-job.sh
+#       (a machine without package access, e.g. the lent GPU machine: no apt; the build dependencies
+#       from .gpu-deps (scripts/gpu-deps.sh) and the corpus from runs/data/kjv.tokens, both prepared
+#       on a networked machine and carried; JOBS parallel build jobs, default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${STEPS:-1500}
 device=${DEVICE:-cpu}
 case "$device" in
   cpu) cuda_args=(-DGRAPHMOE_ENABLE_CUDA=OFF) ;;  # no nvcc translation units to build
-  cuda) cuda_args=(-DGRAPHMOE_ENABLE_CUDA=ON "-DGRAPHMOE_CUDA_EXAMPLES=train_lm"
+  cuda) cuda_args=(-DGRAPHMOE_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native "-DGRAPHMOE_CUDA_EXAMPLES=train_lm"
                    "-DGRAPHMOE_CUDA_EXAMPLE_ROUTERS=SoftmaxRouter;SimilarityRouter") ;;
   *) echo "main-job.sh: DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;;
 esac
@@ -20,7 +25,14 @@ esac
 # our sandboxes) halves GEMM speed on AVX-512 machines (docs/benchmarks.md) ...
 unset OPENBLAS_CORETYPE
 
-bash scripts/install-deps.sh
+dep_args=()
+if [[ -n "${OFFLINE:-}" ]]; then
+  source scripts/gpu-deps-env.sh "$PWD"
+  (( ${#dep_args[@]} > 0 )) || { echo "main-job.sh: OFFLINE needs .gpu-deps (scripts/gpu-deps.sh)" >&2; exit 2; }
+  [[ -s runs/data/kjv.tokens ]] || { echo "main-job.sh: OFFLINE needs runs/data/kjv.tokens (scripts/prepare-kjv.sh)" >&2; exit 2; }
+else
+  bash scripts/install-deps.sh
+fi
 # ... unless it does not know the CPU and falls back to its SSE3 kernels (Prescott): then the core
 # type the CPU's flags support (scripts/openblas-coretype.sh)
 coretype=$(bash scripts/openblas-coretype.sh)
@@ -32,9 +44,9 @@ fi
 # router translation units.
 cmake -S . -B build-main -DCMAKE_BUILD_TYPE=Release -DGRAPHMOE_NATIVE=ON \
   -DGRAPHMOE_BUILD_TESTS=OFF -DGRAPHMOE_BUILD_BENCHMARKS=OFF -DGRAPHMOE_BUILD_EXAMPLES=ON \
-  "-DGRAPHMOE_EXAMPLE_ROUTERS=SoftmaxRouter;SimilarityRouter" "${cuda_args[@]}" > /dev/null
-cmake --build build-main -j2 --target train_lm
-scripts/prepare-kjv.sh runs/data/kjv.tokens
+  "-DGRAPHMOE_EXAMPLE_ROUTERS=SoftmaxRouter;SimilarityRouter" "${cuda_args[@]}" "${dep_args[@]}" > /dev/null
+cmake --build build-main -j "${JOBS:-2}" --target train_lm
+[[ -n "${OFFLINE:-}" ]] || scripts/prepare-kjv.sh runs/data/kjv.tokens
 
 # 4 blocks, D = 128, 4 heads, E = 8 experts of d_ff = 256, top-2, sequences of 64 tokens.
 # The Similarity graph uses tau = 32 (= D / 4): at the paper's tau = 1 the layer-normed tokens'
