@@ -82,10 +82,10 @@ class TransformerBlock {
     Tensor<T, B> f(Shape{n, cfg_.d_model});
     if (cfg_.moe) {
       GraphContext<T, B> ctx{s[1], nullptr};
-      if constexpr (RouterPolicy::needs_attention) {
-        attn_.enable_graph_gradients();
-        ctx.attention = &attn_.cache();
-      }
+      // the Attention graph reads the attention layer's cache; its gradient sinks ((B, H, T, T)
+      // dprobs among them) are allocated by backward, so a forward alone (evaluation,
+      // inference) never holds them
+      if constexpr (RouterPolicy::needs_attention) ctx.attention = &attn_.cache();
       moe_.forward(u_.view(Shape{n, cfg_.d_model}), ctx, f);
     } else {
       ffn_.forward(u_.view(Shape{n, cfg_.d_model}), f);
@@ -102,6 +102,9 @@ class TransformerBlock {
     const index_t n = s[0] * s[1];
     Tensor<T, B> du;
     Tensor<T, B> dflat = dout.view(Shape{n, cfg_.d_model});
+    if constexpr (RouterPolicy::needs_attention) {
+      if (cfg_.moe) attn_.enable_graph_gradients();  // zeroed sinks the MoE backward fills
+    }
     if (cfg_.moe) moe_.backward(dflat, du); else ffn_.backward(dflat, du);
     Tensor<T, B> dh1;
     ln2_.backward(du.view(s), dh1);

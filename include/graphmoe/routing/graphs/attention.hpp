@@ -57,18 +57,25 @@ const AttentionCache<T, B>& check_attention_cache(const GraphContext<T, B>& ctx,
 // (HeadChoice::PerSequence), or of its prefix up to row i (PerSequenceCausal); see
 // docs/routers.md for the choice of tensors and the factor H.
 //
-// Per sequence and used head h (M_h, (T, D), one at a time), in blocks of kBlock rows i0..i0+bi:
-//   forward   G = Aout_blk M_h^T (bi, jn), the rows of head h -> A^p in log space (lse kept),
-//             rows of other heads 0;  p_blk += A^p_blk R
+// In the head's dh = D / H dimensions: a_i . m_hj = q_i . v_hj + a_i . b_o with
+// q_i = H a_i W_o,h (dh values), and a_i . b_o is the same for every j, so it cancels in the
+// row's softmax (as does |b_o|^2 in |m_hj|^2 = H^2 v_hj^T K_h v_hj + 2 H v_hj . w_h + |b_o|^2,
+// K_h = W_o,h^T W_o,h, w_h = W_o,h^T b_o). The (T, T) products then cost T^2 dh, not T^2 D.
+// Per sequence and used head h, in blocks of kBlock rows i0..i0+bi (rows of other heads 0):
+//   forward   Q_blk = H Aout_blk W_o,h (bi, dh);  G = Q_blk V_h^T (bi, jn) -> A^p in log space
+//             (lse kept);  p_blk += A^p_blk R
 //   (jn: the block's columns up to its last prior A > floor, block_cols: i0 + bi for a causal
 //   attention layer, so causal blocks cost half, as in the Similarity graph)
-//   backward  dR += A^p_blk^T dp_blk;  dL = A^p o (dp_blk R^T - rowdot(dp, p));
-//             dprobs_h += dL / A (A > floor);  dout_blk += dL M_h / sigma^2;
-//             dM_h += dL^T Aout_blk / sigma^2, colsum_h += column sums of dL;
-//   then      dM_h -= M_h o colsum_h / sigma^2, and dv, dw_o, db_o from dM_h.
+//   backward  dR += A^p_blk^T dp_blk;  dL = A^p o (dp_blk R^T - rowdot(dp, p)) (bi, jn);
+//             dprobs_h += dL / A (A > floor);  dQ = dL V_h;  dV_h += dL^T Q_blk / sigma^2;
+//             dout_blk += H dQ W_o,h^T / sigma^2;  dW_o,h += H Aout_blk^T dQ / sigma^2;
+//             colsum_h += column sums of dL;
+//   then      from -|m_hj|^2 / (2 sigma^2) weighted by colsum_j, with Y = M_h W_o,h =
+//             H V_h K_h + 1 w_h^T:  dV_h -= H colsum o Y / sigma^2,  dW_o,h -= H M_h^T
+//             diag(colsum) V_h / sigma^2,  db_o -= M_h^T colsum / sigma^2.
 // Attention::Options::memory: Store keeps A^p (N x T values) for backward; Recompute keeps each
-// row's log-sum-exp and recomputes the block's A^p (one more Aout M_h^T product); Auto stores
-// while T <= kGraphStoreMaxLen. The graph's own memory is O(kBlock x T + T x D) per thread besides
+// row's log-sum-exp and recomputes the block's A^p (one more Q V^T product); Auto stores while
+// T <= kGraphStoreMaxLen. The graph's own memory is O(kBlock x T + T x dh) per thread besides
 // A^p when stored; the cache's probs (B, H, T, T) belong to the attention layer.
 template <class T>
 class GraphImpl<Attention, T, cpu> {
@@ -103,18 +110,18 @@ class GraphImpl<Attention, T, cpu> {
       const index_t s0 = b * len;
       choose_heads(c, b, len, s0);
       P.middleRows(s0, len).setZero();
-      RowMatrix<T> M, Ap;
+      RowMatrix<T> Q, Ap;
       Eigen::Matrix<T, Eigen::Dynamic, 1> msq;
       for (index_t h = 0; h < nh; ++h) {
         if (!head_used(s0, len, h)) continue;
-        head_mean(c, b, h, len, M);
-        msq = M.rowwise().squaredNorm();
+        head_msq(c, b, h, len, msq);
         const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
         for (index_t i0 = 0; i0 < len; i0 += kBlock) {
           const index_t bi = std::min(kBlock, len - i0);
           if (!head_used(s0 + i0, bi, h)) continue;
           const index_t jn = block_cols(A, i0, bi);
-          logits(c, b, h, i0, bi, jn, M, msq, Ap);
+          head_query(c, b, h, i0, bi, Q);
+          logits(c, b, h, i0, bi, jn, Q, msq, Ap);
           for (index_t a = 0; a < bi; ++a) {
             if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) {
               Ap.row(a).setZero();
@@ -175,26 +182,28 @@ class GraphImpl<Attention, T, cpu> {
         dW = RowMatrix<T>::Zero(c.w_o.rows(), c.w_o.cols());
         dB = Eigen::Matrix<T, 1, Eigen::Dynamic>::Zero(c.w_o.rows());
       }
-      RowMatrix<T> M, Ap, dL, dM;
+      RowMatrix<T> Q, Ap, dL, dQ, dVh;
       Eigen::Matrix<T, Eigen::Dynamic, 1> msq, colsum, rowdot;
       for (index_t h = 0; h < nh; ++h) {
         if (!head_used(s0, len, h)) continue;
-        head_mean(c, b, h, len, M);
-        if (!stores_) msq = M.rowwise().squaredNorm();
+        if (!stores_) head_msq(c, b, h, len, msq);
         if (!opts_.detach) {
-          dM = RowMatrix<T>::Zero(len, M.cols());
+          dVh = RowMatrix<T>::Zero(len, dh);
           colsum = Eigen::Matrix<T, Eigen::Dynamic, 1>::Zero(len);
         }
         const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len) * len, len, len);
+        auto V = as_matrix(c.v).middleRows(s0, len).middleCols(h * dh, dh);  // (T, dh)
+        auto Wo = as_matrix(c.w_o).middleCols(h * dh, dh);                   // (D, dh)
         for (index_t i0 = 0; i0 < len; i0 += kBlock) {
           const index_t bi = std::min(kBlock, len - i0);
           if (!head_used(s0 + i0, bi, h)) continue;
           const index_t jn = block_cols(A, i0, bi);
+          if (!opts_.detach || !stores_) head_query(c, b, h, i0, bi, Q);
           // this block's A^p rows of head h (the others 0): kept, or recomputed from lse
           if (stores_) {
             Ap = as_matrix(post_).block(s0 + i0, 0, bi, jn);
           } else {
-            logits(c, b, h, i0, bi, jn, M, msq, Ap);
+            logits(c, b, h, i0, bi, jn, Q, msq, Ap);
           }
           for (index_t a = 0; a < bi; ++a) {
             if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) {
@@ -221,20 +230,36 @@ class GraphImpl<Attention, T, cpu> {
                       .select(dL.row(a).array() / A.row(i0 + a).head(jn).array(), T(0));
             }
           }
-          if (!c.dout.empty())
-            as_matrix(c.dout).middleRows(s0 + i0, bi).noalias() += inv_var * dL * M.topRows(jn);
           colsum.head(jn) += dL.colwise().sum().transpose();
-          dM.topRows(jn).noalias() += inv_var * dL.transpose() * Aout.middleRows(i0, bi);
+          // G = Q V^T: dQ = dL V, dV += dL^T Q; Q = H Aout W_o,h: into dout and dW_o,h
+          dVh.topRows(jn).noalias() += dL.transpose() * Q;
+          dQ.noalias() = (inv_var * fh) * dL * V.topRows(jn);
+          if (!c.dout.empty())
+            as_matrix(c.dout).middleRows(s0 + i0, bi).noalias() += dQ * Wo.transpose();
+          dW.middleCols(h * dh, dh).noalias() += Aout.middleRows(i0, bi).transpose() * dQ;
         }
         if (opts_.detach) continue;
-        dM -= inv_var * (M.array().colwise() * colsum.array()).matrix();
-        // m = H v_h W_o,h^T + b_o
-        auto V = as_matrix(c.v).middleRows(s0, len).middleCols(h * dh, dh);
-        auto Wo = as_matrix(c.w_o).middleCols(h * dh, dh);  // (D, dh)
+        // -|m_j|^2 / (2 sigma^2), weighted by colsum_j: m_j = H W_o,h v_j + b_o
+        RowMatrix<T> Kh = Wo.transpose() * Wo;  // (dh, dh)
+        RowMatrix<T> Y = fh * V * Kh;           // M W_o,h = H V K + 1 w^T
+        Eigen::Matrix<T, 1, Eigen::Dynamic> wh;
+        if (!c.b_o.empty()) {
+          wh = as_vector(c.b_o).transpose() * Wo;
+          Y.rowwise() += wh;
+        }
+        dVh -= fh * (Y.array().colwise() * colsum.array()).matrix();
         if (!c.dv.empty())
-          as_matrix(c.dv).middleRows(s0, len).middleCols(h * dh, dh).noalias() += fh * dM * Wo;
-        dW.middleCols(h * dh, dh).noalias() += fh * dM.transpose() * V;
-        dB += dM.colwise().sum();
+          as_matrix(c.dv).middleRows(s0, len).middleCols(h * dh, dh).noalias() += inv_var * dVh;
+        // sum_j colsum_j m_j v_j^T = H W_o,h (V^T diag(colsum) V) + b_o (colsum^T V)
+        const RowMatrix<T> Vc = V.transpose() * (V.array().colwise() * colsum.array()).matrix();
+        const Eigen::Matrix<T, 1, Eigen::Dynamic> cv = colsum.transpose() * V;  // (dh)
+        dW.middleCols(h * dh, dh).noalias() -= (inv_var * fh * fh) * Wo * Vc;
+        dB.noalias() -= (inv_var * fh) * cv * Wo.transpose();
+        if (!c.b_o.empty()) {
+          dW.middleCols(h * dh, dh).noalias() -=
+              (inv_var * fh) * as_vector(c.b_o) * cv;
+          dB -= (inv_var * colsum.sum()) * as_vector(c.b_o).transpose();
+        }
       }
     });
     if (opts_.detach) return;
@@ -301,17 +326,18 @@ class GraphImpl<Attention, T, cpu> {
     return jn;
   }
 
-  // G = Aout_blk M_h^T turned into the log-posterior logits of rows [i0, i0 + bi) of sequence b
+  // G = Q_blk V_h^T turned into the log-posterior logits of rows [i0, i0 + bi) of sequence b
   // under head h and its first jn columns (block_cols), in place: (bi, jn), -inf where
-  // A <= attention_prior_floor:  log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2
+  // A <= attention_prior_floor:  log A + (q_i . v_j - |m_j|^2 / 2) / sigma^2, up to a constant
+  // per row (a_i . b_o, |b_o|^2 / 2: the class comment)
   void logits(const AttentionCache<T, cpu>& c, index_t b, index_t h, index_t i0, index_t bi,
-              index_t jn, const RowMatrix<T>& M, const Eigen::Matrix<T, Eigen::Dynamic, 1>& msq,
+              index_t jn, const RowMatrix<T>& Q, const Eigen::Matrix<T, Eigen::Dynamic, 1>& msq,
               RowMatrix<T>& L) const {
-    const index_t len = seq_len_, nh = c.num_heads;
+    const index_t len = seq_len_, nh = c.num_heads, dh = c.v.cols() / nh;
     const T inv_var = static_cast<T>(1.0 / (opts_.sigma * opts_.sigma));
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     constexpr T floor = attention_prior_floor<T>();
-    L.noalias() = as_matrix(c.out).middleRows(b * len + i0, bi) * M.topRows(jn).transpose();
+    L.noalias() = Q * as_matrix(c.v).middleRows(b * len, jn).middleCols(h * dh, dh).transpose();
     const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len + i0) * len, bi, len);
     const auto msq_t = msq.head(jn).transpose().array();
     for (index_t a = 0; a < bi; ++a)
@@ -339,14 +365,29 @@ class GraphImpl<Attention, T, cpu> {
     return true;
   }
 
-  // M = H * V_h W_o,h^T + b_o for sequence b: (T, D)
-  void head_mean(const AttentionCache<T, cpu>& c, index_t b, index_t h, index_t len,
-                 RowMatrix<T>& M) const {
+  // Q = H Aout W_o,h for rows [i0, i0 + bi) of sequence b: (bi, dh)
+  void head_query(const AttentionCache<T, cpu>& c, index_t b, index_t h, index_t i0, index_t bi,
+                  RowMatrix<T>& Q) const {
     const index_t nh = c.num_heads, dh = c.v.cols() / nh;
+    Q.noalias() = static_cast<T>(nh) * as_matrix(c.out).middleRows(b * seq_len_ + i0, bi) *
+                  as_matrix(c.w_o).middleCols(h * dh, dh);
+  }
+
+  // |m_j|^2 - |b_o|^2 = H^2 v_j^T K v_j + 2 H v_j . w for sequence b under head h, (T):
+  // K = W_o,h^T W_o,h, w = W_o,h^T b_o (|b_o|^2 is the same for every j and cancels)
+  void head_msq(const AttentionCache<T, cpu>& c, index_t b, index_t h, index_t len,
+                Eigen::Matrix<T, Eigen::Dynamic, 1>& msq) const {
+    const index_t nh = c.num_heads, dh = c.v.cols() / nh;
+    const T fh = static_cast<T>(nh);
     auto V = as_matrix(c.v).middleRows(b * len, len).middleCols(h * dh, dh);
     auto Wo = as_matrix(c.w_o).middleCols(h * dh, dh);
-    M.noalias() = static_cast<T>(nh) * V * Wo.transpose();
-    if (!c.b_o.empty()) M.rowwise() += as_vector(c.b_o).transpose();
+    const RowMatrix<T> K = Wo.transpose() * Wo;
+    const RowMatrix<T> VK = V * K;
+    msq = (fh * fh) * (VK.array() * V.array()).rowwise().sum();
+    if (!c.b_o.empty()) {
+      const Eigen::Matrix<T, Eigen::Dynamic, 1> w = Wo.transpose() * as_vector(c.b_o);
+      msq.noalias() += (T(2) * fh) * (V * w);
+    }
   }
 
   // Attention-row entropies H(A_h[i,:]) for sequence b; h* per token by the configured rule
