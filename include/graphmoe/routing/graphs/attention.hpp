@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "graphmoe/backend/cpu/detail/vexp.hpp"
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/threads.hpp"
 #include "graphmoe/routing/attention_cache.hpp"
@@ -208,10 +209,8 @@ class GraphImpl<Attention, T, cpu> {
           for (index_t a = 0; a < bi; ++a) {
             if (head_[static_cast<std::size_t>(s0 + i0 + a)] != h) {
               Ap.row(a).setZero();
-            } else if (!stores_) {
-              const T l = lse_.data()[s0 + i0 + a];
-              Ap.row(a) = (A.row(i0 + a).head(jn).array() > floor)
-                              .select((Ap.row(a).array() - l).exp(), T(0));
+            } else if (!stores_) {  // the logits are -inf at or below the floor: exp gives 0
+              detail::exp_shifted(Ap.row(a).data(), lse_.data()[s0 + i0 + a], Ap.row(a).data(), jn);
             }
           }
           const auto dPb = dP.middleRows(s0 + i0, bi);
@@ -340,11 +339,15 @@ class GraphImpl<Attention, T, cpu> {
     L.noalias() = Q * as_matrix(c.v).middleRows(b * len, jn).middleCols(h * dh, dh).transpose();
     const MatrixMap<T> A(c.probs.data() + ((b * nh + h) * len + i0) * len, bi, len);
     const auto msq_t = msq.head(jn).transpose().array();
-    for (index_t a = 0; a < bi; ++a)
-      L.row(a) = (A.row(a).head(jn).array() > floor)
-                     .select(A.row(a).head(jn).array().log() +
-                                 (L.row(a).array() - T(0.5) * msq_t) * inv_var,
-                             kNegInf);
+    for (index_t a = 0; a < bi; ++a) {
+      // Eigen's packet log over the whole row, then the entries at or below the floor masked
+      // (a select around log would evaluate one scalar logf per entry)
+      L.row(a).array() = A.row(a).head(jn).array().log() +
+                         (L.row(a).array() - T(0.5) * msq_t) * inv_var;
+      T* l = L.row(a).data();
+      const T* pa = A.row(a).data();
+      for (index_t j = 0; j < jn; ++j) l[j] = pa[j] > floor ? l[j] : kNegInf;
+    }
   }
 
   // In place: logits -> A^p row of global token g at position i of its sequence; saves lse, the
@@ -354,14 +357,20 @@ class GraphImpl<Attention, T, cpu> {
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     const T mx = row.maxCoeff();
     if (!(mx > kNegInf)) return false;
-    auto shifted = (row.array() - mx).eval();
-    auto e = (shifted > kNegInf).select(shifted.exp(), T(0)).eval();
-    const T sum = e.sum();
-    const T dot = (shifted > kNegInf).select(e * shifted, T(0)).sum();
-    row = e.matrix() / sum;
-    lse_.data()[g] = mx + std::log(sum);
+    T* x = row.data();
+    // e_j = exp(l_j - mx) (0 at -inf, detail::for_exp_blocks), their sum and sum_j e_j (l_j - mx)
+    double sum = 0, dot = 0;
+    detail::for_exp_blocks(x, mx, row.size(), [&](index_t j0, const T* e, index_t m) {
+      sum += detail::sum_in_double(e, m);
+      T d = 0;
+      for (index_t k = 0; k < m; ++k) d += e[k] > T(0) ? e[k] * (x[j0 + k] - mx) : T(0);
+      dot += static_cast<double>(d);
+      std::copy(e, e + m, x + j0);
+    });
+    row *= static_cast<T>(1.0 / sum);
+    lse_.data()[g] = mx + static_cast<T>(std::log(sum));
     self_.data()[g] = i < row.size() ? row(i) : T(0);
-    row_entropy_[static_cast<std::size_t>(g)] = static_cast<double>(std::log(sum) - dot / sum);
+    row_entropy_[static_cast<std::size_t>(g)] = std::log(sum) - dot / sum;
     return true;
   }
 
