@@ -233,6 +233,11 @@ TEST_CASE_TEMPLATE("softmax: the vectorised exp equals std::exp, masked entries 
       x[2] = std::numeric_limits<T>::quiet_NaN();
       x[3] = static_cast<T>(-87.5);
       x[4] = static_cast<T>(-708.5);
+      // around where exp rounds to 0 (detail::vexp_zero: 0 without calling std::exp below it);
+      // x - shift below: -103.9, -103.98, -104.01 (float), -745.1, -745.2, -746.01 (double)
+      for (int k = 0; k < 6; ++k)
+        x[static_cast<std::size_t>(5 + k)] = static_cast<T>(
+            -2.5 + std::vector<double>{-103.9, -103.98, -104.01, -745.1, -745.2, -746.01}[k]);
     }
     const T shift = static_cast<T>(-2.5);
     std::vector<T> y(x.size());

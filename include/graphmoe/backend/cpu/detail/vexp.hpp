@@ -4,7 +4,8 @@
 // (SSE2 / AVX2 / AVX-512), within 2 ulp of std::exp for normal results. Where it differs in kind,
 // the element is recomputed with std::exp, so callers keep std::exp's edge cases:
 //   - below the smallest normal result (x < kVexpLow: the -inf of masked entries, subnormals),
-//     Eigen's SSE2/AVX2 exp clamps its argument and returns about 3e-39 (float) instead of 0;
+//     Eigen's SSE2/AVX2 exp clamps its argument and returns about 3e-39 (float) instead of 0
+//     (where std::exp's result is 0, vexp_zero, that 0 is written without calling it);
 //   - NaN, +inf and overflow go through std::exp too (x > kVexpHigh or x != x).
 // Work is done in blocks of kVexpBlock elements in a stack buffer, so outputs may alias inputs.
 #pragma once
@@ -30,6 +31,13 @@ template <class T>
 constexpr T vexp_high() {
   return sizeof(T) >= 8 ? T(709) : T(88);
 }
+// Below this, exp rounds to +0 (float: x < -103.97, under half the smallest subnormal; double:
+// x < -745.13), so the result is 0 without a libm call (std::exp would also set errno through
+// its underflow path, a tenth of a long causal token graph's time when taken per element).
+template <class T>
+constexpr T vexp_zero() {
+  return sizeof(T) >= 8 ? T(-746) : T(-104);
+}
 
 // Calls fn(j0, e, m) for consecutive blocks [j0, j0 + m) of [0, n), with e[0, m) holding
 // exp(x[j0 + i] - shift) in an aligned stack buffer (fn may write x's block: e is a copy).
@@ -44,7 +52,7 @@ void for_exp_blocks(const T* x, T shift, index_t n, Fn&& fn) {
     // outside the packet exp's normal range (rare: masked or far-below-max entries): std::exp
     for (index_t i = 0; i < m; ++i) {
       const T s = x[j0 + i] - shift;
-      if (!(s >= vexp_low<T>() && s <= vexp_high<T>())) buf[i] = std::exp(s);
+      if (!(s >= vexp_low<T>() && s <= vexp_high<T>())) buf[i] = s < vexp_zero<T>() ? T(0) : std::exp(s);
     }
     fn(j0, static_cast<const T*>(buf), m);
   }
