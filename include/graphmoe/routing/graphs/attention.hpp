@@ -361,7 +361,7 @@ class GraphImpl<Attention, T, cpu> {
     // e_j = exp(l_j - mx) (0 at -inf, detail::for_exp_blocks), their sum and sum_j e_j (l_j - mx)
     double sum = 0, dot = 0;
     detail::for_exp_blocks(x, mx, row.size(), [&](index_t j0, const T* e, index_t m) {
-      sum += detail::sum_in_double(e, m);
+      sum += detail::accumulate_double(m, [e](index_t k) { return e[k]; });
       T d = 0;
       for (index_t k = 0; k < m; ++k) d += e[k] > T(0) ? e[k] * (x[j0 + k] - mx) : T(0);
       dot += static_cast<double>(d);

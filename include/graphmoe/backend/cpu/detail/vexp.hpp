@@ -3,10 +3,10 @@
 // std::exp is one libm call per element; Eigen's packet exp evaluates 4 to 16 of them at once
 // (SSE2 / AVX2 / AVX-512), within 2 ulp of std::exp for normal results. Where it differs in kind,
 // the element is recomputed with std::exp, so callers keep std::exp's edge cases:
-//   - below the smallest normal result (x < kVexpLow: the -inf of masked entries, subnormals),
+//   - below the smallest normal result (x < vexp_low: the -inf of masked entries, subnormals),
 //     Eigen's SSE2/AVX2 exp clamps its argument and returns about 3e-39 (float) instead of 0
 //     (where std::exp's result is 0, vexp_zero, that 0 is written without calling it);
-//   - NaN, +inf and overflow go through std::exp too (x > kVexpHigh or x != x).
+//   - NaN, +inf and overflow go through std::exp too (x > vexp_high or x != x).
 // Work is done in blocks of kVexpBlock elements in a stack buffer, so outputs may alias inputs.
 #pragma once
 
@@ -16,6 +16,7 @@
 
 #include <Eigen/Core>
 
+#include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/core/shape.hpp"
 
 namespace graphmoe::detail {
@@ -58,23 +59,12 @@ void for_exp_blocks(const T* x, T shift, index_t n, Fn&& fn) {
   }
 }
 
-// sum_{i < m} e[i] in double: four partial sums, combined pairwise (a fixed order).
-template <class T>
-double sum_in_double(const T* e, index_t m) {
-  double a[4] = {0, 0, 0, 0};
-  index_t i = 0;
-  for (; i + 4 <= m; i += 4)
-    for (int k = 0; k < 4; ++k) a[k] += static_cast<double>(e[i + k]);
-  for (; i < m; ++i) a[0] += static_cast<double>(e[i]);
-  return (a[0] + a[1]) + (a[2] + a[3]);
-}
-
 // y[j] = exp(x[j] - shift) for j < n (y may be x); returns sum_j y[j] in double.
 template <class T>
 double exp_shifted(const T* x, T shift, T* y, index_t n) {
   double total = 0;
   for_exp_blocks(x, shift, n, [&](index_t j0, const T* e, index_t m) {
-    total += sum_in_double(e, m);
+    total += accumulate_double(m, [e](index_t i) { return e[i]; });
     std::copy(e, e + m, y + j0);
   });
   return total;
@@ -84,7 +74,9 @@ double exp_shifted(const T* x, T shift, T* y, index_t n) {
 template <class T>
 double sum_exp_shifted(const T* x, T shift, index_t n) {
   double total = 0;
-  for_exp_blocks(x, shift, n, [&](index_t, const T* e, index_t m) { total += sum_in_double(e, m); });
+  for_exp_blocks(x, shift, n, [&](index_t, const T* e, index_t m) {
+    total += accumulate_double(m, [e](index_t i) { return e[i]; });
+  });
   return total;
 }
 
