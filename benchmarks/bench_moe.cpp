@@ -9,7 +9,7 @@
 
 #include <cmath>
 
-#include "graphmoe/backend/cpu/attention.hpp"
+#include "bench_support.hpp"
 #include "graphmoe/layers/moe.hpp"
 
 using namespace graphmoe;
@@ -17,34 +17,6 @@ using namespace graphmoe;
 namespace {
 
 constexpr index_t kBatch = 4, kSeq = 512, kD = 352, kE = 16, kFF = 352, kK = 2, kHeads = 8;
-
-template <class T>
-Tensor<T> normal(const Shape& s, Rng& rng, double std) {
-  Tensor<T> t(s);
-  for (index_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<T>(rng.normal(0.0, std));
-  return t;
-}
-
-// A realistic attention cache: probabilities from random projections of the tokens.
-template <class T>
-AttentionCache<T> make_cache(const Tensor<T>& x, Rng& rng, bool causal) {
-  AttentionCache<T> c;
-  c.num_heads = kHeads;
-  auto q = normal<T>({kBatch, kSeq, kD}, rng, 1.0);
-  auto k = normal<T>({kBatch, kSeq, kD}, rng, 1.0);
-  c.v = normal<T>({kBatch * kSeq, kD}, rng, 1.0);
-  Tensor<T> out;
-  attention_forward(q, k, c.v.view({kBatch, kSeq, kD}), kHeads, causal, c.probs, out, &c.row_entropy);
-  c.w_o = normal<T>({kD, kD}, rng, 1.0 / std::sqrt(static_cast<double>(kD)));
-  c.b_o = Tensor<T>({kD});
-  c.out = x.clone();
-  for (auto* t : {&c.dprobs}) *t = Tensor<T>(c.probs.shape());
-  c.dv = Tensor<T>(c.v.shape());
-  c.dw_o = Tensor<T>(c.w_o.shape());
-  c.db_o = Tensor<T>(c.b_o.shape());
-  c.dout = Tensor<T>(c.out.shape());
-  return c;
-}
 
 template <class Policy>
 void BM_moe(benchmark::State& state, bool backward) {
@@ -67,9 +39,9 @@ void BM_moe(benchmark::State& state, bool backward) {
   layer.bind(arena);
   Rng rng(1);
   layer.init(rng);
-  auto u = normal<T>({kBatch * kSeq, kD}, rng, 1.0);
-  auto dy = normal<T>({kBatch * kSeq, kD}, rng, 1.0);
-  AttentionCache<T> cache = make_cache<T>(u, rng, true);
+  auto u = bench::normal<T>({kBatch * kSeq, kD}, rng, 1.0);
+  auto dy = bench::normal<T>({kBatch * kSeq, kD}, rng, 1.0);
+  AttentionCache<T> cache = bench::attention_cache<T>(u, kBatch, kSeq, kD, kHeads, /*causal=*/true, rng);
   GraphContext<T> ctx{kSeq, Policy::needs_attention ? &cache : nullptr};
   Tensor<T> y, du;
   for (auto _ : state) {

@@ -27,7 +27,7 @@
 #include <fstream>
 #include <string>
 
-#include "graphmoe/backend/cpu/attention.hpp"
+#include "bench_support.hpp"
 #include "graphmoe/layers/moe.hpp"
 
 using namespace graphmoe;
@@ -60,38 +60,8 @@ bool reset_peak() {
 }
 
 template <class T>
-Tensor<T> normal(const Shape& s, Rng& rng, double std) {
-  Tensor<T> t(s);
-  for (index_t i = 0; i < t.numel(); ++i) t.data()[i] = static_cast<T>(rng.normal(0.0, std));
-  return t;
-}
-
-template <class T>
 double mib(const Tensor<T>& t) {
   return static_cast<double>(t.numel()) * sizeof(T) / (1024.0 * 1024.0);
-}
-
-// The attention layer's cache for one causal sequence of len tokens (as bench_moe's make_cache).
-template <class T>
-AttentionCache<T> make_cache(const Tensor<T>& x, index_t len, Rng& rng) {
-  AttentionCache<T> c;
-  c.num_heads = kHeads;
-  auto q = normal<T>({1, len, kD}, rng, 1.0);
-  auto k = normal<T>({1, len, kD}, rng, 1.0);
-  c.v = normal<T>({len, kD}, rng, 1.0);
-  Tensor<T> out;
-  attention_forward(q, k, c.v.view({1, len, kD}), kHeads, /*causal=*/true, c.probs, out,
-                    &c.row_entropy);
-  c.w_o = normal<T>({kD, kD}, rng, 1.0 / std::sqrt(static_cast<double>(kD)));
-  c.b_o = Tensor<T>({kD});
-  c.out = x.clone();
-  c.dprobs = Tensor<T>(c.probs.shape());
-  c.dv = Tensor<T>(c.v.shape());
-  c.dw_o = Tensor<T>(c.w_o.shape());
-  c.db_o = Tensor<T>(c.b_o.shape());
-  c.dout = Tensor<T>(c.out.shape());
-  for (auto* t : {&c.dprobs, &c.dv, &c.dw_o, &c.db_o, &c.dout}) t->zero();  // resident before
-  return c;
 }
 
 // Arguments: {T, memory (0 Auto, 1 Store, 2 Recompute)}.
@@ -116,10 +86,14 @@ void BM_moe_long(benchmark::State& state) {
   layer.bind(arena);
   Rng rng(1);
   layer.init(rng);
-  auto u = normal<T>({len, kD}, rng, 1.0);
-  auto dy = normal<T>({len, kD}, rng, 1.0);
+  auto u = bench::normal<T>({len, kD}, rng, 1.0);
+  auto dy = bench::normal<T>({len, kD}, rng, 1.0);
   AttentionCache<T> cache;
-  if constexpr (Policy::needs_attention) cache = make_cache<T>(u, len, rng);
+  if constexpr (Policy::needs_attention) {
+    // the attention layer's cache for one causal sequence, sinks resident before the measurement
+    cache = bench::attention_cache<T>(u, 1, len, kD, kHeads, /*causal=*/true, rng);
+    for (auto* t : {&cache.dprobs, &cache.dv, &cache.dw_o, &cache.db_o, &cache.dout}) t->zero();
+  }
   GraphContext<T> ctx{len, Policy::needs_attention ? &cache : nullptr};
   Tensor<T> y, du;
   arena.zero_grad();
