@@ -165,6 +165,28 @@ TEST_CASE("similarity graph gradient check: exclude_self, a learned temperature,
   }
 }
 
+namespace {
+
+// Finite differences of the gradients the Attention graph's backward accumulated into the cache:
+// dprobs at the positive probabilities (the zero ones are outside the domain of log A) that
+// `skip` does not leave out, then dv, dw_o, db_o and dout. loss() runs the graph's forward.
+template <class Loss, class Skip>
+void check_attention_cache_gradients(AttentionCache<double>& cache, const Loss& loss, Skip skip) {
+  Tensor<double> probs = cache.probs;
+  auto dprobs = cache.dprobs.clone();
+  const Tensor<double> mask = probs.clone();
+  GradcheckOptions opt;
+  opt.h = 1e-7;  // some probabilities are small: a smaller step keeps log A smooth
+  opt.skip = [&](index_t i) { return mask.data()[i] == 0.0 || skip(i); };
+  check_gradient("dprobs", probs, dprobs, loss, opt);
+  check_gradient("dv", cache.v, cache.dv, loss);
+  check_gradient("dw_o", cache.w_o, cache.dw_o, loss);
+  check_gradient("db_o", cache.b_o, cache.db_o, loss);
+  check_gradient("dout", cache.out, cache.dout, loss);
+}
+
+}  // namespace
+
 TEST_CASE("attention graph gradient check: into r, the attention probabilities, values, output map and output") {
   for (bool causal : {false, true}) {
     for (HeadChoice hc : {HeadChoice::PerSequence, HeadChoice::PerSequenceCausal}) {
@@ -206,19 +228,9 @@ TEST_CASE("attention graph gradient check: into r, the attention probabilities, 
         }
         // Masked (zero) probabilities are outside the domain of log A: their analytic gradient is
         // 0 and they are not perturbed; every positive entry is checked.
-        Tensor<double> probs = cache.probs;
-        auto dprobs = cache.dprobs.clone();
-        const Tensor<double> mask = probs.clone();
-        for (index_t i = 0; i < probs.numel(); ++i)
-          if (mask.data()[i] == 0.0) CHECK(dprobs.data()[i] == 0.0);
-        GradcheckOptions opt;
-        opt.h = 1e-7;  // some probabilities are small: a smaller step keeps log A smooth
-        opt.skip = [&](index_t i) { return mask.data()[i] == 0.0; };
-        check_gradient("dprobs", probs, dprobs, loss, opt);
-        check_gradient("dv", cache.v, cache.dv, loss);
-        check_gradient("dw_o", cache.w_o, cache.dw_o, loss);
-        check_gradient("db_o", cache.b_o, cache.db_o, loss);
-        check_gradient("dout", cache.out, cache.dout, loss);
+        for (index_t i = 0; i < cache.probs.numel(); ++i)
+          if (cache.probs.data()[i] == 0.0) CHECK(cache.dprobs.data()[i] == 0.0);
+        check_attention_cache_gradients(cache, loss, [](index_t) { return false; });
        }
       }
     }
@@ -254,22 +266,12 @@ TEST_CASE("attention graph gradient check: A^p recomputed across row blocks, two
   zero_sinks(cache);
   g.backward(u, r, p, w, ctx, dr, du);
   check_gradient("dr", r, dr, loss);
-  Tensor<double> probs = cache.probs;
-  auto dprobs = cache.dprobs.clone();
-  const Tensor<double> mask = probs.clone();
-  GradcheckOptions opt;
-  opt.h = 1e-7;
   // every positive probability of rows 55..66 (both heads' rows around the switch, the second
   // block), and every 7th elsewhere
-  opt.skip = [&](index_t i) {
+  check_attention_cache_gradients(cache, loss, [&](index_t i) {
     const index_t row = (i / len) % len;
-    return mask.data()[i] == 0.0 || (row < 55 && i % 7 != 0);
-  };
-  check_gradient("dprobs", probs, dprobs, loss, opt);
-  check_gradient("dv", cache.v, cache.dv, loss);
-  check_gradient("dw_o", cache.w_o, cache.dw_o, loss);
-  check_gradient("db_o", cache.b_o, cache.db_o, loss);
-  check_gradient("dout", cache.out, cache.dout, loss);
+    return row < 55 && i % 7 != 0;
+  });
 }
 
 namespace {
