@@ -50,7 +50,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 import torch_peers
@@ -299,16 +298,10 @@ def main():
             if args.similarity:
                 line += f" {o[2]:>19.1f} {TOKENS / o[2] * 1e3:>8.0f}"
             print(line)
-    for label, reason in unavailable.items():
-        print(f"{label} compiled: unavailable ({reason})")
-    for label, reason in failed.items():
-        print(f"{label}: failed, not compared ({reason})")
+    torch_peers.report_left_out(unavailable, failed)
     for name, r in ratios.items():
         print(f"lm_train tokens/s graphmoe/{name}: {r:.2f}")
-    eager = [p.label for p in peers if p.label in ratios]
-    if not eager:
-        sys.exit("no torch run succeeded: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
-    print(f"lm_train tokens/s graphmoe/torch: {ratios[eager[0]]:.2f}")
+    print(f"lm_train tokens/s graphmoe/torch: {ratios[torch_peers.first_compared(peers, ratios, failed)]:.2f}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 import torch_peers
@@ -221,17 +220,11 @@ def main():
         par = "experts" if p == 1 else "gemm"
         print(f"{router:<12}{threads:>8}{a:>14.1f}{par:>12}{name:>26}{b:>12.1f}{r:>8.2f}"
               f"{fmt_load(our_load) + ' / ' + fmt_load(load):>26}")
-    for label, reason in unavailable.items():
-        print(f"{label} compiled: unavailable ({reason})")
-    for label, reason in failed.items():
-        print(f"{label}: failed, not compared ({reason})")
+    torch_peers.report_left_out(unavailable, failed)
     summary = lambda rs: " ".join(f"{k}={rs[k]:.2f}" for k in ROUTERS if k in rs)  # noqa: E731
     for name, rs in ratios.items():
         print(f"moe_layer fwd+bwd graphmoe/{name}: {summary(rs)}")
-    eager = [p.label for p in peers if p.label in ratios]
-    if not eager:
-        sys.exit("no torch run succeeded: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
-    print(f"moe_layer fwd+bwd graphmoe/torch: {summary(ratios[eager[0]])}")
+    print(f"moe_layer fwd+bwd graphmoe/torch: {summary(ratios[torch_peers.first_compared(peers, ratios, failed)])}")
 
 
 if __name__ == "__main__":

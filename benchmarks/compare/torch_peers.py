@@ -114,6 +114,26 @@ def error_reason(e):
     return f"{type(e).__name__}: {first[0][:300] if first else ''}".rstrip(": ")
 
 
+# ----------------------------------------------------------------------------- summary
+
+def report_left_out(unavailable, failed):
+    """Prints the torches left out of the comparison: compiled mode unavailable (label -> reason),
+    or an eager run that failed (label -> error)."""
+    for label, reason in unavailable.items():
+        print(f"{label} compiled: unavailable ({reason})")
+    for label, reason in failed.items():
+        print(f"{label}: failed, not compared ({reason})")
+
+
+def first_compared(peers, ratios, failed):
+    """The label of the first torch found whose eager runs succeeded (in ratios): the peer of the
+    single-torch summary line. Exits naming every failure when none did."""
+    eager = [p.label for p in peers if p.label in ratios]
+    if not eager:
+        sys.exit("no torch run succeeded: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    return eager[0]
+
+
 # ----------------------------------------------------------------------------- machine load
 
 def add_load_arguments(ap):
