@@ -27,7 +27,6 @@ t0=$(date +%s)
 if OFFLINE=1 JOBS=$(nproc) DEVICE=cuda bash scripts/main-job.sh >"$logdir/main-job.log" 2>&1; then
   say "-- main job, --device cuda ($(( $(date +%s) - t0 )) s, build included)"
   tail -n 6 "$logdir/main-job.log" | tee -a "$summary"
-  grep -h "tokens/s\|wall" runs/main-softmax.txt runs/main-similarity.txt 2>/dev/null | tail -n 4 | tee -a "$summary"
 else
   say "FAIL: main job (log: main-job.log)"; tail -n 30 "$logdir/main-job.log" | tee -a "$summary"
   status=1
