@@ -6,7 +6,7 @@
 
 #include "graphmoe/backend/cpu/attention.hpp"
 #include "graphmoe/core/rng.hpp"
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 
 namespace graphmoe::bench {
 

@@ -33,10 +33,10 @@
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/backend/cpu/layernorm.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
-#include "graphmoe/backend/cpu/topk.hpp"
+#include "graphmoe/ops/topk.hpp"
 
 // routing: Router<Scorer, TokenGraph, Selector>, named routers, auxiliary losses
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 #include "graphmoe/routing/policies.hpp"
 #include "graphmoe/routing/registry.hpp"

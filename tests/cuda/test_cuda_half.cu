@@ -43,7 +43,7 @@
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/backend/cpu/layernorm.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
-#include "graphmoe/backend/cpu/topk.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/dispatch.cuh"

@@ -26,7 +26,7 @@
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
-#include "graphmoe/backend/cpu/topk.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/device.cuh"

@@ -8,7 +8,7 @@
 #include <numeric>
 #include <vector>
 
-#include "graphmoe/backend/cpu/topk.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "graphmoe/backend/cpu/softmax.hpp"
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 #include "support/gradcheck.hpp"
 
 namespace graphmoe::test {

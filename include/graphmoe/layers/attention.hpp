@@ -16,7 +16,7 @@
 
 #include "graphmoe/backend/cpu/attention.hpp"
 #include "graphmoe/layers/linear.hpp"
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 
 namespace graphmoe {
 

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cpu/gates.hpp"
-#include "graphmoe/backend/cpu/topk.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/core/threads.hpp"
 #include "graphmoe/routing/policies.hpp"
 

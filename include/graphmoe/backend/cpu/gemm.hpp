@@ -10,10 +10,9 @@
 
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/core/trans.hpp"
 
 namespace graphmoe {
-
-enum class Trans { N, T };
 
 namespace detail {
 // A row-major matrix view with a run-time row stride: a whole MatrixMap, or any block of one

@@ -1,23 +1,13 @@
-// graphmoe/backend/cuda/topk.cuh: the k largest entries of each row, and the backward scatter, on
-// the GPU.
-//
-// The same functions and contract as backend/cpu/topk.hpp, on Tensor<T, cuda>:
-//
-//   forward:   values[r, :] = the k largest entries of x[r, :] in descending order   x (N, E)
-//              indices[r, j] = their column in x                                  both (N, k)
-//   backward:  dx[r, indices[r, j]] = dvalues[r, j], zero elsewhere               (assigned)
-//
-// Ties: among equal values the LOWER column index wins and comes first. -inf and +inf are ordinary
-// values; a NaN in x throws, naming its row and column. Since the selection only compares and
-// copies, the CUDA result equals the CPU result exactly.
+// graphmoe/backend/cuda/topk.cuh: the CUDA system's top-k (contract and argument checks:
+// ops/topk.hpp, which calls these through the backend tag).
 //
 // One thread per row runs the CPU op's insertion into a sorted list of length k (O(E k)): for the
 // router (E = 8 to 64 experts, k = 1 or 2, many tokens) rows are short and plentiful. Long rows
 // (E in the thousands, k large) would want one warp or block per row; not needed yet.
 //
 // Both functions check their input on the device and read one flag back (they synchronise the
-// stream). topk_backward reports an out-of-range index after the kernel has run, so dx may be
-// partly written when it throws (the CPU op checks first).
+// stream). topk_backward finds an out-of-range index while the kernel runs, so dx may be partly
+// written when the op throws (the CPU system checks first).
 //
 // T = __nv_bfloat16 or __half: entries are compared after exact widening to fp32 (the same order
 // as comparing the 16-bit values), values are copied unchanged; topk_backward sums repeated
@@ -30,6 +20,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -84,66 +75,42 @@ __global__ void topk_backward_kernel(const std::int32_t* indices, const T* dvalu
 
 }  // namespace detail
 
-// values, indices = top-k of each row of x (N, E); 1 <= k <= E. Empty outputs are allocated.
+// values, indices (N, k) prepared by ops/topk.hpp; returns the first NaN of x (N, E), if any.
 template <class T>
-void topk_forward(const Tensor<T, cuda>& x, index_t k, Tensor<T, cuda>& values,
-                  Tensor<std::int32_t, cuda>& indices) {
-  constexpr const char* op = "topk_forward";
-  GRAPHMOE_CHECK(!x.empty() && x.rank() == 2, op, "x must be an (N, E) matrix, got ",
-                 (x.empty() ? "an empty tensor" : x.shape().str()));
+Offender topk_forward(cuda, const Tensor<T, cuda>& x, index_t k, Tensor<T, cuda>& values,
+                      Tensor<std::int32_t, cuda>& indices) {
   const index_t n = x.dim(0), e = x.dim(1);
-  GRAPHMOE_CHECK(e <= std::numeric_limits<std::int32_t>::max(), op, "E = ", e,
-                 " does not fit the int32 indices");
-  GRAPHMOE_CHECK(k >= 1 && k <= e, op, "k = ", k, " is out of range [1, E = ", e, "] for x ",
-                 x.shape());
-  prepare_output(op, "values", values, Shape{n, k});
-  prepare_output(op, "indices", indices, Shape{n, k});
-  if (n == 0) return;
+  if (n == 0) return {};
   detail::FirstIndexFlag bad;
   detail::launch_kernel<detail::topk_forward_kernel<T>>(detail::grid_for(n), detail::kThreads,
                                                         x.data(), n, e, k, values.data(),
                                                         indices.data(), bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t r = bad.read();
-  if (r >= 0) {
-    std::vector<T> row(static_cast<std::size_t>(e));
-    GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(row.data(), x.data() + r * e, sizeof(T) * row.size(),
-                                        cudaMemcpyDeviceToHost, cuda_stream()));
-    cuda_stream_synchronize();
-    index_t c = 0;
-    while (!std::isnan(detail::to_acc(row[static_cast<std::size_t>(c)]))) ++c;
-    GRAPHMOE_CHECK(false, op, "x ", x.shape(), " holds NaN at row ", r, ", column ", c);
-  }
+  if (r < 0) return {};
+  std::vector<T> row(static_cast<std::size_t>(e));
+  GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(row.data(), x.data() + r * e, sizeof(T) * row.size(),
+                                      cudaMemcpyDeviceToHost, cuda_stream()));
+  cuda_stream_synchronize();
+  index_t c = 0;
+  while (!std::isnan(detail::to_acc(row[static_cast<std::size_t>(c)]))) ++c;
+  return {r * e + c, static_cast<double>(detail::to_acc(row[static_cast<std::size_t>(c)]))};
 }
 
-// dx = 0 except dx[r, indices[r, j]] = dvalues[r, j] (summed if an index repeats in a row).
-// dx (N, E) must be allocated, since E cannot be inferred from the indices; it is overwritten.
+// dx (N, E) checked by ops/topk.hpp; returns the first index out of [0, E).
 template <class T>
-void topk_backward(const Tensor<std::int32_t, cuda>& indices, const Tensor<T, cuda>& dvalues,
-                   Tensor<T, cuda>& dx) {
-  constexpr const char* op = "topk_backward";
-  GRAPHMOE_CHECK(!indices.empty() && indices.rank() == 2, op,
-                 "indices must be an (N, k) matrix, got ",
-                 (indices.empty() ? "an empty tensor" : indices.shape().str()));
-  check_shape(op, "dvalues", dvalues, indices.shape());
-  GRAPHMOE_CHECK(!dx.empty() && dx.rank() == 2, op,
-                 "dx must be an allocated (N, E) matrix, got ",
-                 (dx.empty() ? "an empty tensor" : dx.shape().str()));
+Offender topk_backward(cuda, const Tensor<std::int32_t, cuda>& indices,
+                       const Tensor<T, cuda>& dvalues, Tensor<T, cuda>& dx) {
   const index_t n = indices.dim(0), k = indices.dim(1), e = dx.dim(1);
-  GRAPHMOE_CHECK(dx.dim(0) == n, op, "dx has shape ", dx.shape(), " but indices ",
-                 indices.shape(), " have ", n, " rows");
-  if (n == 0) return;
+  if (n == 0) return {};
   detail::FirstIndexFlag bad;
   detail::launch_kernel<detail::topk_backward_kernel<T>>(detail::grid_for(n), detail::kThreads,
                                                          indices.data(), dvalues.data(), n, k, e,
                                                          dx.data(), bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t i = bad.read();
-  if (i >= 0) {
-    const std::int32_t v = detail::read_device_value(indices.data() + i);
-    GRAPHMOE_CHECK(false, op, "index ", v, " at row ", i / k, ", slot ", i % k,
-                   " is out of range [0, E = ", e, ")");
-  }
+  if (i < 0) return {};
+  return {i, static_cast<double>(detail::read_device_value(indices.data() + i))};
 }
 
 }  // namespace graphmoe

@@ -12,7 +12,7 @@
 #include "graphmoe/backend/cpu/detail/vexp.hpp"
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/threads.hpp"
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/routing/graphs/context.hpp"
 #include "graphmoe/routing/policies.hpp"
 

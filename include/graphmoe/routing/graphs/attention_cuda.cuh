@@ -15,7 +15,7 @@
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/token_graph.cuh"
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/routing/graphs/common_cuda.cuh"
 #include "graphmoe/routing/graphs/attention.hpp"  // detail::check_attention_cache
 #include "graphmoe/routing/graphs/context.hpp"

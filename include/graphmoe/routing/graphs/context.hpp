@@ -6,7 +6,7 @@
 #pragma once
 
 #include "graphmoe/core/tensor.hpp"
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 
 namespace graphmoe {
 

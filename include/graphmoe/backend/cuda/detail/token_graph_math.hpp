@@ -28,7 +28,7 @@
 
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/shape.hpp"
-#include "graphmoe/routing/attention_cache.hpp"
+#include "graphmoe/core/attention_cache.hpp"
 
 namespace graphmoe::detail::graph_math {
 
@@ -135,7 +135,7 @@ GRAPHMOE_HOST_DEVICE inline T softmax_dlogit(T s, T g, T c) {
 // ---- Attention ------------------------------------------------------------------------------
 
 // log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2 for A > attention_prior_floor, -inf otherwise (as
-// the CPU; routing/attention_cache.hpp says why there is a floor).
+// the CPU; core/attention_cache.hpp says why there is a floor).
 template <class T>
 GRAPHMOE_HOST_DEVICE inline T posterior_logit(T a, T g, T msq, T inv_var) {
   return a > attention_prior_floor<T>() ? log_of(a) + (g - T(0.5) * msq) * inv_var : neg_inf<T>();

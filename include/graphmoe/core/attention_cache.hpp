@@ -1,4 +1,4 @@
-// graphmoe/routing/attention_cache.hpp: what the Attention token graph reads from the attention
+// graphmoe/core/attention_cache.hpp: what the Attention token graph reads from the attention
 // layer before the MoE, and the gradients it sends back.
 //
 // In a pre-norm block  x = LN1(h),  a = MHA(x) = concat_h(A_h V_h) W_o^T + b_o,  h' = h + a,
