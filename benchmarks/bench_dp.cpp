@@ -31,7 +31,7 @@
 #include <string>
 
 #include "graphmoe/core/threads.hpp"
-#include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/train/data_parallel.hpp"
 #include "graphmoe/dist/mpi.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/optim.hpp"

@@ -26,9 +26,9 @@
 #   test_image_corruptions   train/image_corruptions
 #   test_dropout             backend/cpu/dropout
 #   test_core                core/ (arena, tensor, rng, threads)
-#   test_communicator_self   dist/communicator (SelfCommunicator and the argument checks),
-#                            dist/checkpoint and dist/expert_parallel on one rank,
-#                            dist/data_parallel (on one process)
+#   test_communicator_self   core/communicator (SelfCommunicator and the argument checks),
+#                            train/distributed_checkpoint and dist/expert_parallel on one rank,
+#                            train/data_parallel (on one process)
 #   replay_<target>          the fuzz targets of tests/fuzz on their seeds and regression inputs:
 #                            train/files, gzip, image_datasets, text_datasets, tokenizers,
 #                            checkpoint, training_state

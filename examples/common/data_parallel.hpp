@@ -7,7 +7,7 @@
 // stream (same seed) and trains on its contiguous shard of --batch / --dp sequences
 // (dist::shard); the gradients are averaged over the ranks before clipping, so that a run with
 // --dp N trains like one process with the same --batch (up to float rounding, and with
-// --load-balance 0: the balancing loss is per shard, graphmoe/dist/data_parallel.hpp).
+// --load-balance 0: the balancing loss is per shard, graphmoe/train/data_parallel.hpp).
 //
 // This header is MPI-free (the training loops include it): it sees the communicator through
 // graphmoe::dist::Communicator. The MPI world itself is set up by main() with DataParallelWorld
@@ -21,9 +21,9 @@
 #include <string>
 #include <type_traits>
 
-#include "graphmoe/dist/communicator.hpp"
-#include "graphmoe/dist/checkpoint.hpp"
-#include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/core/communicator.hpp"
+#include "graphmoe/train/distributed_checkpoint.hpp"
+#include "graphmoe/train/data_parallel.hpp"
 #include "graphmoe/train/training_state.hpp"
 
 namespace examples {
@@ -120,7 +120,7 @@ double clip_grad_norm(const DataParallel& dp, graphmoe::ParameterArena<T, B>& ar
 }
 
 // Writes a training checkpoint: rank 0 alone, or with --ep every rank (collective: rank 0 gathers
-// the expert shards and writes, graphmoe/dist/checkpoint.hpp). Call it on every rank.
+// the expert shards and writes, graphmoe/train/distributed_checkpoint.hpp). Call it on every rank.
 template <class T, class B>
 void save_training_state(const DataParallel& dp, const std::string& path,
                          const graphmoe::ParameterArena<T, B>& arena, const graphmoe::AdamW<T, B>& adam,

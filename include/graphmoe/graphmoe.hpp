@@ -20,8 +20,8 @@
 
 // dist: the Communicator interface, SelfCommunicator and data parallelism (MPI:
 // graphmoe/dist/mpi.hpp, not here)
-#include "graphmoe/dist/communicator.hpp"
-#include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/core/communicator.hpp"
+#include "graphmoe/train/data_parallel.hpp"
 
 // backend/cpu: the op set on Eigen (and OpenBLAS through Eigen when GRAPHMOE_USE_BLAS)
 #include "graphmoe/backend/cpu/attention.hpp"

@@ -1,4 +1,4 @@
-// test_cuda_nccl: NcclCommunicator (graphmoe/dist/nccl.cuh) with one rank on one GPU.
+// test_cuda_nccl: NcclCommunicator (graphmoe/backend/cuda/nccl.cuh) with one rank on one GPU.
 //
 // Built when graphmoe::nccl exists (CUDA and NCCL): compiling and linking it instantiates every
 // typed operation of the header, which is the check that runs without a GPU. Without a CUDA device
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cuda/device.cuh"
-#include "graphmoe/dist/nccl.cuh"
+#include "graphmoe/backend/cuda/nccl.cuh"
 
 using graphmoe::Error;
 using graphmoe::index_t;

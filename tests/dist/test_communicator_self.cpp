@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "graphmoe/core/arena.hpp"
-#include "graphmoe/dist/communicator.hpp"
-#include "graphmoe/dist/checkpoint.hpp"
-#include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/core/communicator.hpp"
+#include "graphmoe/train/distributed_checkpoint.hpp"
+#include "graphmoe/train/data_parallel.hpp"
 #include "graphmoe/layers/moe.hpp"
 #include "graphmoe/train/training_state.hpp"
 #include "support/errors.hpp"

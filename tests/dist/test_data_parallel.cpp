@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/train/data_parallel.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "support/gradcheck.hpp"

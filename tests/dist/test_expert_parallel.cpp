@@ -10,8 +10,8 @@
 #include <cstdio>
 #include <vector>
 
-#include "graphmoe/dist/checkpoint.hpp"
-#include "graphmoe/dist/data_parallel.hpp"
+#include "graphmoe/train/distributed_checkpoint.hpp"
+#include "graphmoe/train/data_parallel.hpp"
 #include "graphmoe/layers/moe.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/optim.hpp"

@@ -67,14 +67,14 @@ class Tensor {
 
   static Tensor zeros(const Shape& shape) { return Tensor(shape); }
   static Tensor full(const Shape& shape, T value)
-    requires std::same_as<B, cpu>
+    requires B::host_memory
   {
     Tensor t(shape);
     t.fill(value);
     return t;
   }
   static Tensor from(const Shape& shape, const std::vector<T>& values)
-    requires std::same_as<B, cpu>
+    requires B::host_memory
   {
     GRAPHMOE_CHECK(static_cast<index_t>(values.size()) == shape.numel(), "Tensor::from",
                    values.size(), " values given for shape ", shape, " (", shape.numel(),
@@ -138,22 +138,22 @@ class Tensor {
     if (!empty()) Alloc::zero(data_, bytes());
   }
   void fill(T value)
-    requires std::same_as<B, cpu>
+    requires B::host_memory
   {
     std::fill(data_, data_ + numel(), value);
   }
 
-  // Element access on the host (CPU tensors only). Bounds are checked in debug builds only; use
-  // at() for a checked access.
+  // Element access on the host (tensors of a host-memory backend, B::host_memory). Bounds are
+  // checked in debug builds only; use at() for a checked access.
   template <class... I>
   T& operator()(I... idx) const
-    requires std::same_as<B, cpu>
+    requires B::host_memory
   {
     return data_[flat_index(idx...)];
   }
   template <class... I>
   T& at(I... idx) const
-    requires std::same_as<B, cpu>
+    requires B::host_memory
   {
     const index_t ii[] = {static_cast<index_t>(idx)...};
     GRAPHMOE_CHECK(static_cast<int>(sizeof...(I)) == rank(), "Tensor::at", sizeof...(I),
@@ -164,7 +164,7 @@ class Tensor {
     return data_[flat_index(idx...)];
   }
   std::vector<T> to_vector() const
-    requires std::same_as<B, cpu>
+    requires B::host_memory
   {
     return std::vector<T>(data_, data_ + numel());
   }

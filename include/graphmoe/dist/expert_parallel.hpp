@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/core/communicator.hpp"
 
 namespace graphmoe::dist {
 

@@ -13,7 +13,7 @@
 // Errors: every MPI call's return code is checked (the communicator's error handler is
 // MPI_ERRORS_RETURN), and a failing call throws graphmoe::Error naming the call and MPI's error
 // string, on the rank where it failed. Bad arguments are caught before any MPI data call, on
-// every rank alike (dist/communicator.hpp). A rank that dies (a signal, exit without
+// every rank alike (core/communicator.hpp). A rank that dies (a signal, exit without
 // MPI_Finalize) is handled by the launcher: Open MPI's mpirun kills the other ranks and exits
 // non-zero, naming the rank that died.
 #pragma once
@@ -29,7 +29,7 @@
 #include <span>
 #include <vector>
 
-#include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/core/communicator.hpp"
 
 namespace graphmoe::dist {
 

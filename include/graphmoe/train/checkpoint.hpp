@@ -724,7 +724,7 @@ void append_arena(std::vector<TensorRef>& out, const ParameterArena<T, cpu>& are
     GRAPHMOE_CHECK(!p.sharded(), "append_arena", "parameter '", p.name, "' is an expert shard (rows ",
                    p.shard_begin, "..", p.shard_begin + p.shape[0], " of ", p.shard_rows,
                    "): this rank alone cannot write it; use dist::save_training_state or "
-                   "dist::gather_parameter (graphmoe/dist/checkpoint.hpp)");
+                   "dist::gather_parameter (graphmoe/train/distributed_checkpoint.hpp)");
     out.push_back({prefix + p.name, dtype_of<T>(), p.shape, arena.value(i).data()});
   }
 }

@@ -97,7 +97,7 @@ void save_training_state(const std::string& path, const ParameterArena<T, B>& ar
   GRAPHMOE_CHECK(arena.allocated(), "save_training_state", "the arena is not allocated");
   GRAPHMOE_CHECK(!arena.has_shards(), "save_training_state",
                  "the arena holds expert shards (expert parallel): this rank alone cannot write "
-                 "the model; use dist::save_training_state (graphmoe/dist/checkpoint.hpp), "
+                 "the model; use dist::save_training_state (graphmoe/train/distributed_checkpoint.hpp), "
                  "collective over the ranks");
   std::vector<Tensor<T, cpu>> host;  // keeps the host copies alive until the file is written
   std::vector<TensorRef> refs;

@@ -1,5 +1,5 @@
 // tests/cuda/emulation/nccl.cpp: NCCL for ONE rank on the CUDA emulation (test infrastructure, not
-// part of the library), so that NcclCommunicator (graphmoe/dist/nccl.cuh) runs in CI without a
+// part of the library), so that NcclCommunicator (graphmoe/backend/cuda/nccl.cuh) runs in CI without a
 // GPU or libnccl: test_emu_cuda_nccl links this instead of libnccl.
 //
 // It implements the calls NcclCommunicator makes, for a communicator of one rank (nranks 1, rank

@@ -1,4 +1,4 @@
-// graphmoe/dist/data_parallel.hpp: data-parallel training over any Communicator.
+// graphmoe/train/data_parallel.hpp: data-parallel training over any Communicator.
 //
 // Every rank holds the whole model in its own ParameterArena; a global batch of W x b sequences
 // is cut into W equal contiguous shards of b (rank r takes rows [r b, (r + 1) b)); each rank runs
@@ -28,7 +28,7 @@
 
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/core/arena.hpp"
-#include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/core/communicator.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 
 namespace graphmoe::dist {
@@ -57,7 +57,7 @@ std::vector<std::pair<index_t, index_t>> replicated_ranges(const ParameterArena<
 
 template <class B>
 void require_memory_space(const Communicator& comm, const char* op) {
-  constexpr MemorySpace want = std::is_same_v<B, cpu> ? MemorySpace::Host : MemorySpace::Device;
+  constexpr MemorySpace want = B::host_memory ? MemorySpace::Host : MemorySpace::Device;
   GRAPHMOE_CHECK(comm.memory_space() == want, op, "the arena's tensors live in ",
                  want == MemorySpace::Host ? "host" : "device", " memory, the communicator's in ",
                  comm.memory_space() == MemorySpace::Host ? "host" : "device", " memory");

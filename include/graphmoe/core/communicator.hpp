@@ -1,11 +1,11 @@
-// graphmoe/dist/communicator.hpp: the collectives the library programs against, and
+// graphmoe/core/communicator.hpp: the collectives the library programs against, and
 // SelfCommunicator (one process, no MPI).
 //
 // Communicator is an abstract interface. Data parallelism will all-reduce a ParameterArena's one
 // contiguous grads() buffer; expert parallelism will all-to-all-v token rows. Implementations:
 //   SelfCommunicator  world size 1, host memory, always available (this header)
 //   MpiCommunicator   an MPI communicator, host memory (graphmoe/dist/mpi.hpp, needs MPI)
-//   NcclCommunicator  NCCL, device memory (graphmoe/dist/nccl.cuh, needs CUDA and NCCL)
+//   NcclCommunicator  NCCL, device memory (graphmoe/backend/cuda/nccl.cuh, needs CUDA and NCCL)
 // The core of every operation is a raw pointer, an element count and an ElementType, and this
 // class reads the data only through the implementation (it checks counts, never dereferences
 // buffers), so device pointers fit. Typed overloads for float, double, int32 and int64 ranges and
@@ -97,7 +97,7 @@ concept MutableCommRange =
     CommRange<R> && !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
 
 // Where a communicator's buffers live: host memory (Self, MPI) or device memory (NCCL,
-// graphmoe/dist/nccl.cuh). The Tensor<T, cpu> overloads refuse a communicator whose memory is
+// graphmoe/backend/cuda/nccl.cuh). The Tensor<T, cpu> overloads refuse a communicator whose memory is
 // not host.
 enum class MemorySpace { Host, Device };
 

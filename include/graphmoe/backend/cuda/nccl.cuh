@@ -1,5 +1,5 @@
-// graphmoe/dist/nccl.cuh: NcclCommunicator (graphmoe::dist::Communicator over NCCL, device memory),
-// the CUDA backend's transport behind the interface of graphmoe/dist/communicator.hpp.
+// graphmoe/backend/cuda/nccl.cuh: NcclCommunicator (graphmoe::dist::Communicator over NCCL,
+// device memory), the CUDA backend's transport behind the interface of core/communicator.hpp.
 //
 // Needs CUDA and NCCL: link graphmoe::nccl (built when CMake finds nccl.h and libnccl;
 // GRAPHMOE_ENABLE_NCCL), which brings graphmoe::cuda and the NCCL library. Host code only (no
@@ -28,7 +28,7 @@
 // block and its displacement from overflowing).
 //
 // Errors: bad arguments are caught before any NCCL call, on every rank alike
-// (dist/communicator.hpp's agreement, which runs over this communicator: one tiny device
+// (core/communicator.hpp's agreement, which runs over this communicator: one tiny device
 // all-reduce). Every NCCL or CUDA call is checked; a failure throws graphmoe::Error naming the
 // operation, the call and ncclGetErrorString (or the CUDA error's name and string), on the rank
 // where it failed. After each operation the communicator also asks NCCL for asynchronous errors
@@ -61,7 +61,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cuda/device.cuh"
-#include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/core/communicator.hpp"
 
 namespace graphmoe::dist {
 

@@ -1,5 +1,5 @@
-// graphmoe/dist/checkpoint.hpp: checkpoints of a model spread over ranks (expert parallel), in
-// the one-file safetensors format of docs/checkpoints.md.
+// graphmoe/train/distributed_checkpoint.hpp: checkpoints of a model spread over ranks (expert
+// parallel), in the one-file safetensors format of docs/checkpoints.md.
 //
 // The file holds every parameter WHOLE, under its usual name, whatever the world size that wrote
 // it: an expert shard's rows are gathered to the root, which writes. Loading needs nothing
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "graphmoe/dist/communicator.hpp"
+#include "graphmoe/core/communicator.hpp"
 #include "graphmoe/train/checkpoint.hpp"
 #include "graphmoe/train/optim.hpp"
 

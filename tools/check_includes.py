@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The include graph of include/graphmoe: no upward include, no folder cycle.
+
+    python3 tools/check_includes.py [INCLUDE_DIR]      (default: include/ beside this script)
+
+Every `#include "graphmoe/..."` line of every header under INCLUDE_DIR/graphmoe is an edge
+from the including header's folder to the included header's folder. The folders are layered
+(docs/design.md, "Folders"); a header may include headers of its own folder and of lower
+layers only:
+
+    0  config.hpp
+    1  core/              tensors, shapes, backend tags, small shared types
+    2  backend/cpu/  backend/cuda/  (and any other backend/<name>/): implementations, one folder
+                          per backend; a backend never includes another backend
+    3  ops/               each op's contract and checks once, then the call into the backend
+    4  dist/              transports (MPI) and the expert exchange
+    5  routing/           policies, token graphs, the router
+    6  layers/
+    7  models/
+    8  train/
+    9  graphmoe.hpp, cuda.cuh   the umbrella headers
+
+Two rules come on top of the ranks:
+  - only ops/ and the umbrella headers include a backend, and ops/ only the CPU backend (the
+    one every build has); a CUDA translation unit gets backend/cuda/ from cuda.cuh. So dist/,
+    routing/, layers/, models/ and train/ are written against ops/ and core/ alone;
+  - the folder graph has no cycle (implied by the ranks; checked and reported on its own so that
+    a change of the rank table cannot hide one).
+
+Exits 1 naming every offending include (file, line, included header, the rule), 0 when clean.
+A header in a folder the table does not know is an error too, so a new folder gets a rank.
+"""
+import os
+import re
+import sys
+
+RANKS = {
+    "config.hpp": 0,
+    "core": 1,
+    "backend": 2,  # backend/<name>: see folder_of
+    "ops": 3,
+    "dist": 4,
+    "routing": 5,
+    "layers": 6,
+    "models": 7,
+    "train": 8,
+    "graphmoe.hpp": 9,
+    "cuda.cuh": 9,
+}
+UMBRELLAS = {"graphmoe.hpp", "cuda.cuh"}
+INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"](graphmoe/[^">]+)[">]')
+
+
+def folder_of(rel):
+    """The layer folder of a path relative to include/graphmoe ('backend/cuda', 'routing', ...)."""
+    parts = rel.split("/")
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0] == "backend":
+        return "backend/" + parts[1] if len(parts) > 2 else "backend"
+    return parts[0]
+
+
+def rank_of(folder):
+    return RANKS.get(folder.split("/")[0])
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "include")
+    base = os.path.join(root, "graphmoe")
+    if not os.path.isdir(base):
+        print(f"check_includes: no graphmoe/ under '{root}'", file=sys.stderr)
+        return 2
+    errors = []
+    edges = {}  # (from folder, to folder) -> first example
+    headers = 0
+    for dirpath, _, files in os.walk(base):
+        for name in sorted(files):
+            if not name.endswith((".hpp", ".cuh", ".h")):
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, base).replace(os.sep, "/")
+            headers += 1
+            src = folder_of(rel)
+            if rank_of(src) is None or src == "backend":
+                errors.append(f"{rel}: folder '{src}' has no rank in tools/check_includes.py")
+                continue
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    m = INCLUDE_RE.match(line)
+                    if not m:
+                        continue
+                    target = m.group(1)[len("graphmoe/"):]
+                    where = f"{rel}:{lineno}: includes graphmoe/{target}"
+                    if not os.path.isfile(os.path.join(base, target)):
+                        errors.append(f"{where}: no such header")
+                        continue
+                    dst = folder_of(target)
+                    if dst == src:
+                        continue
+                    edges.setdefault((src, dst), where)
+                    rs, rd = rank_of(src), rank_of(dst)
+                    if rd is None:
+                        errors.append(f"{where}: folder '{dst}' has no rank")
+                    elif rd > rs:
+                        errors.append(f"{where}: upward include ({src} is layer {rs}, {dst} is "
+                                      f"layer {rd})")
+                    elif rd == rs and src not in UMBRELLAS:
+                        errors.append(f"{where}: {src} and {dst} are separate folders of one layer "
+                                      "(a backend never includes another backend)")
+                    elif dst.startswith("backend/") and src not in UMBRELLAS and not (
+                            src == "ops" and dst == "backend/cpu"):
+                        errors.append(f"{where}: only ops/ (the CPU backend) and the umbrella "
+                                      "headers include a backend; include the op from ops/")
+    # folder cycles (Tarjan's strongly connected components)
+    graph = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index, low, stack, on, sccs, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    for comp in sccs:
+        pairs = [edges[(a, b)] for a in comp for b in comp if (a, b) in edges]
+        errors.append("folder cycle " + " <-> ".join(comp) + ": " + "; ".join(pairs))
+    if errors:
+        print(f"check_includes: {len(errors)} problem(s) in {headers} headers:")
+        for e in errors:
+            print("  " + e)
+        return 1
+    print(f"check_includes: {headers} headers, {len(edges)} folder edges, no upward include, "
+          "no folder cycle")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
