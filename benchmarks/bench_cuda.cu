@@ -245,6 +245,7 @@ MoEConfig moe_config(const MoeShape& shape = kMedium) {
   cfg.d_ff = shape.ff;
   cfg.router.num_experts = shape.e;
   cfg.router.k = kK;
+  cfg.router.allow_unused_options = true;  // one config for every router benchmarked
   cfg.router.options<graphmoe::ScheduledTopK>().k_min = kK;
   cfg.router.options<graphmoe::ScheduledTopK>().k_max = kK;
   cfg.router.causal = true;

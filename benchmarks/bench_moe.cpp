@@ -28,6 +28,7 @@ void BM_moe(benchmark::State& state, bool backward) {
   cfg.d_ff = kFF;
   cfg.router.num_experts = kE;
   cfg.router.k = kK;
+  cfg.router.allow_unused_options = true;  // one config for every router benchmarked
   cfg.router.options<ScheduledTopK>().k_min = kK;
   cfg.router.options<ScheduledTopK>().k_max = kK;
   cfg.router.causal = true;

@@ -77,6 +77,7 @@ void BM_moe_long(benchmark::State& state) {
   cfg.router.num_experts = kE;
   cfg.router.k = kK;
   cfg.router.causal = true;
+  cfg.router.allow_unused_options = true;  // one config for every router benchmarked
   cfg.router.options<Similarity>().memory = memory;
   cfg.router.options<Attention>().memory = memory;
   ParameterArena<T> arena;

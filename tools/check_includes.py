@@ -18,7 +18,8 @@ layers only:
     6  layers/
     7  models/
     8  train/
-    9  graphmoe.hpp, cuda.cuh   the umbrella headers
+    9  testing/           the public gradient checker, for users' policies and layers
+   10  graphmoe.hpp, cuda.cuh   the umbrella headers
 
 Two rules come on top of the ranks:
   - only ops/ and the umbrella headers include a backend, and ops/ only the CPU backend (the
@@ -44,8 +45,9 @@ RANKS = {
     "layers": 6,
     "models": 7,
     "train": 8,
-    "graphmoe.hpp": 9,
-    "cuda.cuh": 9,
+    "testing": 9,
+    "graphmoe.hpp": 10,
+    "cuda.cuh": 10,
 }
 UMBRELLAS = {"graphmoe.hpp", "cuda.cuh"}
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"](graphmoe/[^">]+)[">]')

@@ -96,6 +96,7 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   m.tie_embeddings = config_field<bool>(j, "tie_embeddings", where);
   m.router.num_experts = config_field<index_t>(j, "num_experts", where);
   m.router.k = config_field<index_t>(j, "k", where);
+  m.router.allow_unused_options = true;  // a config file configures every router
   auto& sim = m.router.options<graphmoe::Similarity>();
   auto& sched = m.router.options<graphmoe::ScheduledTopK>();
   sched.k_min = config_field<index_t>(j, "k_min", where);

@@ -6,6 +6,8 @@
 //      Router<NoisyScorer, KnnGraph<3>, TopP>, and of a tiny TransformerLM with that router
 //      (every trainable parameter). The scorer's noise is frozen (resample = false) for 3.
 // An entry passes when |analytic - numeric| <= 1e-6 + 1e-6 max(|analytic|, |numeric|), h = 1e-6.
+//   4. the whole router through graphmoe's public router checker
+//      (graphmoe::testing::check_router_gradients, which sets Mode::Eval: the scorer's noise off).
 // Prints the worst error of every check; the exit status is 1 when any check fails.
 #include <algorithm>
 #include <cmath>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include <graphmoe/graphmoe.hpp>
+#include <graphmoe/testing/gradcheck.hpp>
 
 #include "knn_graph.hpp"
 #include "noisy_scorer.hpp"
@@ -51,37 +54,18 @@ std::string fmt(const char* f, double a, double b = 0, double c = 0) {
   return buf;
 }
 
-// ---- a small finite-difference checker (graphmoe's tests/support/gradcheck.hpp is not installed)
+// ---- graphmoe's public finite-difference checker (graphmoe/testing/gradcheck.hpp), reported here
 // Central differences in every entry of x; `loss` recomputes the forward from x's contents.
 void check_gradient(const std::string& name, Tensor<double>& x, const Tensor<double>& analytic,
-                    const std::function<double()>& loss, double h = 1e-6, double atol = 1e-6,
-                    double rtol = 1e-6) {
+                    const std::function<double()>& loss) {
   if (analytic.shape() != x.shape()) {
     report("grad " + name, false, "gradient shape " + analytic.shape().str() + " != " + x.shape().str());
     return;
   }
-  int failures = 0;
-  double worst_ratio = 0, worst_abs = 0;
-  for (index_t i = 0; i < x.numel(); ++i) {
-    const double saved = x.data()[i];
-    x.data()[i] = saved + h;
-    const double lp = loss();
-    x.data()[i] = saved - h;
-    const double lm = loss();
-    x.data()[i] = saved;
-    const double numeric = (lp - lm) / (2 * h);
-    const double a = analytic.data()[i];
-    const double err = std::abs(a - numeric);
-    const double bound = atol + rtol * std::max(std::abs(a), std::abs(numeric));
-    worst_ratio = std::max(worst_ratio, err / bound);
-    worst_abs = std::max(worst_abs, err);
-    if (!(err <= bound) && ++failures <= 3)
-      std::printf("    %s[%lld]: analytic %.12g vs numeric %.12g\n", name.c_str(),
-                  static_cast<long long>(i), a, numeric);
-  }
-  report("grad " + name, failures == 0,
-         fmt("%4.0f entries, worst |a-n| %.2e, worst err/bound %.3f",
-             static_cast<double>(x.numel()), worst_abs, worst_ratio));
+  const testing::GradcheckResult r = testing::check_gradient(name, x, analytic, loss);
+  for (const auto& f : r.first_failures) std::printf("    %s\n", f.c_str());
+  report("grad " + name, r.ok(),
+         fmt("%4.0f entries, worst err/bound %.3f", static_cast<double>(r.checked), r.worst));
 }
 
 Tensor<double> random_normal(const Shape& shape, Rng& rng, double stddev = 1.0) {
@@ -418,6 +402,17 @@ void check_lm() {
   std::printf("lm: %lld trainable parameters checked\n", static_cast<long long>(checked));
 }
 
+// ---- 4. the whole router through graphmoe's public router checker (Mode::Eval: no noise)
+void check_router() {
+  RouterConfig cfg;
+  cfg.num_experts = 4;
+  cfg.k = 2;
+  cfg.options<TopP>().threshold = 0.9;
+  for (const auto& r : testing::check_router_gradients<CustomRouter>(cfg, 12, 5, 6, 3))
+    report("router (public checker) " + r.name, r.ok(),
+           fmt("%4.0f entries, worst err/bound %.3f", static_cast<double>(r.checked), r.worst));
+}
+
 }  // namespace
 
 int main() {
@@ -428,6 +423,7 @@ int main() {
     check_selector();
     check_moe_layer();
     check_lm();
+    check_router();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gradcheck: error: %s\n", e.what());
     return 1;

@@ -51,12 +51,12 @@ class KnnGraphImpl {
   void forward(const Tensor& u, const Tensor& r, const graphmoe::GraphContext<T, B>& ctx,
                Tensor& p) {
     const index_t n = u.rows(), d = u.cols(), e = r.cols(), len = ctx.seq_len;
-    GRAPHMOE_CHECK(u.rank() == 2 && r.rank() == 2 && r.rows() == n, "KnnGraph",
+    GRAPHMOE_USER_CHECK(u.rank() == 2 && r.rank() == 2 && r.rows() == n, "KnnGraph",
                    "u must be (N, D) and r (N, E) with the same N, got u ", u.shape(), " and r ",
                    r.shape());
-    GRAPHMOE_CHECK(d == d_model_, "KnnGraph", "u has ", d, " columns, configured for D = ",
+    GRAPHMOE_USER_CHECK(d == d_model_, "KnnGraph", "u has ", d, " columns, configured for D = ",
                    d_model_);
-    GRAPHMOE_CHECK(len >= 1 && n % len == 0, "KnnGraph", "seq_len = ", len,
+    GRAPHMOE_USER_CHECK(len >= 1 && n % len == 0, "KnnGraph", "seq_len = ", len,
                    " does not divide the ", n, " tokens");
     const T scale = T(1) / std::sqrt(static_cast<T>(d));
     p = Tensor(r.shape());
@@ -93,7 +93,7 @@ class KnnGraphImpl {
   void backward(const Tensor& u, const Tensor& r, const Tensor& /*p*/, const Tensor& dp,
                 const graphmoe::GraphContext<T, B>& /*ctx*/, Tensor& dr, Tensor& du) {
     const index_t n = u.rows(), d = u.cols(), e = r.cols();
-    GRAPHMOE_CHECK(static_cast<index_t>(count_.size()) == n, "KnnGraph::backward",
+    GRAPHMOE_USER_CHECK(static_cast<index_t>(count_.size()) == n, "KnnGraph::backward",
                    "no forward of these ", n, " tokens to take the gradient of");
     graphmoe::check_shape("KnnGraph::backward", "dp", dp, r.shape());
     dr = Tensor(r.shape());

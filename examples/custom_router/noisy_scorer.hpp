@@ -12,7 +12,9 @@
 //                     previous forward, so that gamma is a deterministic function of u, W_g and W_n
 //                     (a finite-difference gradient check needs that). If there is no previous eps
 //                     of the right shape (first forward, or N changed), one is drawn anyway.
-//   noisy = true      false: gamma = h_g, no noise (evaluation, as in the paper).
+//   noisy = true      false: gamma = h_g, no noise (evaluation, as in the paper). The model sets
+//                     it through the policy's set_mode hook: model.set_mode(graphmoe::Mode::Eval)
+//                     turns the noise off in every layer, Mode::Train back on.
 //
 // Backward, with dgamma given:
 //   dW_g += dgamma^T u
@@ -35,7 +37,7 @@ namespace custom_router {
 struct NoisyScorerOptions {
   double init_std = 0.02;  // W_g, W_n ~ N(0, init_std^2)
   void validate() const {
-    GRAPHMOE_CHECK(init_std >= 0, "NoisyScorer::Options", "init_std must be >= 0, got ", init_std);
+    GRAPHMOE_USER_CHECK(init_std >= 0, "NoisyScorer::Options", "init_std must be >= 0, got ", init_std);
   }
 };
 // CPU only (the loops below read tensors on the host).
@@ -66,6 +68,9 @@ class NoisyScorerImpl {
     noise_rng_ = graphmoe::Rng((hi << 32) | lo);
     eps_ = Tensor();
   }
+
+  // The model's train / eval mode (graphmoe/core/mode.hpp): noise in training only.
+  void set_mode(graphmoe::Mode mode) { noisy = mode == graphmoe::Mode::Train; }
 
   void forward(const Tensor& u, Tensor& gamma) {
     using graphmoe::Trans;

@@ -32,7 +32,7 @@ namespace custom_router {
 struct TopPOptions {
   double threshold = 0.6;  // keep experts until their cumulative p reaches it
   void validate() const {
-    GRAPHMOE_CHECK(threshold > 0 && threshold <= 1, "TopP::Options", "threshold must be in (0, 1], got ",
+    GRAPHMOE_USER_CHECK(threshold > 0 && threshold <= 1, "TopP::Options", "threshold must be in (0, 1], got ",
                    threshold);
   }
 };
@@ -50,7 +50,7 @@ class TopPSelectorImpl {
 
   void select(const graphmoe::Tensor<T, B>& p, index_t k, graphmoe::Selection<T, B>& sel) const {
     const index_t n = p.rows(), e = p.cols();
-    GRAPHMOE_CHECK(k >= 1 && k <= e, "TopP", "k = ", k, " must be in [1, E = ", e, "]");
+    GRAPHMOE_USER_CHECK(k >= 1 && k <= e, "TopP", "k = ", k, " must be in [1, E = ", e, "]");
     const graphmoe::Shape shape{n, k};
     sel.indices = graphmoe::Tensor<std::int32_t, B>(shape);
     sel.values = graphmoe::Tensor<T, B>(shape);
@@ -116,7 +116,7 @@ struct TopP {
 template <class T, class B>
   requires std::same_as<B, graphmoe::cpu>
 void TopPSelectorImpl<T, B>::configure(const graphmoe::RouterConfig& cfg) {
-  GRAPHMOE_CHECK(cfg.capacity_factor <= 0, "TopP", "capacity_factor ", cfg.capacity_factor,
+  GRAPHMOE_USER_CHECK(cfg.capacity_factor <= 0, "TopP", "capacity_factor ", cfg.capacity_factor,
                  " is not supported by the top-p selector (use 0: dropless)");
   const TopP::Options& opts = cfg.options<TopP>();
   opts.validate();

@@ -29,21 +29,17 @@ using Model = TransformerLM<Policy, float>;
 
 namespace {
 
-void set_noise(Model& lm, bool on) {
-  for (index_t l = 0; l < lm.num_layers(); ++l)
-    if (lm.block(l).is_moe()) lm.block(l).moe().router().scorer().noisy = on;
-}
-
-// Mean cross-entropy over the first `max_batches` batches, without router noise.
+// Mean cross-entropy over the first `max_batches` batches, without router noise (Mode::Eval: the
+// scorer's set_mode hook turns its noise off).
 double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches) {
-  set_noise(lm, false);
+  lm.set_mode(Mode::Eval);
   const index_t nb = std::min(max_batches, batches.num_batches());
   double sum = 0;
   for (index_t i = 0; i < nb; ++i) {
     const LMBatch b = batches.batch(i);
     sum += lm.forward(b.inputs, b.targets).task;
   }
-  set_noise(lm, true);
+  lm.set_mode(Mode::Train);
   return sum / static_cast<double>(nb);
 }
 
@@ -114,7 +110,7 @@ int main(int argc, char** argv) {
       if (step > 0 && step % nb == 0) order = train.order(order_rng);
       const LMBatch b = train.batch(order[static_cast<std::size_t>(step % nb)]);
       const double loss = lm.forward(b.inputs, b.targets).total();
-      GRAPHMOE_CHECK(std::isfinite(loss), "train", "loss is ", loss, " at step ", step);
+      GRAPHMOE_USER_CHECK(std::isfinite(loss), "train", "loss is ", loss, " at step ", step);
       lm.arena().zero_grad();
       lm.backward();
       clip_grad_norm(lm.arena(), 1.0);

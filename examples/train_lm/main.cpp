@@ -39,7 +39,9 @@ int main(int argc, char** argv) {
   std::string routers;
   for (const auto& n : router_names()) routers += (routers.empty() ? "" : ", ") + n;
   // the options of the policies train_lm's routers use (the Similarity and Attention graphs,
-  // SMoE-Dropout's schedule); a router ignores those of policies it does not have
+  // SMoE-Dropout's schedule); a router ignores those of policies it does not have, since the one
+  // command line configures every router (allow_unused_options)
+  m.router.allow_unused_options = true;
   auto& sim = m.router.options<Similarity>();
   auto& sched = m.router.options<ScheduledTopK>();
   std::string layout = "switch", tau_mode = "fixed";

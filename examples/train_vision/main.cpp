@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--d-ff", m.d_ff, "expert hidden size")->check(examples::integer<index_t>(1, examples::kMaxWidth));
   app.add_option("--experts", m.router.num_experts, "experts per MoE layer")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--top-k", m.router.k, "experts per token")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  m.router.allow_unused_options = true;  // one command line for every router
   app.add_option("--tau", m.router.options<Similarity>().tau, "Similarity graph temperature")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--sigma", m.router.options<Attention>().sigma, "Attention graph sigma")->check(examples::positive_real(examples::kMaxCoef));
   std::string head_choice = "per-sequence";

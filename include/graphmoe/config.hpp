@@ -44,6 +44,14 @@ template <class... Args>
   (os << ... << std::forward<Args>(parts));
   throw Error(os.str());
 }
+// The same without the library's prefix: for code outside graphmoe (GRAPHMOE_USER_CHECK).
+template <class... Args>
+[[noreturn]] inline void throw_user_error(const char* where, Args&&... parts) {
+  std::ostringstream os;
+  os << where << ": ";
+  (os << ... << std::forward<Args>(parts));
+  throw Error(os.str());
+}
 }  // namespace detail
 
 }  // namespace graphmoe
@@ -53,4 +61,12 @@ template <class... Args>
 #define GRAPHMOE_CHECK(cond, op, ...)                                  \
   do {                                                                 \
     if (!(cond)) ::graphmoe::detail::throw_error(op, __VA_ARGS__);     \
+  } while (0)
+
+// GRAPHMOE_USER_CHECK(cond, "where", parts...): the check for code outside the library (a user's
+// policy, layer or options): throws graphmoe::Error("where: parts...") without the "graphmoe::"
+// prefix, so that a message never blames the library for the user's own check.
+#define GRAPHMOE_USER_CHECK(cond, where, ...)                               \
+  do {                                                                      \
+    if (!(cond)) ::graphmoe::detail::throw_user_error(where, __VA_ARGS__);  \
   } while (0)

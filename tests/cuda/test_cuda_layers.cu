@@ -246,6 +246,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the X-MoE (cosine) routers", T, 
   for (bool learnable : {false, true}) {
     CAPTURE(learnable);
     RouterConfig rc = small_router();
+    rc.allow_unused_options = true;  // XMoERouter has no Similarity graph
     rc.options<graphmoe::CosineScorer>().dim = 8;
     rc.options<graphmoe::CosineScorer>().learnable_temperature = learnable;
     rc.options<graphmoe::Similarity>().tau = 2.0;

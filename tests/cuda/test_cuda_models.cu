@@ -47,6 +47,7 @@ TransformerLMConfig tiny_lm(MoELayout layout) {
   c.layout = layout;
   c.router.num_experts = 4;
   c.router.k = 2;
+  c.router.allow_unused_options = true;  // one config for several routers
   c.router.options<graphmoe::Similarity>().tau = 2.0;
   c.init_std = 0.2;
   return c;

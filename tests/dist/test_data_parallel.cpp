@@ -34,6 +34,7 @@ TransformerLMConfig tiny() {
   c.router.k = 2;
   c.router.load_balance_coef = 0.0;  // per shard, not per batch (see the last test case)
   c.router.z_loss_coef = 0.01;       // a mean over tokens: the same either way
+  c.router.allow_unused_options = true;  // one config for several routers
   c.router.options<CosineScorer>().dim = 4;
   c.router.options<ScheduledTopK>().k_min = 1;
   c.router.options<ScheduledTopK>().k_max = 2;

@@ -39,6 +39,7 @@ MoEConfig config() {
   c.router.causal = true;
   c.router.load_balance_coef = 0.0;  // per rank, as in data parallel (docs/distributed.md)
   c.router.z_loss_coef = 0.0;  // a mean over each rank's tokens: see the training-step case
+  c.router.allow_unused_options = true;  // one config for several routers
   c.router.options<ScheduledTopK>().k_min = 1;
   c.router.options<ScheduledTopK>().k_max = 2;
   c.router.options<ScheduledTopK>().schedule_steps = 1;
@@ -438,6 +439,7 @@ TEST_CASE_TEMPLATE("expert parallel: a TransformerLM with its experts over W ran
   cfg.router.k = 2;
   cfg.router.load_balance_coef = 0.0;  // per rank (docs/distributed.md)
   cfg.router.z_loss_coef = 0.01;
+  cfg.router.allow_unused_options = true;  // one config for several routers
   cfg.router.options<Similarity>().tau = 2.0;
   test::set_scorer_init_std(cfg.router, 0.5);
   cfg.init_std = 0.3;

@@ -21,6 +21,7 @@ struct MoEFixture {
     cfg.d_ff = f;
     cfg.router.num_experts = e;
     cfg.router.k = k;
+    cfg.router.allow_unused_options = true;  // one fixture for every router
     cfg.router.options<graphmoe::ScheduledTopK>().k_min = 1;
     cfg.router.options<graphmoe::ScheduledTopK>().k_max = k;
     cfg.router.options<graphmoe::ScheduledTopK>().schedule_steps = 1;

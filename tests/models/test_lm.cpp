@@ -23,6 +23,7 @@ TransformerLMConfig tiny_config() {
   c.d_ff = 3;
   c.router.num_experts = 3;
   c.router.k = 2;
+  c.router.allow_unused_options = true;  // one config for every router
   c.router.options<ScheduledTopK>().k_min = 1;
   c.router.options<ScheduledTopK>().k_max = 2;
   c.router.options<ScheduledTopK>().schedule_steps = 1;

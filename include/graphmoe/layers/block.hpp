@@ -147,5 +147,11 @@ void set_router_step(Blocks& blocks, std::int64_t step) {
   for (auto& blk : blocks)
     if (blk.is_moe()) blk.moe().router().set_step(step);
 }
+// Train or eval (core/mode.hpp) for every router and, through it, every policy that takes a mode.
+template <class Blocks>
+void set_router_mode(Blocks& blocks, Mode mode) {
+  for (auto& blk : blocks)
+    if (blk.is_moe()) blk.moe().router().set_mode(mode);
+}
 
 }  // namespace graphmoe

@@ -82,6 +82,9 @@ class SequenceClassifier {
   ParameterArena<T, B>& arena() const { return lm_.arena(); }
   TransformerLM<RouterPolicy, T, B>& backbone() { return lm_; }
   void set_step(std::int64_t s) { lm_.set_step(s); }
+  // Train (the default) or eval for every router policy that takes a mode (core/mode.hpp).
+  void set_mode(Mode mode) { lm_.set_mode(mode); }
+  Mode mode() const { return lm_.mode(); }
 
  private:
   static TransformerLMConfig with_classes(TransformerLMConfig cfg, index_t n) {

@@ -328,6 +328,13 @@ class TransformerLM {
   TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   // Sets the training step of every router (ScheduledTopK's k schedule).
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
+  // Train (the default) or eval: passed to every router policy that takes a mode (core/mode.hpp),
+  // e.g. a noisy scorer draws no noise in eval. Nothing in graphmoe's own layers depends on it.
+  void set_mode(Mode mode) {
+    mode_ = mode;
+    set_router_mode(blocks_, mode);
+  }
+  Mode mode() const { return mode_; }
 
  private:
   // embeddings -> blocks -> LN_f into xf_ (B, T, D)
@@ -375,6 +382,7 @@ class TransformerLM {
   index_t id_tok_ = -1, id_pos_ = -1, id_head_ = -1;
   Tensor<T, B> tok_, dtok_, pos_, dpos_;
   std::vector<TransformerBlock<RouterPolicy, T, B>> blocks_;
+  Mode mode_ = Mode::Train;
   LayerNorm<T, B> ln_f_;
   Linear<T, B> cls_head_;
   // forward cache

@@ -221,6 +221,12 @@ class VisionMoE {
   const Tensor<T, B>& logits() const { return logits_; }
   TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
+  // Train (the default) or eval for every router policy that takes a mode (core/mode.hpp).
+  void set_mode(Mode mode) {
+    mode_ = mode;
+    set_router_mode(blocks_, mode);
+  }
+  Mode mode() const { return mode_; }
 
  private:
   void check_bound(const char* op) const { detail::require_bound(arena_ != nullptr, "VisionMoE", op); }
@@ -232,6 +238,7 @@ class VisionMoE {
   Linear<T, B> patch_, head_;
   index_t id_cls_ = -1, id_pos_ = -1;
   std::vector<TransformerBlock<RouterPolicy, T, B>> blocks_;
+  Mode mode_ = Mode::Train;
   LayerNorm<T, B> ln_f_;
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_;

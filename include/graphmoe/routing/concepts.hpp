@@ -16,6 +16,22 @@
 // follow the same rule: their impl is ScorerImpl / GraphImpl / SelectorImpl<Policy, T, B>.
 // The implementation reads its options in configure / declare with cfg.options<MyGraph>() (the
 // defaults when none were set) and the common fields (num_experts, k, causal, ...) from cfg.
+//
+// The lifecycle is the same for every kind of policy, and every hook of it is optional:
+//   declare(ParameterArena<T, B>&, const std::string& prefix, index_t d_model, const RouterConfig&)
+//                      a policy with parameters adds them to the arena under `prefix` (the
+//                      router's prefix; the graph's is "<prefix>graph.", the selector's
+//                      "<prefix>selector.") and reads its options; or, without parameters,
+//   configure(index_t d_model, const RouterConfig&)  or  configure(const RouterConfig&)
+//                      reads its options (the router calls the first of the three it finds; a
+//                      policy with none of them has nothing to configure)
+//   bind(const ParameterArena<T, B>&)   takes views of its parameters once the arena is allocated
+//   init(Rng&)                          initialises them, and seeds any random stream of its own
+//                                       from the model's Rng (called in model order, so a model's
+//                                       seed fixes every policy's draws)
+//   set_mode(Mode)                      Mode::Train / Mode::Eval (core/mode.hpp), passed down by
+//                                       model.set_mode(): e.g. a noisy scorer draws no noise in Eval
+// forward / backward (and a selector's current_k / set_step) are required.
 // docs/extending.md walks through an example.
 #pragma once
 
@@ -25,6 +41,7 @@
 #include <string_view>
 
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/mode.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/routing/policies.hpp"
@@ -49,17 +66,63 @@ concept PolicyWithImpl = requires { typename P::template impl<T, B>; } &&
 template <class P, class T, class B>
 using policy_impl_t = typename P::template impl<T, B>;
 
-// ---- scorers: u (N, D) -> gamma (N, E) logits; parameters in the arena -------------------------
+// ---- the lifecycle hooks, the same optional ones for every kind (see the top of this file) ----
 template <class P, class T, class B>
-concept ScorerDeclares = PolicyWithImpl<P, T, B> &&
+concept PolicyDeclares = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, ParameterArena<T, B>& arena, const std::string& prefix,
              index_t d_model, const RouterConfig& cfg) { s.declare(arena, prefix, d_model, cfg); };
 template <class P, class T, class B>
-concept ScorerBinds = PolicyWithImpl<P, T, B> &&
+concept PolicyConfiguresWithWidth = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, index_t d_model, const RouterConfig& cfg) {
+      s.configure(d_model, cfg);
+    };
+template <class P, class T, class B>
+concept PolicyConfigures = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const RouterConfig& cfg) { s.configure(cfg); };
+template <class P, class T, class B>
+concept PolicyBinds = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, const ParameterArena<T, B>& arena) { s.bind(arena); };
 template <class P, class T, class B>
-concept ScorerInits = PolicyWithImpl<P, T, B> &&
+concept PolicyInits = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, Rng& rng) { s.init(rng); };
+template <class P, class T, class B>
+concept PolicyHasMode = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, Mode mode) { s.set_mode(mode); };
+
+namespace policy_detail {
+// The router's calls of the hooks: each one the policy has, nothing for one it lacks.
+template <class Impl, class T, class B>
+void declare(Impl& impl, ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
+             const RouterConfig& cfg) {
+  if constexpr (requires { impl.declare(arena, prefix, d_model, cfg); })
+    impl.declare(arena, prefix, d_model, cfg);
+  else if constexpr (requires { impl.configure(d_model, cfg); })
+    impl.configure(d_model, cfg);
+  else if constexpr (requires { impl.configure(cfg); })
+    impl.configure(cfg);
+}
+template <class Impl, class T, class B>
+void bind(Impl& impl, const ParameterArena<T, B>& arena) {
+  if constexpr (requires { impl.bind(arena); }) impl.bind(arena);
+}
+template <class Impl>
+void init(Impl& impl, Rng& rng) {
+  if constexpr (requires { impl.init(rng); }) impl.init(rng);
+}
+template <class Impl>
+void set_mode(Impl& impl, Mode mode) {
+  if constexpr (requires { impl.set_mode(mode); }) impl.set_mode(mode);
+}
+}  // namespace policy_detail
+
+// ---- scorers: u (N, D) -> gamma (N, E) logits; parameters in the arena -------------------------
+// (the lifecycle hooks are the optional ones above; the names below are kept for existing code)
+template <class P, class T, class B>
+concept ScorerDeclares = PolicyDeclares<P, T, B>;
+template <class P, class T, class B>
+concept ScorerBinds = PolicyBinds<P, T, B>;
+template <class P, class T, class B>
+concept ScorerInits = PolicyInits<P, T, B>;
 template <class P, class T, class B>
 concept ScorerForward = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& u, Tensor<T, B>& gamma) {
@@ -71,27 +134,16 @@ concept ScorerBackward = PolicyWithImpl<P, T, B> &&
              Tensor<T, B>& du) { s.backward(u, dgamma, du); };
 
 template <class P, class T = float, class B = cpu>
-concept ScorerPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> && ScorerDeclares<P, T, B> &&
-                       ScorerBinds<P, T, B> && ScorerInits<P, T, B> && ScorerForward<P, T, B> &&
+concept ScorerPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> && ScorerForward<P, T, B> &&
                        ScorerBackward<P, T, B>;
 
 // ---- token graphs: p = G r within each sequence of ctx.seq_len tokens -------------------------
-// A graph without parameters has configure(d_model, cfg); one with parameters has declare(arena,
-// prefix, d_model, cfg), bind(arena) and init(rng) instead (RouterImpl calls whichever it has).
+// A graph without parameters typically has configure(d_model, cfg); one with parameters has
+// declare(arena, prefix, d_model, cfg), bind(arena) and init(rng) (the lifecycle above).
 template <class P, class T, class B>
-concept GraphConfigures = PolicyWithImpl<P, T, B> &&
-    requires(policy_impl_t<P, T, B>& g, index_t d_model, const RouterConfig& cfg) {
-      g.configure(d_model, cfg);
-    };
+concept GraphConfigures = PolicyConfiguresWithWidth<P, T, B>;
 template <class P, class T, class B>
-concept GraphHasParameters = PolicyWithImpl<P, T, B> &&
-    requires(policy_impl_t<P, T, B>& g, ParameterArena<T, B>& arena,
-             const ParameterArena<T, B>& carena, const std::string& prefix, index_t d_model,
-             const RouterConfig& cfg, Rng& rng) {
-      g.declare(arena, prefix, d_model, cfg);
-      g.bind(carena);
-      g.init(rng);
-    };
+concept GraphHasParameters = PolicyDeclares<P, T, B>;
 template <class P, class T, class B>
 concept GraphForward = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& g, const Tensor<T, B>& u, const Tensor<T, B>& r,
@@ -109,7 +161,6 @@ concept GraphEntropy = PolicyWithImpl<P, T, B> &&
 
 template <class P, class T = float, class B = cpu>
 concept TokenGraphPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> &&
-                           (GraphConfigures<P, T, B> || GraphHasParameters<P, T, B>) &&
                            GraphForward<P, T, B> && GraphBackward<P, T, B> &&
                            GraphEntropy<P, T, B>;
 
@@ -125,8 +176,7 @@ consteval bool graph_needs_attention_cache() {
 
 // ---- selectors: p (N, E) -> k experts per token and their gates --------------------------------
 template <class P, class T, class B>
-concept SelectorConfigures = PolicyWithImpl<P, T, B> &&
-    requires(policy_impl_t<P, T, B>& s, const RouterConfig& cfg) { s.configure(cfg); };
+concept SelectorConfigures = PolicyConfigures<P, T, B>;
 template <class P, class T, class B>
 concept SelectorSelects = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) {
@@ -151,7 +201,6 @@ concept SelectorK = PolicyWithImpl<P, T, B> &&
 
 template <class P, class T = float, class B = cpu>
 concept SelectorPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> &&
-                         SelectorConfigures<P, T, B> &&
                          (SelectorSelects<P, T, B> || SelectorSelectsInGroups<P, T, B>) &&
                          SelectorBackward<P, T, B> && SelectorK<P, T, B>;
 
@@ -187,13 +236,6 @@ consteval bool check_scorer_policy() {
   GRAPHMOE_POLICY_REQUIRE((PolicyWithImpl<P, T, B>),
                           "a scorer policy needs `template <class T, class B> using impl = ...;` "
                           "naming a default-constructible implementation")
-  GRAPHMOE_POLICY_REQUIRE((ScorerDeclares<P, T, B>),
-                          "the scorer implementation lacks `declare(ParameterArena<T, B>&, const "
-                          "std::string& prefix, index_t d_model, const RouterConfig&)`")
-  GRAPHMOE_POLICY_REQUIRE((ScorerBinds<P, T, B>),
-                          "the scorer implementation lacks `bind(const ParameterArena<T, B>&)`")
-  GRAPHMOE_POLICY_REQUIRE((ScorerInits<P, T, B>),
-                          "the scorer implementation lacks `init(Rng&)`")
   GRAPHMOE_POLICY_REQUIRE((ScorerForward<P, T, B>),
                           "the scorer implementation lacks `forward(const Tensor<T, B>& u, "
                           "Tensor<T, B>& gamma)`")
@@ -212,11 +254,6 @@ consteval bool check_graph_policy() {
   GRAPHMOE_POLICY_REQUIRE((PolicyWithImpl<P, T, B>),
                           "a token-graph policy needs `template <class T, class B> using impl = "
                           "...;` naming a default-constructible implementation")
-  GRAPHMOE_POLICY_REQUIRE((GraphConfigures<P, T, B> || GraphHasParameters<P, T, B>),
-                          "the token-graph implementation lacks `configure(index_t d_model, const "
-                          "RouterConfig&)` (or, with parameters, `declare(ParameterArena<T, B>&, "
-                          "const std::string&, index_t, const RouterConfig&)`, `bind(const "
-                          "ParameterArena<T, B>&)` and `init(Rng&)`)")
   GRAPHMOE_POLICY_REQUIRE((GraphForward<P, T, B>),
                           "the token-graph implementation lacks `forward(const Tensor<T, B>& u, "
                           "const Tensor<T, B>& r, const GraphContext<T, B>&, Tensor<T, B>& p)`")
@@ -238,8 +275,6 @@ consteval bool check_selector_policy() {
   GRAPHMOE_POLICY_REQUIRE((PolicyWithImpl<P, T, B>),
                           "a selector policy needs `template <class T, class B> using impl = ...;` "
                           "naming a default-constructible implementation")
-  GRAPHMOE_POLICY_REQUIRE((SelectorConfigures<P, T, B>),
-                          "the selector implementation lacks `configure(const RouterConfig&)`")
   GRAPHMOE_POLICY_REQUIRE((SelectorSelects<P, T, B> || SelectorSelectsInGroups<P, T, B>),
                           "the selector implementation lacks `select(const Tensor<T, B>& p, "
                           "index_t k, Selection<T, B>&)` (or the grouped `select(const Tensor<T, "

@@ -17,6 +17,8 @@
 #pragma once
 
 #include <any>
+#include <concepts>
+#include <string>
 #include <cstdint>
 #include <list>
 #include <optional>
@@ -270,9 +272,47 @@ void validate_options(const Opts& opts) {
   if constexpr (requires { opts.validate(); }) opts.validate();
 }
 
-// What every router has, and each policy's options by the policy's type. The options of policies
-// that a router does not use are ignored by it (a command line may set them all).
+namespace policy_detail {
+// The name of policy P for messages: P::name, or the type's name for a tag without one.
+template <class P>
+const char* policy_name() {
+  if constexpr (requires { { P::name } -> std::convertible_to<const char*>; })
+    return P::name;
+  else
+    return typeid(P).name();
+}
+}  // namespace policy_detail
+
+// What every router has, and each policy's options by the policy's type.
+//
+// Options are checked against the router that declares with this config: options set for a policy
+// the router does not use are an error (a typo'd policy, or a router other than the one meant),
+// unless allow_unused_options is set, which a command line shared by every router sets explicitly.
+// Once a router has declared with a config (RouterImpl::declare), changing that config's options
+// throws: the router keeps a copy, so the change would have no effect. A copy of the config is
+// a new, unmarked config.
 struct RouterConfig {
+  RouterConfig() = default;
+  RouterConfig(const RouterConfig& other)
+      : num_experts(other.num_experts), k(other.k), causal(other.causal),
+        capacity_factor(other.capacity_factor), load_balance_coef(other.load_balance_coef),
+        z_loss_coef(other.z_loss_coef), allow_unused_options(other.allow_unused_options),
+        options_(other.options_) {}
+  RouterConfig& operator=(const RouterConfig& other) {
+    if (this != &other) {
+      check_not_declared("operator=");
+      num_experts = other.num_experts;
+      k = other.k;
+      causal = other.causal;
+      capacity_factor = other.capacity_factor;
+      load_balance_coef = other.load_balance_coef;
+      z_loss_coef = other.z_loss_coef;
+      allow_unused_options = other.allow_unused_options;
+      options_ = other.options_;
+    }
+    return *this;
+  }
+
   index_t num_experts = 16;  // E
   index_t k = 2;             // experts per token (TopK; ExpertChoice: on average); ScheduledTopK
                              // uses its own k_min..k_max
@@ -292,6 +332,10 @@ struct RouterConfig {
   double load_balance_coef = 0.0;
   double z_loss_coef = 0.0;
 
+  // Options set for a policy that the declaring router does not use are ignored instead of an
+  // error (for one command line that configures every router, as the examples' do).
+  bool allow_unused_options = false;
+
   // The options of policy P, default-constructed and kept on first use:
   //   cfg.options<Similarity>().tau = 0.5;
   // The reference stays valid for the life of this RouterConfig (later calls do not move it).
@@ -301,9 +345,10 @@ struct RouterConfig {
     static_assert(std::is_copy_constructible_v<O> && std::is_default_constructible_v<O>,
                   "graphmoe::RouterConfig::options<P>(): P::Options must be default- and "
                   "copy-constructible");
+    check_not_declared(policy_detail::policy_name<P>());
     for (auto& e : options_)
       if (e.policy == std::type_index(typeid(P))) return *std::any_cast<O>(&e.value);
-    options_.push_back({std::type_index(typeid(P)), O{}});
+    options_.push_back({std::type_index(typeid(P)), policy_detail::policy_name<P>(), O{}});
     return *std::any_cast<O>(&options_.back().value);
   }
   // The options of policy P as set, or P's defaults when none were set.
@@ -337,19 +382,42 @@ struct RouterConfig {
     GRAPHMOE_CHECK(load_balance_coef >= 0 && z_loss_coef >= 0, "RouterConfig",
                    "auxiliary loss coefficients must be >= 0");
   }
-  // validate() and the options of the given policies.
+  // validate(), the options of the given policies, and (unless allow_unused_options) that no
+  // options were set for any other policy.
   template <class... Policies>
   void validate_for() const {
     validate();
     (validate_options(options<Policies>()), ...);
+    if (allow_unused_options) return;
+    for (const auto& e : options_) {
+      const bool used = ((e.policy == std::type_index(typeid(Policies))) || ...);
+      if (used) continue;
+      std::string names;
+      ((names += (names.empty() ? "" : "/") + std::string(policy_detail::policy_name<Policies>())),
+       ...);
+      GRAPHMOE_CHECK(false, "RouterConfig", "options were set for the policy '", e.name,
+                     "', which this router (", names, ") does not use; remove them, or set "
+                     "allow_unused_options when one command line configures every router");
+    }
   }
 
+  // Called by RouterImpl::declare: from now on, changing this config's options throws.
+  void mark_declared() const { declared_ = true; }
+  bool declared() const { return declared_; }
+
  private:
+  void check_not_declared(const char* what) const {
+    GRAPHMOE_CHECK(!declared_, "RouterConfig", "a router was already declared with this config, ",
+                   "so changing it (", what, ") would have no effect on that router (it keeps a "
+                   "copy); set options before declaring, or change a copy");
+  }
   struct StoredOptions {
     std::type_index policy;
-    std::any value;  // policy_options_t<policy>
+    const char* name;  // for messages
+    std::any value;    // policy_options_t<policy>
   };
   std::list<StoredOptions> options_;  // a list: references stay valid as entries are added
+  mutable bool declared_ = false;
 };
 
 }  // namespace graphmoe

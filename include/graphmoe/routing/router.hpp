@@ -6,13 +6,18 @@
 //   (indices, gates) = Selector(p)       (N, m) slots: each token's experts and gates
 //
 // RouterImpl<Router<...>, T, B> holds the parts; forward fills a RouterOutput (which the MoE layer
-// returns for metrics) and backward takes dgates and accumulates du (+=).
+// returns for metrics) and backward takes dgates and accumulates du (+=). It drives every policy
+// through the same optional lifecycle (routing/concepts.hpp: declare or configure, bind, init,
+// set_mode) and checks the shape of every policy's output, naming the policy that got it wrong:
+// a user's scorer that returns too many columns, or a graph that leaves p unfilled, is reported
+// as that policy's error, not as an error of the op that reads its output next.
 #pragma once
 
 #include <string>
 
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/mode.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 #include "graphmoe/routing/concepts.hpp"
 #include "graphmoe/routing/scorers.hpp"
@@ -83,26 +88,38 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   using graph_impl = policy_impl_t<Graph, T, B>;
   using selector_impl = policy_impl_t<Selector, T, B>;
 
+  // Validates the config for these three policies (RouterConfig::validate_for: options set for a
+  // policy this router does not use are an error unless cfg.allow_unused_options), marks cfg as
+  // declared (changing its options afterwards throws: the router keeps a copy) and declares or
+  // configures each policy.
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                const RouterConfig& cfg) {
     cfg.validate_for<Scorer, Graph, Selector>();
+    cfg.mark_declared();
     cfg_ = cfg;
     d_model_ = d_model;
-    scorer_.declare(arena, prefix, d_model, cfg);
-    if constexpr (kGraphHasParameters)
-      graph_.declare(arena, prefix + "graph.", d_model, cfg);
-    else
-      graph_.configure(d_model, cfg);
-    selector_.configure(cfg);
+    policy_detail::declare(scorer_, arena, prefix, d_model, cfg_);
+    policy_detail::declare(graph_, arena, prefix + "graph.", d_model, cfg_);
+    policy_detail::declare(selector_, arena, prefix + "selector.", d_model, cfg_);
   }
   void bind(const ParameterArena<T, B>& arena) {
-    scorer_.bind(arena);
-    if constexpr (kGraphHasParameters) graph_.bind(arena);
+    policy_detail::bind(scorer_, arena);
+    policy_detail::bind(graph_, arena);
+    policy_detail::bind(selector_, arena);
   }
   void init(Rng& rng) {
-    scorer_.init(rng);
-    if constexpr (kGraphHasParameters) graph_.init(rng);
+    policy_detail::init(scorer_, rng);
+    policy_detail::init(graph_, rng);
+    policy_detail::init(selector_, rng);
   }
+  // Passes the mode to every policy that takes one (core/mode.hpp).
+  void set_mode(Mode mode) {
+    mode_ = mode;
+    policy_detail::set_mode(scorer_, mode);
+    policy_detail::set_mode(graph_, mode);
+    policy_detail::set_mode(selector_, mode);
+  }
+  Mode mode() const { return mode_; }
 
   const RouterConfig& config() const { return cfg_; }
   scorer_impl& scorer() { return scorer_; }
@@ -119,13 +136,17 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     out.gamma = Tensor<T, B>();
     out.r = Tensor<T, B>();
     out.p = Tensor<T, B>();
+    const index_t n = u.rows(), e = cfg_.num_experts;
     scorer_.forward(u, out.gamma);
+    check_policy_output("scorer", Scorer::name, "gamma", out.gamma, n, e);
     softmax_forward(out.gamma, out.r);
     graph_.forward(u, out.r, ctx, out.p);
+    check_policy_output("token graph", Graph::name, "p", out.p, n, e);
     if constexpr (SelectorSelectsInGroups<Selector, T, B>)
       selector_.select(out.p, selector_.current_k(), ctx.seq_len, out.selection);
     else
       selector_.select(out.p, selector_.current_k(), out.selection);
+    check_selection(out.selection, n);
     out.graph_entropy = graph_.mean_entropy();
     out.load_balance_loss = cfg_.load_balance_coef > 0
                                 ? load_balance_loss<T>(out.p, out.selection.indices, 0.0, nullptr)
@@ -138,21 +159,49 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   void backward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx,
                 const RouterOutput<T, B>& out, const Tensor<T, B>& dgates, Tensor<T, B>& du) {
     check_shape("Router::backward", "du", du, u.shape());
+    const index_t n = u.rows(), e = cfg_.num_experts;
     Tensor<T, B> dp, dr, dgamma;
     selector_.backward(out.p, out.selection, dgates, dp);
+    check_policy_output("selector", Selector::name, "dp (backward)", dp, n, e);
     if (cfg_.load_balance_coef > 0)
       load_balance_loss<T>(out.p, out.selection.indices, cfg_.load_balance_coef, &dp);
     graph_.backward(u, out.r, out.p, dp, ctx, dr, du);
+    check_policy_output("token graph", Graph::name, "dr (backward)", dr, n, e);
     softmax_backward(out.r, dr, dgamma);
     if (cfg_.z_loss_coef > 0) z_loss<T>(out.gamma, cfg_.z_loss_coef, &dgamma);
     scorer_.backward(u, dgamma, du);
   }
 
  private:
-  // A token graph may own parameters (the Similarity graph's learned temperature, W_s).
-  static constexpr bool kGraphHasParameters = GraphHasParameters<Graph, T, B>;
+  // A policy's output must be (n, e): the router names the policy when it is not.
+  template <class U>
+  static void check_policy_output(const char* kind, const char* name, const char* what,
+                                  const Tensor<U, B>& t, index_t n, index_t e) {
+    GRAPHMOE_CHECK(!t.empty(), "Router", "the ", kind, " '", name, "' left ", what,
+                   " empty; expected (", n, ", ", e, ")");
+    GRAPHMOE_CHECK(t.rank() == 2 && t.dim(0) == n && t.dim(1) == e, "Router", "the ", kind, " '",
+                   name, "' returned ", what, " of shape ", t.shape(), "; expected (", n, ", ", e,
+                   ")");
+  }
+  // The selection: indices, values, gates and keep of one shape (n, m), m >= 1.
+  static void check_selection(const Selection<T, B>& sel, index_t n) {
+    const auto& idx = sel.indices;
+    GRAPHMOE_CHECK(!idx.empty() && idx.rank() == 2 && idx.dim(0) == n && idx.dim(1) >= 1,
+                   "Router", "the selector '", Selector::name, "' returned indices of shape ",
+                   (idx.empty() ? std::string("(empty)") : idx.shape().str()), "; expected (", n,
+                   ", m), m >= 1");
+    const auto check = [&](const char* what, const Shape& s, bool empty) {
+      GRAPHMOE_CHECK(!empty && s == idx.shape(), "Router", "the selector '", Selector::name,
+                     "' returned ", what, " of shape ", (empty ? std::string("(empty)") : s.str()),
+                     "; expected the indices' ", idx.shape());
+    };
+    check("values", sel.values.shape(), sel.values.empty());
+    check("gates", sel.gates.shape(), sel.gates.empty());
+    check("keep", sel.keep.shape(), sel.keep.empty());
+  }
 
   RouterConfig cfg_;
+  Mode mode_ = Mode::Train;
   index_t d_model_ = 0;
   scorer_impl scorer_;
   graph_impl graph_;
