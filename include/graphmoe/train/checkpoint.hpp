@@ -785,7 +785,8 @@ void load_arena(const SafetensorsFile& f, ParameterArena<T, cpu>& arena,
 // is loaded: each must be finite and, when max_abs is finite, at most max_abs in magnitude. The
 // first that is not throws "'<path>': model tensor '<name>' holds <x> at element <i> (<whose>
 // weights must be finite[ and at most <max_abs> in magnitude])". Tensors of another dtype are
-// skipped (load_arena refuses them by name). The rule of load_training_state (train_lm --resume).
+// skipped (load_arena refuses them by name). The rule of load_training_state (train_lm --resume)
+// and, with a limit, of finetune_classifier's pretrained backbone (docs/reliability.md).
 template <class T>
 void check_weight_values(const SafetensorsFile& f, const std::string& prefix, const char* op,
                          const std::string& whose,
