@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -520,4 +522,89 @@ TEST_CASE("examples: finetune_classifier refuses a checkpoint with weights of 1e
   CAPTURE(r.err);
   CHECK(r.status == 0);
   CHECK(r.out.find("test_accuracy=") != std::string::npos);
+}
+
+TEST_CASE("examples: a metric not computable yet prints n/a, never nan (one evaluation, no --compare)") {
+  Scratch s("not_available");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  // the field of `column` in line `line` (1: the first row after the header) of a CSV file
+  auto csv_field = [](const std::string& text, const std::string& column, int line) {
+    std::istringstream in(text);
+    std::vector<std::vector<std::string>> rows;
+    for (std::string l; std::getline(in, l);) {
+      std::vector<std::string> fields;
+      std::istringstream ls(l + ",");
+      for (std::string f; std::getline(ls, f, ',');) fields.push_back(f);
+      rows.push_back(fields);
+    }
+    REQUIRE(rows.size() > static_cast<std::size_t>(line));
+    const auto& header = rows[0];
+    const auto at = std::find(header.begin(), header.end(), column);
+    REQUIRE(at != header.end());
+    const auto& row = rows[static_cast<std::size_t>(line)];
+    REQUIRE(row.size() == header.size());
+    return row[static_cast<std::size_t>(at - header.begin())];
+  };
+
+  // one evaluation (--eval-every 0: only at the end): the fluctuation between two evaluations
+  // cannot be computed yet
+  const std::string one = s / "one";
+  Result r = run(s, kTrainLM, lm_args(corpus, one, 2));
+  CAPTURE(r.out);
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("fluctuation=n/a") != std::string::npos);
+  CHECK(r.out.find("nan") == std::string::npos);
+  const std::string metrics = slurp(one + "/metrics.csv");
+  CAPTURE(metrics);
+  CHECK(metrics.find("nan") == std::string::npos);
+  CHECK(csv_field(metrics, "layer0_fluctuation", 1).empty());
+
+  // two evaluations: a number, in the summary and in the second row
+  std::vector<std::string> args = lm_args(corpus, s / "two", 2);
+  const auto every = std::find(args.begin(), args.end(), "--eval-every");
+  REQUIRE(every + 1 < args.end());
+  *(every + 1) = "1";
+  r = run(s, kTrainLM, args);
+  CAPTURE(r.out);
+  REQUIRE(r.status == 0);
+  const std::size_t at = r.out.find("fluctuation=");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::isdigit(static_cast<unsigned char>(r.out[at + 12])));
+  CHECK(r.out.find("n/a") == std::string::npos);
+  const std::string two_metrics = slurp(s / "two/metrics.csv");
+  CAPTURE(two_metrics);
+  CHECK(csv_field(two_metrics, "layer0_fluctuation", 1).empty());
+  CHECK(!csv_field(two_metrics, "layer0_fluctuation", 2).empty());
+  CHECK(two_metrics.find("nan") == std::string::npos);
+
+  // routing_report without --baseline and --compare: the ratio and the fluctuation are n/a on
+  // stdout and empty in the CSV
+  const std::string ckpt = one + "/checkpoint.safetensors";
+  const std::vector<std::string> report = {"--checkpoint", ckpt, "--text", corpus,
+                                           "--probe-batches", "1", "--batch", "2"};
+  args = report;
+  args.insert(args.end(), {"--out", s / "alone.csv"});
+  r = run(s, kReport, args);
+  CAPTURE(r.out);
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("n/a") != std::string::npos);
+  CHECK(r.out.find("nan") == std::string::npos);
+  const std::string alone = slurp(s / "alone.csv");
+  CAPTURE(alone);
+  CHECK(alone.find("nan") == std::string::npos);
+  for (const char* column : {"entropy_r_ratio", "entropy_p_ratio", "fluct_top1", "fluct_topk"})
+    CHECK(csv_field(alone, column, 1).empty());
+  // with both: numbers (the same checkpoint: no fluctuation, ratio 1)
+  args = report;
+  args.insert(args.end(), {"--compare", ckpt, "--baseline", ckpt, "--out", s / "both.csv"});
+  r = run(s, kReport, args);
+  CAPTURE(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("n/a") == std::string::npos);
+  const std::string both = slurp(s / "both.csv");
+  CHECK(csv_field(both, "fluct_topk", 1) == "0");
+  CHECK(csv_field(both, "entropy_p_ratio", 1) == "1");
 }
