@@ -58,7 +58,7 @@ common=(--train runs/data/kjv.tokens --test "" --valid-fraction 0.05 --max-vocab
 ./build-main/examples/train_lm "${common[@]}" --router softmax --out runs/main/softmax | tee runs/main-softmax.txt
 ./build-main/examples/train_lm "${common[@]}" --router similarity --tau 32 --out runs/main/similarity | tee runs/main-similarity.txt
 
-field() { sed -n "s/.*$1=\([0-9.na]*\).*/\1/p" "$2"; }
+field() { sed -n "s|.*$1=\([0-9.na/]*\).*|\1|p" "$2"; }  # n/a: one evaluation, no fluctuation
 row() { printf '%-24s %10s %14s %13s\n' "$1" "$(field val_ppl "$2")" "$(field graph_entropy "$2")" "$(field fluctuation "$2")"; }
 echo
 echo "King James Bible, $steps steps, validation = last 5% of the verses"

@@ -13,13 +13,16 @@ The kind of each CSV is told by its header line:
   routing report (one row per MoE layer)
       layer,tokens,entropy_r,entropy_p,entropy_r_ratio,entropy_p_ratio,graph_entropy,self_weight,
       graph_changed_selection,fluct_top1,fluct_topk,max_load_share
-      (the ratio and fluct columns are nan when no baseline / compare model was given).
+      (the ratio and fluct columns are empty when no baseline / compare model was given;
+      nan in the files of older builds).
   load (tokens routed to each expert)
       layer,expert,tokens,share
   train_vision metrics (examples/train_vision, metrics.csv)
       step,epoch,train_loss,test_accuracy,lr,grad_norm, then any further columns (ignored).
 
-Numbers may be nan or inf; both are treated as missing values and not drawn.
+Numbers may be nan or inf, and a field may be empty (a metric that could not be computed, e.g. the
+fluctuation at a run's first evaluation); all three are treated as missing values and not drawn
+(an empty id column, layer or expert, is bad input).
 
 Figures written under --out (only those whose inputs were given; each path written is printed):
 
@@ -145,12 +148,16 @@ def detect_kind(path, header):
 
 
 def parse_number(text, path, line, column, name, integer):
-    """A CSV field as a float (nan, inf accepted), or an InputError naming file, line and column."""
+    """A CSV field as a float (nan, inf accepted; an empty field, a metric that could not be
+    computed, is nan), or an InputError naming file, line and column."""
     where = f"{path}:{line}: column {column} ('{name}')"
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise InputError(f"{where}: expected a number, got '{text}'") from None
+    if not text.strip():
+        value = math.nan
+    else:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise InputError(f"{where}: expected a number, got '{text}'") from None
     if integer and not (math.isfinite(value) and value == int(value) and value >= 0):
         raise InputError(f"{where}: expected a non-negative integer, got '{text}'")
     return value

@@ -86,10 +86,21 @@ double accuracy(Model& m, const Encoded& d, index_t batch, const examples::DataP
   return static_cast<double>(correct) / static_cast<double>(n);
 }
 
-// The rule train_lm --resume applies to a checkpoint's "model." tensors (load_arena, strict), here
-// against the backbone (every parameter but the new "cls_head.*"): each parameter present with its
-// exact dtype and shape, and no "model." tensor that is not one of them (a stray tensor is refused
-// by name, not ignored). Checks only; load_pretrained (graphmoe/train/pretrained.hpp) copies.
+// The largest weight magnitude a pretrained backbone may hold. Trained weights are of order 1
+// (initialised with standard deviation 0.02); a weight far beyond that is a corrupted or diverged
+// checkpoint. Such a weight need not show in the loss: token or position embeddings of 1e30 are
+// normalised by every LayerNorm, which scales the gradients reaching them by its 1 / std (about
+// 1e-30), so the backbone cannot move and the run used to train the new head alone, to chance
+// accuracy, and exit 0. 1e6 leaves a wide margin above trained weights of order 1 and is far below
+// where float arithmetic breaks down (squares overflow above ~1.8e19).
+inline constexpr double kMaxPretrainedWeight = 1e6;
+
+// The rule train_lm --resume applies to a checkpoint's "model." tensors (load_arena, strict, and
+// check_weight_values: finite weights), here against the backbone (every parameter but the new
+// "cls_head.*"): each parameter present with its exact dtype and shape, no "model." tensor that is
+// not one of them (a stray tensor is refused by name, not ignored), and every weight finite and at
+// most kMaxPretrainedWeight in magnitude. Checks only; load_pretrained
+// (graphmoe/train/pretrained.hpp) copies.
 template <class T, class B>
 void check_pretrained(const SafetensorsFile& f, const ParameterArena<T, B>& arena) {
   ParameterArena<T, cpu> backbone;
@@ -97,6 +108,8 @@ void check_pretrained(const SafetensorsFile& f, const ParameterArena<T, B>& aren
     if (p.name.rfind("cls_head.", 0) != 0) backbone.add(p.name, p.shape, p.trainable);
   backbone.allocate();
   load_arena(f, backbone, "model.");
+  check_weight_values<T>(f, "model.", "finetune_classifier", "a pretrained backbone's",
+                         kMaxPretrainedWeight);
 }
 
 template <class Policy, class B>

@@ -144,10 +144,12 @@ int main(int argc, char** argv) {
     write_expert_load(load_out, reps);
     std::printf("%-6s %9s %9s %9s %9s %9s %9s %9s\n", "layer", "H(r)", "H(p)", "H(p)/base",
                 "graph H", "S[i,i]", "changed", "fluct");
+    // H(p)/base without --baseline and fluct without --compare cannot be computed: "n/a"
     for (const auto& r : reps)
-      std::printf("%-6lld %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f %9.4f\n", static_cast<long long>(r.layer),
-                  r.entropy_r, r.entropy_p, r.entropy_p_ratio, r.graph_entropy, r.self_weight,
-                  r.graph_changed_selection, r.fluct_topk);
+      std::printf("%-6lld %9.4f %9.4f %9s %9.4f %9.4f %9.4f %9s\n", static_cast<long long>(r.layer),
+                  r.entropy_r, r.entropy_p, metric_text(r.entropy_p_ratio, 4).c_str(),
+                  r.graph_entropy, r.self_weight, r.graph_changed_selection,
+                  metric_text(r.fluct_topk, 4).c_str());
     std::fprintf(stderr, "routing_report: wrote %s and %s\n", out.c_str(), load_out.c_str());
     return 0;
   } catch (const std::exception& e) {

@@ -214,7 +214,7 @@ int run(const Options& opt, const Data& data) {
                                tot > 0 ? static_cast<double>(mx) / static_cast<double>(tot) : 0.0});
       }
       if (root) {
-        csv->row(row);
+        csv->row_or_missing(row);  // the first evaluation's fluctuation: an empty field
         bar.finish();
         std::fprintf(stderr, "step %lld  train loss %.4f  val loss %.4f  val ppl %.2f\n",
                      static_cast<long long>(step + 1), loss_ema, vloss, std::exp(vloss));
@@ -243,13 +243,14 @@ int run(const Options& opt, const Data& data) {
   double graph_entropy = 0;
   for (index_t l : moe_layers) graph_entropy += lm.block(l).moe().routing().graph_entropy;
   if (!moe_layers.empty()) graph_entropy /= static_cast<double>(moe_layers.size());
-  // mean over MoE layers of the probe batch's fluctuation between the last two evaluations
-  double fluctuation = 0;
+  // mean over MoE layers of the probe batch's fluctuation between the last two evaluations: NaN,
+  // printed "n/a", when there were fewer than two (or no MoE layer)
+  double fluctuation = moe_layers.empty() ? std::nan("") : 0.0;
   for (double f : last_fluctuation) fluctuation += f;
   if (!moe_layers.empty()) fluctuation /= static_cast<double>(moe_layers.size());
   if (root)
-    std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f fluctuation=%.4f", opt.router.c_str(),
-                std::exp(vloss), graph_entropy, fluctuation);
+    std::printf("router=%s val_ppl=%.3f graph_entropy=%.3f fluctuation=%s", opt.router.c_str(),
+                std::exp(vloss), graph_entropy, metric_text(fluctuation, 4).c_str());
   if (!data.test.empty()) {
     LMBatcher test(data.test, opt.batch, seq);
     const double test_loss = evaluate<B>(lm, test, 0, dp);

@@ -53,7 +53,8 @@ def report(d):
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        # an empty field (a metric that could not be computed) reads as nan
+        return [{k: num(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def num(x):

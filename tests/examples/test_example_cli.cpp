@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -83,6 +85,38 @@ void rewrite(const std::string& src, const std::string& dst,
   std::vector<TensorRef> refs;
   for (const auto& [name, t] : tensors) refs.push_back({name, t.dtype, t.shape, t.bytes.data()});
   save_safetensors(dst, refs, meta);
+}
+
+using Tensors = std::map<std::string, LoadedTensor>;
+using Meta = std::map<std::string, std::string>;
+
+// rewrite's edit that sets every F32 value of the "model." tensors whose names contain `only`
+// (all of them when empty) to NaN when `value` is NaN, else multiplies it by `value` (hostile
+// weights: 1e30, NaN).
+std::function<void(Tensors&, Meta&)> scale_weights(float value, const std::string& only = "") {
+  return [value, only](Tensors& t, Meta&) {
+    for (auto& [name, x] : t) {
+      if (name.rfind("model.", 0) != 0 || x.dtype != DType::F32) continue;
+      if (!only.empty() && name.find(only) == std::string::npos) continue;
+      for (std::size_t i = 0; i + 4 <= x.bytes.size(); i += 4) {
+        float v;
+        std::memcpy(&v, x.bytes.data() + i, 4);
+        v = std::isnan(value) ? value : v * value;
+        std::memcpy(x.bytes.data() + i, &v, 4);
+      }
+    }
+  };
+}
+
+// SST-2 in miniature under dir/sst2: 8 training and 4 test sentences of the corpus' words.
+void write_sst2(const std::string& dir) {
+  fs::create_directories(dir + "/sst2");
+  for (const char* split : {"train", "dev"}) {
+    std::ofstream out(dir + "/sst2/" + split + ".tsv");
+    out << "sentence\tlabel\n";
+    for (int i = 0; i < (split[0] == 't' ? 8 : 4); ++i)
+      out << (i % 2 ? "a good film" : "the film was bad") << "\t" << i % 2 << "\n";
+  }
 }
 
 }  // namespace
@@ -344,17 +378,7 @@ TEST_CASE("examples: a diverged run stops naming the step, and its last checkpoi
     fs::create_directories(dir);
     fs::copy_file(run_dir + "/vocab.txt", dir + "/vocab.txt");
     const std::string path = dir + "/checkpoint.safetensors";
-    rewrite(ckpt, path, [value](Tensors& t, Meta&) {
-      for (auto& [name, x] : t) {
-        if (name.rfind("model.", 0) != 0 || x.dtype != DType::F32) continue;
-        for (std::size_t i = 0; i + 4 <= x.bytes.size(); i += 4) {
-          float v;
-          std::memcpy(&v, x.bytes.data() + i, 4);
-          v = std::isnan(value) ? value : v * value;
-          std::memcpy(x.bytes.data() + i, &v, 4);
-        }
-      }
-    });
+    rewrite(ckpt, path, scale_weights(value));
     const std::string hostile = slurp(path);
     args = lm_args(corpus, dir, 8);
     args.push_back("--resume");
@@ -384,15 +408,8 @@ TEST_CASE("examples: finetune_classifier and routing_report apply the same check
   const std::string run_dir = s / "run";
   REQUIRE(run(s, kTrainLM, lm_args(corpus, run_dir, 2)).status == 0);
   const std::string ckpt = run_dir + "/checkpoint.safetensors", vocab = run_dir + "/vocab.txt";
-  // SST-2 in miniature: 8 training and 4 test sentences of the corpus' words
   const std::string data = s / "data";
-  fs::create_directories(data + "/sst2");
-  for (const char* split : {"train", "dev"}) {
-    std::ofstream out(data + "/sst2/" + split + ".tsv");
-    out << "sentence\tlabel\n";
-    for (int i = 0; i < (split[0] == 't' ? 8 : 4); ++i)
-      out << (i % 2 ? "a good film" : "the film was bad") << "\t" << i % 2 << "\n";
-  }
+  write_sst2(data);
   auto finetune = [&](const std::string& checkpoint) {
     return run(s, kFinetune, {"--checkpoint", checkpoint, "--vocab", vocab, "--task", "sst2",
                               "--data-dir", data, "--epochs", "1", "--batch", "2", "--threads",
@@ -458,4 +475,136 @@ TEST_CASE("examples: finetune_classifier and routing_report apply the same check
                        "--probe-batches", "1", "--batch", "2"});
   CAPTURE(r.err);
   CHECK(r.status == 0);
+}
+
+TEST_CASE("examples: finetune_classifier refuses a checkpoint with weights of 1e30 or NaN, naming the tensor") {
+  Scratch s("finetune_hostile");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const std::string run_dir = s / "run";
+  REQUIRE(run(s, kTrainLM, lm_args(corpus, run_dir, 2)).status == 0);
+  const std::string ckpt = run_dir + "/checkpoint.safetensors", vocab = run_dir + "/vocab.txt";
+  const std::string data = s / "data";
+  write_sst2(data);
+  auto finetune = [&](const std::string& checkpoint, const std::string& out) {
+    return run(s, kFinetune, {"--checkpoint", checkpoint, "--vocab", vocab, "--task", "sst2",
+                              "--data-dir", data, "--epochs", "1", "--batch", "2", "--threads",
+                              "1", "--out", out});
+  };
+  const std::string rule =
+      " (a pretrained backbone's weights must be finite and at most 1e+06 in magnitude)";
+  struct Case {
+    std::string name;
+    float value;
+    std::string only;      // the tensors scaled ("": every model tensor)
+    std::string expected;  // in the message, after the file's path
+  };
+  const std::vector<Case> cases = {
+      // used to fail in the first forward pass with "graphmoe::Router: u ... holds -nan"
+      {"huge", 1e30f, "", "': model tensor 'model."},
+      // used to train the new head alone, to chance accuracy, and exit 0: LayerNorm normalises
+      // the huge embeddings, and the loss stays finite and small
+      {"huge_embedding", 1e30f, "tok_emb", "': model tensor 'model.tok_emb.weight' holds "},
+      {"nan", std::numeric_limits<float>::quiet_NaN(), "",
+       "': model tensor 'model.blocks.0.attn.k_proj.bias' holds nan at element 0"}};
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const std::string path = s / (c.name + ".safetensors");
+    rewrite(ckpt, path, scale_weights(c.value, c.only));
+    const std::string hostile = slurp(path);
+    const std::string out = s / ("ft_" + c.name);
+    check_refused(finetune(path, out), {"finetune_classifier: '" + path + c.expected, rule});
+    CHECK(slurp(path) == hostile);               // the checkpoint is left alone
+    CHECK(!fs::exists(out + "/metrics.csv"));    // refused before any work
+  }
+  // the genuine checkpoint still fine-tunes
+  const Result r = finetune(ckpt, s / "ft_genuine");
+  CAPTURE(r.err);
+  CHECK(r.status == 0);
+  CHECK(r.out.find("test_accuracy=") != std::string::npos);
+}
+
+TEST_CASE("examples: a metric not computable yet prints n/a, never nan (one evaluation, no --compare)") {
+  Scratch s("not_available");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  // the field of `column` in line `line` (1: the first row after the header) of a CSV file
+  auto csv_field = [](const std::string& text, const std::string& column, int line) {
+    std::istringstream in(text);
+    std::vector<std::vector<std::string>> rows;
+    for (std::string l; std::getline(in, l);) {
+      std::vector<std::string> fields;
+      std::istringstream ls(l + ",");
+      for (std::string f; std::getline(ls, f, ',');) fields.push_back(f);
+      rows.push_back(fields);
+    }
+    REQUIRE(rows.size() > static_cast<std::size_t>(line));
+    const auto& header = rows[0];
+    const auto at = std::find(header.begin(), header.end(), column);
+    REQUIRE(at != header.end());
+    const auto& row = rows[static_cast<std::size_t>(line)];
+    REQUIRE(row.size() == header.size());
+    return row[static_cast<std::size_t>(at - header.begin())];
+  };
+
+  // one evaluation (--eval-every 0: only at the end): the fluctuation between two evaluations
+  // cannot be computed yet
+  const std::string one = s / "one";
+  Result r = run(s, kTrainLM, lm_args(corpus, one, 2));
+  CAPTURE(r.out);
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("fluctuation=n/a") != std::string::npos);
+  CHECK(r.out.find("nan") == std::string::npos);
+  const std::string metrics = slurp(one + "/metrics.csv");
+  CAPTURE(metrics);
+  CHECK(metrics.find("nan") == std::string::npos);
+  CHECK(csv_field(metrics, "layer0_fluctuation", 1).empty());
+
+  // two evaluations: a number, in the summary and in the second row
+  std::vector<std::string> args = lm_args(corpus, s / "two", 2);
+  const auto every = std::find(args.begin(), args.end(), "--eval-every");
+  REQUIRE(every + 1 < args.end());
+  *(every + 1) = "1";
+  r = run(s, kTrainLM, args);
+  CAPTURE(r.out);
+  REQUIRE(r.status == 0);
+  const std::size_t at = r.out.find("fluctuation=");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::isdigit(static_cast<unsigned char>(r.out[at + 12])));
+  CHECK(r.out.find("n/a") == std::string::npos);
+  const std::string two_metrics = slurp(s / "two/metrics.csv");
+  CAPTURE(two_metrics);
+  CHECK(csv_field(two_metrics, "layer0_fluctuation", 1).empty());
+  CHECK(!csv_field(two_metrics, "layer0_fluctuation", 2).empty());
+  CHECK(two_metrics.find("nan") == std::string::npos);
+
+  // routing_report without --baseline and --compare: the ratio and the fluctuation are n/a on
+  // stdout and empty in the CSV
+  const std::string ckpt = one + "/checkpoint.safetensors";
+  const std::vector<std::string> report = {"--checkpoint", ckpt, "--text", corpus,
+                                           "--probe-batches", "1", "--batch", "2"};
+  args = report;
+  args.insert(args.end(), {"--out", s / "alone.csv"});
+  r = run(s, kReport, args);
+  CAPTURE(r.out);
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("n/a") != std::string::npos);
+  CHECK(r.out.find("nan") == std::string::npos);
+  const std::string alone = slurp(s / "alone.csv");
+  CAPTURE(alone);
+  CHECK(alone.find("nan") == std::string::npos);
+  for (const char* column : {"entropy_r_ratio", "entropy_p_ratio", "fluct_top1", "fluct_topk"})
+    CHECK(csv_field(alone, column, 1).empty());
+  // with both: numbers (the same checkpoint: no fluctuation, ratio 1)
+  args = report;
+  args.insert(args.end(), {"--compare", ckpt, "--baseline", ckpt, "--out", s / "both.csv"});
+  r = run(s, kReport, args);
+  CAPTURE(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("n/a") == std::string::npos);
+  const std::string both = slurp(s / "both.csv");
+  CHECK(csv_field(both, "fluct_topk", 1) == "0");
+  CHECK(csv_field(both, "entropy_p_ratio", 1) == "1");
 }

@@ -137,6 +137,25 @@ class PlotRoutingTest(unittest.TestCase):
         self.assertEqual(self.written(),
                          ["entropy_ratio.png", "fluctuation.png", "graph_entropy.png"])
 
+    def test_empty_fields_are_missing_values(self):
+        # what train_lm and routing_report write for a metric that cannot be computed: the
+        # fluctuation at the first evaluation, the ratios and fluctuations without a baseline or
+        # compare model (an empty field, read like nan)
+        tool = load_tool()
+        metrics = tool.read_table("softmax", fixture("metrics_missing.csv"))
+        fluct = metrics.array("layer0_fluctuation")
+        self.assertTrue(math.isnan(fluct[0]))
+        self.assertEqual(fluct[1], 0.12)
+        report = tool.read_table("softmax", fixture("report_missing.csv"))
+        for column in ("entropy_r_ratio", "entropy_p_ratio", "fluct_top1", "fluct_topk"):
+            self.assertTrue(math.isnan(report.array(column)[0]), column)
+        result = self.plot(arg("softmax", "metrics_missing.csv"),
+                           arg("softmax", "report_missing.csv"))
+        self.assertEqual(self.written(), ["curves.png", "graph_entropy.png"])
+        for name in ("fluctuation.png", "entropy_ratio.png"):
+            self.assertIn(f"{name} not written", result.stderr)
+        self.assert_png("curves.png")
+
     def test_output_directory_is_created(self):
         nested = os.path.join(self.out, "a", "b")
         result = run_tool("--out", nested, arg("run", "vision_metrics.csv"))
@@ -220,6 +239,10 @@ class PlotRoutingTest(unittest.TestCase):
     def test_non_integer_layer(self):
         self.assert_bad_input("column 1 ('layer'): expected a non-negative integer, got '1.5'",
                               arg("x", "bad_layer_id.csv"))
+
+    def test_empty_layer_id(self):
+        self.assert_bad_input("column 1 ('layer'): expected a non-negative integer, got ''",
+                              arg("x", "bad_empty_layer.csv"))
 
     def test_repeated_key(self):
         self.assert_bad_input("more than one row for layer 1, expert 0",

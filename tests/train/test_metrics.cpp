@@ -264,6 +264,45 @@ TEST_CASE("routing_report: known answers on hand-made routing histories") {
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("metrics that cannot be computed: n/a in summaries, an empty CSV field, never nan") {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK(metric_text(nan, 4) == "n/a");
+  CHECK(metric_text(-nan, 3) == "n/a");
+  CHECK(metric_text(0.25, 4) == "0.2500");
+  CHECK(metric_text(-1.5, 1) == "-1.5");
+  CHECK(metric_text(3.0, 0) == "3");
+  CHECK(metric_text(std::numeric_limits<double>::infinity(), 3) == "inf");
+  CHECK(metric_text(-std::numeric_limits<double>::max(), 17).size() > 300);
+  CHECK_THROWS_WITH_AS(metric_text(1, -1), doctest::Contains("decimals must be in [0, 17]"), Error);
+  CHECK_THROWS_WITH_AS(metric_text(1, 18), doctest::Contains("decimals must be in [0, 17]"), Error);
+
+  const std::string path = temp_path("missing");
+  {
+    CsvLog log(path, {"step", "loss", "fluctuation", "tokens_per_s"});
+    log.row_or_missing(std::vector<double>{1, 0.5, nan, std::numeric_limits<double>::infinity()});
+    log.row_or_missing(std::vector<double>{2, 0.25, 0.125, 3});
+    CHECK_THROWS_WITH_AS(log.row_or_missing(std::vector<double>{1}),
+                         doctest::Contains("1 values given for 4 columns"), Error);
+  }
+  CHECK(read_all(path) == "step,loss,fluctuation,tokens_per_s\n1,0.5,,inf\n2,0.25,0.125,3\n");
+  std::filesystem::remove(path);
+
+  // a routing report without a compare or baseline model: the ratio and fluctuation fields empty
+  RoutingProbe model;
+  const auto u = rows(2, {0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25});
+  model.record(0, 1, u, u, idx(2, 2, {0, 1, 0, 1}), 0, 1);
+  const std::string report = temp_path("report_missing");
+  write_routing_report(report, routing_report(model));
+  const std::string csv = read_all(report);
+  CHECK(csv.find("nan") == std::string::npos);
+  // layer, tokens, entropy_r, entropy_p, two empty ratios, graph entropy 0, self-weight 1,
+  // changed 0, two empty fluctuations, max load share
+  const std::string row = csv.substr(csv.find('\n') + 1);
+  CHECK(row.rfind("1,2,", 0) == 0);
+  CHECK(row.find(",,,0,1,0,,,0.5\n") != std::string::npos);
+  std::filesystem::remove(report);
+}
+
 TEST_CASE("routing_report: mismatched models and bad records") {
   const auto u = rows(2, {0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25});
   RoutingProbe a, b, empty;

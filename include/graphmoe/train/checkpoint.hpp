@@ -31,11 +31,13 @@
 #include <bit>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <ostream>
 #include <sstream>
@@ -776,6 +778,32 @@ void load_arena(const SafetensorsFile& f, ParameterArena<T, cpu>& arena,
     const std::size_t skip =
         p.sharded() ? bytes / static_cast<std::size_t>(p.shape[0]) * static_cast<std::size_t>(p.shard_begin) : 0;
     std::memcpy(arena.value(i).data(), t->bytes.data() + skip, bytes);
+  }
+}
+
+// Checks the values of the file's tensors of dtype T whose names start with `prefix`, before any
+// is loaded: each must be finite and, when max_abs is finite, at most max_abs in magnitude. The
+// first that is not throws "'<path>': model tensor '<name>' holds <x> at element <i> (<whose>
+// weights must be finite[ and at most <max_abs> in magnitude])". Tensors of another dtype are
+// skipped (load_arena refuses them by name). The rule of load_training_state (train_lm --resume)
+// and, with a limit, of finetune_classifier's pretrained backbone (docs/reliability.md).
+template <class T>
+void check_weight_values(const SafetensorsFile& f, const std::string& prefix, const char* op,
+                         const std::string& whose,
+                         double max_abs = std::numeric_limits<double>::infinity()) {
+  const bool limited = std::isfinite(max_abs);
+  for (const auto& [name, t] : f.tensors) {
+    if (name.compare(0, prefix.size(), prefix) != 0 || t.dtype != dtype_of<T>()) continue;
+    for (std::size_t i = 0; i + sizeof(T) <= t.bytes.size(); i += sizeof(T)) {
+      T x;
+      std::memcpy(&x, t.bytes.data() + i, sizeof(T));
+      if (std::isfinite(x) && (!limited || std::abs(static_cast<double>(x)) <= max_abs)) continue;
+      std::ostringstream limit;
+      if (limited) limit << " and at most " << max_abs << " in magnitude";
+      detail::throw_error(op, "'", f.path, "': model tensor '", name, "' holds ", x,
+                          " at element ", i / sizeof(T), " (", whose, " weights must be finite",
+                          limit.str(), ")");
+    }
   }
 }
 

@@ -8,6 +8,12 @@
 //   selection_change(r, indices)  how often the selected set differs from the top-k of r (what
 //                                 the token graph changed)
 //   CsvLog                        one metrics row per call, flushed, full precision
+//   metric_text(v, decimals)      a metric for a summary line: "n/a" when it cannot be computed
+//
+// A metric that cannot be computed (yet) is NaN where it is held: routing fluctuation before a
+// second evaluation or without a --compare checkpoint, an entropy ratio without a baseline. It is
+// shown as "n/a" in summary lines and reports (metric_text) and written as an empty CSV field
+// (CsvLog::row_or_missing), so that a healthy run never prints "nan".
 //
 // Routings are the (N, k) expert indices of Selection::indices (RouterOutput::selection): N probe
 // tokens, k distinct experts per token. Two routings are compared as sets per token, so the order
@@ -18,6 +24,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <system_error>
@@ -206,12 +213,27 @@ double selection_change(const Tensor<T, cpu>& r, const Tensor<std::int32_t, cpu>
   return static_cast<double>(changed) / static_cast<double>(n);
 }
 
+// How a summary line or report shows a metric that cannot be computed (a NaN).
+inline constexpr const char* kNotAvailable = "n/a";
+
+// `v` with `decimals` digits after the point, as printf's "%.<decimals>f" writes it; "n/a"
+// (kNotAvailable) when v is NaN, a metric that cannot be computed. Infinities stay "inf".
+inline std::string metric_text(double v, int decimals) {
+  GRAPHMOE_CHECK(decimals >= 0 && decimals <= 17, "metric_text", "decimals must be in [0, 17], got ",
+                 decimals);
+  if (std::isnan(v)) return kNotAvailable;
+  char buf[512];  // %.17f of the largest double: 309 digits, the point and 17 decimals
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
 // A CSV file of metrics rows. The header (the column names) is written once: when the file is
 // created or truncated (append = false), or when append = true finds it missing or empty; with
 // append = true and an existing header, that header must equal this one. Every row is flushed as
 // soon as it is written, so a crashed run keeps its rows. Numbers are written in the shortest form
 // that reads back to the same double (std::to_chars), "nan"/"inf" for non-finite values; fields
-// holding a comma, quote or newline are quoted (RFC 4180).
+// holding a comma, quote or newline are quoted (RFC 4180). row_or_missing writes a NaN as an empty
+// field instead: a metric that cannot be computed (yet), as plotting tools and pandas read it.
 class CsvLog {
  public:
   CsvLog(const std::string& path, std::vector<std::string> columns, bool append = false)
@@ -242,6 +264,14 @@ class CsvLog {
     std::vector<std::string> fields;
     fields.reserve(values.size());
     for (double v : values) fields.push_back(format(v));
+    check_width(fields.size());
+    write_line(join(fields));
+  }
+  // One row of numbers in which NaN means "cannot be computed": written as an empty field.
+  void row_or_missing(const std::vector<double>& values) {
+    std::vector<std::string> fields;
+    fields.reserve(values.size());
+    for (double v : values) fields.push_back(std::isnan(v) ? std::string() : format(v));
     check_width(fields.size());
     write_line(join(fields));
   }

@@ -9,13 +9,14 @@
 //       entropy_r, entropy_p    mean entropy (nats) of r = softmax(gamma) and of p = G r
 //       entropy_*_ratio         the same over the baseline model's (the seed paper's Figure 3 right:
 //                               a graph-aware router's routing entropy over SMoE's); NaN without one
+//                               (not computable: "n/a" in reports, an empty CSV field)
 //       graph_entropy           mean row entropy of the token graph (0 = the identity, no mixing)
 //       self_weight             mean S[i,i] (1 = the identity)
 //       graph_changed_selection share of tokens whose selected set differs from top-k(r): how often
 //                               the graph changed a routing decision (0 without a graph)
 //       fluct_top1, fluct_topk  share of tokens whose first expert / expert set differs in the
 //                               compare model (the paper's Figure 3 left: two checkpoints of one
-//                               run, e.g. the last two epochs); NaN without one
+//                               run, e.g. the last two epochs); NaN without one (the same)
 //       max_load_share, load    tokens per expert (Figure 4) and the busiest expert's share
 //   write_routing_report / write_expert_load   the CSV files routing_report (the example) writes
 //
@@ -171,11 +172,12 @@ inline const std::vector<std::string>& routing_report_columns() {
   return cols;
 }
 
-// One row per layer, the columns of routing_report_columns().
+// One row per layer, the columns of routing_report_columns(); a metric that cannot be computed
+// (the ratios without a baseline, the fluctuations without a compare model) is an empty field.
 inline void write_routing_report(const std::string& path, const std::vector<LayerReport>& reps) {
   CsvLog csv(path, routing_report_columns());
   for (const LayerReport& r : reps)
-    csv.row(std::vector<double>{static_cast<double>(r.layer), static_cast<double>(r.tokens),
+    csv.row_or_missing(std::vector<double>{static_cast<double>(r.layer), static_cast<double>(r.tokens),
                                 r.entropy_r, r.entropy_p, r.entropy_r_ratio, r.entropy_p_ratio,
                                 r.graph_entropy, r.self_weight, r.graph_changed_selection,
                                 r.fluct_top1, r.fluct_topk, r.max_load_share});

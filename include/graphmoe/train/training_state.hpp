@@ -161,21 +161,11 @@ const std::map<std::string, std::string>& load_training_state(const SafetensorsF
     }
     loaded.push_back(t);
   }
+  // finite weights: training from a NaN or Inf weight only turns every activation into NaN
+  // (a wrong dtype is load_arena's error, below)
+  check_weight_values<T>(f, "model.", op, "a training checkpoint's");
   for (const auto& [name, t] : f.tensors) {
-    if (name.rfind("model.", 0) == 0) {
-      // finite weights: training from a NaN or Inf weight only turns every activation into NaN
-      // (a wrong dtype is load_arena's error, below)
-      if (t.dtype != dtype_of<T>()) continue;
-      for (std::size_t i = 0; i + sizeof(T) <= t.bytes.size(); i += sizeof(T)) {
-        T x;
-        std::memcpy(&x, t.bytes.data() + i, sizeof(T));
-        GRAPHMOE_CHECK(std::isfinite(x), op, "'", f.path, "': model tensor '", name, "' holds ",
-                       x, " at element ", i / sizeof(T),
-                       " (a training checkpoint's weights must be finite)");
-      }
-      continue;
-    }
-    if (expected.count(name) != 0) continue;
+    if (name.rfind("model.", 0) == 0 || expected.count(name) != 0) continue;
     detail::throw_error(op, "'", f.path, "' has the tensor '", name, "' of shape ", t.shape,
                         ", which is neither a model parameter ('model.<name>') nor a state "
                         "tensor of this optimizer");
