@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "graphmoe/backend/cpu/cross_entropy.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

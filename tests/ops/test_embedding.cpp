@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "graphmoe/backend/cpu/embedding.hpp"
+#include "graphmoe/ops/embedding.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;
