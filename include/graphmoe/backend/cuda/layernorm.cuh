@@ -31,7 +31,6 @@
 // checks it as a float).
 #pragma once
 
-#include <cmath>
 #include <concepts>
 
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
