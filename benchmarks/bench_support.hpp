@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "graphmoe/backend/cpu/attention.hpp"
+#include "graphmoe/ops/attention.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/attention_cache.hpp"
 

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "cuda/cuda_test_support.cuh"
-#include "graphmoe/backend/cpu/attention.hpp"
+#include "graphmoe/ops/attention.hpp"
 #include "graphmoe/backend/cuda/attention.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/optim.cuh"

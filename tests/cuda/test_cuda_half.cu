@@ -39,9 +39,9 @@
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gelu.hpp"
+#include "graphmoe/ops/gelu.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
-#include "graphmoe/backend/cpu/layernorm.hpp"
+#include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/convert.cuh"

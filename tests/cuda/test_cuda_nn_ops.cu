@@ -24,11 +24,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "graphmoe/backend/cpu/cross_entropy.hpp"
-#include "graphmoe/backend/cpu/dropout.hpp"
-#include "graphmoe/backend/cpu/embedding.hpp"
-#include "graphmoe/backend/cpu/gelu.hpp"
-#include "graphmoe/backend/cpu/layernorm.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
+#include "graphmoe/ops/dropout.hpp"
+#include "graphmoe/ops/embedding.hpp"
+#include "graphmoe/ops/gelu.hpp"
+#include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/cross_entropy.cuh"
 #include "graphmoe/backend/cuda/dropout.cuh"

@@ -35,11 +35,11 @@
 #include <thrust/system/cpp/execution_policy.h>
 #include <thrust/transform_reduce.h>
 
-#include "graphmoe/backend/cpu/cross_entropy.hpp"
-#include "graphmoe/backend/cpu/dropout.hpp"
-#include "graphmoe/backend/cpu/embedding.hpp"
-#include "graphmoe/backend/cpu/gelu.hpp"
-#include "graphmoe/backend/cpu/layernorm.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
+#include "graphmoe/ops/dropout.hpp"
+#include "graphmoe/ops/embedding.hpp"
+#include "graphmoe/ops/gelu.hpp"
+#include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/backend/cuda/detail/nn_functors.hpp"
 #include "support/gradcheck.hpp"
 

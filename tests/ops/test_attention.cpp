@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "graphmoe/backend/cpu/attention.hpp"
+#include "graphmoe/ops/attention.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "graphmoe/backend/cpu/cross_entropy.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;
@@ -169,4 +169,22 @@ TEST_CASE("cross_entropy: bad input") {
   auto masked = Tensor<double>::from({2, 2}, {0, 1, -inf, -inf});
   CHECK_THROWS_WITH_AS(cross_entropy_forward(masked, Targets::from({2}, {0, 1}), lp),
                        doctest::Contains("row 1 of logits (shape (2, 2)) is entirely -inf"), Error);
+}
+
+TEST_CASE("cross_entropy: the CPU system's target scan counts the rows and returns the first bad") {
+  // Argument checks run once in ops/cross_entropy.hpp; the backend scans the targets and returns
+  // the number of rows not ignored and the first bad target instead of throwing.
+  const TargetScan ok = cross_entropy_scan_targets(cpu{}, Targets::from({4}, {0, -100, 2, 1}), 3,
+                                                   -100);
+  CHECK(ok.count == 3);
+  CHECK(!ok.bad.found());
+  const TargetScan bad = cross_entropy_scan_targets(cpu{}, Targets::from({4}, {0, 1, 3, -1}), 3,
+                                                    -100);
+  CHECK(bad.bad.found());
+  CHECK(bad.bad.index == 2);
+  CHECK(bad.bad.value == 3.0);
+  const TargetScan all_ignored =
+      cross_entropy_scan_targets(cpu{}, Targets::from({2}, {7, 7}), 3, 7);
+  CHECK(all_ignored.count == 0);
+  CHECK(!all_ignored.bad.found());
 }

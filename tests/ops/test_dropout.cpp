@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "graphmoe/backend/cpu/dropout.hpp"
+#include "graphmoe/ops/dropout.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

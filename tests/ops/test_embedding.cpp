@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "graphmoe/backend/cpu/embedding.hpp"
+#include "graphmoe/ops/embedding.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;
@@ -122,4 +122,25 @@ TEST_CASE("embedding: bad input") {
   Tensor<float> small({4, 3});
   CHECK_THROWS_WITH_AS(embedding_backward(ids, dout_ok, small),
                        doctest::Contains("id 4 at flat position 1"), Error);
+}
+
+TEST_CASE("embedding: the CPU system returns the first bad id, and the op throws before writing") {
+  // Argument checks run once in ops/embedding.hpp; the backend scans the ids and returns the
+  // first one out of range (flat position and value) instead of throwing.
+  const auto ids = Tensor<std::int32_t>::from({2, 3}, {0, 4, 7, 1, -2, 9});
+  const Offender bad = embedding_first_bad_id(cpu{}, ids, 5);
+  CHECK(bad.found());
+  CHECK(bad.index == 2);
+  CHECK(bad.value == 7.0);
+  CHECK(embedding_first_bad_id(cpu{}, ids, 10).found());  // -2 is still out of range
+  CHECK(embedding_first_bad_id(cpu{}, ids, 10).index == 4);
+  const auto good = Tensor<std::int32_t>::from({2}, {0, 4});
+  CHECK(!embedding_first_bad_id(cpu{}, good, 5).found());
+
+  // embedding_backward leaves dtable untouched when an id is bad.
+  auto dtable = Tensor<float>::from({5, 1}, {1, 2, 3, 4, 5});
+  const auto dout = Tensor<float>::from({2, 3, 1}, {1, 1, 1, 1, 1, 1});
+  CHECK_THROWS_WITH_AS(embedding_backward(ids, dout, dtable),
+                       doctest::Contains("id 7 at flat position 2 of ids (2, 3)"), Error);
+  for (index_t v = 0; v < 5; ++v) CHECK(dtable(v, 0) == static_cast<float>(v + 1));
 }

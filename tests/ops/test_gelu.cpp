@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-#include "graphmoe/backend/cpu/gelu.hpp"
+#include "graphmoe/ops/gelu.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "graphmoe/backend/cpu/layernorm.hpp"
+#include "graphmoe/ops/layernorm.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

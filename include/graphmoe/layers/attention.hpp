@@ -14,7 +14,7 @@
 #include <cmath>
 #include <string>
 
-#include "graphmoe/backend/cpu/attention.hpp"
+#include "graphmoe/ops/attention.hpp"
 #include "graphmoe/layers/linear.hpp"
 #include "graphmoe/core/attention_cache.hpp"
 

@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "graphmoe/backend/cpu/gelu.hpp"
+#include "graphmoe/ops/gelu.hpp"
 #include "graphmoe/layers/linear.hpp"
 
 namespace graphmoe {

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/layernorm.hpp"
+#include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/core/arena.hpp"
 
 namespace graphmoe {

@@ -22,8 +22,8 @@
 #include <utility>
 #include <vector>
 
-#include "graphmoe/backend/cpu/cross_entropy.hpp"
-#include "graphmoe/backend/cpu/embedding.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
+#include "graphmoe/ops/embedding.hpp"
 #include "graphmoe/layers/block.hpp"
 
 namespace graphmoe {

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "graphmoe/backend/cpu/cross_entropy.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
 #include "graphmoe/layers/block.hpp"
 
 namespace graphmoe {

@@ -1,28 +1,12 @@
-// graphmoe/backend/cpu/attention.hpp: multi-head scaled dot-product attention that keeps the
-// per-head probabilities, and its backward.
+// graphmoe/backend/cpu/attention.hpp: the CPU system's multi-head attention that keeps the
+// per-head probabilities, and its backward (contract and argument checks: ops/attention.hpp,
+// which calls these through the backend tag).
 //
-// q, k, v: (B, T, H dh). Head h reads columns [h dh, (h + 1) dh) of each. For every (b, h):
-//
-//   S = Q_h K_h^T / sqrt(dh)                         (T, T)
-//   S[i, j] = -inf for j > i                         when causal
-//   P = softmax over each row of S                   probs[b, h]: (T, T), kept
-//   O_h = P V_h                                      out[b, :, h dh : (h + 1) dh]
-//
-// The probabilities are an output, not a hidden intermediate: the attention-aware router reads
-// them (its token graph is A^p of one head) and sends a gradient back into them. The backward
-// pass therefore takes an optional dprobs_extra (B, H, T, T), added to dL/dP before the softmax
-// backward:
-//
-//   dP  = dO_h V_h^T + dprobs_extra[b, h]
-//   dV_h = P^T dO_h
-//   dS  = P * (dP - rowsum(P * dP)) / sqrt(dh)       (* elementwise)
-//   dQ_h = dS K_h,   dK_h = dS^T Q_h                 (all gradients assigned)
-//
-// Causal rows hold exact zeros above the diagonal. The causal products skip the masked half:
-// rows are taken in blocks of kAttentionBlock, and row block [r0, r1) only multiplies against keys
-// [0, r1) (and, in the backward, column block [c0, c1) only against rows [c0, T)), so every
-// product is still one ordinary GEMM on strided Eigen maps into q, k, v, without copies, doing
-// about (1 + kAttentionBlock / T) / 2 of the dense work.
+// The causal products skip the masked half: rows are taken in blocks of kAttentionBlock, and row
+// block [r0, r1) only multiplies against keys [0, r1) (and, in the backward, column block
+// [c0, c1) only against rows [c0, T)), so every product is still one ordinary GEMM on strided
+// Eigen maps into q, k, v, without copies, doing about (1 + kAttentionBlock / T) / 2 of the dense
+// work.
 //
 // Threads: the (b, h) pairs run in parallel (parallel_items: each pair's GEMMs single-threaded,
 // OpenBLAS included), so results do not depend on the thread count. A schedule that instead gave
@@ -34,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "graphmoe/core/attention_dims.hpp"
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/threads.hpp"
 
@@ -47,52 +32,16 @@ template <class T>
 using HeadMap = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 template <class T>
 using ConstHeadMap = Eigen::Map<const RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
-
-struct AttentionDims {
-  index_t batch = 0, seq = 0, width = 0, heads = 0, head_dim = 0;
-  index_t pairs() const { return batch * heads; }
-  Shape probs_shape() const { return Shape{batch, heads, seq, seq}; }
-  // Offset of head h of batch b in a (B, T, H dh) tensor.
-  index_t head_offset(index_t pair) const {
-    return (pair / heads) * seq * width + (pair % heads) * head_dim;
-  }
-};
-
-// The shape checks of every backend's attention op.
-template <class T, class B>
-AttentionDims attention_dims(const char* op, const Tensor<T, B>& q, const Tensor<T, B>& k,
-                             const Tensor<T, B>& v, index_t num_heads) {
-  GRAPHMOE_CHECK(!q.empty() && q.rank() == 3, op, "q must be (B, T, H*dh), got ",
-                 (q.empty() ? "an empty tensor" : q.shape().str()));
-  check_shape(op, "k", k, q.shape());
-  check_shape(op, "v", v, q.shape());
-  AttentionDims d;
-  d.batch = q.dim(0);
-  d.seq = q.dim(1);
-  d.width = q.dim(2);
-  GRAPHMOE_CHECK(num_heads >= 1 && d.width > 0 && d.width % num_heads == 0, op, "num_heads = ",
-                 num_heads, " does not divide the width ", d.width, " of q ", q.shape());
-  d.heads = num_heads;
-  d.head_dim = d.width / num_heads;
-  return d;
-}
 }  // namespace detail
 
-// probs (B, H, T, T) and out (B, T, H dh); empty outputs are allocated.
-//
-// row_entropy (optional, (B, H, T)): the entropy -sum_j P_ij log P_ij of every probability row,
-// computed from the scores inside the softmax (log Z - sum_j P_ij z_ij, no logarithm per entry);
-// the Attention token graph uses it to choose its head.
+// probs (B, H, T, T), out (B, T, H dh) and row_entropy (null or (B, H, T)) prepared by
+// ops/attention.hpp. The row entropy is computed from the scores inside the softmax
+// (log Z - sum_j P_ij z_ij, no logarithm per entry).
 template <class T>
-void attention_forward(const Tensor<T, cpu>& q, const Tensor<T, cpu>& k, const Tensor<T, cpu>& v,
-                       index_t num_heads, bool causal, Tensor<T, cpu>& probs, Tensor<T, cpu>& out,
-                       Tensor<T, cpu>* row_entropy = nullptr) {
-  constexpr const char* op = "attention_forward";
-  const detail::AttentionDims dims = detail::attention_dims(op, q, k, v, num_heads);
-  prepare_output(op, "probs", probs, dims.probs_shape());
-  prepare_output(op, "out", out, q.shape());
-  if (row_entropy != nullptr)
-    prepare_output(op, "row_entropy", *row_entropy, Shape{dims.batch, num_heads, dims.seq});
+void attention_forward(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
+                       const Tensor<T, cpu>& v, index_t num_heads, bool causal,
+                       Tensor<T, cpu>& probs, Tensor<T, cpu>& out, Tensor<T, cpu>* row_entropy) {
+  const AttentionDims dims = AttentionDims::of(q.shape(), num_heads);
   const index_t n = dims.seq, dh = dims.head_dim;
   const index_t block = causal ? detail::kAttentionBlock : std::max<index_t>(n, 1);
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
@@ -135,23 +84,16 @@ void attention_forward(const Tensor<T, cpu>& q, const Tensor<T, cpu>& k, const T
   });
 }
 
-// dq, dk, dv (B, T, H dh), assigned; empty outputs are allocated. probs is the forward's output;
-// dprobs_extra is empty or (B, H, T, T) (when causal, its entries above the diagonal are ignored:
-// those probabilities are constant zeros).
+// dq, dk, dv (B, T, H dh), assigned, prepared by ops/attention.hpp; dprobs_extra is empty or
+// (B, H, T, T).
 template <class T>
-void attention_backward(const Tensor<T, cpu>& q, const Tensor<T, cpu>& k, const Tensor<T, cpu>& v,
-                        index_t num_heads, bool causal, const Tensor<T, cpu>& probs,
-                        const Tensor<T, cpu>& dout, const Tensor<T, cpu>& dprobs_extra,
-                        Tensor<T, cpu>& dq, Tensor<T, cpu>& dk, Tensor<T, cpu>& dv) {
-  constexpr const char* op = "attention_backward";
-  const detail::AttentionDims dims = detail::attention_dims(op, q, k, v, num_heads);
-  check_shape(op, "probs", probs, dims.probs_shape());
-  check_shape(op, "dout", dout, q.shape());
+void attention_backward(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
+                        const Tensor<T, cpu>& v, index_t num_heads, bool causal,
+                        const Tensor<T, cpu>& probs, const Tensor<T, cpu>& dout,
+                        const Tensor<T, cpu>& dprobs_extra, Tensor<T, cpu>& dq,
+                        Tensor<T, cpu>& dk, Tensor<T, cpu>& dv) {
+  const AttentionDims dims = AttentionDims::of(q.shape(), num_heads);
   const bool extra = !dprobs_extra.empty();
-  if (extra) check_shape(op, "dprobs_extra", dprobs_extra, dims.probs_shape());
-  prepare_output(op, "dq", dq, q.shape());
-  prepare_output(op, "dk", dk, q.shape());
-  prepare_output(op, "dv", dv, q.shape());
   const index_t n = dims.seq, dh = dims.head_dim;
   const index_t block = causal ? detail::kAttentionBlock : std::max<index_t>(n, 1);
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));

@@ -1,26 +1,15 @@
-// graphmoe/backend/cpu/dropout.hpp: inverted dropout with a counter-based mask.
+// graphmoe/backend/cpu/dropout.hpp: the CPU system's inverted dropout (contract and argument
+// checks: ops/dropout.hpp, which calls these through the backend tag).
 //
-// Element i (flat, row-major) of a call with (seed, offset) is dropped iff
-//     uniform_float(philox_word(seed, offset + i)) < p
-// and kept elements are scaled by 1 / (1 - p), so E[y] = x. The mask is a pure function of
-// (seed, offset + i, p): the CUDA backend draws the same mask, any thread count gives the same
-// mask, and backward needs only the stored mask (1 = kept, 0 = dropped).
-//
-// Callers must give every call its own range of the stream: advance offset by x.numel() after
-// each call, which is what Rng::skip does:
-//     const std::uint64_t offset = rng.skip(static_cast<std::uint64_t>(x.numel()));
-//     dropout_forward(p, rng.seed(), offset, x, y, mask);
-// Reusing an offset reuses the mask.
-//
-// p must lie in [0, 1); p = 0 is the identity (mask all ones). Outputs follow prepare_output
-// (empty: allocated; otherwise the shape must match); y may alias x and dx may alias dy.
+// Element i is dropped iff uniform_float(philox_word(seed, offset + i)) < p (core/rng.hpp). The
+// elements are split over the threads in fixed chunks of kDropoutChunk; each chunk draws each
+// Philox block it touches once. p = 0 copies x and fills the mask with ones.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 
-#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -42,12 +31,11 @@ void dropout_for_chunks(index_t n, Fn&& fn) {
 
 }  // namespace detail
 
-// y = x * mask / (1 - p) with mask_i = !(uniform_float(philox_word(seed, offset + i)) < p).
-// Fills mask (x's shape, 1 = kept).
+// y = x * mask / (1 - p) with mask_i = !(uniform_float(philox_word(seed, offset + i)) < p);
+// y and mask (x's shape, 1 = kept) prepared by ops/dropout.hpp.
 template <class T>
-void dropout_forward(T p, std::uint64_t seed, std::uint64_t offset, const Tensor<T, cpu>& x,
+void dropout_forward(cpu, T p, std::uint64_t seed, std::uint64_t offset, const Tensor<T, cpu>& x,
                      Tensor<T, cpu>& y, Tensor<std::uint8_t, cpu>& mask) {
-  detail::dropout_prepare_forward("dropout_forward", p, x, y, mask);
   const index_t n = x.numel();
   const T* xs = x.data();
   T* ys = y.data();
@@ -75,11 +63,10 @@ void dropout_forward(T p, std::uint64_t seed, std::uint64_t offset, const Tensor
   });
 }
 
-// dx = dy * mask / (1 - p), with the mask of the forward call. dx is assigned.
+// dx = dy * mask / (1 - p), assigned; dx prepared by ops/dropout.hpp.
 template <class T>
-void dropout_backward(T p, const Tensor<std::uint8_t, cpu>& mask, const Tensor<T, cpu>& dy,
+void dropout_backward(cpu, T p, const Tensor<std::uint8_t, cpu>& mask, const Tensor<T, cpu>& dy,
                       Tensor<T, cpu>& dx) {
-  detail::dropout_prepare_backward("dropout_backward", p, mask, dy, dx);
   const T scale = T(1) / (T(1) - p);
   const std::uint8_t* ms = mask.data();
   const T* dys = dy.data();

@@ -1,43 +1,35 @@
-// graphmoe/backend/cpu/embedding.hpp: table lookup by integer id, and its scatter-add backward.
+// graphmoe/backend/cpu/embedding.hpp: the CPU system's embedding lookup and its scatter-add
+// backward (contract and argument checks: ops/embedding.hpp, which calls these through the
+// backend tag).
 //
-//   forward:   out[i, :] = table[ids[i], :]          ids: any shape, n ids; table (V, D)
-//                                                    out: (ids.shape..., D)
-//   backward:  dtable[ids[i], :] += dout[i, :]       accumulates (dtable is a parameter gradient)
-//
-// Every id must lie in [0, V); a bad id throws naming its position and value before anything is
-// written. The backward pass splits the columns of D over threads, so that two equal ids never
-// race, and adds the rows of dout in id order: the result is the same for every thread count.
+// The ids are scanned on the host before anything is written. The backward pass splits the
+// columns of D over threads, so that two equal ids never race, and adds the rows of dout in id
+// order: the result is the same for every thread count.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
-#include "graphmoe/backend/common/checks.hpp"
+#include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
 namespace graphmoe {
 
-namespace detail {
-// Throws naming the first id of `ids` outside [0, vocab).
-inline void check_ids(const char* op, const Tensor<std::int32_t, cpu>& ids, index_t vocab) {
+// The first id of `ids` outside [0, vocab), if any (flat position and value).
+inline Offender embedding_first_bad_id(cpu, const Tensor<std::int32_t, cpu>& ids, index_t vocab) {
   const std::int32_t* p = ids.data();
   for (index_t i = 0; i < ids.numel(); ++i)
-    if (p[i] < 0 || p[i] >= vocab) embedding_throw_bad_id(op, ids.shape(), i, p[i], vocab);
+    if (p[i] < 0 || p[i] >= vocab) return {i, static_cast<double>(p[i])};
+  return {};
 }
-}  // namespace detail
 
-// out = table[ids]: (ids.shape..., D). An empty `out` is allocated.
+// out = table[ids]: (ids.shape..., D), prepared by ops/embedding.hpp; the ids are in range.
 template <class T>
-void embedding_forward(const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cpu>& table,
+void embedding_forward(cpu, const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cpu>& table,
                        Tensor<T, cpu>& out) {
-  constexpr const char* op = "embedding_forward";
-  const detail::EmbeddingDims s = detail::embedding_check_table(op, ids, table);
-  const index_t vocab = s.vocab, d = s.d;
+  const index_t d = table.dim(1);
   const index_t n = ids.numel();
-  detail::check_ids(op, ids, vocab);
-  prepare_output(op, "out", out, detail::embedding_output_shape(op, ids.shape(), d));
   const std::int32_t* id = ids.data();
   const T* src = table.data();
   T* dst = out.data();
@@ -50,16 +42,15 @@ void embedding_forward(const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cpu
       grain);
 }
 
-// dtable[ids[i], :] += dout[i, :]. dtable (V, D) must be allocated (V cannot be inferred from the
-// ids); dout must have the shape (ids.shape..., D).
+// dtable[ids[i], :] += dout[i, :], shapes checked by ops/embedding.hpp; returns the first id out
+// of [0, V) (dtable untouched then).
 template <class T>
-void embedding_backward(const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cpu>& dout,
-                        Tensor<T, cpu>& dtable) {
-  constexpr const char* op = "embedding_backward";
-  const detail::EmbeddingDims s = detail::embedding_check_backward(op, ids, dout, dtable);
-  const index_t vocab = s.vocab, d = s.d;
+Offender embedding_backward(cpu, const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cpu>& dout,
+                            Tensor<T, cpu>& dtable) {
+  const index_t d = dtable.dim(1);
   const index_t n = ids.numel();
-  detail::check_ids(op, ids, vocab);
+  const Offender bad = embedding_first_bad_id(cpu{}, ids, dtable.dim(0));
+  if (bad.found()) return bad;
   const std::int32_t* id = ids.data();
   const T* g = dout.data();
   T* acc = dtable.data();
@@ -78,6 +69,7 @@ void embedding_backward(const Tensor<std::int32_t, cpu>& ids, const Tensor<T, cp
         }
       },
       grain);
+  return {};
 }
 
 }  // namespace graphmoe

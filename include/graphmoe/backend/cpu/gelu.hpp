@@ -1,10 +1,6 @@
-// graphmoe/backend/cpu/gelu.hpp: the GELU activation, elementwise, in its two usual forms.
-//
-//   Erf  (exact):  y = x Phi(x) = 0.5 x (1 + erf(x / sqrt(2)))
-//                  dy/dx = Phi(x) + x phi(x),   phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
-//   Tanh (GPT-2):  y = 0.5 x (1 + tanh(u)),   u = sqrt(2 / pi) (x + 0.044715 x^3)
-//                  dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) du/dx,
-//                  du/dx = sqrt(2 / pi) (1 + 3 * 0.044715 x^2)
+// graphmoe/backend/cpu/gelu.hpp: the CPU system's GELU activation (contract, formulas and argument
+// checks: ops/gelu.hpp, which calls these through the backend tag; GeluForm and the formulas'
+// constants: core/gelu.hpp).
 //
 // Evaluated in forms without cancellation for large negative x: Phi(x) = 0.5 erfc(-x / sqrt(2))
 // and 0.5 (1 + tanh u) = sigmoid(2u), 0.5 (1 - tanh^2 u) = 2 sigmoid(2u) (1 - sigmoid(2u)).
@@ -12,8 +8,7 @@
 // underflowed zero).
 //
 // The tanh form is vectorised (Eigen's packet exp, detail/vexp.hpp); the erf form is scalar.
-// Any shape; elements are split over set_num_threads() threads in fixed chunks. Outputs follow
-// prepare_output (empty: allocated; otherwise the shape must match) and may alias the inputs.
+// Elements are split over set_num_threads() threads in fixed chunks. Outputs may alias the inputs.
 #pragma once
 
 #include <algorithm>
@@ -21,8 +16,8 @@
 
 #include <Eigen/Core>
 
-#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/backend/cpu/detail/vexp.hpp"
+#include "graphmoe/core/gelu.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
@@ -93,10 +88,9 @@ void gelu_tanh_block(const T* x, const T* dy, T* out, index_t m) {
 
 }  // namespace detail
 
-// y = gelu(x), elementwise.
+// y = gelu(x), elementwise; y prepared by ops/gelu.hpp.
 template <class T>
-void gelu_forward(GeluForm form, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
-  detail::gelu_prepare_forward("gelu_forward", form, x, y);
+void gelu_forward(cpu, GeluForm form, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
   const T* xs = x.data();
   T* ys = y.data();
   detail::gelu_for_chunks(x.numel(), [&](index_t begin, index_t end) {
@@ -109,11 +103,10 @@ void gelu_forward(GeluForm form, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
   });
 }
 
-// dx = dy * gelu'(x), elementwise, from the forward input x. dx is assigned.
+// dx = dy * gelu'(x), elementwise; dx prepared by ops/gelu.hpp.
 template <class T>
-void gelu_backward(GeluForm form, const Tensor<T, cpu>& x, const Tensor<T, cpu>& dy,
+void gelu_backward(cpu, GeluForm form, const Tensor<T, cpu>& x, const Tensor<T, cpu>& dy,
                    Tensor<T, cpu>& dx) {
-  detail::gelu_prepare_backward("gelu_backward", form, x, dy, dx);
   const T* xs = x.data();
   const T* dys = dy.data();
   T* dxs = dx.data();

@@ -1,29 +1,16 @@
-// graphmoe/backend/cpu/layernorm.hpp: layer normalisation over the last dimension.
+// graphmoe/backend/cpu/layernorm.hpp: the CPU system's layer normalisation (contract and
+// argument checks: ops/layernorm.hpp, which calls these through the backend tag).
 //
-//   mean_i = (1/D) sum_j x_ij        rstd_i = 1 / sqrt((1/D) sum_j (x_ij - mean_i)^2 + eps)
-//   xhat_ij = (x_ij - mean_i) rstd_i          y_ij = xhat_ij gamma_j + beta_j
-//
-// Backward, with g_ij = dy_ij gamma_j:
-//   dx_ij     = rstd_i (g_ij - (1/D) sum_k g_ik - xhat_ij (1/D) sum_k g_ik xhat_ik)   (assigned)
-//   dgamma_j += sum_i dy_ij xhat_ij                                                   (accumulated)
-//   dbeta_j  += sum_i dy_ij                                                           (accumulated)
-//
-// x is read as (N, D): all dimensions but the last are the N rows; gamma and beta are (D); the
-// cached mean and rstd are (N) (flat, whatever x's rank). Rows are split over set_num_threads()
-// threads. The mean and variance are computed in two passes in double (no E[x^2] - E[x]^2
-// cancellation). The parameter gradients are reduced from per-block partial sums over fixed blocks
-// of rows, in block order, so dgamma and dbeta are free of data races and bit-identical for every
-// thread count.
-//
-// Outputs follow prepare_output (empty: allocated; otherwise the shape must match). y may alias x
-// and dx may alias dy or x.
+// Rows are split over set_num_threads() threads. The mean and variance are computed in two passes
+// in double (no E[x^2] - E[x]^2 cancellation). The parameter gradients are reduced from per-block
+// partial sums over fixed blocks of rows, in block order, so dgamma and dbeta are free of data
+// races and bit-identical for every thread count. The cache mean and rstd are stored in T.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -36,14 +23,12 @@ namespace detail {
 inline constexpr index_t kLayernormBlockRows = 64;
 }  // namespace detail
 
-// y = layernorm(x) * gamma + beta; fills the cache mean and rstd (N) for backward. eps > 0.
+// y (x's shape), mean and rstd (N) prepared by ops/layernorm.hpp.
 template <class T>
-void layernorm_forward(const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
+void layernorm_forward(cpu, const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
                        const Tensor<T, cpu>& beta, T eps, Tensor<T, cpu>& y, Tensor<T, cpu>& mean,
                        Tensor<T, cpu>& rstd) {
-  const detail::LayernormDims s =
-      detail::layernorm_prepare_forward("layernorm_forward", x, gamma, beta, eps, y, mean, rstd);
-  const index_t n = s.n, d = s.d;
+  const index_t n = x.rows(), d = x.cols();
   const T* xs = x.data();
   const T* g = gamma.data();
   const T* b = beta.data();
@@ -71,16 +56,13 @@ void layernorm_forward(const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
       std::max<index_t>(1, 8192 / d));
 }
 
-// From the forward's inputs and cache and the output gradient dy: assigns dx, adds to dgamma and
-// dbeta (allocated as zeros when empty).
+// dx (x's shape), dgamma and dbeta (D) prepared by ops/layernorm.hpp.
 template <class T>
-void layernorm_backward(const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
+void layernorm_backward(cpu, const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamma,
                         const Tensor<T, cpu>& mean, const Tensor<T, cpu>& rstd,
                         const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx, Tensor<T, cpu>& dgamma,
                         Tensor<T, cpu>& dbeta) {
-  const detail::LayernormDims s = detail::layernorm_prepare_backward(
-      "layernorm_backward", x, gamma, mean, rstd, dy, dx, dgamma, dbeta);
-  const index_t n = s.n, d = s.d;
+  const index_t n = x.rows(), d = x.cols();
 
   const index_t block = detail::kLayernormBlockRows;
   const index_t blocks = (n + block - 1) / block;

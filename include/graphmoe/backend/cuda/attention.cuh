@@ -1,11 +1,12 @@
 // graphmoe/backend/cuda/attention.cuh: multi-head scaled dot-product attention that keeps the
 // per-head probabilities, and its backward, on the GPU.
 //
-// The same functions and contract as backend/cpu/attention.hpp, on Tensor<T, cuda> (T = float or
-// double): q, k, v (B, T, H dh); probs (B, H, T, T) kept as an output; causal rows hold exact
-// zeros above the diagonal; the optional row entropy (B, H, T) comes out of the softmax; the
-// backward takes an optional dprobs_extra (B, H, T, T) added to dL/dP (entries above the diagonal
-// ignored when causal) and assigns dq, dk, dv. Bad inputs throw the CPU op's messages.
+// The CUDA system's attention (contract and argument checks: ops/attention.hpp, which calls these
+// through the backend tag), on Tensor<T, cuda> (T = float or double): q, k, v (B, T, H dh); probs
+// (B, H, T, T) kept as an output; causal rows hold exact zeros above the diagonal; the optional
+// row entropy (B, H, T) comes out of the softmax; the backward takes an optional dprobs_extra
+// (B, H, T, T) added to dL/dP (entries above the diagonal ignored when causal) and assigns dq, dk,
+// dv. Dimensions beyond cuBLAS's int range throw (a limit of this system).
 //
 // Products: cuBLAS strided-batched GEMMs on the strided head matrices, without copies. Head h of
 // sequence b of a (B, T, H dh) tensor is a (T, dh) row-major matrix with row stride H dh at
@@ -29,10 +30,6 @@
 // to rounding (tests/cuda/test_cuda_attention_optim.cu).
 #pragma once
 
-#if !defined(EIGEN_NO_CUDA)
-#define EIGEN_NO_CUDA
-#endif
-
 #include <cublas_v2.h>
 
 #include <climits>
@@ -43,15 +40,12 @@
 #include "graphmoe/backend/cuda/detail/error.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
-// AttentionDims; Eigen comes in host-only, as through gemm.cuh.
-#include "graphmoe/backend/cpu/attention.hpp"
+#include "graphmoe/core/attention_dims.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
 
 namespace detail {
-
-// attention_dims (the shape checks) is the backend-generic one of backend/cpu/attention.hpp.
 
 inline void cublas_gemm_strided_batched(cublasHandle_t h, cublasOperation_t ta,
                                         cublasOperation_t tb, int m, int n, int k, float alpha,
@@ -174,21 +168,17 @@ __global__ void attention_softmax_backward_kernel(const T* probs, T* ds, const T
 
 }  // namespace detail
 
-// probs (B, H, T, T) and out (B, T, H dh); empty outputs are allocated. row_entropy (optional,
-// (B, H, T)): the entropy of every probability row. See backend/cpu/attention.hpp.
+// probs (B, H, T, T), out (B, T, H dh) and row_entropy (null or (B, H, T)) prepared by
+// ops/attention.hpp.
 template <class T>
-void attention_forward(const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
+void attention_forward(cuda, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
                        const Tensor<T, cuda>& v, index_t num_heads, bool causal,
                        Tensor<T, cuda>& probs, Tensor<T, cuda>& out,
-                       Tensor<T, cuda>* row_entropy = nullptr) {
+                       Tensor<T, cuda>* row_entropy) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "graphmoe::attention_forward on cuda: T must be float or double");
   constexpr const char* op = "attention_forward";
-  const detail::AttentionDims dims = detail::attention_dims(op, q, k, v, num_heads);
-  prepare_output(op, "probs", probs, dims.probs_shape());
-  prepare_output(op, "out", out, q.shape());
-  if (row_entropy != nullptr)
-    prepare_output(op, "row_entropy", *row_entropy, Shape{dims.batch, num_heads, dims.seq});
+  const AttentionDims dims = AttentionDims::of(q.shape(), num_heads);
   if (q.numel() == 0) return;
   detail::check_cublas_dims(op, dims);
   const int n = static_cast<int>(dims.seq), dh = static_cast<int>(dims.head_dim);
@@ -209,10 +199,10 @@ void attention_forward(const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
                out.data(), kHead, w);
 }
 
-// dq, dk, dv (B, T, H dh), assigned; empty outputs are allocated. probs is the forward's output;
-// dprobs_extra is empty or (B, H, T, T) (entries above the diagonal ignored when causal).
+// dq, dk, dv (B, T, H dh), assigned, prepared by ops/attention.hpp; dprobs_extra is empty or
+// (B, H, T, T).
 template <class T>
-void attention_backward(const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
+void attention_backward(cuda, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
                         const Tensor<T, cuda>& v, index_t num_heads, bool causal,
                         const Tensor<T, cuda>& probs, const Tensor<T, cuda>& dout,
                         const Tensor<T, cuda>& dprobs_extra, Tensor<T, cuda>& dq,
@@ -220,14 +210,8 @@ void attention_backward(const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "graphmoe::attention_backward on cuda: T must be float or double");
   constexpr const char* op = "attention_backward";
-  const detail::AttentionDims dims = detail::attention_dims(op, q, k, v, num_heads);
-  check_shape(op, "probs", probs, dims.probs_shape());
-  check_shape(op, "dout", dout, q.shape());
+  const AttentionDims dims = AttentionDims::of(q.shape(), num_heads);
   const bool extra = !dprobs_extra.empty();
-  if (extra) check_shape(op, "dprobs_extra", dprobs_extra, dims.probs_shape());
-  prepare_output(op, "dq", dq, q.shape());
-  prepare_output(op, "dk", dk, q.shape());
-  prepare_output(op, "dv", dv, q.shape());
   if (q.numel() == 0) return;
   detail::check_cublas_dims(op, dims);
   const int n = static_cast<int>(dims.seq), dh = static_cast<int>(dims.head_dim);

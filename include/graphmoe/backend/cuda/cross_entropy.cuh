@@ -1,16 +1,16 @@
 // graphmoe/backend/cuda/cross_entropy.cuh: softmax cross-entropy over class logits, on the GPU.
 //
-// The same functions and contract as backend/cpu/cross_entropy.hpp, on Tensor<T, cuda>:
+// The CUDA system's cross-entropy (contract and argument checks: ops/cross_entropy.hpp, which
+// calls these through the backend tag), on Tensor<T, cuda>:
 //
 //   log_probs = log_softmax(logits)                                     (N, C)
 //   loss      = -(1 / n) * sum_{i : t_i != ignore} log_probs[i, t_i],   n = #{i : t_i != ignore}
 //   dlogits   = dloss / n * (softmax(logits) - onehot(t))  on rows with t_i != ignore, 0 elsewhere
 //
-// All dimensions of logits but the last are rows; targets has the logits' shape without the last
-// dimension. A target outside [0, C) that is not ignore_index throws the CPU op's message naming
-// the first such row: a kernel flags it (detail::FirstIndexFlag) and counts the rows not ignored,
-// and the host reads both back, so both functions synchronise the stream. A row of logits without
-// a finite maximum throws the CPU op's softmax message (with "logits" named), as on the CPU.
+// The targets are scanned by a kernel that flags the first row whose target is out of range
+// (detail::FirstIndexFlag) and counts the rows not ignored; the host reads both back
+// (cross_entropy_scan_targets synchronises the stream). A row of logits without a finite maximum
+// throws the softmax's message (with "logits" named), as on the CPU.
 //
 // The log-softmax is backend/cuda/softmax.cuh's kernel (one block per row, row sums in T). The
 // loss is summed in double by one block of a fixed size, in a fixed order, so it is
@@ -20,11 +20,11 @@
 
 #include <cstdint>
 
-#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/detail/nn_functors.hpp"
 #include "graphmoe/backend/cuda/detail/nn_launch.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
+#include "graphmoe/core/cross_entropy.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -61,39 +61,32 @@ __global__ void cross_entropy_loss_kernel(CrossEntropyNllOp<T> nll, index_t rows
   if (threadIdx.x == 0) *loss = s;
 }
 
-// Checks the shapes and the targets of `logits` (named `what`) and returns the number of rows not
-// ignored. Synchronises the stream.
-template <class T>
-index_t cross_entropy_count_targets(const char* op, const char* what, const Tensor<T, cuda>& logits,
-                                    const Tensor<std::int32_t, cuda>& targets,
-                                    std::int32_t ignore_index) {
-  cross_entropy_check_shapes(op, what, logits, targets);
-  const index_t rows = logits.rows(), classes = logits.cols();
-  if (rows == 0) return 0;
-  FirstIndexFlag bad;
-  Tensor<unsigned long long, cuda> count(Shape{1});
-  launch_kernel<cross_entropy_targets_kernel<std::int32_t>>(grid_for(rows), kThreads,
-                                                            targets.data(), rows, classes,
-                                                            ignore_index, bad.get(), count.data());
-  GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const index_t r = bad.read();
-  if (r >= 0)
-    cross_entropy_throw_bad_target(op, r, read_device_value(targets.data() + r), classes,
-                                   ignore_index);
-  return static_cast<index_t>(read_device_value(count.data()));
-}
-
 }  // namespace detail
 
-// Fills log_probs (the logits' shape; the cache for backward) with log_softmax(logits) and
-// returns the mean negative log-likelihood of the targets over the rows not ignored.
+// The number of rows of targets (rows) not ignored, and the first row whose target is neither
+// ignore_index nor in [0, classes). Synchronises the stream.
+inline TargetScan cross_entropy_scan_targets(cuda, const Tensor<std::int32_t, cuda>& targets,
+                                             index_t classes, std::int32_t ignore_index) {
+  const index_t rows = targets.numel();
+  if (rows == 0) return {};
+  detail::FirstIndexFlag bad;
+  Tensor<unsigned long long, cuda> count(Shape{1});
+  detail::launch_kernel<detail::cross_entropy_targets_kernel<std::int32_t>>(
+      detail::grid_for(rows), detail::kThreads, targets.data(), rows, classes, ignore_index,
+      bad.get(), count.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const index_t r = bad.read();
+  if (r >= 0) return {0, {r, static_cast<double>(detail::read_device_value(targets.data() + r))}};
+  return {static_cast<index_t>(detail::read_device_value(count.data())), {}};
+}
+
+// log_probs (prepared by ops/cross_entropy.hpp) = log_softmax(logits); returns the mean negative
+// log-likelihood over the `count` rows not ignored (targets checked).
 template <class T>
-T cross_entropy_forward(const Tensor<T, cuda>& logits, const Tensor<std::int32_t, cuda>& targets,
-                        Tensor<T, cuda>& log_probs, std::int32_t ignore_index = -100) {
+T cross_entropy_forward(cuda, const Tensor<T, cuda>& logits,
+                        const Tensor<std::int32_t, cuda>& targets, Tensor<T, cuda>& log_probs,
+                        index_t count, std::int32_t ignore_index) {
   constexpr const char* op = "cross_entropy_forward";
-  const index_t count =
-      detail::cross_entropy_count_targets(op, "logits", logits, targets, ignore_index);
-  prepare_output(op, "y", log_probs, logits.shape());  // the CPU op's log-softmax names it y
   const index_t rows = logits.rows(), classes = logits.cols();
   if (rows > 0) {
     detail::FirstIndexFlag bad;
@@ -114,16 +107,12 @@ T cross_entropy_forward(const Tensor<T, cuda>& logits, const Tensor<std::int32_t
   return static_cast<T>(detail::read_device_value(loss.data()) / static_cast<double>(count));
 }
 
-// dlogits = dloss / n * (exp(log_probs) - onehot(targets)), zero rows where the target is
-// ignore_index. dlogits is assigned (it may alias log_probs).
+// dlogits (prepared by ops/cross_entropy.hpp) = dloss / count * (exp(log_probs) - onehot), zero
+// rows where the target is ignore_index (all zero when count = 0).
 template <class T>
-void cross_entropy_backward(const Tensor<T, cuda>& log_probs,
-                            const Tensor<std::int32_t, cuda>& targets, T dloss,
-                            Tensor<T, cuda>& dlogits, std::int32_t ignore_index = -100) {
-  constexpr const char* op = "cross_entropy_backward";
-  const index_t count =
-      detail::cross_entropy_count_targets(op, "log_probs", log_probs, targets, ignore_index);
-  prepare_output(op, "dlogits", dlogits, log_probs.shape());
+void cross_entropy_backward(cuda, const Tensor<T, cuda>& log_probs,
+                            const Tensor<std::int32_t, cuda>& targets, T dloss, index_t count,
+                            Tensor<T, cuda>& dlogits, std::int32_t ignore_index) {
   const T scale =
       count == 0 ? T(0) : static_cast<T>(static_cast<double>(dloss) / static_cast<double>(count));
   detail::for_each_index(

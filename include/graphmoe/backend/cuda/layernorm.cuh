@@ -1,6 +1,7 @@
 // graphmoe/backend/cuda/layernorm.cuh: layer normalisation over the last dimension, on the GPU.
 //
-// The same functions and contract as backend/cpu/layernorm.hpp, on Tensor<T, cuda>:
+// The CUDA system's layer normalisation (contract and argument checks: ops/layernorm.hpp, which
+// calls these through the backend tag), on Tensor<T, cuda>; the formulas:
 //
 //   mean_i = (1/D) sum_j x_ij        rstd_i = 1 / sqrt((1/D) sum_j (x_ij - mean_i)^2 + eps)
 //   xhat_ij = (x_ij - mean_i) rstd_i          y_ij = xhat_ij gamma_j + beta_j
@@ -26,14 +27,12 @@
 // The cache mean and rstd may be stored in fp32 (Tensor<float, cuda>, recommended: no rounding
 // between forward and backward) or in T (the forward's y still uses the fp32 statistics; backward
 // then reads the rounded ones, a relative error of 2^-9 (bf16) or 2^-12 (half) in rstd and
-// |mean| * 2^-9 (bf16) in the centring). eps is given as T and widened to fp32. The argument
-// checks and their messages are those of common/checks.hpp, eps printed as a float.
+// |mean| * 2^-9 (bf16) in the centring). eps is given as T and widened to fp32 (ops/layernorm.hpp
+// checks it as a float).
 #pragma once
 
-#include <cmath>
 #include <concepts>
 
-#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/detail/nn_functors.hpp"
 #include "graphmoe/backend/cuda/detail/nn_launch.cuh"
@@ -47,44 +46,6 @@ namespace detail {
 template <class S, class T>
 concept layernorm_stats_type =
     cuda_float_type<T> && (std::same_as<S, T> || std::same_as<S, acc_t<T>>);
-
-// layernorm_prepare_forward (common/checks.hpp) for 16-bit T and a cache in S: the same checks in
-// the same order, eps tested and printed as a float (T itself cannot be streamed).
-template <class T, class S>
-LayernormDims layernorm_prepare_forward_half(const char* op, const Tensor<T, cuda>& x,
-                                             const Tensor<T, cuda>& gamma,
-                                             const Tensor<T, cuda>& beta, T eps,
-                                             Tensor<T, cuda>& y, Tensor<S, cuda>& mean,
-                                             Tensor<S, cuda>& rstd) {
-  const LayernormDims s = layernorm_check_x(op, x);
-  check_shape(op, "gamma", gamma, Shape{s.d});
-  check_shape(op, "beta", beta, Shape{s.d});
-  const float e = to_acc(eps);
-  GRAPHMOE_CHECK(e > 0.0f && std::isfinite(e), op, "eps must be positive and finite, got ", e);
-  prepare_output(op, "y", y, x.shape());
-  prepare_output(op, "mean", mean, Shape{s.n});
-  prepare_output(op, "rstd", rstd, Shape{s.n});
-  return s;
-}
-
-// layernorm_prepare_backward (common/checks.hpp) for 16-bit T and a cache in S.
-template <class T, class S>
-LayernormDims layernorm_prepare_backward_half(const char* op, const Tensor<T, cuda>& x,
-                                              const Tensor<T, cuda>& gamma,
-                                              const Tensor<S, cuda>& mean,
-                                              const Tensor<S, cuda>& rstd,
-                                              const Tensor<T, cuda>& dy, Tensor<T, cuda>& dx,
-                                              Tensor<T, cuda>& dgamma, Tensor<T, cuda>& dbeta) {
-  const LayernormDims s = layernorm_check_x(op, x);
-  check_shape(op, "gamma", gamma, Shape{s.d});
-  check_shape(op, "mean", mean, Shape{s.n});
-  check_shape(op, "rstd", rstd, Shape{s.n});
-  check_shape(op, "dy", dy, x.shape());
-  prepare_output(op, "dx", dx, x.shape());
-  prepare_output(op, "dgamma", dgamma, Shape{s.d});
-  prepare_output(op, "dbeta", dbeta, Shape{s.d});
-  return s;
-}
 
 // For float and double (A = T, S = T) every to_acc / value_cast below is the identity: the
 // kernels compute exactly the T-precision expressions of the CPU-matching formulas.
@@ -187,45 +148,30 @@ struct LayernormParamReduceAccOp {
 
 }  // namespace detail
 
-// y = layernorm(x) * gamma + beta; fills the cache mean and rstd (N) for backward. eps > 0.
-// mean and rstd are Tensor<T, cuda>, or Tensor<float, cuda> when T is __nv_bfloat16 or __half.
+// y (x's shape), mean and rstd (N) prepared by ops/layernorm.hpp. mean and rstd are
+// Tensor<T, cuda>, or Tensor<float, cuda> when T is __nv_bfloat16 or __half.
 template <class T, class S>
   requires detail::layernorm_stats_type<S, T>
-void layernorm_forward(const Tensor<T, cuda>& x, const Tensor<T, cuda>& gamma,
+void layernorm_forward(cuda, const Tensor<T, cuda>& x, const Tensor<T, cuda>& gamma,
                        const Tensor<T, cuda>& beta, T eps, Tensor<T, cuda>& y,
                        Tensor<S, cuda>& mean, Tensor<S, cuda>& rstd) {
-  constexpr const char* op = "layernorm_forward";
-  const detail::LayernormDims s = [&] {
-    if constexpr (detail::is_half_precision_v<T>)
-      return detail::layernorm_prepare_forward_half(op, x, gamma, beta, eps, y, mean, rstd);
-    else
-      return detail::layernorm_prepare_forward(op, x, gamma, beta, eps, y, mean, rstd);
-  }();
-  if (s.n == 0) return;
+  const index_t n = x.rows(), d = x.cols();
+  if (n == 0) return;
   detail::launch_kernel<detail::layernorm_forward_kernel<T, S>>(
-      detail::grid_for_rows(s.n), detail::threads_for_row(s.d), x.data(), gamma.data(), beta.data(),
-      detail::to_acc(eps), s.n, s.d, y.data(), mean.data(), rstd.data());
+      detail::grid_for_rows(n), detail::threads_for_row(d), x.data(), gamma.data(), beta.data(),
+      detail::to_acc(eps), n, d, y.data(), mean.data(), rstd.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
-// From the forward's inputs and cache and the output gradient dy: assigns dx, adds to dgamma and
-// dbeta (allocated as zeros when empty).
+// dx (x's shape), dgamma and dbeta (D) prepared by ops/layernorm.hpp.
 template <class T, class S>
   requires detail::layernorm_stats_type<S, T>
-void layernorm_backward(const Tensor<T, cuda>& x, const Tensor<T, cuda>& gamma,
+void layernorm_backward(cuda, const Tensor<T, cuda>& x, const Tensor<T, cuda>& gamma,
                         const Tensor<S, cuda>& mean, const Tensor<S, cuda>& rstd,
                         const Tensor<T, cuda>& dy, Tensor<T, cuda>& dx, Tensor<T, cuda>& dgamma,
                         Tensor<T, cuda>& dbeta) {
   using A = detail::acc_t<T>;
-  constexpr const char* op = "layernorm_backward";
-  const detail::LayernormDims s = [&] {
-    if constexpr (detail::is_half_precision_v<T>)
-      return detail::layernorm_prepare_backward_half(op, x, gamma, mean, rstd, dy, dx, dgamma,
-                                                     dbeta);
-    else
-      return detail::layernorm_prepare_backward(op, x, gamma, mean, rstd, dy, dx, dgamma, dbeta);
-  }();
-  const index_t n = s.n, d = s.d;
+  const index_t n = x.rows(), d = x.cols();
   const index_t chunks = detail::layernorm_chunks(n);
   Tensor<A, cuda> partial(Shape{chunks, 2 * d});  // (chunks, 2 D)
   // 1. the parameter gradients' partials, reading x and dy before dx (which may alias them)

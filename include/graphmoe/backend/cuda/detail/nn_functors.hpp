@@ -32,8 +32,8 @@
 #include <thrust/sequence.h>
 #include <thrust/sort.h>
 
-#include "graphmoe/backend/common/checks.hpp"
 #include "graphmoe/config.hpp"
+#include "graphmoe/core/gelu.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/shape.hpp"
 

@@ -1,0 +1,30 @@
+// graphmoe/core/cross_entropy.hpp: what every backend's cross_entropy shares: the rule for a bad
+// target, and what a backend's scan of the targets returns (contract and argument checks:
+// ops/cross_entropy.hpp).
+#pragma once
+
+#include <cstdint>
+
+#include "graphmoe/config.hpp"
+#include "graphmoe/core/offender.hpp"
+#include "graphmoe/core/shape.hpp"
+
+namespace graphmoe {
+
+// A backend's scan of cross_entropy's targets (rows, one target each).
+struct TargetScan {
+  index_t count = 0;  // rows whose target is not ignore_index (among the rows scanned)
+  Offender bad;       // the first row whose target is out of range: its row and its target
+};
+
+namespace detail {
+
+// Whether target t of a row is neither ignore_index nor a class in [0, classes).
+GRAPHMOE_HOST_DEVICE inline bool cross_entropy_bad_target(std::int32_t t, index_t classes,
+                                                          std::int32_t ignore_index) {
+  return t != ignore_index && (t < 0 || t >= classes);
+}
+
+}  // namespace detail
+
+}  // namespace graphmoe

@@ -1,0 +1,92 @@
+// graphmoe/ops/cross_entropy.hpp: softmax cross-entropy over class logits.
+//
+//   log_probs = log_softmax(logits)                                     (N, C)
+//   loss      = -(1 / n) * sum_{i : t_i != ignore} log_probs[i, t_i],   n = #{i : t_i != ignore}
+//   dlogits   = dloss / n * (softmax(logits) - onehot(t))  on rows with t_i != ignore, 0 elsewhere
+//
+// logits may have any rank >= 1: all dimensions but the last are rows (e.g. (B, T, V) for a
+// language model) and targets has the logits' shape without the last dimension ((B, T)). The mean
+// is taken over the rows whose target is not ignore_index; the loss is 0 (and dlogits all zero)
+// when every row is ignored. A target outside [0, C) that is not ignore_index throws, naming the
+// first such row and its value. The log-softmax is max-subtracted, so the loss is exact for logits
+// of any finite magnitude; a row of logits without a finite maximum throws the softmax's message
+// (with "logits" named).
+//
+// log_probs (the cache for backward) follows prepare_output under the log-softmax's name "y";
+// dlogits is assigned and may alias log_probs.
+//
+// Op layer: the arguments are checked and the outputs prepared here, once for every backend; the
+// backend's cross_entropy_scan_targets(B{}, ...) returns the number of rows not ignored and the
+// first bad target (core/cross_entropy.hpp), which throws here; then cross_entropy_forward(B{},
+// ...) / cross_entropy_backward(B{}, ...) run the backend's system (backend/cpu/cross_entropy.hpp,
+// backend/cuda/cross_entropy.cuh, or a user backend's overloads found by argument-dependent
+// lookup).
+#pragma once
+
+#include <cstdint>
+
+#include "graphmoe/backend/cpu/cross_entropy.hpp"
+#include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/cross_entropy.hpp"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+namespace detail {
+
+// Checks that `logits` (named `what`: "logits" or "log_probs") is non-empty with rank >= 1 and
+// that targets has the logits' shape without the last dimension.
+template <class T, class B>
+void cross_entropy_check_shapes(const char* op, const char* what, const Tensor<T, B>& logits,
+                                const Tensor<std::int32_t, B>& targets) {
+  GRAPHMOE_CHECK(!logits.empty(), op, what, " is empty");
+  GRAPHMOE_CHECK(logits.rank() >= 1, op, "logits must have rank >= 1 (rows, classes), got shape ",
+                 logits.shape());
+  GRAPHMOE_CHECK(!targets.empty(), op, "targets is empty");
+  const Shape expected = Shape::from_range(logits.shape().begin(), logits.shape().end() - 1);
+  GRAPHMOE_CHECK(targets.shape() == expected, op, "targets has shape ", targets.shape(),
+                 ", expected ", expected, " for logits of shape ", logits.shape());
+}
+
+// Checks the shapes of `logits` (named `what`) and targets, then the targets (by the backend's
+// scan); returns the number of rows not ignored.
+template <class T, class B>
+index_t cross_entropy_count_targets(const char* op, const char* what, const Tensor<T, B>& logits,
+                                    const Tensor<std::int32_t, B>& targets,
+                                    std::int32_t ignore_index) {
+  cross_entropy_check_shapes(op, what, logits, targets);
+  const index_t classes = logits.cols();
+  const TargetScan scan = cross_entropy_scan_targets(B{}, targets, classes, ignore_index);
+  GRAPHMOE_CHECK(!scan.bad.found(), op, "target of row ", scan.bad.index, " is ",
+                 static_cast<std::int32_t>(scan.bad.value), ", outside the class range [0, ",
+                 classes, ") and not ignore_index (", ignore_index, ")");
+  return scan.count;
+}
+
+}  // namespace detail
+
+// Fills log_probs (the logits' shape; the cache for backward) with log_softmax(logits) and
+// returns the mean negative log-likelihood of the targets over the rows not ignored.
+template <class T, Backend B>
+T cross_entropy_forward(const Tensor<T, B>& logits, const Tensor<std::int32_t, B>& targets,
+                        Tensor<T, B>& log_probs, std::int32_t ignore_index = -100) {
+  constexpr const char* op = "cross_entropy_forward";
+  const index_t count =
+      detail::cross_entropy_count_targets(op, "logits", logits, targets, ignore_index);
+  prepare_output(op, "y", log_probs, logits.shape());  // the log-softmax's name for it
+  return cross_entropy_forward(B{}, logits, targets, log_probs, count, ignore_index);
+}
+
+// dlogits = dloss / n * (exp(log_probs) - onehot(targets)), zero rows where the target is
+// ignore_index. dlogits is assigned (it may alias log_probs).
+template <class T, Backend B>
+void cross_entropy_backward(const Tensor<T, B>& log_probs, const Tensor<std::int32_t, B>& targets,
+                            T dloss, Tensor<T, B>& dlogits, std::int32_t ignore_index = -100) {
+  constexpr const char* op = "cross_entropy_backward";
+  const index_t count =
+      detail::cross_entropy_count_targets(op, "log_probs", log_probs, targets, ignore_index);
+  prepare_output(op, "dlogits", dlogits, log_probs.shape());
+  cross_entropy_backward(B{}, log_probs, targets, dloss, count, dlogits, ignore_index);
+}
+
+}  // namespace graphmoe
