@@ -1,5 +1,5 @@
-// Cross-backend tests of the token graphs on the GPU (routing/token_graphs_cuda.cuh, kernels in
-// backend/cuda/token_graph.cuh): GraphImpl<Independent | Similarity | Attention, T, cuda> against
+// Cross-backend tests of the token graphs on the GPU (routing/token_graphs.hpp on the op layer of
+// ops/token_graph.hpp, kernels in backend/cuda/token_graph.cuh): GraphImpl<Independent | Similarity | Attention, T, cuda> against
 // the CPU GraphImpl, the reference, on random inputs (as test_cuda_ops.cu does for the ops).
 //
 //   error metric   err = max_i |cuda_i - cpu_i| / max_i |cpu_i|     (normwise, L-infinity, from
@@ -26,8 +26,9 @@
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/backend/cuda/token_graph.cuh"
+#include "graphmoe/ops/token_graph.hpp"
 #include "graphmoe/routing/token_graphs.hpp"
-#include "graphmoe/routing/token_graphs_cuda.cuh"
 #include "cuda/cuda_test_support.cuh"
 #include "routing/router_fixtures.hpp"
 #include "support/gradcheck.hpp"
