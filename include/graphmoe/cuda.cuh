@@ -35,7 +35,8 @@
 #include "graphmoe/backend/cuda/token_graph.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
 #include "graphmoe/routing/aux_losses_cuda.cuh"
-#include "graphmoe/routing/token_graphs_cuda.cuh"
+#include "graphmoe/ops/token_graph.hpp"
+#include "graphmoe/routing/token_graphs.hpp"
 
 #include "graphmoe/layers/attention.hpp"
 #include "graphmoe/layers/block.hpp"

@@ -1,5 +1,5 @@
-// Cross-backend tests of the token graphs on the GPU (routing/token_graphs_cuda.cuh, kernels in
-// backend/cuda/token_graph.cuh): GraphImpl<Independent | Similarity | Attention, T, cuda> against
+// Cross-backend tests of the token graphs on the GPU (routing/token_graphs.hpp on the op layer of
+// ops/token_graph.hpp, kernels in backend/cuda/token_graph.cuh): GraphImpl<Independent | Similarity | Attention, T, cuda> against
 // the CPU GraphImpl, the reference, on random inputs (as test_cuda_ops.cu does for the ops).
 //
 //   error metric   err = max_i |cuda_i - cpu_i| / max_i |cpu_i|     (normwise, L-infinity, from
@@ -26,8 +26,9 @@
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/backend/cuda/token_graph.cuh"
+#include "graphmoe/ops/token_graph.hpp"
 #include "graphmoe/routing/token_graphs.hpp"
-#include "graphmoe/routing/token_graphs_cuda.cuh"
 #include "cuda/cuda_test_support.cuh"
 #include "routing/router_fixtures.hpp"
 #include "support/gradcheck.hpp"
@@ -429,6 +430,56 @@ TEST_CASE("cuda vs cpu: bad graph inputs throw the CPU messages") {
         for (index_t j = 0; j < len; ++j)
           k.probs(b, probe.heads()[static_cast<std::size_t>(b * len)], 2, j) = 0.0f;
     });
+  }
+}
+
+// The op layer (ops/token_graph.hpp) checks once for both backends: a backward without its forward
+// throws one message, and the options the CUDA backend lacks (token_graph_support) are refused in
+// configure with the message the CUDA graph always gave.
+TEST_CASE("cuda vs cpu: the op layer's checks give one message") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(7);
+  const index_t n = 8, d = 4, e = 3, len = 4;
+  auto u = random_normal<float>({n, d}, rng);
+  auto r = random_probs<float>(n, e, rng);
+  const auto ud = to_device(u), rd = to_device(r);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  Tensor<float, cpu> dr, du({n, d});
+  Tensor<float, cuda> drd, dud(Shape{n, d});
+
+  GraphImpl<Similarity, float, cpu> sc;
+  GraphImpl<Similarity, float, cuda> sg;
+  sc.configure(d, cfg);
+  sg.configure(d, cfg);
+  const std::string sim_cpu = error_of([&] { sc.backward(u, r, r, r, {len, nullptr}, dr, du); });
+  CHECK(sim_cpu.find("no forward of these 8 tokens in sequences of 4") != std::string::npos);
+  CHECK(error_of([&] { sg.backward(ud, rd, rd, rd, {len, nullptr}, drd, dud); }) == sim_cpu);
+
+  const auto cache = random_attention_cache<float>(n / len, len, 2, d, false, rng);
+  auto cache_d = to_device(cache);
+  auto cache_c = cache;
+  GraphImpl<Attention, float, cpu> ac;
+  GraphImpl<Attention, float, cuda> ag;
+  ac.configure(d, cfg);
+  ag.configure(d, cfg);
+  const std::string att_cpu =
+      error_of([&] { ac.backward(u, r, r, r, {len, &cache_c}, dr, du); });
+  CHECK(att_cpu.find("no forward of these 8 tokens in sequences of 4") != std::string::npos);
+  CHECK(error_of([&] { ag.backward(ud, rd, rd, rd, {len, &cache_d}, drd, dud); }) == att_cpu);
+
+  for (int option = 0; option < 3; ++option) {
+    RouterConfig bad = cfg;
+    if (option == 0) bad.options<Similarity>().tau_mode = TauMode::Learned;
+    if (option == 1) bad.options<Similarity>().exclude_self = true;
+    if (option == 2) bad.options<Similarity>().projection = true;
+    CAPTURE(option);
+    GraphImpl<Similarity, float, cpu> c;
+    CHECK(error_of([&] { c.configure(d, bad); }).empty());
+    GraphImpl<Similarity, float, cuda> g;
+    CHECK(error_of([&] { g.configure(d, bad); })
+              .find("a learned temperature, Options::exclude_self and Options::projection are "
+                    "implemented on the CPU backend only") != std::string::npos);
   }
 }
 

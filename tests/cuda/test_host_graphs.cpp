@@ -3,7 +3,7 @@
 // compiled by g++ and driven in the kernels' tile order by plain loops that copy the kernels of
 // backend/cuda/token_graph.cuh phase by phase (one "block" at a time, its "threads" as loops),
 // and the Attention graph's sequence of strided GEMMs with the same arguments as
-// routing/token_graphs_cuda.cuh. Everything is compared with the CPU GraphImpl, the reference,
+// backend/cuda/token_graph.cuh's attention_graph_forward / _backward. Everything is compared with the CPU GraphImpl, the reference,
 // for float and double, causal and not, both tau modes, sequence lengths that are not multiples
 // of the tiles (16 owned rows, 32 streamed columns, depth chunks of 32).
 //
@@ -311,7 +311,7 @@ void check_similarity(const SimilarityCase& sc, bool causal, TauMode mode, bool 
   if (detach) CHECK(normwise_error(du0, du) == 0.0);
 }
 
-// ---- the Attention graph, the same launches as token_graphs_cuda.cuh ----------------------------
+// ---- the Attention graph, the same launches as backend/cuda/token_graph.cuh --------------------
 
 // graph_gemm of token_graph.cuh on the host: per batch, row-major C (m, n; ldc) =
 // alpha op(A) op(B) + beta C, A with row stride lda, B with ldb, batch strides sa, sb, sc.

@@ -12,9 +12,12 @@
 // This header includes every built-in graph; each also has its own header, which compiles alone:
 //   routing/graphs/context.hpp      GraphContext (what the router passes a graph)
 //   routing/graphs/independent.hpp  Independent: G = I (every backend)
-//   routing/graphs/similarity.hpp   Similarity: S = softmax(U U^T / tau) (CPU)
-//   routing/graphs/attention.hpp    Attention: the attention posterior of Lemma 1 (CPU)
-// The CUDA graphs are in routing/token_graphs_cuda.cuh.
+//   routing/graphs/similarity.hpp   Similarity: S = softmax(U U^T / tau) (every backend)
+//   routing/graphs/attention.hpp    Attention: the attention posterior of Lemma 1 (every backend)
+// Similarity and Attention compute through the op layer (ops/token_graph.hpp): the CPU system is
+// always there (backend/cpu/token_graph.hpp); a CUDA translation unit gets the GPU one
+// (backend/cuda/token_graph.cuh) from graphmoe/cuda.cuh. What each backend keeps of a forward
+// (S, self weights, row entropies) is said in the graphs' headers.
 #pragma once
 
 #include "graphmoe/routing/graphs/attention.hpp"

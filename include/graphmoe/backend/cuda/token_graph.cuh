@@ -1,6 +1,25 @@
-// graphmoe/backend/cuda/token_graph.cuh: the kernels of the token graphs on the GPU
-// (routing/token_graphs_cuda.cuh drives them; the element math is in
-// detail/token_graph_math.hpp, shared with the host test).
+// graphmoe/backend/cuda/token_graph.cuh: the CUDA system's token graphs, Similarity and Attention
+// (contract, options and argument checks: ops/token_graph.hpp, which calls the entry points at the
+// end of this file through the backend tag). The element math is in detail/token_graph_math.hpp,
+// shared with the host test.
+//
+// Differences from the CPU graphs (backend/cpu/token_graph.hpp), none of them in the results
+// beyond rounding:
+//   - token_graph_support(cuda): no learned temperature, exclude_self or projection (the op
+//     layer refuses them).
+//   - Similarity never stores S: the forward is one fused online-softmax kernel that keeps the
+//     row log-sum-exp and entropy (O(N)), and the backward recomputes S tile by tile. So
+//     args.store is ignored (state.stores stays false): the GPU path always recomputes (it costs
+//     one more U U^T product in backward, as GraphMemory::Recompute does on the CPU). No self
+//     weights (state.self stays empty).
+//   - Attention always keeps A^p (args.store is ignored, state.stores is true); its row entropies
+//     stay on the device (state.entropy; state.row_entropy, state.lse and state.self stay empty);
+//     h* is copied back to the host (state.heads) during forward: the forward synchronises the
+//     stream there, and once more to read the all-zero-row flag, as the softmax op does.
+//   - The mean entropies read the N row entropies back to the host (synchronises) and average
+//     them in double (detail::device_mean).
+//   - Sums run in other orders (tiles, warp reductions, cuBLAS) and the float kernels use fused
+//     multiply-adds: float results agree with the CPU to about 1e-6 relative.
 //
 // ---- Similarity: p_i = sum_j softmax_j(u_i . u_j / tau) r_j, fused (flash-attention style) ----
 // No (N, T) matrix is ever written: a thread block owns kOwnTile = 16 rows of one sequence and
@@ -32,7 +51,7 @@
 // sequence (one thread per sequence, graph_math::choose_heads), then per head h in use: the means
 // M_h = H V_h W_o,h^T + b_o and a m^T (cuBLAS, strided-batched over sequences), the posterior rows
 // of the tokens with h* = h (one block per row: logits, max, sum, entropy), and p = A^p r.
-// Backward follows the CPU GraphImpl<Attention> term by term with the same GEMMs and
+// Backward follows the CPU graph (backend/cpu/token_graph.hpp) term by term with the same GEMMs and
 // element-wise kernels. A^p is stored (N, T), as on the CPU; scratch: one (N, T) for a m^T in
 // forward, two (dl and its rows of head h) in backward.
 #pragma once
@@ -44,13 +63,21 @@
 #include <cublas_v2.h>
 
 #include <climits>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
+#include "graphmoe/backend/cuda/allocator.cuh"
+#include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/detail/token_graph_math.hpp"
 #include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/core/attention_cache.hpp"
+#include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/core/token_graph.hpp"
 
 namespace graphmoe::detail {
 
@@ -518,3 +545,241 @@ void graph_row_dot_cuda(const Tensor<T, cuda>& x, const Tensor<T, cuda>& y, Tens
 }
 
 }  // namespace graphmoe::detail
+
+namespace graphmoe {
+
+namespace detail {
+// The mean of the n values of a device vector, in double (synchronises).
+template <class T>
+double device_mean(const Tensor<T, cuda>& x) {
+  if (x.empty() || x.numel() == 0) return 0.0;
+  const Tensor<T, cpu> h = to_host(x);
+  double s = 0;
+  for (index_t i = 0; i < h.numel(); ++i) s += static_cast<double>(h.data()[i]);
+  return s / static_cast<double>(h.numel());
+}
+
+// Whether any token's h* is h.
+inline bool attention_head_used(const std::vector<int>& heads, index_t h) {
+  for (int x : heads)
+    if (x == h) return true;
+  return false;
+}
+
+// m = H v_h W_o,h^T + b_o for all N tokens (N, D), msq = |m_j|^2 (N).
+template <class T>
+void attention_head_mean(const AttentionCache<T, cuda>& c, index_t h, index_t dm,
+                         Tensor<T, cuda>& m, Tensor<T, cuda>& msq) {
+  const index_t n = c.v.rows(), dvc = c.v.cols(), dh = dvc / c.num_heads;
+  graph_gemm(Trans::N, Trans::T, n, dm, dh, static_cast<T>(c.num_heads), c.v.data() + h * dh, dvc,
+             0, c.w_o.data() + h * dh, dvc, 0, T(0), m.data(), dm, 0, 1);
+  launch_kernel<attention_mean_finish_kernel<T>>(graph_warp_rows_blocks(n), kThreads, m.data(),
+                                                 c.b_o.empty() ? nullptr : c.b_o.data(),
+                                                 msq.data(), n, dm);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+}  // namespace detail
+
+// ---- the backend entry points (ops/token_graph.hpp checks the arguments and prepares p / dr) ----
+
+// Learned temperature, exclude_self and projection are CPU-only.
+constexpr TokenGraphSupport token_graph_support(cuda) { return TokenGraphSupport{}; }
+
+// The value of a one-entry parameter (copied to the host).
+template <class T>
+double token_graph_scalar(cuda, const Tensor<T, cuda>& t) {
+  return static_cast<double>(to_host(t).data()[0]);
+}
+
+// Similarity forward: p (N, E) prepared; keeps lse and the row entropy (N) only (S never stored).
+template <class T>
+void similarity_graph_forward(cuda, const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
+                              const SimilarityGraphArgs& args, const SimilarityGraphParams<T, cuda>&,
+                              SimilarityGraphState<T, cuda>& state, Tensor<T, cuda>& p) {
+  const index_t n = u.rows();
+  state.stores = false;
+  if (state.lse.empty() || state.lse.shape() != Shape{n}) state.lse = Tensor<T, cuda>(Shape{n});
+  state.entropy = Tensor<T, cuda>(Shape{n});
+  detail::similarity_forward_cuda(u, r, p, state.lse, state.entropy, args.seq_len,
+                                  static_cast<T>(1.0 / state.tau), args.causal);
+}
+
+// Similarity backward: dr assigned (S recomputed from u and lse); du accumulated unless detached.
+template <class T>
+void similarity_graph_backward(cuda, const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
+                               const Tensor<T, cuda>& p, const Tensor<T, cuda>& dp,
+                               const SimilarityGraphArgs& args, SimilarityGraphParams<T, cuda>&,
+                               SimilarityGraphState<T, cuda>& state, Tensor<T, cuda>& dr,
+                               Tensor<T, cuda>& du) {
+  detail::similarity_backward_cuda(u, r, p, dp, state.lse, dr, args.detach ? nullptr : du.data(),
+                                   args.seq_len, static_cast<T>(1.0 / state.tau), args.causal);
+}
+
+// log_tau = log(tau) and W_s = I, for the parameters that are not empty (written on the host,
+// copied to the device).
+template <class T>
+void similarity_graph_init(cuda, SimilarityGraphParams<T, cuda>& params, double tau) {
+  if (!params.log_tau.empty()) {
+    Tensor<T, cpu> h(Shape{1});
+    h.data()[0] = static_cast<T>(std::log(tau));
+    to_device(h, params.log_tau);
+  }
+  if (!params.w_s.empty()) {
+    Tensor<T, cpu> h(params.w_s.shape());  // zero-initialised
+    const index_t d = h.dim(0);
+    for (index_t i = 0; i < d; ++i) h.data()[i * d + i] = T(1);
+    to_device(h, params.w_s);
+  }
+}
+
+template <class T>
+double similarity_graph_mean_entropy(cuda, const SimilarityGraphState<T, cuda>& state) {
+  return detail::device_mean(state.entropy);
+}
+
+// Attention forward: h* per token from the attention-row entropies (the cache's row_entropy, or
+// computed from probs), then for every head in use the means M_h = H V_h W_o,h^T + b_o, the
+// logits log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2 of the tokens with that head, their softmax
+// (stored, (N, T)) and p = A^p r. Returns the first all-zero attention row (index b * len + i).
+template <class T>
+Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const AttentionCache<T, cuda>& c,
+                                 const AttentionGraphArgs& args,
+                                 AttentionGraphState<T, cuda>& state, Tensor<T, cuda>& p) {
+  const index_t n = r.rows(), len = args.seq_len, nh = c.num_heads, nb = n / len, e = r.cols();
+  const index_t dm = args.d_model;
+  state.stores = true;
+  state.seq_len = len;
+  if (state.post.empty() || state.post.shape() != Shape{n, len})
+    state.post = Tensor<T, cuda>(Shape{n, len});
+  state.entropy = Tensor<T, cuda>(Shape{n});
+  state.head_dev = Tensor<std::int32_t, cuda>(Shape{n});
+  state.heads.assign(static_cast<std::size_t>(n), 0);
+  if (n == 0) return {};
+  const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
+
+  // h* per token
+  Tensor<T, cuda> ent = c.row_entropy;
+  if (ent.empty()) {
+    ent = Tensor<T, cuda>(Shape{nb, nh, len});
+    detail::launch_kernel<detail::attention_row_entropy_kernel<T>>(
+        detail::graph_warp_rows_blocks(nb * nh * len), detail::kThreads, c.probs.data(),
+        ent.data(), nb * nh * len, len);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  Tensor<double, cuda> prefix(Shape{nb, nh});
+  detail::launch_kernel<detail::attention_choose_heads_kernel<T>>(
+      detail::grid_for(nb), detail::kThreads, ent.data(), nb, nh, len, args.causal_heads,
+      prefix.data(), state.head_dev.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const Tensor<std::int32_t, cpu> heads_host = to_host(state.head_dev);
+  state.heads.assign(heads_host.data(), heads_host.data() + n);
+
+  // the posterior rows, one head at a time
+  detail::FirstIndexFlag bad;
+  Tensor<T, cuda> m(Shape{n, dm}), msq(Shape{n}), g(Shape{n, len});
+  for (index_t h = 0; h < nh; ++h) {
+    if (!detail::attention_head_used(state.heads, h)) continue;
+    detail::attention_head_mean(c, h, dm, m, msq);
+    // g = a m^T per sequence (T, T)
+    detail::graph_gemm(Trans::N, Trans::T, len, len, dm, T(1), c.out.data(), dm, len * dm,
+                       m.data(), dm, len * dm, T(0), g.data(), len, len * len, nb);
+    detail::launch_kernel<detail::attention_posterior_rows_kernel<T>>(
+        detail::grid_for_rows(n), detail::threads_for_row(len), c.probs.data(), g.data(),
+        msq.data(), state.head_dev.data(), state.post.data(), state.entropy.data(), bad.get(), n,
+        nh, len, static_cast<std::int32_t>(h), inv_var);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  const index_t first_bad = bad.read();  // (b nh + h) len + i
+  if (first_bad >= 0) return {(first_bad / (nh * len)) * len + first_bad % len, 0.0};
+  // p = A^p r per sequence
+  detail::graph_gemm(Trans::N, Trans::N, len, e, len, T(1), state.post.data(), len, len * len,
+                     r.data(), e, len * e, T(0), p.data(), e, len * e, nb);
+  return {};
+}
+
+// Attention backward: dr = A^p^T dp assigned; unless detached, dl = A^p o (dp r^T - rowdot(dp, p))
+// and, per head in use, its rows into dprobs, dout, dv, dw_o and db_o (accumulated).
+template <class T>
+void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cuda>& p,
+                              const Tensor<T, cuda>& dp, AttentionCache<T, cuda>& c,
+                              const AttentionGraphArgs& args, AttentionGraphState<T, cuda>& state,
+                              Tensor<T, cuda>& dr) {
+  const index_t n = r.rows(), len = args.seq_len, nh = c.num_heads, nb = n / len, e = r.cols();
+  const index_t dm = args.d_model, dvc = c.v.cols(), dh = dvc / nh;
+  if (n == 0) return;
+  // dr = A^p^T dp per sequence
+  detail::graph_gemm(Trans::T, Trans::N, len, e, len, T(1), state.post.data(), len, len * len,
+                     dp.data(), e, len * e, T(0), dr.data(), e, len * e, nb);
+  if (args.detach) return;
+  const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
+  const T fh = static_cast<T>(nh);
+  const index_t nt = n * len;
+
+  // dl = A^p o (dp r^T - rowdot(dp, p))   (N, T)
+  Tensor<T, cuda> rowdot(Shape{n}), dl(Shape{n, len});
+  detail::graph_row_dot_cuda(dp, p, rowdot);
+  detail::graph_gemm(Trans::N, Trans::T, len, len, e, T(1), dp.data(), e, len * e, r.data(), e,
+                     len * e, T(0), dl.data(), len, len * len, nb);
+  detail::launch_kernel<detail::attention_dlogit_kernel<T>>(
+      detail::grid_for(nt), detail::kThreads, state.post.data(), rowdot.data(), dl.data(), n, len);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+
+  Tensor<T, cuda> dlh(Shape{n, len}), m(Shape{n, dm}), msq(Shape{n}), colsum(Shape{n}),
+      dmean(Shape{n, dm});
+  for (index_t h = 0; h < nh; ++h) {
+    if (!detail::attention_head_used(state.heads, h)) continue;
+    const auto hh = static_cast<std::int32_t>(h);
+    detail::launch_kernel<detail::attention_head_rows_kernel<T>>(
+        detail::grid_for(nt), detail::kThreads, dl.data(), state.head_dev.data(), dlh.data(), n,
+        len, hh);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+    // into log A_h: dA += dl / A where A > 0
+    if (!c.dprobs.empty()) {
+      detail::launch_kernel<detail::attention_dprobs_kernel<T>>(
+          detail::grid_for(nt), detail::kThreads, dl.data(), c.probs.data(), state.head_dev.data(),
+          c.dprobs.data(), n, nh, len, hh);
+      GRAPHMOE_CUDA_CHECK_LAUNCH();
+    }
+    detail::attention_head_mean(c, h, dm, m, msq);
+    // da += dl_h M / sigma^2
+    if (!c.dout.empty())
+      detail::graph_gemm(Trans::N, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len,
+                         m.data(), dm, len * dm, T(1), c.dout.data(), dm, len * dm, nb);
+    // dM = (dl_h^T a - M o colsum(dl_h)) / sigma^2
+    detail::launch_kernel<detail::attention_column_sum_kernel<T>>(
+        detail::grid_for(n), detail::kThreads, dlh.data(), colsum.data(), n, len);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+    detail::graph_gemm(Trans::T, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len,
+                       c.out.data(), dm, len * dm, T(0), dmean.data(), dm, len * dm, nb);
+    detail::launch_kernel<detail::attention_dmean_kernel<T>>(
+        detail::grid_for(n * dm), detail::kThreads, m.data(), colsum.data(), dmean.data(), n, dm,
+        inv_var);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+    // m = H v_h W_o,h^T + b_o: dv_h += H dM W_o,h, dW_o,h += H dM^T v_h, db_o += sum_j dM_j
+    if (!c.dv.empty())
+      detail::graph_gemm(Trans::N, Trans::N, n, dh, dm, fh, dmean.data(), dm, 0,
+                         c.w_o.data() + h * dh, dvc, 0, T(1), c.dv.data() + h * dh, dvc, 0, 1);
+    if (!c.dw_o.empty())
+      detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, fh, dmean.data(), dm, 0,
+                         c.v.data() + h * dh, dvc, 0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
+    if (!c.db_o.empty()) {
+      detail::launch_kernel<detail::graph_column_sum_add_kernel<T>>(
+          detail::grid_for(dm), detail::kThreads, dmean.data(), c.db_o.data(), n, dm);
+      GRAPHMOE_CUDA_CHECK_LAUNCH();
+    }
+  }
+}
+
+template <class T>
+double attention_graph_mean_entropy(cuda, const AttentionGraphState<T, cuda>& state) {
+  return detail::device_mean(state.entropy);
+}
+
+// The mean of the self weights, in double (the CUDA graphs leave them empty: never called there
+// by the graph classes, which answer 1 for an empty tensor).
+template <class T>
+double token_graph_mean_self_weight(cuda, const Tensor<T, cuda>& self) {
+  return detail::device_mean(self);
+}
+
+}  // namespace graphmoe

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/ops/token_graph.hpp"  // detail::check_graph_inputs
 #include "graphmoe/routing/graphs/context.hpp"
 #include "graphmoe/routing/policies.hpp"
 

@@ -1,0 +1,86 @@
+// graphmoe/core/token_graph.hpp: the small types the token-graph ops (ops/token_graph.hpp) pass
+// between routing/graphs/ and a backend: what a backend supports, the resolved options of one
+// call, the learned parameters and the state one forward leaves for its backward.
+//
+// The state structs hold every backend's fields; a backend fills the ones it computes and leaves
+// the others empty (each field says who fills it). The graph classes of routing/graphs/ own one
+// state each and read it through their accessors (stores(), self_weight(), heads(), ...).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+// What a backend's token graphs implement beyond the common core: a backend declares it as
+//   TokenGraphSupport token_graph_support(MyBackend);   (found by argument-dependent lookup)
+// and the op layer refuses an option the backend lacks, with one message for every backend.
+struct TokenGraphSupport {
+  bool learned_tau = false;   // Similarity: TauMode::Learned (the log_tau parameter)
+  bool exclude_self = false;  // Similarity::Options::exclude_self
+  bool projection = false;    // Similarity::Options::projection (the W_s parameter)
+};
+
+// ---- Similarity ---------------------------------------------------------------------------------
+
+// One Similarity forward / backward, its options resolved by the graph class.
+struct SimilarityGraphArgs {
+  index_t seq_len = 0;        // tokens per sequence
+  index_t d_model = 0;        // D the graph was configured for (W_s is (D, D))
+  bool causal = false;        // S[i, j] = 0 for j > i
+  bool learned_tau = false;   // tau = exp(log_tau), read in forward
+  bool exclude_self = false;  // S[i, i] left out of its row (a row with no other entry keeps it)
+  bool projection = false;    // logits Q U^T / tau with Q = U W_s
+  bool store = false;         // keep S for backward (graph_stores); a backend may always recompute
+  bool detach = false;        // backward: no gradient into u, log_tau, W_s
+};
+
+// The Similarity graph's learned parameters (handles into the parameter arena; empty when the
+// options declare none).
+template <class T, class B>
+struct SimilarityGraphParams {
+  Tensor<T, B> log_tau, dlog_tau;  // (1)     TauMode::Learned
+  Tensor<T, B> w_s, dw_s;          // (D, D)  Options::projection
+};
+
+// What a Similarity forward leaves for its backward (and for the graph's accessors).
+template <class T, class B>
+struct SimilarityGraphState {
+  double tau = 1.0;       // the temperature of the last forward (set by configure, or learned)
+  Tensor<T, B> lse;       // (N) row log-sum-exp of the logits                    every backend
+  Tensor<T, B> entropy;   // (N) row entropy H(S[i, :])                           every backend
+  Tensor<T, B> self;      // (N) S[i, i]; empty on a backend that does not compute it (CUDA)
+  Tensor<T, B> s;         // (N, T) S, when the forward stored it (stores); else empty
+  Tensor<T, B> q;         // (N, D) Q = U W_s under projection; else empty
+  bool stores = false;    // whether s holds S; the backward follows (CUDA: always false)
+};
+
+// ---- Attention ----------------------------------------------------------------------------------
+
+// One Attention forward / backward, its options resolved by the graph class.
+struct AttentionGraphArgs {
+  index_t seq_len = 0;          // tokens per sequence
+  index_t d_model = 0;          // D of the attention layer's output (w_o is (D, H dh))
+  double sigma = 1.0;           // the Gaussian's standard deviation
+  bool causal_heads = false;    // h* per token from the prefix (HeadChoice::PerSequenceCausal)
+  bool store = false;           // keep A^p for backward (graph_stores); a backend may always keep it
+  bool detach = false;          // backward: no gradient into the attention cache
+};
+
+// What an Attention forward leaves for its backward (and for the graph's accessors).
+template <class T, class B>
+struct AttentionGraphState {
+  Tensor<T, B> post;                 // (N, T) A^p when stored (stores); else empty
+  Tensor<T, B> lse;                  // (N) row log-sum-exp of the logits            CPU
+  Tensor<T, B> self;                 // (N) A^p[i, i]                                CPU
+  Tensor<T, B> entropy;              // (N) H(A^p[i, :]) on the device               CUDA
+  Tensor<std::int32_t, B> head_dev;  // (N) h* on the device                         CUDA
+  std::vector<int> heads;            // (N) h* of each token, on the host            every backend
+  std::vector<double> row_entropy;   // (N) H(A^p[i, :]) on the host                 CPU
+  index_t seq_len = 0;               // the sequence length of the last forward
+  bool stores = false;               // whether post holds A^p; the backward follows
+};
+
+}  // namespace graphmoe
