@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/threads.hpp"
 

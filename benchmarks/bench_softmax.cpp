@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/threads.hpp"
 

@@ -24,8 +24,8 @@
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
-#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/ops/gemm.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"

@@ -25,7 +25,7 @@
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
 
-#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/backend/cuda/detail/token_graph_math.hpp"
 #include "graphmoe/routing/token_graphs.hpp"
 #include "routing/router_fixtures.hpp"

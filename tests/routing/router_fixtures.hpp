@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/core/attention_cache.hpp"
 #include "support/gradcheck.hpp"
 

@@ -27,7 +27,7 @@
 #include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gelu.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
 

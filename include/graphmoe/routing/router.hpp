@@ -11,7 +11,7 @@
 
 #include <string>
 
-#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 #include "graphmoe/routing/concepts.hpp"

@@ -14,7 +14,7 @@
 #include <type_traits>
 
 #include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/routing/policies.hpp"

@@ -144,7 +144,7 @@ void grouped_gemm(Trans ta, Trans tb, TC alpha, const std::vector<Tensor<TA, cud
   auto one_by_one = [&] {
     for (std::size_t g : live) {
       Tensor<TC, cuda> cg = c[g];
-      gemm(ta, tb, alpha, a[g], b[g], beta, cg);
+      gemm(cuda{}, ta, tb, alpha, a[g], b[g], beta, cg);  // checked above
     }
   };
 #if GRAPHMOE_CUBLAS_GROUPED_GEMM

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/rng.hpp"
