@@ -38,7 +38,7 @@
 #include <cuda_fp16.h>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/backend/cpu/gelu.hpp"
 #include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/backend/cpu/layernorm.hpp"

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/ops/topk.hpp"

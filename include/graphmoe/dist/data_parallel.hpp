@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/dist/communicator.hpp"
 #include "graphmoe/train/lm_batcher.hpp"

@@ -17,6 +17,7 @@
 #include "graphmoe/backend/cpu/attention.hpp"
 #include "graphmoe/layers/linear.hpp"
 #include "graphmoe/core/attention_cache.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
 

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/backend/cpu/gelu.hpp"
 #include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/core/arena.hpp"

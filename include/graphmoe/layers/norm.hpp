@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/backend/cpu/layernorm.hpp"
 #include "graphmoe/core/arena.hpp"
 

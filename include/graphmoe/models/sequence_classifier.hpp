@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 
 namespace graphmoe {

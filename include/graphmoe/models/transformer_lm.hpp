@@ -25,6 +25,8 @@
 #include "graphmoe/backend/cpu/cross_entropy.hpp"
 #include "graphmoe/backend/cpu/embedding.hpp"
 #include "graphmoe/layers/block.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gemm.hpp"
 
 namespace graphmoe {
 

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 #include "graphmoe/routing/concepts.hpp"
