@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <string>
 
-#include "graphmoe/ops/elementwise.hpp"
-#include "graphmoe/ops/gates.hpp"
 #include "graphmoe/backend/cuda/elementwise.cuh"
 #include "graphmoe/backend/cuda/gates.cuh"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gates.hpp"
 #include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
 

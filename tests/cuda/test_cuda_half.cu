@@ -38,12 +38,8 @@
 #include <cuda_fp16.h>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/backend/cpu/gelu.hpp"
-#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/backend/cpu/layernorm.hpp"
-#include "graphmoe/ops/softmax.hpp"
-#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/dispatch.cuh"
@@ -53,6 +49,10 @@
 #include "graphmoe/backend/cuda/layernorm.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gemm.hpp"
+#include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
 

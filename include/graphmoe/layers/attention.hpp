@@ -15,8 +15,8 @@
 #include <string>
 
 #include "graphmoe/backend/cpu/attention.hpp"
-#include "graphmoe/layers/linear.hpp"
 #include "graphmoe/core/attention_cache.hpp"
+#include "graphmoe/layers/linear.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {

@@ -4,9 +4,9 @@
 
 #include <string>
 
-#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/backend/cpu/layernorm.hpp"
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
 

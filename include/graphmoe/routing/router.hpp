@@ -11,9 +11,9 @@
 
 #include <string>
 
-#include "graphmoe/ops/softmax.hpp"
-#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 #include "graphmoe/routing/concepts.hpp"
 #include "graphmoe/routing/scorers.hpp"

@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/routing/graphs/context.hpp"
 #include "graphmoe/routing/policies.hpp"
 
