@@ -133,12 +133,13 @@ void gemm_dims(Trans ta, Trans tb, const Tensor<TA, cuda>& A, const Tensor<TA, c
   n = tb == Trans::N ? B.cols() : B.rows();
 }
 
-// grouped_gemm's per-problem checks (backend/cuda/grouped.cuh), the gemm op's messages: the same
-// checks as detail::gemm_prepare of ops/gemm.hpp, which a backend header cannot include. Goes
-// when grouped_gemm's checks move to the op layer.
+// grouped_gemm's per-problem checks (backend/cuda/grouped.cuh), with the gemm op's messages: the
+// checks of detail::gemm_prepare in ops/gemm.hpp, which a backend header cannot include, plus
+// cuBLAS's int range. Goes when grouped_gemm's checks move to the op layer.
 template <class TA, class TC, class S>
-void gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A, const Tensor<TA, cuda>& B,
-                  Tensor<TC, cuda>& C, S& beta, index_t& m, index_t& n, index_t& k) {
+void cublas_gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A,
+                         const Tensor<TA, cuda>& B, Tensor<TC, cuda>& C, S& beta, index_t& m,
+                         index_t& n, index_t& k) {
   GRAPHMOE_CHECK(!A.empty() && !B.empty(), "gemm", "A or B is empty");
   GRAPHMOE_CHECK(A.rank() >= 1 && B.rank() >= 1, "gemm", "A and B must have rank >= 1, got ",
                  A.shape(), " and ", B.shape());
