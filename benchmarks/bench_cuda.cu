@@ -65,6 +65,7 @@
 #include <vector>
 
 #include "graphmoe/cuda.cuh"
+#include "graphmoe/ops/gemm.hpp"
 
 namespace graphmoe::bench {
 namespace {

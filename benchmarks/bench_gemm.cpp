@@ -16,9 +16,9 @@
 
 #include <cstdint>
 
-#include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/ops/gemm.hpp"
 
 #if defined(GRAPHMOE_BENCH_HAVE_CBLAS)
 #include <cblas.h>

@@ -10,9 +10,9 @@
 
 #include <cstdint>
 
-#include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/ops/softmax.hpp"
 
 namespace {
 

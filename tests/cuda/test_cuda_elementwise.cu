@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <string>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/backend/cuda/elementwise.cuh"
 #include "graphmoe/backend/cuda/gates.cuh"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gates.hpp"
 #include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
 
@@ -145,6 +145,17 @@ TEST_CASE_TEMPLATE("cuda vs cpu: gates, capacity mask and the drop bucket", T, f
           Tensor<T, cpu> g;
           renormalized_gates(zero, ones, g);
         }));
+  // An expert id outside [0, E): one message (ops/gates.hpp's) for both backends.
+  const auto bad_ids = Tensor<std::int32_t, cpu>::from(Shape{2, 2}, {0, 1, 9, 2});
+  const std::string cpu_error = error_of([&] {
+    Tensor<std::uint8_t, cpu> keep;
+    capacity_mask(bad_ids, 4, 1, keep);
+  });
+  CHECK(cpu_error.find("expert id 9 at assignment 2 is outside [0, 4)") != std::string::npos);
+  CHECK(error_of([&] {
+          Tensor<std::uint8_t, graphmoe::cuda> keep;
+          capacity_mask(to_device(bad_ids), 4, 1, keep);
+        }) == cpu_error);
 }
 
 }  // namespace graphmoe

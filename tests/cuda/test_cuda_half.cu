@@ -38,11 +38,11 @@
 #include <cuda_fp16.h>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/gelu.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/ops/layernorm.hpp"
-#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"

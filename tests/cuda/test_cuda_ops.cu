@@ -23,10 +23,6 @@
 #include <vector>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
-#include "graphmoe/backend/cpu/softmax.hpp"
-#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
@@ -35,6 +31,10 @@
 #include "graphmoe/backend/cuda/grouped.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gemm.hpp"
+#include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
 

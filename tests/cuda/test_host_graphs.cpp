@@ -25,8 +25,8 @@
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
 
-#include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/backend/cuda/detail/token_graph_math.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/routing/token_graphs.hpp"
 #include "routing/router_fixtures.hpp"
 #include "support/gradcheck.hpp"

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gates.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gates.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

@@ -2,7 +2,7 @@
 // bad input.
 #include <doctest/doctest.h>
 
-#include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "graphmoe/backend/cpu/softmax.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;

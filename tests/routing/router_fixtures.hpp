@@ -3,8 +3,8 @@
 
 #include <cmath>
 
-#include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/attention_cache.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "support/gradcheck.hpp"
 
 namespace graphmoe::test {

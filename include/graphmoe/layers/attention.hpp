@@ -14,9 +14,10 @@
 #include <cmath>
 #include <string>
 
-#include "graphmoe/ops/attention.hpp"
-#include "graphmoe/layers/linear.hpp"
 #include "graphmoe/core/attention_cache.hpp"
+#include "graphmoe/layers/linear.hpp"
+#include "graphmoe/ops/attention.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
 

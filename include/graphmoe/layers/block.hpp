@@ -14,6 +14,7 @@
 #include "graphmoe/layers/ffn.hpp"
 #include "graphmoe/layers/moe.hpp"
 #include "graphmoe/layers/norm.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
 

@@ -25,11 +25,11 @@
 #include <vector>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/ops/gelu.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gelu.hpp"
+#include "graphmoe/ops/gemm.hpp"
 
 namespace graphmoe {
 

@@ -12,10 +12,10 @@
 
 #include <string>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gemm.hpp"
 
 namespace graphmoe {
 

@@ -14,10 +14,10 @@
 #include <type_traits>
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/dist/expert_parallel.hpp"
 #include "graphmoe/layers/expert_bank.hpp"
 #include "graphmoe/layers/loss.hpp"
+#include "graphmoe/ops/gates.hpp"
 #include "graphmoe/routing/router.hpp"
 
 namespace graphmoe {

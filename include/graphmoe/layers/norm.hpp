@@ -4,9 +4,9 @@
 
 #include <string>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/layernorm.hpp"
 
 namespace graphmoe {
 

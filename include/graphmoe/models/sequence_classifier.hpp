@@ -17,8 +17,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
 

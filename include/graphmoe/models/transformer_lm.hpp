@@ -25,6 +25,8 @@
 #include "graphmoe/ops/cross_entropy.hpp"
 #include "graphmoe/ops/embedding.hpp"
 #include "graphmoe/layers/block.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gemm.hpp"
 
 namespace graphmoe {
 

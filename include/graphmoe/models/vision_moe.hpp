@@ -19,6 +19,7 @@
 
 #include "graphmoe/ops/cross_entropy.hpp"
 #include "graphmoe/layers/block.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
 

@@ -12,6 +12,7 @@
 
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/elementwise.cuh"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 
 namespace graphmoe {

@@ -15,9 +15,10 @@
 
 #include <string>
 
-#include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/mode.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 #include "graphmoe/routing/concepts.hpp"
 #include "graphmoe/routing/scorers.hpp"

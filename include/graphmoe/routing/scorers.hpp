@@ -13,10 +13,10 @@
 #include <string>
 #include <type_traits>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/routing/policies.hpp"
 
 namespace graphmoe {

@@ -24,9 +24,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "graphmoe/backend/cpu/gates.hpp"
-#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/ops/gates.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/routing/policies.hpp"
 
 namespace graphmoe {

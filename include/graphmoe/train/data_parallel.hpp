@@ -26,9 +26,9 @@
 #include <utility>
 #include <vector>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/communicator.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 
 namespace graphmoe::dist {

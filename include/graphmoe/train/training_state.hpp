@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/train/checkpoint.hpp"
 #include "graphmoe/train/optim.hpp"
 

@@ -1,49 +1,30 @@
-// graphmoe/backend/cpu/gates.hpp: the selector's ops after top-k (routing/selectors.hpp).
+// graphmoe/backend/cpu/gates.hpp: the CPU system's selector ops after top-k (contract and
+// argument checks: ops/gates.hpp, which calls these through the backend tag).
 //
-//   capacity_mask(indices, E, capacity, keep) -> dropped
-//       keep[a] = 0 for every assignment a = t k + j (token order, then choice order) beyond the
-//       first `capacity` assignments of its expert; 1 otherwise. capacity <= 0: keep everything.
-//   renormalized_gates(values, keep, gates)
-//       gates[t, j] = keep[t, j] values[t, j] / s_t,   s_t = sum_j values[t, j]
-//       (Renormalize(TopK^0(p)) of the paper's Appendix C.3; s_t counts dropped choices too)
-//   renormalized_gates_backward(values, indices, keep, gates, dgates, dp)
-//       dp (N, E) assigned: zero except at the selected experts, where
-//       dp[t, indices[t, j]] = keep[t, j] dgates[t, j] / s_t - sum_l gates[t, l] dgates[t, l] / s_t
-//   route_dropped_to(indices, keep, bucket, ids)
-//       ids[a] = keep[a] ? indices[a] : bucket   (the MoE layer sends dropped assignments to an
-//       extra expert `bucket` = E that the expert bank skips)
-//
-// backend/cuda/gates.cuh has the same functions on Tensor<T, cuda>.
+// One pass over the tokens in order, single-threaded (N k assignments with k = 1 to 8 choices).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
 
-namespace detail {
-template <class T, class B>
-void check_gate_inputs(const char* op, const Tensor<T, B>& values,
-                       const Tensor<std::uint8_t, B>& keep) {
-  GRAPHMOE_CHECK(values.rank() == 2 && !values.empty(), op,
-                 "values must be a non-empty (N, k) matrix, got shape ", values.shape());
-  check_shape(op, "keep", keep, values.shape());
-}
-}  // namespace detail
-
-inline index_t capacity_mask(const Tensor<std::int32_t, cpu>& indices, index_t num_experts,
-                             index_t capacity, Tensor<std::uint8_t, cpu>& keep) {
-  prepare_output("capacity_mask", "keep", keep, indices.shape());
+// keep (indices' shape) prepared by ops/gates.hpp; sets `dropped` and returns the first expert id
+// outside [0, num_experts) (checked only with a capacity; keep is then partly written).
+inline Offender capacity_mask(cpu, const Tensor<std::int32_t, cpu>& indices, index_t num_experts,
+                              index_t capacity, Tensor<std::uint8_t, cpu>& keep,
+                              index_t& dropped) {
+  dropped = 0;
   std::fill(keep.data(), keep.data() + keep.numel(), std::uint8_t{1});
-  if (capacity <= 0) return 0;
+  if (capacity <= 0) return {};
   std::vector<index_t> load(static_cast<std::size_t>(num_experts), 0);
-  index_t dropped = 0;
   for (index_t a = 0; a < indices.numel(); ++a) {
     const std::int32_t e = indices.data()[a];
-    GRAPHMOE_CHECK(e >= 0 && e < num_experts, "capacity_mask", "expert id ", e,
-                   " at assignment ", a, " is outside [0, ", num_experts, ")");
+    if (!(e >= 0 && e < num_experts)) return {a, static_cast<double>(e)};
     auto& l = load[static_cast<std::size_t>(e)];
     if (l >= capacity) {
       keep.data()[a] = 0;
@@ -52,35 +33,33 @@ inline index_t capacity_mask(const Tensor<std::int32_t, cpu>& indices, index_t n
       ++l;
     }
   }
-  return dropped;
+  return {};
 }
 
+// gates (values' shape) prepared by ops/gates.hpp; returns the first token whose selected scores
+// do not sum to > 0, with that sum (the gates of earlier tokens are written).
 template <class T>
-void renormalized_gates(const Tensor<T, cpu>& values, const Tensor<std::uint8_t, cpu>& keep,
-                        Tensor<T, cpu>& gates) {
-  detail::check_gate_inputs("renormalized_gates", values, keep);
-  prepare_output("renormalized_gates", "gates", gates, values.shape());
+Offender renormalized_gates(cpu, const Tensor<T, cpu>& values,
+                            const Tensor<std::uint8_t, cpu>& keep, Tensor<T, cpu>& gates) {
   const index_t n = values.rows(), k = values.cols();
   for (index_t i = 0; i < n; ++i) {
     const T* v = values.data() + i * k;
     T s = 0;
     for (index_t j = 0; j < k; ++j) s += v[j];
-    GRAPHMOE_CHECK(s > T(0), "TopK", "the selected scores of token ", i, " sum to ", s,
-                   " (p must be a probability vector)");
+    if (!(s > T(0))) return {i, static_cast<double>(s)};
     for (index_t j = 0; j < k; ++j) gates.data()[i * k + j] = keep.data()[i * k + j] ? v[j] / s : T(0);
   }
+  return {};
 }
 
+// dp (N, E) prepared by ops/gates.hpp; assigned.
 template <class T>
-void renormalized_gates_backward(const Tensor<T, cpu>& values,
+void renormalized_gates_backward(cpu, const Tensor<T, cpu>& values,
                                  const Tensor<std::int32_t, cpu>& indices,
                                  const Tensor<std::uint8_t, cpu>& keep, const Tensor<T, cpu>& gates,
                                  const Tensor<T, cpu>& dgates, index_t num_experts,
                                  Tensor<T, cpu>& dp) {
-  detail::check_gate_inputs("renormalized_gates_backward", values, keep);
-  check_shape("TopK::backward", "dgates", dgates, gates.shape());
   const index_t n = values.rows(), k = values.cols();
-  prepare_output("TopK::backward", "dp", dp, Shape{n, num_experts});
   dp.zero();
   for (index_t i = 0; i < n; ++i) {
     T s = 0, gdg = 0;
@@ -96,11 +75,10 @@ void renormalized_gates_backward(const Tensor<T, cpu>& values,
   }
 }
 
-inline void route_dropped_to(const Tensor<std::int32_t, cpu>& indices,
+// ids (indices' shape) prepared by ops/gates.hpp.
+inline void route_dropped_to(cpu, const Tensor<std::int32_t, cpu>& indices,
                              const Tensor<std::uint8_t, cpu>& keep, std::int32_t bucket,
                              Tensor<std::int32_t, cpu>& ids) {
-  check_shape("route_dropped_to", "keep", keep, indices.shape());
-  prepare_output("route_dropped_to", "ids", ids, indices.shape());
   for (index_t a = 0; a < indices.numel(); ++a)
     ids.data()[a] = keep.data()[a] ? indices.data()[a] : bucket;
 }

@@ -1,9 +1,15 @@
-// graphmoe/backend/cpu/gemm.hpp: general matrix multiply and its backward, on Eigen.
+// graphmoe/backend/cpu/gemm.hpp: the CPU system's general matrix multiply, on Eigen (contract and
+// argument checks: ops/gemm.hpp, which calls gemm(cpu{}, ...) through the backend tag; gemm's
+// backward is two gemm calls there).
 //
 //   C = alpha * op(A) * op(B) + beta * C,   op(X) = X or X^T
 //
 // A, B and C are read as matrices (all dimensions but the last flattened into rows). With
-// GRAPHMOE_USE_BLAS, Eigen hands the product to OpenBLAS's sgemm/dgemm.
+// GRAPHMOE_USE_BLAS, Eigen hands the product to OpenBLAS's sgemm/dgemm. Large products are split
+// into row (or column) panels over set_num_threads() threads (detail::gemm_matrix).
+//
+// detail::MatrixView, view_of and gemm_view are also the CPU token graph's product
+// (routing/graphs/similarity.hpp).
 #pragma once
 
 #include <type_traits>
@@ -91,63 +97,15 @@ void gemm_matrix(Trans ta, Trans tb, T alpha, const MatrixMap<T>& A, const Matri
 }
 }  // namespace detail
 
-// C = alpha * op(A) op(B) + beta * C. An empty C is allocated as (M, N) (then beta is ignored).
+// C (M, N) = alpha op(A) op(B) + beta C, with A, B and C checked (and an empty C allocated, beta
+// then 0) by ops/gemm.hpp.
 template <class T>
-void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cpu>& A, const Tensor<T, cpu>& B, T beta,
-          Tensor<T, cpu>& C) {
-  GRAPHMOE_CHECK(!A.empty() && !B.empty(), "gemm", "A or B is empty");
-  GRAPHMOE_CHECK(A.rank() >= 1 && B.rank() >= 1, "gemm", "A and B must have rank >= 1, got ",
-                 A.shape(), " and ", B.shape());
-  const index_t m = ta == Trans::N ? A.rows() : A.cols();
-  const index_t ka = ta == Trans::N ? A.cols() : A.rows();
-  const index_t kb = tb == Trans::N ? B.rows() : B.cols();
-  const index_t n = tb == Trans::N ? B.cols() : B.rows();
-  GRAPHMOE_CHECK(ka == kb, "gemm", "inner dimensions differ: op(A) is (", m, ", ", ka,
-                 ") from A ", A.shape(), (ta == Trans::T ? " transposed" : ""), ", op(B) is (", kb,
-                 ", ", n, ") from B ", B.shape(), (tb == Trans::T ? " transposed" : ""));
-  if (C.empty()) {
-    C = Tensor<T, cpu>(Shape{m, n});
-    beta = T(0);
-  }
-  GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),
-                 ", expected ", m, " rows and ", n, " columns for A ", A.shape(), " and B ",
-                 B.shape());
+void gemm(cpu, Trans ta, Trans tb, T alpha, const Tensor<T, cpu>& A, const Tensor<T, cpu>& B,
+          T beta, Tensor<T, cpu>& C) {
   auto a = as_matrix(A);
   auto b = as_matrix(B);
   auto c = as_matrix(C);
   detail::gemm_matrix(ta, tb, alpha, a, b, beta, c);
-}
-
-// Backward of C = alpha * op(A) op(B) (the beta * C term carries no gradient to A or B):
-//   dA = beta_a * dA + alpha * d op(A)   and   dB = beta_b * dB + alpha * d op(B)
-// with d op(A) = dC op(B)^T and d op(B) = op(A)^T dC, transposed back when op is a transpose.
-// Pass beta = 0 to assign, 1 to accumulate. An empty dA (or dB) is skipped.
-// Backend-independent: it is two calls of the backend's gemm (found by argument-dependent lookup,
-// so backend/cuda/gemm.cuh reuses it for Tensor<T, cuda>).
-template <class T, class Backend>
-void gemm_backward(Trans ta, Trans tb, T alpha, const Tensor<T, Backend>& A,
-                   const Tensor<T, Backend>& B, const Tensor<T, Backend>& dC, T beta_a,
-                   Tensor<T, Backend>& dA, T beta_b, Tensor<T, Backend>& dB) {
-  const index_t m = ta == Trans::N ? A.rows() : A.cols();
-  const index_t n = tb == Trans::N ? B.cols() : B.rows();
-  GRAPHMOE_CHECK(dC.rows() == m && dC.cols() == n, "gemm_backward", "dC has shape ", dC.shape(),
-                 ", expected (", m, ", ", n, ") for A ", A.shape(), " and B ", B.shape());
-  if (!dA.empty()) {
-    check_shape("gemm_backward", "dA", dA, A.shape());
-    // op(A) = A:   dA = dC op(B)^T        op(A) = A^T:  dA = op(B) dC^T
-    if (ta == Trans::N)
-      gemm(Trans::N, tb == Trans::N ? Trans::T : Trans::N, alpha, dC, B, beta_a, dA);
-    else
-      gemm(tb, Trans::T, alpha, B, dC, beta_a, dA);
-  }
-  if (!dB.empty()) {
-    check_shape("gemm_backward", "dB", dB, B.shape());
-    // op(B) = B:   dB = op(A)^T dC        op(B) = B^T:  dB = dC^T op(A)
-    if (tb == Trans::N)
-      gemm(ta == Trans::N ? Trans::T : Trans::N, Trans::N, alpha, A, dC, beta_b, dB);
-    else
-      gemm(Trans::T, ta, alpha, dC, A, beta_b, dB);
-  }
 }
 
 }  // namespace graphmoe

@@ -1,4 +1,6 @@
-// graphmoe/backend/cpu/softmax.hpp: softmax and log-softmax over the last dimension.
+// graphmoe/backend/cpu/softmax.hpp: the CPU system's softmax and log-softmax over the last
+// dimension (contract and argument checks: ops/softmax.hpp, which calls these through the backend
+// tag).
 //
 //   softmax:      y_j = exp(x_j - m) / sum_k exp(x_k - m),        m = max_k x_k
 //                 dx_j = y_j * (dy_j - sum_k dy_k y_k)
@@ -11,13 +13,9 @@
 // (detail/vexp.hpp: Eigen's packet exp, std::exp outside its normal range). -inf entries (masked
 // positions) are fine as long as the row has a finite entry: their probability is exactly 0.
 //
-// A row whose maximum is not finite (every entry -inf, or an entry +inf) has no defined softmax,
-// and a row holding a NaN would be NaN throughout: the forward functions throw graphmoe::Error
-// naming the first such row and the cause instead of writing NaN (as topk does for NaN).
-// Such a row is left untouched in y; other rows of y may already be written when it throws.
-//
-// Outputs follow prepare_output (empty: allocated; otherwise the shape must match) and may alias
-// their inputs: y may be x, dx may be dy.
+// The forward functions return the first row without a finite maximum (core/bad_row.hpp), with
+// its NaN and +inf counts, for the op layer to throw; such a row is left untouched in y, other
+// rows are written. y may be x, dx may be dy.
 #pragma once
 
 #include <algorithm>
@@ -27,6 +25,7 @@
 
 #include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/backend/cpu/detail/vexp.hpp"
+#include "graphmoe/core/bad_row.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
@@ -46,10 +45,9 @@ inline void softmax_note_bad_row(std::atomic<index_t>& first, index_t row) {
   }
 }
 
-// Throws describing why row `row` of x has no finite maximum.
+// Row `row` of x (no finite maximum) with its NaN and +inf counts.
 template <class T>
-[[noreturn]] void softmax_throw_bad_row(const char* op, const char* what, const Tensor<T, cpu>& x,
-                                        index_t row) {
+BadRow softmax_bad_row(const Tensor<T, cpu>& x, index_t row) {
   const index_t cols = x.cols();
   const T* p = x.data() + row * cols;
   index_t pos_inf = 0, nan = 0;
@@ -57,22 +55,13 @@ template <class T>
     if (std::isnan(p[j])) ++nan;
     if (p[j] == std::numeric_limits<T>::infinity()) ++pos_inf;
   }
-  if (nan > 0)
-    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains NaN (", nan,
-                " entries)");
-  if (pos_inf > 0)
-    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains +inf (", pos_inf,
-                " entries): the softmax of that row is undefined");
-  throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(),
-              ") is entirely -inf (fully masked): the softmax of that row is undefined");
+  return {row, nan, pos_inf};
 }
 
-// Shared forward of softmax (log = false) and log_softmax (log = true); `what` names x.
+// Shared forward of softmax (log = false) and log_softmax (log = true) into y, prepared with x's
+// shape; returns the first row of x without a finite maximum, if any.
 template <class T>
-void softmax_forward_impl(const char* op, const char* what, bool log, const Tensor<T, cpu>& x,
-                          Tensor<T, cpu>& y) {
-  GRAPHMOE_CHECK(!x.empty(), op, what, " is empty");
-  prepare_output(op, "y", y, x.shape());
+BadRow softmax_rows(bool log, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
   const index_t rows = x.rows(), cols = x.cols();
   const T* xs = x.data();
   T* ys = y.data();
@@ -101,30 +90,40 @@ void softmax_forward_impl(const char* op, const char* what, bool log, const Tens
       },
       softmax_row_grain(cols));
   const index_t bad = first_bad.load();
-  if (bad < rows) softmax_throw_bad_row(op, what, x, bad);
+  return bad < rows ? softmax_bad_row(x, bad) : BadRow{};
 }
 
+// The log-softmax of cross_entropy (backend/cpu/cross_entropy.hpp): checks x, prepares y and
+// throws for a row without a finite maximum, with the messages of ops/softmax.hpp (`what` names
+// x). Goes when cross_entropy's checks move to the op layer.
 template <class T>
-void softmax_check_backward(const char* op, const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy,
-                            Tensor<T, cpu>& dx) {
-  GRAPHMOE_CHECK(!y.empty() && !dy.empty(), op, "y or dy is empty");
-  GRAPHMOE_CHECK(dy.shape() == y.shape(), op, "dy has shape ", dy.shape(), ", expected y's shape ",
-                 y.shape());
-  prepare_output(op, "dx", dx, y.shape());
+void softmax_forward_impl(const char* op, const char* what, bool log, const Tensor<T, cpu>& x,
+                          Tensor<T, cpu>& y) {
+  GRAPHMOE_CHECK(!x.empty(), op, what, " is empty");
+  prepare_output(op, "y", y, x.shape());
+  const BadRow bad = softmax_rows(log, x, y);
+  if (!bad.found()) return;
+  if (bad.nan > 0)
+    throw_error(op, "row ", bad.row, " of ", what, " (shape ", x.shape(), ") contains NaN (",
+                bad.nan, " entries)");
+  if (bad.pos_inf > 0)
+    throw_error(op, "row ", bad.row, " of ", what, " (shape ", x.shape(), ") contains +inf (",
+                bad.pos_inf, " entries): the softmax of that row is undefined");
+  throw_error(op, "row ", bad.row, " of ", what, " (shape ", x.shape(),
+              ") is entirely -inf (fully masked): the softmax of that row is undefined");
 }
 
 }  // namespace detail
 
-// y = softmax(x) over the last dimension. Throws for a row without a finite maximum.
+// y (x's shape, prepared by ops/softmax.hpp) = softmax(x); returns the first bad row of x.
 template <class T>
-void softmax_forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
-  detail::softmax_forward_impl("softmax_forward", "x", false, x, y);
+BadRow softmax_forward(cpu, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+  return detail::softmax_rows(false, x, y);
 }
 
-// dx = y * (dy - sum(dy * y)) per row, from the forward output y. dx is assigned.
+// dx = y * (dy - sum(dy * y)) per row; dx prepared by ops/softmax.hpp.
 template <class T>
-void softmax_backward(const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
-  detail::softmax_check_backward("softmax_backward", y, dy, dx);
+void softmax_backward(cpu, const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
   const index_t rows = y.rows(), cols = y.cols();
   const T* ys = y.data();
   const T* dys = dy.data();
@@ -143,16 +142,16 @@ void softmax_backward(const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy, Tensor<
       detail::softmax_row_grain(cols));
 }
 
-// y = log_softmax(x) over the last dimension. Throws for a row without a finite maximum.
+// y (x's shape, prepared by ops/softmax.hpp) = log_softmax(x); returns the first bad row of x.
 template <class T>
-void log_softmax_forward(const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
-  detail::softmax_forward_impl("log_softmax_forward", "x", true, x, y);
+BadRow log_softmax_forward(cpu, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
+  return detail::softmax_rows(true, x, y);
 }
 
-// dx = dy - exp(y) * sum(dy) per row, from the forward output y. dx is assigned.
+// dx = dy - exp(y) * sum(dy) per row; dx prepared by ops/softmax.hpp.
 template <class T>
-void log_softmax_backward(const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy, Tensor<T, cpu>& dx) {
-  detail::softmax_check_backward("log_softmax_backward", y, dy, dx);
+void log_softmax_backward(cpu, const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy,
+                          Tensor<T, cpu>& dx) {
   const index_t rows = y.rows(), cols = y.cols();
   const T* ys = y.data();
   const T* dys = dy.data();

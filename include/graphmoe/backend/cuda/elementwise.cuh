@@ -1,4 +1,6 @@
-// graphmoe/backend/cuda/elementwise.cuh: backend/cpu/elementwise.hpp on Tensor<T, cuda>.
+// graphmoe/backend/cuda/elementwise.cuh: the CUDA system's small element-wise and broadcast ops
+// on Tensor<T, cuda> (contract and argument checks: ops/elementwise.hpp, which calls these through
+// the backend tag).
 //
 //   add_row_vector(b, y)           y[i, :] += b            one thread per element
 //   accumulate_column_sums(dy, db) db += sum_i dy[i, :]    one thread per column, rows in order
@@ -10,9 +12,8 @@
 //   fill_normal(t, rng, stddev)    drawn on the host from rng in flat order (the same values as
 //                                  the CPU version for the same rng state), then copied: used
 //                                  for initialisation only
-//   check_finite(op, what, t)      core/tensor.hpp's check for device tensors: a kernel finds
-//                                  the first NaN/Inf (one flag read back, which synchronises),
-//                                  then the same message as the CPU check
+//   check_finite(t)                a kernel finds the first NaN/Inf (one flag read back, which
+//                                  synchronises) and returns it for ops/elementwise.hpp to throw
 //   copy_from_host(dst, src)       a synchronous host-to-device copy into dst
 //   read_scalar(t)                 one value read back (synchronises)
 //   accumulate_dot                 one block, double partial sums in a fixed order
@@ -25,9 +26,11 @@
 // rounds once at the end. alpha and value are given as T.
 #pragma once
 
-#include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/offender.hpp"
+#include "graphmoe/core/rng.hpp"
+#include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
 
@@ -131,8 +134,7 @@ __global__ void fill_kernel(T* t, T value, index_t n) {
 }  // namespace detail
 
 template <class T>
-void add_row_vector(const Tensor<T, cuda>& b, const Tensor<T, cuda>& y) {
-  detail::check_row_vector("add_row_vector", "b", y, b);
+void add_row_vector(cuda, const Tensor<T, cuda>& b, const Tensor<T, cuda>& y) {
   const index_t n = y.numel();
   if (n == 0) return;
   detail::launch_kernel<detail::add_row_vector_kernel<T>>(detail::grid_for(n), detail::kThreads,
@@ -141,8 +143,7 @@ void add_row_vector(const Tensor<T, cuda>& b, const Tensor<T, cuda>& y) {
 }
 
 template <class T>
-void accumulate_column_sums(const Tensor<T, cuda>& dy, const Tensor<T, cuda>& db) {
-  detail::check_row_vector("accumulate_column_sums", "db", dy, db);
+void accumulate_column_sums(cuda, const Tensor<T, cuda>& dy, const Tensor<T, cuda>& db) {
   const index_t cols = dy.cols();
   if (cols == 0) return;
   detail::launch_kernel<detail::column_sums_kernel<T>>(detail::grid_for(cols), detail::kThreads,
@@ -151,8 +152,7 @@ void accumulate_column_sums(const Tensor<T, cuda>& dy, const Tensor<T, cuda>& db
 }
 
 template <class T>
-void axpy(T alpha, const Tensor<T, cuda>& x, const Tensor<T, cuda>& y) {
-  detail::check_same_size("axpy", x, y);
+void axpy(cuda, T alpha, const Tensor<T, cuda>& x, const Tensor<T, cuda>& y) {
   const index_t n = y.numel();
   detail::launch_kernel<detail::axpy_kernel<T>>(detail::grid_for(n), detail::kThreads, alpha,
                                                 x.data(), y.data(), n);
@@ -160,7 +160,7 @@ void axpy(T alpha, const Tensor<T, cuda>& x, const Tensor<T, cuda>& y) {
 }
 
 template <class T>
-void scale(const Tensor<T, cuda>& t, T alpha) {
+void scale(cuda, const Tensor<T, cuda>& t, T alpha) {
   const index_t n = t.numel();
   if (n == 0) return;
   detail::launch_kernel<detail::scale_kernel<T>>(detail::grid_for(n), detail::kThreads, t.data(),
@@ -169,7 +169,7 @@ void scale(const Tensor<T, cuda>& t, T alpha) {
 }
 
 template <class T>
-void fill(const Tensor<T, cuda>& t, T value) {
+void fill(cuda, const Tensor<T, cuda>& t, T value) {
   const index_t n = t.numel();
   if (n == 0) return;
   detail::launch_kernel<detail::fill_kernel<T>>(detail::grid_for(n), detail::kThreads, t.data(),
@@ -177,57 +177,52 @@ void fill(const Tensor<T, cuda>& t, T value) {
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
+// The first NaN or Inf entry of t, if any.
 template <class T>
-void check_finite(const char* op, const char* what, const Tensor<T, cuda>& t) {
+Offender check_finite(cuda, const Tensor<T, cuda>& t) {
   static_assert(detail::cuda_float_type<T>,
                 "check_finite on cuda: T must be float, double, __nv_bfloat16 or __half");
   const index_t n = t.numel();
-  if (n == 0) return;
+  if (n == 0) return {};
   detail::FirstIndexFlag first;
   detail::launch_kernel<detail::first_non_finite_kernel<T>>(detail::grid_for(n), detail::kThreads,
                                                             t.data(), n, first.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t i = first.read();
-  if (i >= 0)
-    GRAPHMOE_CHECK(false, op, what, " of shape ", t.shape(), " holds ",
-                   detail::to_acc(detail::read_device_value(t.data() + i)), " at flat index ",
-                   i);
+  if (i < 0) return {};
+  return {i, static_cast<double>(detail::to_acc(detail::read_device_value(t.data() + i)))};
 }
 
+// Drawn on the host in flat order (the CPU system's loop), then copied.
 template <class T>
-void fill_normal(const Tensor<T, cuda>& t, Rng& rng, double stddev) {
+void fill_normal(cuda, const Tensor<T, cuda>& t, Rng& rng, double stddev) {
   Tensor<T, cpu> h(t.shape());
-  fill_normal(h, rng, stddev);
+  for (index_t i = 0; i < h.numel(); ++i) h.data()[i] = static_cast<T>(rng.normal(0.0, stddev));
   Tensor<T, cuda> d = t;
   to_device(h, d);
 }
 
 template <class T>
-void copy_from_host(const Tensor<T, cuda>& dst, const Tensor<T, cpu>& src) {
+void copy_from_host(cuda, const Tensor<T, cuda>& dst, const Tensor<T, cpu>& src) {
   Tensor<T, cuda> d = dst;
   to_device(src, d);
 }
 
 template <class T>
-T read_scalar(const Tensor<T, cuda>& t) {
-  GRAPHMOE_CHECK(t.numel() >= 1, "read_scalar", "the tensor is empty");
+T read_scalar(cuda, const Tensor<T, cuda>& t) {
   return detail::read_device_value(t.data());
 }
 
 template <class T>
-void accumulate_dot(const Tensor<T, cuda>& a, const Tensor<T, cuda>& b, T alpha,
+void accumulate_dot(cuda, const Tensor<T, cuda>& a, const Tensor<T, cuda>& b, T alpha,
                     const Tensor<T, cuda>& d) {
-  detail::check_same_size("accumulate_dot", a, b);
-  GRAPHMOE_CHECK(d.numel() == 1, "accumulate_dot", "the destination has shape ", d.shape(),
-                 ", expected one element");
   detail::launch_kernel<detail::accumulate_dot_kernel<T>>(1, detail::kThreads, a.data(), b.data(),
                                                           a.numel(), alpha, d.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
-void normalize_rows(const Tensor<T, cuda>& x, Tensor<T, cuda>& norms, T eps) {
-  prepare_output("normalize_rows", "norms", norms, Shape{x.rows()});
+void normalize_rows(cuda, const Tensor<T, cuda>& x, Tensor<T, cuda>& norms, T eps) {
   if (x.rows() == 0) return;
   detail::launch_kernel<detail::normalize_rows_kernel<T>>(
       detail::grid_for_rows(x.rows()), detail::threads_for_row(x.cols()), x.data(), norms.data(),
@@ -236,9 +231,8 @@ void normalize_rows(const Tensor<T, cuda>& x, Tensor<T, cuda>& norms, T eps) {
 }
 
 template <class T>
-void normalize_rows_backward(const Tensor<T, cuda>& y, const Tensor<T, cuda>& norms, T eps,
+void normalize_rows_backward(cuda, const Tensor<T, cuda>& y, const Tensor<T, cuda>& norms, T eps,
                              const Tensor<T, cuda>& dy) {
-  check_shape("normalize_rows_backward", "dy", dy, y.shape());
   if (y.rows() == 0) return;
   detail::launch_kernel<detail::normalize_rows_backward_kernel<T>>(
       detail::grid_for_rows(y.rows()), detail::threads_for_row(y.cols()), y.data(), norms.data(),
@@ -248,12 +242,10 @@ void normalize_rows_backward(const Tensor<T, cuda>& y, const Tensor<T, cuda>& no
 
 // One thread per patch entry (the CPU op's order, as a gather).
 template <class T>
-void patchify(const Tensor<T, cuda>& images, index_t patch, index_t height, index_t width,
+void patchify(cuda, const Tensor<T, cuda>& images, index_t patch, index_t height, index_t width,
               index_t channels, Tensor<T, cuda>& patches) {
-  detail::check_patchify(images.numel(), patch, height, width, channels);
-  const index_t per_image = height * width * channels, b = images.numel() / per_image;
+  const index_t per_image = height * width * channels;
   const index_t pw = width / patch, np = (height / patch) * pw, pd = patch * patch * channels;
-  prepare_output("patchify", "patches", patches, Shape{b * np, pd});
   const index_t n = patches.numel();
   if (n == 0) return;
   detail::launch_kernel<detail::patchify_kernel<T>>(detail::grid_for(n), detail::kThreads,

@@ -1,7 +1,8 @@
-// graphmoe/backend/cuda/gates.cuh: backend/cpu/gates.hpp on Tensor<T, cuda>.
+// graphmoe/backend/cuda/gates.cuh: the CUDA system's selector ops after top-k on Tensor<T, cuda>
+// (contract and argument checks: ops/gates.hpp, which calls these through the backend tag).
 //
-//   renormalized_gates            one thread per token (k <= E is small: 1 to 8 choices); a token
-//                                 whose selected scores do not sum to > 0 throws the CPU message
+//   renormalized_gates            one thread per token (k <= E is small: 1 to 8 choices); the
+//                                 first token whose selected scores do not sum to > 0 is returned
 //                                 (one flag read back, which synchronises the stream)
 //   renormalized_gates_backward   one thread per token: zeroes its row of dp, then writes its k
 //                                 entries (the top-k ids of a token are distinct), sums in the
@@ -9,17 +10,20 @@
 //   route_dropped_to              one thread per assignment
 //   capacity_mask                 token order is inherently sequential per expert: the ids
 //                                 (N k int32, 16 KB at the paper's medium shape) are copied to
-//                                 the host, the CPU op runs there and keep is copied back. Only
+//                                 the host, the CPU system's loop runs there and keep is copied
+//                                 back (not when an id is out of range: keep is untouched). Only
 //                                 taken when RouterConfig::capacity_factor > 0 (off by default);
 //                                 without a capacity the mask is filled on the device.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/offender.hpp"
+#include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
 
@@ -68,25 +72,42 @@ __global__ void route_dropped_to_kernel(const I* indices, const std::uint8_t* ke
 
 }  // namespace detail
 
-inline index_t capacity_mask(const Tensor<std::int32_t, cuda>& indices, index_t num_experts,
-                             index_t capacity, Tensor<std::uint8_t, cuda>& keep) {
-  prepare_output("capacity_mask", "keep", keep, indices.shape());
+// keep (indices' shape) prepared by ops/gates.hpp; sets `dropped` and returns the first expert id
+// outside [0, num_experts) (checked only with a capacity).
+inline Offender capacity_mask(cuda, const Tensor<std::int32_t, cuda>& indices,
+                              index_t num_experts, index_t capacity,
+                              Tensor<std::uint8_t, cuda>& keep, index_t& dropped) {
+  dropped = 0;
   if (capacity <= 0) {
     if (keep.numel() > 0)
       GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(keep.data(), 1, keep.bytes(), cuda_stream()));
-    return 0;
+    return {};
   }
-  Tensor<std::uint8_t, cpu> host_keep;
-  const index_t dropped = capacity_mask(to_host(indices), num_experts, capacity, host_keep);
+  // The CPU system's loop (backend/cpu/gates.hpp) on host copies.
+  const Tensor<std::int32_t, cpu> host_ids = to_host(indices);
+  Tensor<std::uint8_t, cpu> host_keep(indices.shape());
+  std::fill(host_keep.data(), host_keep.data() + host_keep.numel(), std::uint8_t{1});
+  std::vector<index_t> load(static_cast<std::size_t>(num_experts), 0);
+  for (index_t a = 0; a < host_ids.numel(); ++a) {
+    const std::int32_t e = host_ids.data()[a];
+    if (!(e >= 0 && e < num_experts)) return {a, static_cast<double>(e)};
+    auto& l = load[static_cast<std::size_t>(e)];
+    if (l >= capacity) {
+      host_keep.data()[a] = 0;
+      ++dropped;
+    } else {
+      ++l;
+    }
+  }
   to_device(host_keep, keep);
-  return dropped;
+  return {};
 }
 
+// gates (values' shape) prepared by ops/gates.hpp; returns the first token whose selected scores
+// do not sum to > 0, with that sum (recomputed on the host in the CPU system's order).
 template <class T>
-void renormalized_gates(const Tensor<T, cuda>& values, const Tensor<std::uint8_t, cuda>& keep,
-                        Tensor<T, cuda>& gates) {
-  detail::check_gate_inputs("renormalized_gates", values, keep);
-  prepare_output("renormalized_gates", "gates", gates, values.shape());
+Offender renormalized_gates(cuda, const Tensor<T, cuda>& values,
+                            const Tensor<std::uint8_t, cuda>& keep, Tensor<T, cuda>& gates) {
   const index_t n = values.rows(), k = values.cols();
   detail::FirstIndexFlag bad;
   detail::launch_kernel<detail::renormalized_gates_kernel<T>>(detail::grid_for(n), detail::kThreads,
@@ -94,36 +115,31 @@ void renormalized_gates(const Tensor<T, cuda>& values, const Tensor<std::uint8_t
                                                               gates.data(), n, k, bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t i = bad.read();
-  if (i >= 0) {
-    const Tensor<T, cpu> row = to_host(values[i]);
-    T s = 0;
-    for (index_t j = 0; j < k; ++j) s += row.data()[j];
-    GRAPHMOE_CHECK(false, "TopK", "the selected scores of token ", i, " sum to ", s,
-                   " (p must be a probability vector)");
-  }
+  if (i < 0) return {};
+  const Tensor<T, cpu> row = to_host(values[i]);
+  T s = 0;
+  for (index_t j = 0; j < k; ++j) s += row.data()[j];
+  return {i, static_cast<double>(detail::to_acc(s))};
 }
 
+// dp (N, E) prepared by ops/gates.hpp; assigned.
 template <class T>
-void renormalized_gates_backward(const Tensor<T, cuda>& values,
+void renormalized_gates_backward(cuda, const Tensor<T, cuda>& values,
                                  const Tensor<std::int32_t, cuda>& indices,
                                  const Tensor<std::uint8_t, cuda>& keep,
                                  const Tensor<T, cuda>& gates, const Tensor<T, cuda>& dgates,
                                  index_t num_experts, Tensor<T, cuda>& dp) {
-  detail::check_gate_inputs("renormalized_gates_backward", values, keep);
-  check_shape("TopK::backward", "dgates", dgates, gates.shape());
   const index_t n = values.rows(), k = values.cols();
-  prepare_output("TopK::backward", "dp", dp, Shape{n, num_experts});
   detail::launch_kernel<detail::renormalized_gates_backward_kernel<T>>(
       detail::grid_for(n), detail::kThreads, values.data(), indices.data(), keep.data(),
       gates.data(), dgates.data(), dp.data(), n, k, num_experts);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
-inline void route_dropped_to(const Tensor<std::int32_t, cuda>& indices,
+// ids (indices' shape) prepared by ops/gates.hpp.
+inline void route_dropped_to(cuda, const Tensor<std::int32_t, cuda>& indices,
                              const Tensor<std::uint8_t, cuda>& keep, std::int32_t bucket,
                              Tensor<std::int32_t, cuda>& ids) {
-  check_shape("route_dropped_to", "keep", keep, indices.shape());
-  prepare_output("route_dropped_to", "ids", ids, indices.shape());
   const index_t n = indices.numel();
   if (n == 0) return;
   detail::launch_kernel<detail::route_dropped_to_kernel<std::int32_t>>(

@@ -1,11 +1,12 @@
-// graphmoe/backend/cuda/gemm.cuh: general matrix multiply and its backward, on cuBLAS.
+// graphmoe/backend/cuda/gemm.cuh: the CUDA system's general matrix multiply, on cuBLAS (contract
+// and argument checks: ops/gemm.hpp, which calls gemm(cuda{}, ...) through the backend tag; gemm's
+// backward is two gemm calls there).
 //
 //   C = alpha * op(A) * op(B) + beta * C,   op(X) = X or X^T
 //
-// The same functions and contract as backend/cpu/gemm.hpp, on Tensor<T, cuda> (T = float, double,
-// __nv_bfloat16 or __half). Tensors are row-major and cuBLAS is column-major; a row-major (r, c)
-// matrix is the column-major (c, r) matrix of its transpose, so C = op(A) op(B) is computed as
-// the column-major
+// On Tensor<T, cuda> (T = float, double, __nv_bfloat16 or __half). Tensors are row-major and
+// cuBLAS is column-major; a row-major (r, c) matrix is the column-major (c, r) matrix of its
+// transpose, so C = op(A) op(B) is computed as the column-major
 //   C^T = op(B)^T op(A)^T   :   cublas<t>gemm(op_b, op_a, n, m, k, B, ldb, A, lda, C, ldc = n)
 // with lda = A.cols(), ldb = B.cols() and the transpose flags unchanged (no data is moved).
 //
@@ -22,13 +23,9 @@
 // rounding; allowing TF32 would be a separate, opt-in precision choice. (The 16-bit types use
 // tensor cores with fp32 accumulation whatever the math mode.)
 //
-// `Trans` is the CPU header's enum, so this header includes backend/cpu/gemm.hpp (and with it
-// Eigen, host-only: EIGEN_NO_CUDA keeps nvcc from compiling Eigen for the device).
+// cuBLAS takes int dimensions: a product whose dimensions exceed INT_MAX throws here (a limit of
+// this backend, not of the op).
 #pragma once
-
-#if !defined(EIGEN_NO_CUDA)
-#define EIGEN_NO_CUDA
-#endif
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -38,11 +35,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/detail/error.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/core/trans.hpp"
 
 namespace graphmoe {
 
@@ -116,11 +113,33 @@ auto cublas_scalar(T v) {
 
 namespace detail {
 
-// The checks of gemm (the messages of the CPU op) and the product's (m, n, k); allocates an empty
-// C as (m, n) and then sets beta to zero.
+// cuBLAS's int range: throws if a dimension of the product (m, n, k) or a leading dimension of A
+// or B exceeds it.
+template <class TA>
+void cublas_check_dims(const Tensor<TA, cuda>& A, const Tensor<TA, cuda>& B, index_t m, index_t n,
+                       index_t k) {
+  const index_t limit = INT_MAX;
+  GRAPHMOE_CHECK(m <= limit && n <= limit && k <= limit && A.cols() <= limit && B.cols() <= limit,
+                 "gemm", "dimensions of A ", A.shape(), " and B ", B.shape(),
+                 " exceed cuBLAS's int range");
+}
+
+// The product's (m, n, k) of operands checked by ops/gemm.hpp.
+template <class TA>
+void gemm_dims(Trans ta, Trans tb, const Tensor<TA, cuda>& A, const Tensor<TA, cuda>& B,
+               index_t& m, index_t& n, index_t& k) {
+  m = ta == Trans::N ? A.rows() : A.cols();
+  k = ta == Trans::N ? A.cols() : A.rows();
+  n = tb == Trans::N ? B.cols() : B.rows();
+}
+
+// grouped_gemm's per-problem checks (backend/cuda/grouped.cuh), with the gemm op's messages: the
+// checks of detail::gemm_prepare in ops/gemm.hpp, which a backend header cannot include, plus
+// cuBLAS's int range. Goes when grouped_gemm's checks move to the op layer.
 template <class TA, class TC, class S>
-void gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A, const Tensor<TA, cuda>& B,
-                  Tensor<TC, cuda>& C, S& beta, index_t& m, index_t& n, index_t& k) {
+void cublas_gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A,
+                         const Tensor<TA, cuda>& B, Tensor<TC, cuda>& C, S& beta, index_t& m,
+                         index_t& n, index_t& k) {
   GRAPHMOE_CHECK(!A.empty() && !B.empty(), "gemm", "A or B is empty");
   GRAPHMOE_CHECK(A.rank() >= 1 && B.rank() >= 1, "gemm", "A and B must have rank >= 1, got ",
                  A.shape(), " and ", B.shape());
@@ -138,10 +157,7 @@ void gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A, const Tensor<TA
   GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),
                  ", expected ", m, " rows and ", n, " columns for A ", A.shape(), " and B ",
                  B.shape());
-  const index_t limit = INT_MAX;
-  GRAPHMOE_CHECK(m <= limit && n <= limit && k <= limit && A.cols() <= limit && B.cols() <= limit,
-                 "gemm", "dimensions of A ", A.shape(), " and B ", B.shape(),
-                 " exceed cuBLAS's int range");
+  cublas_check_dims(A, B, m, n, k);
 }
 
 // cuBLAS requires leading dimensions >= 1 even when k = 0 (then C = beta C).
@@ -149,15 +165,17 @@ inline int cublas_ld(index_t cols) { return static_cast<int>(cols < 1 ? 1 : cols
 
 }  // namespace detail
 
-// C = alpha * op(A) op(B) + beta * C. An empty C is allocated as (M, N) (then beta is ignored).
+// C (M, N) = alpha op(A) op(B) + beta C, with A, B and C checked (and an empty C allocated, beta
+// then 0) by ops/gemm.hpp.
 template <class T>
-void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T, cuda>& B, T beta,
-          Tensor<T, cuda>& C) {
+void gemm(cuda, Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T, cuda>& B,
+          T beta, Tensor<T, cuda>& C) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> ||
                     std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
                 "graphmoe::gemm on cuda: T must be float, double, __nv_bfloat16 or __half");
   index_t m = 0, n = 0, k = 0;
-  detail::gemm_prepare(ta, tb, A, B, C, beta, m, n, k);
+  detail::gemm_dims(ta, tb, A, B, m, n, k);
+  detail::cublas_check_dims(A, B, m, n, k);
   if (m == 0 || n == 0) return;
   detail::cublas_gemm(detail::cublas_handle(), detail::cublas_op(tb), detail::cublas_op(ta),
                       static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
@@ -169,13 +187,14 @@ void gemm(Trans ta, Trans tb, T alpha, const Tensor<T, cuda>& A, const Tensor<T,
 // Mixed precision: 16-bit A and B (bf16 or half), fp32 C, fp32 accumulation (cublasGemmEx with
 // CUBLAS_COMPUTE_32F): the tensor-core GEMMs of an expert bank whose compute type is bf16 while
 // its parameters, activations and gradients stay fp32 (layers/expert_bank.hpp). Same contract
-// and messages as gemm; beta = 1 accumulates into C in fp32.
+// as gemm (checked by ops/gemm.hpp); beta = 1 accumulates into C in fp32.
 template <class T>
   requires(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)
-void gemm(Trans ta, Trans tb, float alpha, const Tensor<T, cuda>& A, const Tensor<T, cuda>& B,
-          float beta, Tensor<float, cuda>& C) {
+void gemm(cuda, Trans ta, Trans tb, float alpha, const Tensor<T, cuda>& A,
+          const Tensor<T, cuda>& B, float beta, Tensor<float, cuda>& C) {
   index_t m = 0, n = 0, k = 0;
-  detail::gemm_prepare(ta, tb, A, B, C, beta, m, n, k);
+  detail::gemm_dims(ta, tb, A, B, m, n, k);
+  detail::cublas_check_dims(A, B, m, n, k);
   if (m == 0 || n == 0) return;
   GRAPHMOE_CUBLAS_CHECK(cublasGemmEx(
       detail::cublas_handle(), detail::cublas_op(tb), detail::cublas_op(ta), static_cast<int>(n),
@@ -184,8 +203,5 @@ void gemm(Trans ta, Trans tb, float alpha, const Tensor<T, cuda>& A, const Tenso
       detail::cublas_ld(A.cols()), &beta, C.data(), CUDA_R_32F, static_cast<int>(n),
       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
-
-// gemm_backward for Tensor<T, cuda> is the backend-independent one in backend/cpu/gemm.hpp
-// (two gemm calls, which resolve to the cuBLAS gemm above).
 
 }  // namespace graphmoe

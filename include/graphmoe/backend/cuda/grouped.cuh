@@ -128,7 +128,7 @@ void grouped_gemm(Trans ta, Trans tb, TC alpha, const std::vector<Tensor<TA, cud
     Tensor<TC, cuda> cg = c[g];
     TC unused_beta = beta;
     index_t mg = 0, ng = 0, kg = 0;
-    detail::gemm_prepare(ta, tb, a[g], b[g], cg, unused_beta, mg, ng, kg);
+    detail::cublas_gemm_prepare(ta, tb, a[g], b[g], cg, unused_beta, mg, ng, kg);
     if (mg == 0 || ng == 0) continue;
     live.push_back(g);
     opa.push_back(detail::cublas_op(tb));
@@ -144,7 +144,7 @@ void grouped_gemm(Trans ta, Trans tb, TC alpha, const std::vector<Tensor<TA, cud
   auto one_by_one = [&] {
     for (std::size_t g : live) {
       Tensor<TC, cuda> cg = c[g];
-      gemm(ta, tb, alpha, a[g], b[g], beta, cg);
+      gemm(cuda{}, ta, tb, alpha, a[g], b[g], beta, cg);  // checked above
     }
   };
 #if GRAPHMOE_CUBLAS_GROUPED_GEMM

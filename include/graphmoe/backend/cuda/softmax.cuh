@@ -1,6 +1,6 @@
-// graphmoe/backend/cuda/softmax.cuh: softmax and log-softmax over the last dimension, on the GPU.
-//
-// The same functions and contract as backend/cpu/softmax.hpp, on Tensor<T, cuda>:
+// graphmoe/backend/cuda/softmax.cuh: the CUDA system's softmax and log-softmax over the last
+// dimension (contract and argument checks: ops/softmax.hpp, which calls these through the backend
+// tag), on Tensor<T, cuda>:
 //
 //   softmax:      y_j = exp(x_j - m) / sum_k exp(x_k - m),        m = max_k x_k
 //                 dx_j = y_j * (dy_j - sum_k dy_k y_k)
@@ -16,11 +16,11 @@
 // exp and log run in fp32, and each output entry is rounded once (softmax recomputes exp(x - m)
 // in its last pass instead of re-reading a rounded intermediate from y).
 //
-// A row whose maximum is not finite (all -inf, a +inf, or a NaN) throws graphmoe::Error with the
-// CPU op's message, naming the first such row; the check reads one flag back from the device, so
-// the forward functions synchronise the stream. Such rows are left untouched in y. Outputs follow
-// prepare_output and may alias their inputs (y may be x, dx may be dy): each thread reads and
-// writes the same entries, after the row's reductions.
+// The forward functions return the first row whose maximum is not finite (all -inf, a +inf, or a
+// NaN) with its NaN and +inf counts (core/bad_row.hpp), for the op layer to throw; the check reads
+// one flag back from the device (and that row, if any), so they synchronise the stream. Such rows
+// are left untouched in y. Outputs may alias their inputs (y may be x, dx may be dy): each thread
+// reads and writes the same entries, after the row's reductions.
 #pragma once
 
 #include <cmath>
@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/bad_row.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -94,10 +95,9 @@ __global__ void softmax_backward_kernel(const T* y, const T* dy, T* dx, index_t 
   }
 }
 
-// Throws the CPU op's message for row `row` of x, which has no finite maximum.
+// Row `row` of x (no finite maximum) with its NaN and +inf counts, read back from the device.
 template <class T>
-[[noreturn]] void softmax_throw_bad_row(const char* op, const char* what, const Tensor<T, cuda>& x,
-                                        index_t row) {
+BadRow softmax_bad_row(const Tensor<T, cuda>& x, index_t row) {
   const index_t cols = x.cols();
   std::vector<T> h(static_cast<std::size_t>(cols));
   GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(h.data(), x.data() + row * cols, sizeof(T) * h.size(),
@@ -110,39 +110,43 @@ template <class T>
     if (std::isnan(v)) ++nan;
     if (v == std::numeric_limits<A>::infinity()) ++pos_inf;
   }
-  if (nan > 0)
-    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains NaN (", nan,
+  return {row, nan, pos_inf};
+}
+
+// The log-softmax of cross_entropy (backend/cuda/cross_entropy.cuh) throws for row `row` of x,
+// which has no finite maximum, with the messages of ops/softmax.hpp (`what` names x). Goes when
+// cross_entropy's checks move to the op layer.
+template <class T>
+[[noreturn]] void softmax_throw_bad_row(const char* op, const char* what, const Tensor<T, cuda>& x,
+                                        index_t row) {
+  const BadRow bad = softmax_bad_row(x, row);
+  if (bad.nan > 0)
+    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains NaN (", bad.nan,
                 " entries)");
-  if (pos_inf > 0)
-    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains +inf (", pos_inf,
-                " entries): the softmax of that row is undefined");
+  if (bad.pos_inf > 0)
+    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains +inf (",
+                bad.pos_inf, " entries): the softmax of that row is undefined");
   throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(),
               ") is entirely -inf (fully masked): the softmax of that row is undefined");
 }
 
 template <class T, bool Log>
-void softmax_forward_impl(const char* op, const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
+BadRow softmax_forward_impl(const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
   static_assert(cuda_float_type<T>,
                 "graphmoe::softmax: T must be float, double, __nv_bfloat16 or __half");
-  GRAPHMOE_CHECK(!x.empty(), op, "x is empty");
-  prepare_output(op, "y", y, x.shape());
   const index_t rows = x.rows(), cols = x.cols();
-  if (x.numel() == 0) return;
+  if (x.numel() == 0) return {};
   FirstIndexFlag bad;
   launch_kernel<softmax_forward_kernel<T, Log>>(grid_for_rows(rows), threads_for_row(cols),
                                                 x.data(), y.data(), rows, cols, bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   const index_t r = bad.read();
-  if (r >= 0) softmax_throw_bad_row(op, "x", x, r);
+  return r >= 0 ? softmax_bad_row(x, r) : BadRow{};
 }
 
 template <class T, bool Log>
-void softmax_backward_impl(const char* op, const Tensor<T, cuda>& y, const Tensor<T, cuda>& dy,
+void softmax_backward_impl(const Tensor<T, cuda>& y, const Tensor<T, cuda>& dy,
                            Tensor<T, cuda>& dx) {
-  GRAPHMOE_CHECK(!y.empty() && !dy.empty(), op, "y or dy is empty");
-  GRAPHMOE_CHECK(dy.shape() == y.shape(), op, "dy has shape ", dy.shape(), ", expected y's shape ",
-                 y.shape());
-  prepare_output(op, "dx", dx, y.shape());
   const index_t rows = y.rows(), cols = y.cols();
   if (y.numel() == 0) return;
   launch_kernel<softmax_backward_kernel<T, Log>>(grid_for_rows(rows), threads_for_row(cols),
@@ -152,29 +156,30 @@ void softmax_backward_impl(const char* op, const Tensor<T, cuda>& y, const Tenso
 
 }  // namespace detail
 
-// y = softmax(x) over the last dimension. Throws for a row without a finite maximum.
+// y (x's shape, prepared by ops/softmax.hpp) = softmax(x); returns the first bad row of x.
 template <class T>
-void softmax_forward(const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
-  detail::softmax_forward_impl<T, false>("softmax_forward", x, y);
+BadRow softmax_forward(cuda, const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
+  return detail::softmax_forward_impl<T, false>(x, y);
 }
 
-// dx = y * (dy - sum(dy * y)) per row, from the forward output y. dx is assigned.
+// dx = y * (dy - sum(dy * y)) per row; dx prepared by ops/softmax.hpp.
 template <class T>
-void softmax_backward(const Tensor<T, cuda>& y, const Tensor<T, cuda>& dy, Tensor<T, cuda>& dx) {
-  detail::softmax_backward_impl<T, false>("softmax_backward", y, dy, dx);
+void softmax_backward(cuda, const Tensor<T, cuda>& y, const Tensor<T, cuda>& dy,
+                      Tensor<T, cuda>& dx) {
+  detail::softmax_backward_impl<T, false>(y, dy, dx);
 }
 
-// y = log_softmax(x) over the last dimension. Throws for a row without a finite maximum.
+// y (x's shape, prepared by ops/softmax.hpp) = log_softmax(x); returns the first bad row of x.
 template <class T>
-void log_softmax_forward(const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
-  detail::softmax_forward_impl<T, true>("log_softmax_forward", x, y);
+BadRow log_softmax_forward(cuda, const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
+  return detail::softmax_forward_impl<T, true>(x, y);
 }
 
-// dx = dy - exp(y) * sum(dy) per row, from the forward output y. dx is assigned.
+// dx = dy - exp(y) * sum(dy) per row; dx prepared by ops/softmax.hpp.
 template <class T>
-void log_softmax_backward(const Tensor<T, cuda>& y, const Tensor<T, cuda>& dy,
+void log_softmax_backward(cuda, const Tensor<T, cuda>& y, const Tensor<T, cuda>& dy,
                           Tensor<T, cuda>& dx) {
-  detail::softmax_backward_impl<T, true>("log_softmax_backward", y, dy, dx);
+  detail::softmax_backward_impl<T, true>(y, dy, dx);
 }
 
 }  // namespace graphmoe
