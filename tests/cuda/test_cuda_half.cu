@@ -37,7 +37,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gelu.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"

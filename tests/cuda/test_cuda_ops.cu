@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/backend/cpu/softmax.hpp"

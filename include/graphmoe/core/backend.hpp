@@ -18,6 +18,13 @@ struct cuda {
   static constexpr const char* name = "cuda";
 };
 
+// Whether B's tensors live in host memory (what a host-memory communicator can move). A user
+// backend whose tensors are host memory specialises it.
+template <class B>
+inline constexpr bool host_memory_v = false;
+template <>
+inline constexpr bool host_memory_v<cpu> = true;
+
 template <class B>
 concept Backend = std::same_as<B, cpu> || std::same_as<B, cuda>;
 
