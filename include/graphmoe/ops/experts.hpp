@@ -13,7 +13,7 @@
 //
 // Backends: the CPU runs the experts one after another or across the threads (ExpertParallelism,
 // backend/cpu/experts.hpp); the GPU runs each step for all experts at once (grouped GEMMs,
-// backend/cuda/experts.cuh) and ignores ExpertParallelism. The op layer checks the plan here,
+// backend/cuda/grouped.cuh) and ignores ExpertParallelism. The op layer checks the plan here,
 // then calls expert_ffn_forward(B{}, ...) / expert_ffn_backward(B{}, ...).
 #pragma once
 
