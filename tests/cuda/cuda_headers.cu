@@ -58,8 +58,8 @@
 #include "graphmoe/backend/cuda/elementwise.cuh"
 #include "graphmoe/backend/cuda/gates.cuh"
 #include "graphmoe/backend/cuda/gates.cuh"
-#include "graphmoe/routing/aux_losses_cuda.cuh"
-#include "graphmoe/routing/aux_losses_cuda.cuh"
+#include "graphmoe/backend/cuda/aux_losses.cuh"
+#include "graphmoe/backend/cuda/aux_losses.cuh"
 #include "graphmoe/cuda.cuh"
 #include "graphmoe/cuda.cuh"
 

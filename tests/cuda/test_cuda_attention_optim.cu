@@ -30,6 +30,7 @@
 #include "graphmoe/backend/cuda/attention.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/optim.cuh"
+#include "graphmoe/ops/optim.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "support/gradcheck.hpp"
 

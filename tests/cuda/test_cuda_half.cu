@@ -37,7 +37,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/gelu.hpp"
 #include "graphmoe/ops/gemm.hpp"

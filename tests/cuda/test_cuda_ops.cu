@@ -22,7 +22,11 @@
 #include <string>
 #include <vector>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/ops/dispatch.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gemm.hpp"
+#include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
@@ -31,10 +35,6 @@
 #include "graphmoe/backend/cuda/grouped.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
-#include "graphmoe/ops/elementwise.hpp"
-#include "graphmoe/ops/gemm.hpp"
-#include "graphmoe/ops/softmax.hpp"
-#include "graphmoe/ops/topk.hpp"
 #include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
 

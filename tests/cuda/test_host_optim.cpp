@@ -1,4 +1,4 @@
-// The optimizer functors of train/detail/optim_math.hpp, the arithmetic that
+// The optimizer functors of core/optim_math.hpp, the arithmetic that
 // backend/cuda/optim.cuh runs on the GPU, run here by g++ through Thrust's CPU backend
 // (THRUST_DEVICE_SYSTEM_CPP, set in tests/CMakeLists.txt) and compared with the CPU optimizers
 // bit for bit:
@@ -27,7 +27,7 @@
 
 #include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/core/rng.hpp"
-#include "graphmoe/train/detail/optim_math.hpp"
+#include "graphmoe/core/optim_math.hpp"
 #include "graphmoe/train/optim.hpp"
 #include "support/gradcheck.hpp"
 

@@ -14,7 +14,7 @@
 #include <thrust/system/omp/execution_policy.h>
 #endif
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/backend/cuda/detail/dispatch_plan_thrust.hpp"
 #include "graphmoe/core/rng.hpp"
 

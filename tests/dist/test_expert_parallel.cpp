@@ -231,7 +231,7 @@ TEST_CASE("expert parallel: uneven counts, an expert with no tokens, a rank with
   }
   check_equal(p, comm, u, w, nullptr);
   // the scenario holds: those experts got no tokens, and the others uneven counts
-  const DispatchPlan& plan = p.ref.plan();
+  const DispatchPlan<>& plan = p.ref.plan();
   CHECK(plan.count(kExperts - 1) == 0);
   CHECK(plan.count(kExperts - 2) == 0);
   index_t lo = n, hi = 0;

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 #include "support/gradcheck.hpp"
 
 using namespace graphmoe;
@@ -232,4 +232,23 @@ TEST_CASE("dispatch: bad input") {
   Tensor<float> gates_ok({3, 2}), dy({3, 4}), dys, dgates;
   CHECK_THROWS_WITH_AS(combine_backward(plan, ys, gates_ok, dy, dys, dgates),
                        doctest::Contains("dy has shape (3, 4), expected (3, 5)"), Error);
+}
+
+TEST_CASE("dispatch: a plan whose rebuild failed is invalid until rebuilt") {
+  DispatchPlan<cpu> plan;
+  auto idx = Tensor<std::int32_t>::from({3, 2}, {0, 1, 2, 3, 1, 1});
+  make_dispatch_plan(idx, 4, plan);
+  CHECK(plan.count(1) == 3);
+  CHECK(plan.host_offsets.to_vector() == plan.expert_offsets.to_vector());
+  auto bad = Tensor<std::int32_t>::from({3, 2}, {0, 1, 2, 7, 1, 1});
+  CHECK_THROWS_WITH_AS(make_dispatch_plan(bad, 4, plan),
+                       doctest::Contains("expert id 7 of token 1, choice 1 is out of range [0, 4)"),
+                       Error);
+  Tensor<float> x({3, 5}), xs;
+  CHECK_THROWS_WITH_AS(dispatch_forward(plan, x, xs),
+                       doctest::Contains("dispatch_forward: the plan was not built by make_dispatch_plan"),
+                       Error);
+  make_dispatch_plan(idx, 4, plan);
+  dispatch_forward(plan, x, xs);
+  CHECK(xs.rows() == 6);
 }

@@ -30,8 +30,8 @@
 #include <numeric>
 #include <vector>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/core/communicator.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 
 namespace graphmoe::dist {
 
@@ -51,15 +51,16 @@ inline ExpertShard expert_shard(index_t num_experts, int rank, int world) {
   return {rank * per, per};
 }
 
-template <class T>
+// B: the backend of the rows (their memory must be the communicator's: MoELayer checks it).
+template <class T, class B = cpu>
 class ExpertExchange {
  public:
   // xs (S, D) is grouped by `plan` (global expert ids 0 .. E - 1, then possibly the drop bucket
   // E). Sends each expert's rows to its rank and assigns lxs (R, D): the rows this rank's experts
   // take, grouped by local expert as local_plan() says. R can be 0 (lxs is then left empty).
   // Collective.
-  void dispatch(Communicator& comm, const DispatchPlan& plan, index_t num_experts,
-                const Tensor<T, cpu>& xs, Tensor<T, cpu>& lxs) {
+  void dispatch(Communicator& comm, const DispatchPlan<B>& plan, index_t num_experts,
+                const Tensor<T, B>& xs, Tensor<T, B>& lxs) {
     constexpr const char* op = "dist::ExpertExchange::dispatch";
     const int world = comm.size();
     const ExpertShard mine = expert_shard(num_experts, comm.rank(), world);
@@ -92,7 +93,7 @@ class ExpertExchange {
     // 3. (before 2, so that the buffers are sized) the local plan over the received rows
     if (recv_rows_ > 0) {
       if (buf_.empty() || buf_.rows() != recv_rows_ || buf_.cols() != d) {
-        buf_ = Tensor<T, cpu>(Shape{recv_rows_, d});
+        buf_ = Tensor<T, B>(Shape{recv_rows_, d});
       }
       Tensor<std::int32_t, cpu> ids(Shape{recv_rows_, 1});
       index_t row = 0;
@@ -102,10 +103,13 @@ class ExpertExchange {
           for (index_t i = 0; i < c; ++i) ids.data()[row++] = static_cast<std::int32_t>(j);
         }
       }
-      make_dispatch_plan(ids, per, local_);
+      // the ids in B's memory (copy_from_host: the elementwise op of the tensors' backend)
+      const Tensor<std::int32_t, B> local_ids(ids.shape());
+      copy_from_host(local_ids, ids);
+      make_dispatch_plan(local_ids, per, local_);
     } else {
-      buf_ = Tensor<T, cpu>();
-      local_ = DispatchPlan{};
+      buf_ = Tensor<T, B>();
+      local_ = DispatchPlan<B>{};
     }
     // 2. the rows
     move_in(comm, xs, lxs);
@@ -113,7 +117,7 @@ class ExpertExchange {
 
   // The backward's dispatch: dys (S, D) grouped as the forward's xs -> ldys (R, D), with the
   // forward's counts. Collective.
-  void dispatch_again(Communicator& comm, const Tensor<T, cpu>& dys, Tensor<T, cpu>& ldys) {
+  void dispatch_again(Communicator& comm, const Tensor<T, B>& dys, Tensor<T, B>& ldys) {
     GRAPHMOE_CHECK(!send_.empty(), "dist::ExpertExchange::dispatch_again",
                    "no dispatch() before it (backward before forward?)");
     move_in(comm, dys, ldys);
@@ -121,7 +125,7 @@ class ExpertExchange {
 
   // lys (R, D), grouped by local_plan() -> ys (S, D) assigned: every row back on the rank and in
   // the slot it came from; the drop bucket's rows set to zero. Collective.
-  void combine(Communicator& comm, const Tensor<T, cpu>& lys, Tensor<T, cpu>& ys) {
+  void combine(Communicator& comm, const Tensor<T, B>& lys, Tensor<T, B>& ys) {
     constexpr const char* op = "dist::ExpertExchange::combine";
     GRAPHMOE_CHECK(!send_.empty(), op, "no dispatch() before it");
     prepare_output(op, "ys", ys, Shape{slots_, d_});
@@ -135,31 +139,31 @@ class ExpertExchange {
   }
 
   // The plan of the rows this rank's experts received (valid when received_rows() > 0).
-  const DispatchPlan& local_plan() const { return local_; }
+  const DispatchPlan<B>& local_plan() const { return local_; }
   index_t received_rows() const { return recv_rows_; }
   index_t sent_rows() const { return sent_rows_; }
   // received_counts()[r E/W + j]: rows rank r sent to this rank's expert j (the last dispatch).
   const std::vector<index_t>& received_counts() const { return received_; }
 
  private:
-  void move_in(Communicator& comm, const Tensor<T, cpu>& rows, Tensor<T, cpu>& local) {
+  void move_in(Communicator& comm, const Tensor<T, B>& rows, Tensor<T, B>& local) {
     constexpr const char* op = "dist::ExpertExchange";
     check_shape(op, "rows", rows, Shape{slots_, d_});
     comm.all_to_all_v(rows.data(), rows.numel(), send_, buf_.data(), recv_rows_ * d_, recv_,
                       element_type_of<T>);
     if (recv_rows_ > 0) {
-      if (!local.empty() && local.shape() != buf_.shape()) local = Tensor<T, cpu>();
+      if (!local.empty() && local.shape() != buf_.shape()) local = Tensor<T, B>();
       dispatch_forward(local_, buf_, local);  // group by local expert: a copy per row
     } else {
-      local = Tensor<T, cpu>();
+      local = Tensor<T, B>();
     }
   }
 
   index_t d_ = 0, slots_ = 0, sent_rows_ = 0, recv_rows_ = 0;
   std::vector<index_t> send_, recv_;  // elements to / from each rank
   std::vector<index_t> received_;     // rows per (sender, local expert)
-  DispatchPlan local_;
-  Tensor<T, cpu> buf_;  // the received rows in arrival order
+  DispatchPlan<B> local_;
+  Tensor<T, B> buf_;  // the received rows in arrival order
 };
 
 }  // namespace graphmoe::dist

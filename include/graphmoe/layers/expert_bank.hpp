@@ -6,10 +6,11 @@
 // For expert e and its block of rows X_e of the dispatched tokens xs (see DispatchPlan):
 //   H_e = X_e w1_e^T + b1_e,  A_e = gelu(H_e),  Y_e = A_e w2_e^T + b2_e
 // One GEMM pair per expert on its rows only: never a dense all-experts pass. Experts with id >= E
-// in the plan (the capacity-drop bucket) are skipped and their rows of ys set to zero. On the CPU
-// the experts run one after another or across threads (ExpertParallelism); on the GPU each step
-// runs for all experts at once (grouped GEMMs, one bias / GELU launch over all expert rows), so
-// that a layer's launches do not grow with E.
+// in the plan (the capacity-drop bucket) are skipped and their rows of ys set to zero. The
+// schedule is the backend's (ops/experts.hpp): on the CPU the experts run one after another or
+// across threads (ExpertParallelism); on the GPU each step runs for all experts at once (grouped
+// GEMMs, one bias / GELU launch over all expert rows), so that a layer's launches do not grow
+// with E.
 //
 // Compute type C (default T): the scalar type of the GEMM operands. With T = float and C =
 // __nv_bfloat16 (or __half) on graphmoe::cuda, the parameters, biases, activations and gradients
@@ -20,29 +21,24 @@
 #pragma once
 
 #include <string>
-#include <tuple>
 #include <type_traits>
-#include <vector>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/expert_ffn.hpp"
 #include "graphmoe/core/rng.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/experts.hpp"
 #include "graphmoe/ops/gelu.hpp"
 #include "graphmoe/ops/gemm.hpp"
 
 namespace graphmoe {
 
-// How the expert GEMMs use the threads (see docs/benchmarks.md for the measurement):
-enum class ExpertParallelism {
-  WithinGemm,    // experts one after another, each GEMM multi-threaded
-  AcrossExperts  // experts spread over the threads, each GEMM single-threaded
-};
+// ExpertParallelism (how the CPU's expert GEMMs use the threads): core/expert_ffn.hpp.
 
-// One implementation for every backend. The plan is the backend's dispatch plan (DispatchPlan on
-// the CPU, CudaDispatchPlan on the GPU), whose expert offsets are on the host. On the GPU the
-// steps are grouped over the experts (forward_grouped / backward_grouped; ExpertParallelism only
-// applies to the CPU).
+// One implementation for every backend. The plan is a DispatchPlan<B>, whose expert offsets are
+// on the host; the per-expert schedule is the backend's (expert_ffn_forward / _backward,
+// ops/experts.hpp; ExpertParallelism only applies to the CPU).
 template <class T, class B = cpu, class C = T>
 class ExpertBank {
   static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
@@ -110,8 +106,7 @@ class ExpertBank {
   index_t num_experts() const { return e_; }
 
   // xs (S, D) grouped by the plan -> ys (S, D). Caches H and A for backward.
-  template <class Plan>
-  void forward(const Plan& plan, const Tensor<T, B>& xs, Tensor<T, B>& ys) {
+  void forward(const DispatchPlan<B>& plan, const Tensor<T, B>& xs, Tensor<T, B>& ys) {
     check_bound("forward");
     const index_t s = xs.rows();
     GRAPHMOE_CHECK(xs.rank() == 2 && xs.cols() == d_ && s == plan.num_slots(), "ExpertBank",
@@ -127,19 +122,7 @@ class ExpertBank {
     if constexpr (!std::is_same_v<C, T>) {
       if (ac_.empty() || ac_.rows() != s) ac_ = Tensor<C, B>(Shape{s, f_});
     }
-    if constexpr (std::is_same_v<B, cpu>) {
-      for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
-        Tensor<T, B> h = h_.slice(r0, r1), a = a_.slice(r0, r1), y = ys.slice(r0, r1);
-        gemm(Trans::N, Trans::T, T(1), xc_.slice(r0, r1), w1c_[e], T(0), h);
-        add_row_vector(b1_[e], h);
-        gelu_forward(gelu_, h, a);
-        const Tensor<C, B> ac = compute_rows(a, r0, r1);
-        gemm(Trans::N, Trans::T, T(1), ac, w2c_[e], T(0), y);
-        add_row_vector(b2_[e], y);
-      });
-    } else {
-      forward_grouped(plan, ys);
-    }
+    expert_ffn_forward(plan, tensors(), gelu_, par_, ys);
     if (plan.num_experts > e_) {  // drop bucket
       const index_t r0 = plan.offset(e_), r1 = plan.offset(plan.num_experts);
       if (r1 > r0) ys.slice(r0, r1).zero();
@@ -147,8 +130,7 @@ class ExpertBank {
   }
 
   // dys (S, D) -> dxs (S, D) assigned; parameter gradients accumulated.
-  template <class Plan>
-  void backward(const Plan& plan, const Tensor<T, B>& xs, const Tensor<T, B>& dys,
+  void backward(const DispatchPlan<B>& plan, const Tensor<T, B>& xs, const Tensor<T, B>& dys,
                 Tensor<T, B>& dxs) {
     check_bound("backward");
     check_shape("ExpertBank::backward", "dys", dys, xs.shape());
@@ -161,36 +143,7 @@ class ExpertBank {
     Tensor<C, B> dyc_all = to_compute(dys, Tensor<C, B>());
     Tensor<C, B> dhc_all;
     if constexpr (!std::is_same_v<C, T>) dhc_all = Tensor<C, B>(Shape{xs.rows(), f_});
-    if constexpr (!std::is_same_v<B, cpu>) {
-      backward_grouped(plan, dys, dxs, dh_all, dyc_all, dhc_all);
-      return;
-    }
-    for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
-      Tensor<T, B> h = h_.slice(r0, r1), dy = dys.slice(r0, r1), dx = dxs.slice(r0, r1);
-      Tensor<T, B> dh = dh_all.slice(r0, r1), dw1 = dw1_[e], dw2 = dw2_[e];
-      const Tensor<C, B> dyc = dyc_all.slice(r0, r1), xc = xc_.slice(r0, r1);
-      Tensor<C, B> ac;
-      if constexpr (std::is_same_v<C, T>) {
-        ac = a_.slice(r0, r1);
-      } else {
-        ac = ac_.slice(r0, r1);
-      }
-      // y = a w2^T + b2
-      accumulate_column_sums(dy, db2_[e]);
-      gemm(Trans::T, Trans::N, T(1), dyc, ac, T(1), dw2);       // dw2 += dy^T a
-      gemm(Trans::N, Trans::N, T(1), dyc, w2c_[e], T(0), dh);   // da = dy w2 (into dh)
-      gelu_backward(gelu_, h, dh, dh);                          // dh = gelu'(h) da
-      accumulate_column_sums(dh, db1_[e]);
-      Tensor<C, B> dhc;
-      if constexpr (std::is_same_v<C, T>) {
-        dhc = dh;
-      } else {
-        dhc = dhc_all.slice(r0, r1);
-        convert(dh, dhc);
-      }
-      gemm(Trans::T, Trans::N, T(1), dhc, xc, T(1), dw1);       // dw1 += dh^T x
-      gemm(Trans::N, Trans::N, T(1), dhc, w1c_[e], T(0), dx);   // dx = dh w1
-    });
+    expert_ffn_backward(plan, tensors(), gelu_, par_, dys, dyc_all, dxs, dh_all, dhc_all);
   }
 
   index_t total_experts() const { return total_; }
@@ -219,103 +172,23 @@ class ExpertBank {
       return cache;
     }
   }
-  // A's rows [r0, r1) as the compute type (converted into ac_ when C != T).
-  Tensor<C, B> compute_rows(const Tensor<T, B>& a, index_t r0, index_t r1) {
-    if constexpr (std::is_same_v<C, T>) {
-      return a;
-    } else {
-      Tensor<C, B> dst = ac_.slice(r0, r1);
-      convert(a, dst);
-      return dst;
-    }
-  }
-  // The GPU's forward: the same math with every step for all experts at once (grouped GEMMs over
-  // the experts' row blocks, one bias / GELU / conversion launch over all their rows), so that the
-  // launches per layer do not grow with E (backend/cuda/grouped.cuh).
-  template <class Plan>
-  void forward_grouped(const Plan& plan, Tensor<T, B>& ys) {
-    check_bound("forward_grouped");
-    const index_t rows = plan.offset(e_);  // the experts' slots; the drop bucket follows
-    if (rows == 0) return;
-    expert_gemm(plan, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
-      return std::tuple{xc_.slice(r0, r1), w1c_[e], h_.slice(r0, r1)};  // H_e = X_e w1_e^T
-    });
-    Tensor<T, B> h = h_.slice(0, rows), a = a_.slice(0, rows);
-    add_expert_rows(b1_, plan, h);
-    gelu_forward(gelu_, h, a);
-    const Tensor<C, B> ac = compute_rows(a, 0, rows);
-    expert_gemm(plan, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
-      return std::tuple{ac.slice(r0, r1), w2c_[e], ys.slice(r0, r1)};  // Y_e = A_e w2_e^T
-    });
-    add_expert_rows(b2_, plan, ys.slice(0, rows));
-  }
-
-  // The GPU's backward, grouped like forward_grouped.
-  template <class Plan>
-  void backward_grouped(const Plan& plan, const Tensor<T, B>& dys, Tensor<T, B>& dxs,
-                        Tensor<T, B>& dh_all, const Tensor<C, B>& dyc_all, Tensor<C, B>& dhc_all) {
-    check_bound("backward_grouped");
-    const index_t rows = plan.offset(e_);
-    if (rows == 0) return;
-    Tensor<C, B> ac_all;
-    if constexpr (std::is_same_v<C, T>) {
-      ac_all = a_;
-    } else {
-      ac_all = ac_;
-    }
-    // y = a w2^T + b2
-    accumulate_expert_column_sums(dys.slice(0, rows), plan, db2_);
-    expert_gemm(plan, Trans::T, Trans::N, T(1), [&](index_t e, index_t r0, index_t r1) {
-      return std::tuple{dyc_all.slice(r0, r1), ac_all.slice(r0, r1), dw2_[e]};  // dw2 += dy^T a
-    });
-    expert_gemm(plan, Trans::N, Trans::N, T(0), [&](index_t e, index_t r0, index_t r1) {
-      return std::tuple{dyc_all.slice(r0, r1), w2c_[e], dh_all.slice(r0, r1)};  // da = dy w2
-    });
-    Tensor<T, B> dh = dh_all.slice(0, rows);
-    gelu_backward(gelu_, h_.slice(0, rows), dh, dh);  // dh = gelu'(h) da
-    accumulate_expert_column_sums(dh, plan, db1_);
-    Tensor<C, B> dhc;
-    if constexpr (std::is_same_v<C, T>) {
-      dhc = dh_all;
-    } else {
-      dhc = dhc_all;
-      Tensor<C, B> dst = dhc_all.slice(0, rows);
-      convert(dh, dst);
-    }
-    expert_gemm(plan, Trans::T, Trans::N, T(1), [&](index_t e, index_t r0, index_t r1) {
-      return std::tuple{dhc.slice(r0, r1), xc_.slice(r0, r1), dw1_[e]};  // dw1 += dh^T x
-    });
-    expert_gemm(plan, Trans::N, Trans::N, T(0), [&](index_t e, index_t r0, index_t r1) {
-      return std::tuple{dhc.slice(r0, r1), w1c_[e], dxs.slice(r0, r1)};  // dx = dh w1
-    });
-  }
-
-  // One grouped GEMM over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e, where
-  // operands(e, r0, r1) returns (A_e, B_e, C_e) for expert e's rows [r0, r1).
-  template <class Plan, class Operands>
-  void expert_gemm(const Plan& plan, Trans ta, Trans tb, T beta, Operands&& operands) {
-    std::vector<Tensor<C, B>> lhs, rhs;
-    std::vector<Tensor<T, B>> out;
-    for_each_expert(plan, [&](index_t e, index_t r0, index_t r1) {
-      auto [a, b, c] = operands(e, r0, r1);
-      lhs.push_back(a);
-      rhs.push_back(b);
-      out.push_back(c);
-    });
-    grouped_gemm(ta, tb, T(1), lhs, rhs, beta, out);
-  }
-
-  template <class Plan, class Fn>
-  void for_each_expert(const Plan& plan, Fn&& fn) {
-    auto run = [&](index_t e) {
-      const index_t r0 = plan.offset(e), r1 = plan.offset(e + 1);
-      if (r1 > r0) fn(e, r0, r1);
-    };
-    if (std::is_same_v<B, cpu> && par_ == ExpertParallelism::AcrossExperts) {
-      parallel_items(e_, run);
-    } else {
-      for (index_t e = 0; e < e_; ++e) run(e);
-    }
+  // Handles of the bank's tensors for the expert FFN op.
+  ExpertFfn<T, C, B> tensors() const {
+    ExpertFfn<T, C, B> f;
+    f.num_experts = e_;
+    f.w1 = w1c_;
+    f.w2 = w2c_;
+    f.b1 = b1_;
+    f.b2 = b2_;
+    f.dw1 = dw1_;
+    f.dw2 = dw2_;
+    f.db1 = db1_;
+    f.db2 = db2_;
+    f.h = h_;
+    f.a = a_;
+    f.xc = xc_;
+    f.ac = ac_;
+    return f;
   }
 
   index_t total_ = 0, first_ = 0;  // the layer's experts, this bank's first (expert parallel)

@@ -11,12 +11,11 @@
 #pragma once
 
 #include <string>
-#include <type_traits>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/dist/expert_parallel.hpp"
 #include "graphmoe/layers/expert_bank.hpp"
 #include "graphmoe/layers/loss.hpp"
+#include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/ops/gates.hpp"
 #include "graphmoe/routing/router.hpp"
 
@@ -51,31 +50,29 @@ class MoELayer {
   // router; forward and backward move token rows to their experts' ranks and back through comm
   // (dist/expert_parallel.hpp), so they are collective: every rank calls them in the same order.
   // The expert parameters are declared as shards (ParameterInfo::sharded) under the names the
-  // whole layer uses. comm must outlive the layer. The CPU backend only, for now.
+  // whole layer uses. comm must outlive the layer. Backends whose tensors are host memory only
+  // (host_memory_v<B>: the CPU), for now.
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, const MoEConfig& cfg,
                dist::Communicator& comm) {
-    if constexpr (!std::is_same_v<B, cpu>) {
-      detail::throw_error("MoELayer", "expert parallelism is not built for the cuda backend (the "
-                          "expert exchange moves host tensors; dist::NcclCommunicator exists but "
-                          "no device exchange uses it yet)");
-    } else {
-      GRAPHMOE_CHECK(comm.memory_space() == dist::MemorySpace::Host, "MoELayer",
-                     "an expert-parallel CPU layer needs a host-memory communicator");
-      const dist::ExpertShard shard =
-          dist::expert_shard(cfg.router.num_experts, comm.rank(), comm.size());
-      cfg_ = cfg;
-      router_.declare(arena, prefix + "router.", cfg.d_model, cfg.router);
-      experts_.declare_shard(arena, prefix + "experts.", cfg.router.num_experts, shard.first,
-                             shard.count, cfg.d_model, cfg.d_ff);
-      experts_.set_gelu(cfg.gelu);
-      experts_.set_parallelism(cfg.parallelism);
-      ep_ = &comm;
-    }
+    GRAPHMOE_CHECK(host_memory_v<B>, "MoELayer", "expert parallelism is not built for the ",
+                   B::name, " backend (the expert exchange moves host tensors; "
+                   "dist::NcclCommunicator exists but no device exchange uses it yet)");
+    GRAPHMOE_CHECK(comm.memory_space() == dist::MemorySpace::Host, "MoELayer",
+                   "an expert-parallel CPU layer needs a host-memory communicator");
+    const dist::ExpertShard shard =
+        dist::expert_shard(cfg.router.num_experts, comm.rank(), comm.size());
+    cfg_ = cfg;
+    router_.declare(arena, prefix + "router.", cfg.d_model, cfg.router);
+    experts_.declare_shard(arena, prefix + "experts.", cfg.router.num_experts, shard.first,
+                           shard.count, cfg.d_model, cfg.d_ff);
+    experts_.set_gelu(cfg.gelu);
+    experts_.set_parallelism(cfg.parallelism);
+    ep_ = &comm;
   }
   // The communicator of an expert-parallel layer (nullptr: all experts are local).
   dist::Communicator* expert_communicator() const { return ep_; }
   // The last forward's exchange (rows sent and received; expert-parallel layers only).
-  const dist::ExpertExchange<T>& expert_exchange() const { return exchange_; }
+  const dist::ExpertExchange<T, B>& expert_exchange() const { return exchange_; }
 
   void bind(const ParameterArena<T, B>& arena) {
     router_.bind(arena);
@@ -109,17 +106,13 @@ class MoELayer {
       ys_ = Tensor<T, B>(Shape{plan_.num_slots(), cfg_.d_model});
     }
     dispatch_forward(plan_, u, xs_);
-    if constexpr (std::is_same_v<B, cpu>) {
-      if (ep_ != nullptr) {
-        exchange_.dispatch(*ep_, plan_, e, xs_, lxs_);
-        if (exchange_.received_rows() > 0) {
-          if (!lys_.empty() && lys_.shape() != lxs_.shape()) lys_ = Tensor<T, B>();
-          experts_.forward(exchange_.local_plan(), lxs_, lys_);
-        }
-        exchange_.combine(*ep_, lys_, ys_);
-      } else {
-        experts_.forward(plan_, xs_, ys_);
+    if (ep_ != nullptr) {
+      exchange_.dispatch(*ep_, plan_, e, xs_, lxs_);
+      if (exchange_.received_rows() > 0) {
+        if (!lys_.empty() && lys_.shape() != lxs_.shape()) lys_ = Tensor<T, B>();
+        experts_.forward(exchange_.local_plan(), lxs_, lys_);
       }
+      exchange_.combine(*ep_, lys_, ys_);
     } else {
       experts_.forward(plan_, xs_, ys_);
     }
@@ -135,15 +128,11 @@ class MoELayer {
     prepare_output("MoELayer::backward", "du", du, u_.shape());
     Tensor<T, B> dys, dgates, dxs;
     combine_backward(plan_, ys_, route_.selection.gates, dy, dys, dgates);
-    if constexpr (std::is_same_v<B, cpu>) {
-      if (ep_ != nullptr) {
-        Tensor<T, B> ldys, ldxs;
-        exchange_.dispatch_again(*ep_, dys, ldys);
-        if (exchange_.received_rows() > 0) experts_.backward(exchange_.local_plan(), lxs_, ldys, ldxs);
-        exchange_.combine(*ep_, ldxs, dxs);
-      } else {
-        experts_.backward(plan_, xs_, dys, dxs);
-      }
+    if (ep_ != nullptr) {
+      Tensor<T, B> ldys, ldxs;
+      exchange_.dispatch_again(*ep_, dys, ldys);
+      if (exchange_.received_rows() > 0) experts_.backward(exchange_.local_plan(), lxs_, ldys, ldxs);
+      exchange_.combine(*ep_, ldxs, dxs);
     } else {
       experts_.backward(plan_, xs_, dys, dxs);
     }
@@ -162,7 +151,7 @@ class MoELayer {
   }
   RouterImpl<RouterPolicy, T, B>& router() { return router_; }
   ExpertBank<T, B, C>& experts() { return experts_; }
-  const dispatch_plan_t<B>& plan() const { return plan_; }
+  const DispatchPlan<B>& plan() const { return plan_; }
   const MoEConfig& config() const { return cfg_; }
 
  private:
@@ -176,11 +165,11 @@ class MoELayer {
   Tensor<T, B> u_;
   GraphContext<T, B> ctx_;
   RouterOutput<T, B> route_;
-  dispatch_plan_t<B> plan_;
+  DispatchPlan<B> plan_;
   Tensor<T, B> xs_, ys_;
   // expert parallel: the communicator, the exchange, and this rank's experts' rows (grouped)
   dist::Communicator* ep_ = nullptr;
-  dist::ExpertExchange<T> exchange_;
+  dist::ExpertExchange<T, B> exchange_;
   Tensor<T, B> lxs_, lys_;
 };
 

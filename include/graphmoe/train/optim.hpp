@@ -20,17 +20,17 @@
 // of rank 0 or 1 (biases, layernorm gains), the usual GPT/BERT recipe. set_no_decay(pred) replaces
 // that rule: a parameter decays unless pred(name) is true. set_no_decay({}) restores the default.
 //
-// Backends. AdamW<T, B>, SGD<T, B> and clip_grad_norm work on a ParameterArena<T, B>; B = cpu is
-// defined here, B = cuda by graphmoe/backend/cuda/optim.cuh (the same classes, kernels in
-// detail::OptimKernels<cuda>). The per-element arithmetic is one functor for both
-// (train/detail/optim_math.hpp), so the two backends update bitwise alike.
+// Backends. AdamW<T, B>, SGD<T, B> and clip_grad_norm work on a ParameterArena<T, B>: the updates
+// are the ops of ops/optim.hpp (clip_grad_norm is one of them), run by backend/cpu/optim.hpp or,
+// for B = cuda, graphmoe/backend/cuda/optim.cuh. The per-element arithmetic is one functor for
+// both (core/optim_math.hpp), so the two backends update bitwise alike.
 //
 // Layout and threads. The state tensors mirror arena.values(), padding included, so every
 // parameter is one contiguous, 64-byte aligned range in each buffer, and the padding (zero in
 // values and gradients) stays zero. Each trainable parameter's padded range is cut into chunks of
-// kOptimChunk elements; chunks are updated in parallel (parallel_for), each by one loop of the
-// element functor. The chunks depend on the arena's layout only, never on the thread count, and
-// the update is elementwise, so the result is bitwise the same for any number of threads. The
+// kOptimChunk elements (ops/optim.hpp); the CPU updates chunks in parallel, each by one loop of
+// the element functor. The chunks depend on the arena's layout only, never on the thread count,
+// and the update is elementwise, so the result is bitwise the same for any number of threads. The
 // gradient norm sums per-chunk partial sums (in double) in chunk order: also thread-independent.
 //
 // Non-trainable parameters (ParameterInfo::trainable == false) are skipped: their values, state
@@ -47,16 +47,11 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
-#include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/optim_math.hpp"
 #include "graphmoe/core/tensor.hpp"
-#include "graphmoe/core/threads.hpp"
-#include "graphmoe/train/detail/optim_math.hpp"
+#include "graphmoe/ops/optim.hpp"
 
 namespace graphmoe {
 
@@ -96,151 +91,6 @@ struct SGDConfig {
 };
 
 namespace detail {
-
-// Elements per unit of parallel work (a multiple of ParameterArena::kAlign).
-inline constexpr index_t kOptimChunk = 8192;
-
-// A contiguous range [begin, end) of the flat buffers inside parameter `param`; decay is that
-// parameter's weight-decay flag (the optimizer's rule; clip_grad_norm ignores it).
-struct OptimChunk {
-  index_t begin = 0, end = 0;
-  index_t param = 0;
-  std::int32_t decay = 0;
-};
-
-// The padded range of every trainable parameter, cut into chunks of at most kOptimChunk elements.
-// Depends on the layout only.
-template <class T, class B>
-std::vector<OptimChunk> trainable_chunks(const ParameterArena<T, B>& arena) {
-  constexpr index_t align = ParameterArena<T, B>::kAlign;
-  std::vector<OptimChunk> chunks;
-  const auto& ps = arena.params();
-  for (std::size_t i = 0; i < ps.size(); ++i) {
-    if (!ps[i].trainable) continue;
-    const index_t begin = ps[i].offset;
-    const index_t end = begin + (ps[i].shape.numel() + align - 1) / align * align;
-    for (index_t b = begin; b < end; b += kOptimChunk)
-      chunks.push_back({b, std::min(end, b + kOptimChunk), static_cast<index_t>(i), 0});
-  }
-  return chunks;
-}
-
-// The chunks of an optimizer: `host` for the CPU loops and the host side of every backend;
-// `table`, the same list in B's memory for kernels that read it there (filled by
-// OptimKernels<B>::upload; empty on cpu).
-template <class B>
-struct OptimChunks {
-  std::vector<OptimChunk> host;
-  Tensor<OptimChunk, B> table;
-  index_t size() const { return static_cast<index_t>(host.size()); }
-};
-
-// The update loops of one backend. Specialised for cpu below and for cuda in
-// backend/cuda/optim.cuh:
-//   upload(chunks)                               host -> table
-//   adamw(chunks, AdamWUpdate<T>, p, g, m, v)    every element of every chunk
-//   sgd(chunks, SGDUpdate<T>, p, g, buf)
-template <class B>
-struct OptimKernels {
-  static_assert(sizeof(B) == 0,
-                "graphmoe optimizers: no update kernels for this backend (for graphmoe::cuda, "
-                "include graphmoe/backend/cuda/optim.cuh)");
-};
-
-// x = sqrt(x) for n values, correctly rounded (as std::sqrt and CUDA's sqrt), with SIMD
-// instructions. std::sqrt alone would not vectorise (GCC keeps its errno handling, -fmath-errno),
-// and Eigen's float sqrt is an rsqrt approximation under EIGEN_FAST_MATH, off by 1-2 bits.
-inline void sqrt_in_place(float* x, index_t n) {
-  index_t j = 0;
-#if defined(__AVX__)
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_sqrt_ps(_mm256_loadu_ps(x + j)));
-#elif defined(__SSE2__)
-  for (; j + 4 <= n; j += 4) _mm_storeu_ps(x + j, _mm_sqrt_ps(_mm_loadu_ps(x + j)));
-#endif
-  for (; j < n; ++j) x[j] = std::sqrt(x[j]);
-}
-inline void sqrt_in_place(double* x, index_t n) {
-  index_t j = 0;
-#if defined(__AVX__)
-  for (; j + 4 <= n; j += 4) _mm256_storeu_pd(x + j, _mm256_sqrt_pd(_mm256_loadu_pd(x + j)));
-#elif defined(__SSE2__)
-  for (; j + 2 <= n; j += 2) _mm_storeu_pd(x + j, _mm_sqrt_pd(_mm_loadu_pd(x + j)));
-#endif
-  for (; j < n; ++j) x[j] = std::sqrt(x[j]);
-}
-
-// AdamWUpdate::apply over n elements, in blocks: moments() for the block, the square roots, then
-// update(): each stage is one vectorised loop, and the result is apply()'s bit for bit.
-template <bool Decay, class T>
-void adamw_range(const AdamWUpdate<T>& u, T* __restrict p, const T* __restrict g,
-                 T* __restrict m, T* __restrict v, index_t n) {
-  constexpr index_t kBlock = 512;
-  alignas(64) T root[kBlock];
-  for (index_t b = 0; b < n; b += kBlock) {
-    const index_t len = std::min(kBlock, n - b);
-    T* __restrict r = root;
-    for (index_t j = 0; j < len; ++j) r[j] = u.moments(g[b + j], m[b + j], v[b + j]);
-    sqrt_in_place(r, len);
-    for (index_t j = 0; j < len; ++j) u.template update<Decay>(p[b + j], m[b + j], r[j]);
-  }
-}
-
-template <bool Decay, bool Momentum, bool Nesterov, class T>
-void sgd_range(const SGDUpdate<T>& u, T* __restrict p, const T* __restrict g, T* __restrict buf,
-               index_t n) {
-  for (index_t j = 0; j < n; ++j) {
-    if constexpr (Momentum) {
-      u.template apply<Decay, true, Nesterov>(p[j], g[j], buf[j]);
-    } else {
-      T unused = T(0);  // not read without momentum (buf is null then)
-      u.template apply<Decay, false, false>(p[j], g[j], unused);
-    }
-  }
-}
-
-template <>
-struct OptimKernels<cpu> {
-  static void upload(OptimChunks<cpu>&) {}
-
-  // Chunks in parallel; inside a chunk, one loop with the decay decision hoisted out of it.
-  template <class T>
-  static void adamw(const OptimChunks<cpu>& chunks, const AdamWUpdate<T>& u, T* p, const T* g,
-                    T* m, T* v) {
-    parallel_for(0, chunks.size(), [&](index_t ci) {
-      const OptimChunk& c = chunks.host[static_cast<std::size_t>(ci)];
-      const index_t b = c.begin, n = c.end - c.begin;
-      if (u.decays(c.decay != 0))
-        adamw_range<true>(u, p + b, g + b, m + b, v + b, n);
-      else
-        adamw_range<false>(u, p + b, g + b, m + b, v + b, n);
-    });
-  }
-
-  template <class T>
-  static void sgd(const OptimChunks<cpu>& chunks, const SGDUpdate<T>& u, T* p, const T* g,
-                  T* buf) {
-    parallel_for(0, chunks.size(), [&](index_t ci) {
-      const OptimChunk& c = chunks.host[static_cast<std::size_t>(ci)];
-      const index_t b = c.begin, n = c.end - c.begin;
-      T* const bb = u.use_momentum ? buf + b : nullptr;
-      if (u.decays(c.decay != 0)) {
-        if (!u.use_momentum)
-          sgd_range<true, false, false>(u, p + b, g + b, bb, n);
-        else if (u.nesterov)
-          sgd_range<true, true, true>(u, p + b, g + b, bb, n);
-        else
-          sgd_range<true, true, false>(u, p + b, g + b, bb, n);
-      } else {
-        if (!u.use_momentum)
-          sgd_range<false, false, false>(u, p + b, g + b, bb, n);
-        else if (u.nesterov)
-          sgd_range<false, true, true>(u, p + b, g + b, bb, n);
-        else
-          sgd_range<false, true, false>(u, p + b, g + b, bb, n);
-      }
-    });
-  }
-};
 
 // What an optimizer remembers of the arena it was built for, to refuse another one.
 template <class T, class B>
@@ -291,26 +141,12 @@ inline std::vector<char> decay_flags(const std::vector<ParameterInfo>& params,
 template <class B>
 void set_chunk_decay(OptimChunks<B>& chunks, const std::vector<char>& flags) {
   for (OptimChunk& c : chunks.host) c.decay = flags[static_cast<std::size_t>(c.param)] != 0;
-  OptimKernels<B>::upload(chunks);
+  upload_optim_chunks(chunks);
 }
 
 inline void check_lr(const char* op, double lr) {
   GRAPHMOE_CHECK(std::isfinite(lr) && lr >= 0, op, "learning rate must be finite and >= 0, got ",
                  lr);
-}
-
-// clip_grad_norm's argument checks and its norm (with the NaN / Inf check), for every backend.
-template <class T, class B>
-void check_clip_args(const ParameterArena<T, B>& arena, double max_norm) {
-  GRAPHMOE_CHECK(arena.allocated(), "clip_grad_norm", "the parameter arena is not allocated");
-  GRAPHMOE_CHECK(!std::isnan(max_norm), "clip_grad_norm", "max_norm is nan");
-}
-inline double checked_norm(double sumsq) {
-  const double norm = std::sqrt(sumsq);
-  GRAPHMOE_CHECK(std::isfinite(norm), "clip_grad_norm", "gradient norm is ",
-                 std::isnan(norm) ? "nan" : "inf",
-                 " (a trainable gradient holds NaN or Inf: check the loss and the learning rate)");
-  return norm;
 }
 
 // A named view of `buffer` with the shape and offset of parameter p.
@@ -361,8 +197,7 @@ class AdamW {
     ++t_;
     const auto u = detail::AdamWUpdate<T>::make(cfg_.beta1, cfg_.beta2, cfg_.eps,
                                                 cfg_.weight_decay, lr, t_);
-    detail::OptimKernels<B>::adamw(chunks_, u, arena.values().data(), arena.grads().data(),
-                                   m_.data(), v_.data());
+    adamw_update(chunks_, u, arena.values().data(), arena.grads().data(), m_.data(), v_.data());
   }
 
   // Steps taken so far (the bias-correction step of the next update is steps() + 1).
@@ -432,8 +267,7 @@ class SGD {
     ++t_;
     const auto u =
         detail::SGDUpdate<T>::make(lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov);
-    detail::OptimKernels<B>::sgd(chunks_, u, arena.values().data(), arena.grads().data(),
-                                 buf_.data());
+    sgd_update(chunks_, u, arena.values().data(), arena.grads().data(), buf_.data());
   }
 
   std::int64_t steps() const { return t_; }
@@ -463,37 +297,6 @@ class SGD {
   std::int64_t t_ = 0;
 };
 
-// The global L2 norm of the trainable gradients, sqrt(sum g^2), accumulated in double in a fixed
-// order (per-chunk sums, then the chunks in arena order), so the value does not depend on the
-// thread count. If max_norm > 0 and the norm exceeds it, every trainable gradient is multiplied by
-// max_norm / norm (exactly; PyTorch's clip_grad_norm_ adds 1e-6 to the norm). max_norm <= 0 only
-// measures. Returns the norm before clipping. Throws "gradient norm is nan" (or inf) when a
-// gradient is NaN or Inf, whatever max_norm is. (The cuda overload, in backend/cuda/optim.cuh,
-// sums in the same order and returns the same norm bit for bit.)
-template <class T>
-double clip_grad_norm(ParameterArena<T, cpu>& arena, double max_norm) {
-  detail::check_clip_args(arena, max_norm);
-  const std::vector<detail::OptimChunk> chunks = detail::trainable_chunks(arena);
-  const index_t n = static_cast<index_t>(chunks.size());
-  T* const gv = arena.grads().data();
-  std::vector<double> partial(chunks.size(), 0.0);
-  parallel_for(0, n, [&](index_t ci) {
-    const detail::OptimChunk& c = chunks[static_cast<std::size_t>(ci)];
-    const T* g = gv + c.begin;
-    partial[static_cast<std::size_t>(ci)] = detail::accumulate_double(
-        c.end - c.begin, [g](index_t j) { return static_cast<double>(g[j]) * g[j]; });
-  });
-  double sumsq = 0;
-  for (double s : partial) sumsq += s;
-  const double norm = detail::checked_norm(sumsq);
-  if (max_norm > 0 && norm > max_norm) {
-    const T scale = static_cast<T>(max_norm / norm);
-    parallel_for(0, n, [&](index_t ci) {
-      const detail::OptimChunk& c = chunks[static_cast<std::size_t>(ci)];
-      for (index_t j = c.begin; j < c.end; ++j) gv[j] = detail::fp::mul(gv[j], scale);
-    });
-  }
-  return norm;
-}
+// clip_grad_norm(arena, max_norm): ops/optim.hpp (every backend).
 
 }  // namespace graphmoe

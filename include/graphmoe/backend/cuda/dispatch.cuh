@@ -1,8 +1,7 @@
 // graphmoe/backend/cuda/dispatch.cuh: grouping tokens by expert (dispatch) and gathering the
-// experts' outputs back per token (combine), on the GPU.
-//
-// The same functions and contract as backend/cpu/dispatch.hpp, on Tensor<T, cuda> and a
-// CudaDispatchPlan (the CPU's DispatchPlan with device arrays; see below):
+// experts' outputs back per token (combine), on the GPU (contract and argument checks:
+// ops/dispatch.hpp, which calls these through the backend tag), on Tensor<T, cuda> and a
+// DispatchPlan<cuda> (core/dispatch_plan.hpp; alias CudaDispatchPlan):
 //
 //   dispatch:  xs[s] = x[slot_token[s]]                                  x (N, D) -> xs (N k, D)
 //   combine:   y[t]  = sum_j gates[t, j] * ys[source_slot[t k + j]]      ys (N k, D) -> y (N, D)
@@ -16,8 +15,9 @@
 // a scatter for the inverse permutation and a vectorised lower_bound for the expert offsets):
 // detail/dispatch_plan_thrust.hpp, which g++ also compiles against Thrust's CPU backends so that
 // the plan is tested without a GPU. The plan equals the CPU plan entry for entry. It copies the
-// E + 1 expert offsets to the host (one synchronising copy): the expert FFN bank launches one
-// GEMM per expert from the host, and the copy doubles as the check of the expert ids.
+// E + 1 expert offsets to the host (host_offsets, one synchronising copy): the expert FFN bank
+// launches its GEMMs from the host, and the copy doubles as the check of the expert ids. It also
+// fills slot_expert (the sorted ids), which the grouped expert bias reads (grouped.cuh).
 //
 // The gathers run one thread per output element (coalesced over D); dgates runs one warp per
 // (token, choice) dot product. Sums over j run in the CPU's order; the dgates dot product is a
@@ -34,70 +34,16 @@
 #include <cstdint>
 #include <limits>
 
-#include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/backend/cuda/detail/dispatch_plan_thrust.hpp"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/detail/nn_launch.cuh"
+#include "graphmoe/core/dispatch_plan.hpp"
+#include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
 
-// The plan of backend/cpu/dispatch.hpp with its arrays on the device, plus the expert offsets on
-// the host and the expert of every slot.
-struct CudaDispatchPlan {
-  index_t num_tokens = 0, k = 0, num_experts = 0;
-  Tensor<std::int32_t, cuda> expert_offsets;  // (E + 1): slots of expert e are [offsets[e], offsets[e + 1])
-  Tensor<std::int32_t, cuda> slot_token;      // (N k): the token row held by sorted slot s
-  Tensor<std::int32_t, cuda> slot_source;     // (N k): the assignment (t k + j) held by slot s
-  Tensor<std::int32_t, cuda> source_slot;     // (N k): inverse of slot_source
-  Tensor<std::int32_t, cuda> slot_expert;     // (N k): the expert of slot s (the sorted ids)
-  Tensor<std::int32_t, cpu> host_offsets;     // (E + 1): expert_offsets on the host
-
-  index_t num_slots() const { return num_tokens * k; }
-  // Number of assignments routed to expert e.
-  index_t count(index_t e) const {
-    GRAPHMOE_CHECK(e >= 0 && e < num_experts, "CudaDispatchPlan::count", "expert ", e,
-                   " is out of range [0, ", num_experts, ")");
-    return host_offsets.data()[e + 1] - host_offsets.data()[e];
-  }
-  // First slot of expert e (the row of xs where its block starts).
-  index_t offset(index_t e) const {
-    GRAPHMOE_CHECK(e >= 0 && e <= num_experts, "CudaDispatchPlan::offset", "expert ", e,
-                   " is out of range [0, ", num_experts, "]");
-    return host_offsets.data()[e];
-  }
-};
-
-template <>
-struct dispatch_plan_for<cuda> {
-  using type = CudaDispatchPlan;
-};
-
 namespace detail {
-
-template <class B>
-void plan_tensor(Tensor<std::int32_t, B>& t, const Shape& shape) {
-  if (t.empty() || t.shape() != shape) t = Tensor<std::int32_t, B>(shape);
-}
-
-inline void check_plan(const char* op, const CudaDispatchPlan& plan) {
-  const index_t slots = plan.num_slots();
-  GRAPHMOE_CHECK(plan.k >= 1 && plan.num_experts >= 1 && !plan.expert_offsets.empty() &&
-                     plan.expert_offsets.numel() == plan.num_experts + 1 &&
-                     !plan.slot_token.empty() && plan.slot_token.numel() == slots &&
-                     !plan.slot_source.empty() && plan.slot_source.numel() == slots &&
-                     !plan.source_slot.empty() && plan.source_slot.numel() == slots,
-                 op, "the plan was not built by make_dispatch_plan (N = ", plan.num_tokens,
-                 ", k = ", plan.k, ", E = ", plan.num_experts, ")");
-}
-
-template <class T>
-void check_matrix(const char* op, const char* what, const Tensor<T, cuda>& m, index_t rows,
-                  index_t cols) {
-  GRAPHMOE_CHECK(!m.empty(), op, what, " is empty, expected (", rows, ", ", cols, ")");
-  GRAPHMOE_CHECK(m.rank() >= 1 && m.rows() == rows && m.cols() == cols, op, what,
-                 " has shape ", m.shape(), ", expected (", rows, ", ", cols, ")");
-}
 
 template <class T>
 __global__ void dispatch_forward_kernel(const std::int32_t* slot_token, const T* x, T* xs,
@@ -165,23 +111,16 @@ __global__ void combine_backward_dgates_kernel(const std::int32_t* source_slot, 
 
 }  // namespace detail
 
-// Builds the plan for indices (N, k) of expert ids in [0, num_experts), on the device. A template
-// only so that Thrust's sort kernels are compiled in the translation units that build plans;
-// indices are std::int32_t as on the CPU. On bad input it throws the CPU op's message and leaves
-// the plan invalid (k = 0), to be rebuilt.
+// The plan of indices (N, k), checked by ops/dispatch.hpp, built on the device. A template only
+// so that Thrust's sort kernels are compiled in the translation units that build plans; indices
+// are std::int32_t as on the CPU. Returns the first expert id outside [0, num_experts) (the plan
+// is then invalid, and ops/dispatch.hpp marks it so).
 template <class I>
   requires std::same_as<I, std::int32_t>
-void make_dispatch_plan(const Tensor<I, cuda>& indices, index_t num_experts, CudaDispatchPlan& plan) {
+Offender make_dispatch_plan(cuda, const Tensor<I, cuda>& indices, index_t num_experts,
+                            DispatchPlan<cuda>& plan) {
   constexpr const char* op = "make_dispatch_plan";
-  GRAPHMOE_CHECK(!indices.empty() && indices.rank() == 2, op,
-                 "indices must be an (N, k) matrix of expert ids, got ",
-                 (indices.empty() ? "an empty tensor" : indices.shape().str()));
-  GRAPHMOE_CHECK(num_experts >= 1, op, "num_experts = ", num_experts, " must be >= 1");
   const index_t n = indices.dim(0), k = indices.dim(1), slots = n * k;
-  GRAPHMOE_CHECK(k >= 1, op, "indices ", indices.shape(), " select no expert per token (k = 0)");
-  GRAPHMOE_CHECK(slots <= std::numeric_limits<std::int32_t>::max() &&
-                     num_experts < std::numeric_limits<std::int32_t>::max(),
-                 op, "N * k = ", slots, " or E = ", num_experts, " exceeds the int32 range");
   plan.num_tokens = n;
   plan.k = k;
   plan.num_experts = num_experts;
@@ -212,23 +151,15 @@ void make_dispatch_plan(const Tensor<I, cuda>& indices, index_t num_experts, Cud
     plan.k = 0;
     detail::throw_error(op, "Thrust: ", e.what());
   }
-  if (bad >= 0) {
-    plan.k = 0;  // invalid: check_plan rejects it
-    const std::int32_t id = detail::read_device_value(indices.data() + bad);
-    GRAPHMOE_CHECK(false, op, "expert id ", id, " of token ", bad / k, ", choice ", bad % k,
-                   " is out of range [0, ", num_experts, ")");
-  }
+  if (bad < 0) return {};
+  return {bad, static_cast<double>(detail::read_device_value(indices.data() + bad))};
 }
 
-// xs[s] = x[slot_token[s]]: x (N, D) -> xs (N k, D). An empty xs is allocated.
+// xs[s] = x[slot_token[s]] (xs prepared by ops/dispatch.hpp).
 template <class T>
-void dispatch_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& x, Tensor<T, cuda>& xs) {
-  constexpr const char* op = "dispatch_forward";
-  detail::check_plan(op, plan);
-  GRAPHMOE_CHECK(!x.empty() && x.rank() >= 1, op, "x is empty");
+void dispatch_forward(cuda, const DispatchPlan<cuda>& plan, const Tensor<T, cuda>& x,
+                      Tensor<T, cuda>& xs) {
   const index_t d = x.cols();
-  detail::check_matrix(op, "x", x, plan.num_tokens, d);
-  prepare_output(op, "xs", xs, Shape{plan.num_slots(), d});
   const index_t total = plan.num_slots() * d;
   if (total == 0) return;
   detail::launch_kernel<detail::dispatch_forward_kernel<T>>(
@@ -239,14 +170,9 @@ void dispatch_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& x, Te
 
 // dx[t] = sum_j dxs[source_slot[t k + j]]: dxs (N k, D) -> dx (N, D), assigned.
 template <class T>
-void dispatch_backward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& dxs,
+void dispatch_backward(cuda, const DispatchPlan<cuda>& plan, const Tensor<T, cuda>& dxs,
                        Tensor<T, cuda>& dx) {
-  constexpr const char* op = "dispatch_backward";
-  detail::check_plan(op, plan);
-  GRAPHMOE_CHECK(!dxs.empty() && dxs.rank() >= 1, op, "dxs is empty");
   const index_t d = dxs.cols();
-  detail::check_matrix(op, "dxs", dxs, plan.num_slots(), d);
-  prepare_output(op, "dx", dx, Shape{plan.num_tokens, d});
   const index_t total = plan.num_tokens * d;
   if (total == 0) return;
   detail::launch_kernel<detail::dispatch_backward_kernel<T>>(
@@ -257,15 +183,9 @@ void dispatch_backward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& dxs,
 
 // y[t] = sum_j gates[t, j] * ys[source_slot[t k + j]]: ys (N k, D), gates (N, k) -> y (N, D).
 template <class T>
-void combine_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& ys,
+void combine_forward(cuda, const DispatchPlan<cuda>& plan, const Tensor<T, cuda>& ys,
                      const Tensor<T, cuda>& gates, Tensor<T, cuda>& y) {
-  constexpr const char* op = "combine_forward";
-  detail::check_plan(op, plan);
-  GRAPHMOE_CHECK(!ys.empty() && ys.rank() >= 1, op, "ys is empty");
   const index_t d = ys.cols(), k = plan.k;
-  detail::check_matrix(op, "ys", ys, plan.num_slots(), d);
-  detail::check_matrix(op, "gates", gates, plan.num_tokens, k);
-  prepare_output(op, "y", y, Shape{plan.num_tokens, d});
   const index_t total = plan.num_tokens * d;
   if (total == 0) return;
   detail::launch_kernel<detail::combine_forward_kernel<T>>(
@@ -276,18 +196,10 @@ void combine_forward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& ys,
 
 // Backward of combine_forward: dys (N k, D) and dgates (N, k), both assigned.
 template <class T>
-void combine_backward(const CudaDispatchPlan& plan, const Tensor<T, cuda>& ys,
+void combine_backward(cuda, const DispatchPlan<cuda>& plan, const Tensor<T, cuda>& ys,
                       const Tensor<T, cuda>& gates, const Tensor<T, cuda>& dy,
                       Tensor<T, cuda>& dys, Tensor<T, cuda>& dgates) {
-  constexpr const char* op = "combine_backward";
-  detail::check_plan(op, plan);
-  GRAPHMOE_CHECK(!ys.empty() && ys.rank() >= 1, op, "ys is empty");
   const index_t d = ys.cols(), k = plan.k, n = plan.num_tokens;
-  detail::check_matrix(op, "ys", ys, plan.num_slots(), d);
-  detail::check_matrix(op, "gates", gates, n, k);
-  detail::check_matrix(op, "dy", dy, n, d);
-  prepare_output(op, "dys", dys, Shape{plan.num_slots(), d});
-  prepare_output(op, "dgates", dgates, Shape{n, k});
   if (n == 0) return;
   if (d > 0) {
     detail::launch_kernel<detail::combine_backward_dys_kernel<T>>(

@@ -1,15 +1,15 @@
-// graphmoe/backend/cuda/optim.cuh: AdamW, SGD and clip_grad_norm on a ParameterArena<T, cuda>.
+// graphmoe/backend/cuda/optim.cuh: the optimizer updates and the gradient norm on the GPU
+// (contract and argument checks: ops/optim.hpp, which calls these through the backend tag), so
+// that AdamW, SGD (train/optim.hpp) and clip_grad_norm run on a ParameterArena<T, cuda>:
 //
 //   ParameterArena<float, cuda> arena;  ...  arena.allocate();
 //   AdamW<float, cuda> opt(arena, AdamWConfig{});
 //   clip_grad_norm(arena, 1.0);
 //   opt.step(arena, lr);
 //
-// The classes are train/optim.hpp's; this header supplies their cuda kernels
-// (detail::OptimKernels<cuda>) and the cuda overload of clip_grad_norm, with the same contract
-// and error messages. The per-element arithmetic is the functor of train/detail/optim_math.hpp,
-// the CPU loop's, with rounded device intrinsics that are never fused: the parameters and the
-// state after a step are bitwise the CPU's (tests/cuda/test_cuda_attention_optim.cu).
+// The per-element arithmetic is the functor of core/optim_math.hpp, the CPU loop's, with rounded
+// device intrinsics that are never fused: the parameters and the state after a step are bitwise
+// the CPU's (tests/cuda/test_cuda_attention_optim.cu).
 //
 // Kernels. The optimizer's chunks (ranges of at most kOptimChunk elements inside one trainable
 // parameter, with its decay flag) live in device memory, uploaded when the optimizer is built
@@ -35,10 +35,8 @@
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/error.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
-#include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/optim_math.hpp"
 #include "graphmoe/core/tensor.hpp"
-#include "graphmoe/train/detail/optim_math.hpp"
-#include "graphmoe/train/optim.hpp"
 
 namespace graphmoe {
 
@@ -132,66 +130,64 @@ inline unsigned grid_for_chunks(index_t chunks) {
   return static_cast<unsigned>(std::min<index_t>(chunks, index_t(1) << 20));
 }
 
-template <>
-struct OptimKernels<cuda> {
-  static void upload(OptimChunks<cuda>& chunks) { chunks.table = chunk_table(chunks.host); }
-
-  template <class T>
-  static void adamw(const OptimChunks<cuda>& chunks, const AdamWUpdate<T>& u, T* p, const T* g,
-                    T* m, T* v) {
-    const index_t n = chunks.size();
-    if (n == 0) return;
-    launch_kernel<adamw_kernel<T>>(grid_for_chunks(n), kThreads, chunks.table.data(), n, u, p, g, m,
-                                   v);
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
-  }
-
-  template <class T>
-  static void sgd(const OptimChunks<cuda>& chunks, const SGDUpdate<T>& u, T* p, const T* g,
-                  T* buf) {
-    const index_t n = chunks.size();
-    if (n == 0) return;
-    const OptimChunk* table = chunks.table.data();
-    const unsigned grid = grid_for_chunks(n);
-    if (!u.use_momentum)
-      launch_kernel<sgd_kernel<T, false, false>>(grid, kThreads, table, n, u, p, g, buf);
-    else if (u.nesterov)
-      launch_kernel<sgd_kernel<T, true, true>>(grid, kThreads, table, n, u, p, g, buf);
-    else
-      launch_kernel<sgd_kernel<T, true, false>>(grid, kThreads, table, n, u, p, g, buf);
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
-  }
-};
-
 }  // namespace detail
 
-// As the cpu clip_grad_norm (train/optim.hpp): the same norm bit for bit, the same scaling and
-// messages. Synchronises the stream (the norm is read back).
+inline void upload_optim_chunks(cuda, detail::OptimChunks<cuda>& chunks) {
+  chunks.table = detail::chunk_table(chunks.host);
+}
+
+// One thread block per chunk (the table uploaded by upload_optim_chunks).
 template <class T>
-double clip_grad_norm(ParameterArena<T, cuda>& arena, double max_norm) {
-  detail::check_clip_args(arena, max_norm);
-  const std::vector<detail::OptimChunk> chunks = detail::trainable_chunks(arena);
-  const index_t n = static_cast<index_t>(chunks.size());
-  if (n == 0) return detail::checked_norm(0.0);
-  const Tensor<detail::OptimChunk, cuda> table = detail::chunk_table(chunks);
+void adamw_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::AdamWUpdate<T>& u,
+                  T* p, const T* g, T* m, T* v) {
+  using namespace detail;
+  const index_t n = chunks.size();
+  if (n == 0) return;
+  launch_kernel<adamw_kernel<T>>(grid_for_chunks(n), kThreads, chunks.table.data(), n, u, p, g, m,
+                                 v);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void sgd_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::SGDUpdate<T>& u, T* p,
+                const T* g, T* buf) {
+  using namespace detail;
+  const index_t n = chunks.size();
+  if (n == 0) return;
+  const OptimChunk* table = chunks.table.data();
+  const unsigned grid = grid_for_chunks(n);
+  if (!u.use_momentum)
+    launch_kernel<sgd_kernel<T, false, false>>(grid, kThreads, table, n, u, p, g, buf);
+  else if (u.nesterov)
+    launch_kernel<sgd_kernel<T, true, true>>(grid, kThreads, table, n, u, p, g, buf);
+  else
+    launch_kernel<sgd_kernel<T, true, false>>(grid, kThreads, table, n, u, p, g, buf);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// The two-level reduction above; reads the sum back (synchronises the stream).
+template <class T>
+double grad_sumsq(cuda, const detail::OptimChunks<cuda>& chunks, const T* gv) {
+  const index_t n = chunks.size();
   Tensor<double, cuda> partial(Shape{n});
   Tensor<double, cuda> sumsq(Shape{1});
-  T* const gv = arena.grads().data();
   constexpr index_t per_block = detail::kThreads / detail::kSumsqLanes;
   const unsigned grid = detail::grid_for_chunks((n + per_block - 1) / per_block);
-  detail::launch_kernel<detail::chunk_sumsq_kernel<T>>(grid, detail::kThreads, table.data(), n, gv,
-                                                       partial.data());
+  detail::launch_kernel<detail::chunk_sumsq_kernel<T>>(grid, detail::kThreads, chunks.table.data(),
+                                                       n, gv, partial.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::launch_kernel<detail::ordered_sum_kernel<double>>(1, 1, partial.data(), n, sumsq.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const double norm = detail::checked_norm(detail::read_device_value(sumsq.data()));
-  if (max_norm > 0 && norm > max_norm) {
-    const T scale = static_cast<T>(max_norm / norm);
-    detail::launch_kernel<detail::scale_chunks_kernel<T>>(
-        detail::grid_for_chunks(n), detail::kThreads, table.data(), n, gv, scale);
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
-  }
-  return norm;
+  return detail::read_device_value(sumsq.data());
+}
+
+// g *= scale over the chunks.
+template <class T>
+void scale_grads(cuda, const detail::OptimChunks<cuda>& chunks, T* gv, T scale) {
+  const index_t n = chunks.size();
+  detail::launch_kernel<detail::scale_chunks_kernel<T>>(
+      detail::grid_for_chunks(n), detail::kThreads, chunks.table.data(), n, gv, scale);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace graphmoe

@@ -1,9 +1,12 @@
-// graphmoe/train/detail/optim_math.hpp: the per-element arithmetic of the optimizers (internal),
-// one definition for the CPU loops (train/optim.hpp) and the CUDA kernels
-// (backend/cuda/optim.cuh).
+// graphmoe/core/optim_math.hpp: the per-element arithmetic of the optimizers (internal), one
+// definition for the CPU loops (backend/cpu/optim.hpp) and the CUDA kernels
+// (backend/cuda/optim.cuh), and the chunk list they run over (ops/optim.hpp; the optimizers:
+// train/optim.hpp).
 //
 //   AdamWUpdate<T>   m, v and the parameter of one element (optim.hpp states the rule)
 //   SGDUpdate<T>     the momentum buffer and the parameter of one element
+//   OptimChunk, OptimChunks<B>
+//                    the ranges the update and the gradient norm run over
 //   sumsq_lane, combine_sumsq_lanes
 //                    the sum of squares of one gradient chunk in the CPU's order
 //                    (detail::accumulate_double): eight strided lanes, combined pairwise, then the
@@ -23,10 +26,34 @@
 #include <cmath>
 #include <cstdint>
 
+#include <vector>
+
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/shape.hpp"
+#include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe::detail {
+
+// Elements per unit of parallel work (a multiple of ParameterArena::kAlign).
+inline constexpr index_t kOptimChunk = 8192;
+
+// A contiguous range [begin, end) of the flat buffers inside parameter `param`; decay is that
+// parameter's weight-decay flag (the optimizer's rule; clip_grad_norm ignores it).
+struct OptimChunk {
+  index_t begin = 0, end = 0;
+  index_t param = 0;
+  std::int32_t decay = 0;
+};
+
+// The chunks of an optimizer: `host` for the CPU loops and the host side of every backend;
+// `table`, the same list in B's memory for kernels that read it there (filled by
+// upload_optim_chunks, ops/optim.hpp; empty on cpu).
+template <class B>
+struct OptimChunks {
+  std::vector<OptimChunk> host;
+  Tensor<OptimChunk, B> table;
+  index_t size() const { return static_cast<index_t>(host.size()); }
+};
 
 namespace fp {
 // Correctly rounded operations that are never fused.
