@@ -28,6 +28,10 @@ Two rules come on top of the ranks:
   - the folder graph has no cycle (implied by the ranks; checked and reported on its own so that
     a change of the rank table cannot hide one).
 
+And one on the CUDA system: no header under backend/cuda/ reaches Eigen, directly or through
+the headers it includes (nvcc would otherwise compile Eigen for the device; the CPU backend and
+core/eigen.hpp are Eigen's only entry points).
+
 Exits 1 naming every offending include (file, line, included header, the rule), 0 when clean.
 A header in a folder the table does not know is an error too, so a new folder gets a rank.
 """
@@ -50,7 +54,15 @@ RANKS = {
     "cuda.cuh": 10,
 }
 UMBRELLAS = {"graphmoe.hpp", "cuda.cuh"}
+# backend/cuda headers allowed to reach Eigen, each with its reason (nvcc sees Eigen as host code
+# there: graphmoe::cuda defines EIGEN_NO_CUDA for every .cu translation unit).
+EIGEN_ALLOWED = {
+    "backend/cuda/aux_losses.cuh": "evaluates the auxiliary losses on host copies with the CPU's "
+                                   "own arithmetic (core/aux_losses.hpp), so both backends give "
+                                   "the same values bit for bit",
+}
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"](graphmoe/[^">]+)[">]')
+EIGEN_RE = re.compile(r'^\s*#\s*include\s*[<"](Eigen|unsupported/Eigen)/')
 
 
 def folder_of(rel):
@@ -76,6 +88,8 @@ def main():
         return 2
     errors = []
     edges = {}  # (from folder, to folder) -> first example
+    includes = {}  # header -> the graphmoe headers it includes
+    eigen = set()  # headers that include Eigen directly
     headers = 0
     for dirpath, _, files in os.walk(base):
         for name in sorted(files):
@@ -90,10 +104,13 @@ def main():
                 continue
             with open(path, encoding="utf-8") as f:
                 for lineno, line in enumerate(f, 1):
+                    if EIGEN_RE.match(line):
+                        eigen.add(rel)
                     m = INCLUDE_RE.match(line)
                     if not m:
                         continue
                     target = m.group(1)[len("graphmoe/"):]
+                    includes.setdefault(rel, []).append(target)
                     where = f"{rel}:{lineno}: includes graphmoe/{target}"
                     if not os.path.isfile(os.path.join(base, target)):
                         errors.append(f"{where}: no such header")
@@ -115,6 +132,23 @@ def main():
                             src == "ops" and dst == "backend/cpu"):
                         errors.append(f"{where}: only ops/ (the CPU backend) and the umbrella "
                                       "headers include a backend; include the op from ops/")
+    # the CUDA system never reaches Eigen
+    def eigen_path(h, seen):
+        if h in eigen:
+            return [h]
+        for t in includes.get(h, []):
+            if t not in seen:
+                seen.add(t)
+                p = eigen_path(t, seen)
+                if p:
+                    return [h] + p
+        return None
+    for rel in sorted(includes):
+        if folder_of(rel) == "backend/cuda" and rel not in EIGEN_ALLOWED:
+            path = eigen_path(rel, {rel})
+            if path:
+                errors.append(f"{rel}: reaches Eigen through " + " -> ".join(path[1:]) +
+                              " (a backend/cuda header must compile without Eigen)")
     # folder cycles (Tarjan's strongly connected components)
     graph = {}
     for a, b in edges:
@@ -156,7 +190,8 @@ def main():
             print("  " + e)
         return 1
     print(f"check_includes: {headers} headers, {len(edges)} folder edges, no upward include, "
-          "no folder cycle")
+          "no folder cycle, no backend/cuda header reaches Eigen (allowed: "
+          + "; ".join(f"{h}: {why}" for h, why in EIGEN_ALLOWED.items()) + ")")
     return 0
 
 

@@ -1,7 +1,7 @@
 // graphmoe/cuda.cuh: the library with its CUDA backend, for .cu translation units.
 //
-// Includes every op of backend/cuda/, the routing parts that run on graphmoe::cuda (token graphs,
-// auxiliary losses) and then the layers, routers, models and optimizers (not the rest of train/:
+// Includes the CUDA system (every backend/cuda/ header but nccl.cuh), the op layer (ops/), and
+// then the layers, routers, models and optimizers (not the rest of train/:
 // include checkpoints and data readers from their own headers). The layers, routers and models are written
 // once for every backend; their op calls resolve by argument type, so a .cu file gets the CUDA
 // versions of Linear, LayerNorm, MultiHeadAttention, RouterImpl, ExpertBank, MoELayer, ... by
@@ -15,8 +15,10 @@
 // is ambiguous with CCCL's `namespace cuda` (libcu++), which the CUDA headers declare.
 #pragma once
 
+// the CUDA system: every op's implementation on graphmoe::cuda (NCCL: backend/cuda/nccl.cuh)
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/attention.cuh"
+#include "graphmoe/backend/cuda/aux_losses.cuh"
 #include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/cross_entropy.cuh"
@@ -34,10 +36,26 @@
 #include "graphmoe/backend/cuda/softmax.cuh"
 #include "graphmoe/backend/cuda/token_graph.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
-#include "graphmoe/routing/aux_losses_cuda.cuh"
-#include "graphmoe/ops/token_graph.hpp"
-#include "graphmoe/routing/token_graphs.hpp"
 
+// the op layer: contracts and checks, then the call into the tensors' backend
+#include "graphmoe/ops/attention.hpp"
+#include "graphmoe/ops/aux_losses.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
+#include "graphmoe/ops/dispatch.hpp"
+#include "graphmoe/ops/dropout.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/embedding.hpp"
+#include "graphmoe/ops/experts.hpp"
+#include "graphmoe/ops/gates.hpp"
+#include "graphmoe/ops/gelu.hpp"
+#include "graphmoe/ops/gemm.hpp"
+#include "graphmoe/ops/layernorm.hpp"
+#include "graphmoe/ops/optim.hpp"
+#include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/token_graph.hpp"
+#include "graphmoe/ops/topk.hpp"
+
+#include "graphmoe/routing/token_graphs.hpp"
 #include "graphmoe/layers/attention.hpp"
 #include "graphmoe/layers/block.hpp"
 #include "graphmoe/layers/expert_bank.hpp"

@@ -13,26 +13,34 @@
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/backend.hpp"
 #include "graphmoe/core/eigen.hpp"
+#include "graphmoe/core/mode.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/shape.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
 
-// dist: the Communicator interface, SelfCommunicator and data parallelism (MPI:
-// graphmoe/dist/mpi.hpp, not here)
+// the Communicator interface and SelfCommunicator (MPI: graphmoe/dist/mpi.hpp, NCCL:
+// graphmoe/backend/cuda/nccl.cuh, not here; data parallelism: train/data_parallel.hpp below)
 #include "graphmoe/core/communicator.hpp"
-#include "graphmoe/train/data_parallel.hpp"
 
-// backend/cpu: the op set on Eigen (and OpenBLAS through Eigen when GRAPHMOE_USE_BLAS)
-#include "graphmoe/backend/cpu/attention.hpp"
-#include "graphmoe/backend/cpu/cross_entropy.hpp"
-#include "graphmoe/backend/cpu/dispatch.hpp"
-#include "graphmoe/backend/cpu/dropout.hpp"
-#include "graphmoe/backend/cpu/embedding.hpp"
-#include "graphmoe/backend/cpu/gelu.hpp"
-#include "graphmoe/backend/cpu/gemm.hpp"
-#include "graphmoe/backend/cpu/layernorm.hpp"
-#include "graphmoe/backend/cpu/softmax.hpp"
+// ops: every op's contract and argument checks, then the call into the tensors' backend (the CPU
+// system of backend/cpu/, on Eigen and OpenBLAS through Eigen when GRAPHMOE_USE_BLAS, is included
+// by each op; graphmoe/cuda.cuh adds the CUDA system)
+#include "graphmoe/ops/attention.hpp"
+#include "graphmoe/ops/aux_losses.hpp"
+#include "graphmoe/ops/cross_entropy.hpp"
+#include "graphmoe/ops/dispatch.hpp"
+#include "graphmoe/ops/dropout.hpp"
+#include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/embedding.hpp"
+#include "graphmoe/ops/experts.hpp"
+#include "graphmoe/ops/gates.hpp"
+#include "graphmoe/ops/gelu.hpp"
+#include "graphmoe/ops/gemm.hpp"
+#include "graphmoe/ops/layernorm.hpp"
+#include "graphmoe/ops/optim.hpp"
+#include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/token_graph.hpp"
 #include "graphmoe/ops/topk.hpp"
 
 // routing: Router<Scorer, TokenGraph, Selector>, named routers, auxiliary losses
@@ -59,8 +67,10 @@
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/models/vision_moe.hpp"
 
-// train: optimizers, schedules, checkpoints, pretrained backbones, data, metrics, progress
+// train: optimizers, schedules, checkpoints, data parallelism, pretrained backbones, data, metrics,
+// progress
 #include "graphmoe/train/checkpoint.hpp"
+#include "graphmoe/train/data_parallel.hpp"
 #include "graphmoe/train/datasets.hpp"
 #include "graphmoe/train/divergence.hpp"
 #include "graphmoe/train/image_corruptions.hpp"

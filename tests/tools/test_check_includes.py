@@ -58,10 +58,14 @@ expect("ops includes the CUDA backend", {**CLEAN, "ops/gemm.hpp": inc("backend/c
 expect("folder cycle", {**CLEAN, "ops/gemm.hpp": inc("layers/linear.hpp")}, 1,
        "folder cycle layers <-> ops")
 expect("unknown folder", {**CLEAN, "extras/x.hpp": ""}, 1, "folder 'extras' has no rank")
+expect("a CUDA header reaching Eigen",
+       {**CLEAN, "core/eigen.hpp": "#include <Eigen/Core>\n",
+        "backend/cuda/gemm.cuh": inc("core/eigen.hpp")}, 1,
+       "backend/cuda/gemm.cuh: reaches Eigen through core/eigen.hpp")
 expect("missing header", {**CLEAN, "layers/linear.hpp": inc("ops/nothing.hpp")}, 1,
        "no such header")
 
 if failures:
     print("\n".join(failures))
     sys.exit(1)
-print("test_check_includes: 8 cases passed")
+print("test_check_includes: 9 cases passed")

@@ -56,10 +56,6 @@
 // forward, two (dl and its rows of head h) in backward.
 #pragma once
 
-#if !defined(EIGEN_NO_CUDA)
-#define EIGEN_NO_CUDA
-#endif
-
 #include <cublas_v2.h>
 
 #include <climits>
