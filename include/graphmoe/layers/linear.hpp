@@ -5,9 +5,10 @@
 // caches what backward needs; backward(dy, dx) ASSIGNS dx (skipped when dx is nullptr) and
 // ACCUMULATES (+=) the parameter gradients.
 //
-// Layers are written once for every backend: their bodies call ops (gemm, add_row_vector, ...)
-// that resolve by argument type to backend/cpu/ or backend/cuda/. A .cu translation unit that
-// instantiates a layer with graphmoe::cuda includes graphmoe/backend/cuda.cuh first.
+// Layers are written once for every backend: their bodies call the op layer (ops/: gemm,
+// add_row_vector, ...), which checks the arguments and runs the tensors' backend (backend/cpu/,
+// backend/cuda/, or a user's). A .cu translation unit that instantiates a layer with
+// graphmoe::cuda includes graphmoe/cuda.cuh.
 #pragma once
 
 #include <string>
