@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/core/bad_row.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/shape.hpp"
 
@@ -26,5 +27,14 @@ GRAPHMOE_HOST_DEVICE inline bool cross_entropy_bad_target(std::int32_t t, index_
 }
 
 }  // namespace detail
+
+// What a backend's cross_entropy_forward returns: the mean negative log-likelihood, or the first
+// row of logits without a finite maximum (bad.found(): the loss is not computed, and the op layer
+// throws the softmax's message for it).
+template <class T>
+struct CrossEntropyValue {
+  T loss = T(0);
+  BadRow bad;
+};
 
 }  // namespace graphmoe

@@ -29,6 +29,7 @@
 #include "graphmoe/core/backend.hpp"
 #include "graphmoe/core/cross_entropy.hpp"
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/ops/softmax.hpp"
 
 namespace graphmoe {
 
@@ -74,7 +75,10 @@ T cross_entropy_forward(const Tensor<T, B>& logits, const Tensor<std::int32_t, B
   const index_t count =
       detail::cross_entropy_count_targets(op, "logits", logits, targets, ignore_index);
   prepare_output(op, "y", log_probs, logits.shape());  // the log-softmax's name for it
-  return cross_entropy_forward(B{}, logits, targets, log_probs, count, ignore_index);
+  const CrossEntropyValue<T> v = cross_entropy_forward(B{}, logits, targets, log_probs, count,
+                                                       ignore_index);
+  if (v.bad.found()) detail::throw_softmax_bad_row(op, "logits", logits.shape(), v.bad);
+  return v.loss;
 }
 
 // dlogits = dloss / n * (exp(log_probs) - onehot(targets)), zero rows where the target is

@@ -2,7 +2,8 @@
 // argument checks: ops/cross_entropy.hpp, which calls these through the backend tag).
 //
 // The log-softmax is the CPU softmax's (backend/cpu/softmax.hpp: max-subtracted, row sums in
-// double, rows over the threads); it throws its own message for a row without a finite maximum.
+// double, rows over the threads); a row without a finite maximum is returned (CrossEntropyValue,
+// core/cross_entropy.hpp) for the op layer to throw the softmax's message.
 // The loss is summed in double over the rows in order. dlogits is written row by row over the
 // threads, with the vectorised exp of detail/vexp.hpp.
 #pragma once
@@ -37,19 +38,23 @@ inline TargetScan cross_entropy_scan_targets(cpu, const Tensor<std::int32_t, cpu
 }
 
 // log_probs (prepared by ops/cross_entropy.hpp) = log_softmax(logits); returns the mean negative
-// log-likelihood over the `count` rows not ignored (targets checked).
+// log-likelihood over the `count` rows not ignored (targets checked), or the first row of logits
+// without a finite maximum.
 template <class T>
-T cross_entropy_forward(cpu, const Tensor<T, cpu>& logits, const Tensor<std::int32_t, cpu>& targets,
-                        Tensor<T, cpu>& log_probs, index_t count, std::int32_t ignore_index) {
-  detail::softmax_forward_impl("cross_entropy_forward", "logits", true, logits, log_probs);
-  if (count == 0) return T(0);
+CrossEntropyValue<T> cross_entropy_forward(cpu, const Tensor<T, cpu>& logits,
+                                           const Tensor<std::int32_t, cpu>& targets,
+                                           Tensor<T, cpu>& log_probs, index_t count,
+                                           std::int32_t ignore_index) {
+  const BadRow bad = detail::softmax_rows(true, logits, log_probs);
+  if (bad.found()) return {T(0), bad};
+  if (count == 0) return {};
   const index_t rows = logits.rows(), classes = logits.cols();
   const std::int32_t* t = targets.data();
   const T* lp = log_probs.data();
   double nll = 0;
   for (index_t i = 0; i < rows; ++i)
     if (t[i] != ignore_index) nll -= static_cast<double>(lp[i * classes + t[i]]);
-  return static_cast<T>(nll / static_cast<double>(count));
+  return {static_cast<T>(nll / static_cast<double>(count)), {}};
 }
 
 // dlogits (prepared by ops/cross_entropy.hpp) = dloss / count * (exp(log_probs) - onehot), zero

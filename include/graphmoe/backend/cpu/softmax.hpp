@@ -93,26 +93,6 @@ BadRow softmax_rows(bool log, const Tensor<T, cpu>& x, Tensor<T, cpu>& y) {
   return bad < rows ? softmax_bad_row(x, bad) : BadRow{};
 }
 
-// The log-softmax of cross_entropy (backend/cpu/cross_entropy.hpp): checks x, prepares y and
-// throws for a row without a finite maximum, with the messages of ops/softmax.hpp (`what` names
-// x). Goes when cross_entropy's checks move to the op layer.
-template <class T>
-void softmax_forward_impl(const char* op, const char* what, bool log, const Tensor<T, cpu>& x,
-                          Tensor<T, cpu>& y) {
-  GRAPHMOE_CHECK(!x.empty(), op, what, " is empty");
-  prepare_output(op, "y", y, x.shape());
-  const BadRow bad = softmax_rows(log, x, y);
-  if (!bad.found()) return;
-  if (bad.nan > 0)
-    throw_error(op, "row ", bad.row, " of ", what, " (shape ", x.shape(), ") contains NaN (",
-                bad.nan, " entries)");
-  if (bad.pos_inf > 0)
-    throw_error(op, "row ", bad.row, " of ", what, " (shape ", x.shape(), ") contains +inf (",
-                bad.pos_inf, " entries): the softmax of that row is undefined");
-  throw_error(op, "row ", bad.row, " of ", what, " (shape ", x.shape(),
-              ") is entirely -inf (fully masked): the softmax of that row is undefined");
-}
-
 }  // namespace detail
 
 // y (x's shape, prepared by ops/softmax.hpp) = softmax(x); returns the first bad row of x.

@@ -10,7 +10,7 @@
 // The targets are scanned by a kernel that flags the first row whose target is out of range
 // (detail::FirstIndexFlag) and counts the rows not ignored; the host reads both back
 // (cross_entropy_scan_targets synchronises the stream). A row of logits without a finite maximum
-// throws the softmax's message (with "logits" named), as on the CPU.
+// is returned (CrossEntropyValue) for the op layer to throw the softmax's message, as on the CPU.
 //
 // The log-softmax is backend/cuda/softmax.cuh's kernel (one block per row, row sums in T). The
 // loss is summed in double by one block of a fixed size, in a fixed order, so it is
@@ -83,10 +83,10 @@ inline TargetScan cross_entropy_scan_targets(cuda, const Tensor<std::int32_t, cu
 // log_probs (prepared by ops/cross_entropy.hpp) = log_softmax(logits); returns the mean negative
 // log-likelihood over the `count` rows not ignored (targets checked).
 template <class T>
-T cross_entropy_forward(cuda, const Tensor<T, cuda>& logits,
-                        const Tensor<std::int32_t, cuda>& targets, Tensor<T, cuda>& log_probs,
-                        index_t count, std::int32_t ignore_index) {
-  constexpr const char* op = "cross_entropy_forward";
+CrossEntropyValue<T> cross_entropy_forward(cuda, const Tensor<T, cuda>& logits,
+                                           const Tensor<std::int32_t, cuda>& targets,
+                                           Tensor<T, cuda>& log_probs, index_t count,
+                                           std::int32_t ignore_index) {
   const index_t rows = logits.rows(), classes = logits.cols();
   if (rows > 0) {
     detail::FirstIndexFlag bad;
@@ -95,16 +95,16 @@ T cross_entropy_forward(cuda, const Tensor<T, cuda>& logits,
         log_probs.data(), rows, classes, bad.get());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
     const index_t r = bad.read();
-    if (r >= 0) detail::softmax_throw_bad_row(op, "logits", logits, r);
+    if (r >= 0) return {T(0), detail::softmax_bad_row(logits, r)};
   }
-  if (count == 0) return T(0);
+  if (count == 0) return {};
   Tensor<double, cuda> loss(Shape{1});
   detail::launch_kernel<detail::cross_entropy_loss_kernel<T>>(
       1, detail::kCrossEntropyLossThreads,
       detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index}, rows,
       loss.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  return static_cast<T>(detail::read_device_value(loss.data()) / static_cast<double>(count));
+  return {static_cast<T>(detail::read_device_value(loss.data()) / static_cast<double>(count)), {}};
 }
 
 // dlogits (prepared by ops/cross_entropy.hpp) = dloss / count * (exp(log_probs) - onehot), zero

@@ -113,22 +113,6 @@ BadRow softmax_bad_row(const Tensor<T, cuda>& x, index_t row) {
   return {row, nan, pos_inf};
 }
 
-// The log-softmax of cross_entropy (backend/cuda/cross_entropy.cuh) throws for row `row` of x,
-// which has no finite maximum, with the messages of ops/softmax.hpp (`what` names x). Goes when
-// cross_entropy's checks move to the op layer.
-template <class T>
-[[noreturn]] void softmax_throw_bad_row(const char* op, const char* what, const Tensor<T, cuda>& x,
-                                        index_t row) {
-  const BadRow bad = softmax_bad_row(x, row);
-  if (bad.nan > 0)
-    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains NaN (", bad.nan,
-                " entries)");
-  if (bad.pos_inf > 0)
-    throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(), ") contains +inf (",
-                bad.pos_inf, " entries): the softmax of that row is undefined");
-  throw_error(op, "row ", row, " of ", what, " (shape ", x.shape(),
-              ") is entirely -inf (fully masked): the softmax of that row is undefined");
-}
 
 template <class T, bool Log>
 BadRow softmax_forward_impl(const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
