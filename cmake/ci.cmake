@@ -20,3 +20,10 @@ set(GRAPHMOE_CUDA_EXAMPLE_ROUTERS "SoftmaxRouter"
 # compiles for any later GPU (sm_90 included) at load time. Device code is compiled once per
 # architecture, so this halves nvcc's device work; no kernel is architecture-specific.
 set(CMAKE_CUDA_ARCHITECTURES "80" CACHE STRING "CUDA architectures (CI: cmake/ci.cmake)")
+
+# The nvcc test binaries (test_cuda_*, test_cuda_nccl): compiled, never run without a GPU, about
+# 15 CPU minutes of nvcc on an AVX-512 machine of CI's kind (more on an AVX2 one): the largest
+# single cost of a CI run (docs/benchmarks.md, "CI time"). Their sources run in CI under the CPU
+# emulation (test_emu_cuda_*), and nvcc still compiles every CUDA header, the CUDA training loop
+# and bench_cuda. scripts/gpu-check.sh builds them on a machine with a GPU.
+set(GRAPHMOE_CUDA_DEVICE_TESTS OFF CACHE BOOL "Build the nvcc test binaries (CI subset: cmake/ci.cmake)")

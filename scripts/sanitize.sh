@@ -32,6 +32,8 @@
 #   replay_<target>          the fuzz targets of tests/fuzz on their seeds and regression inputs:
 #                            train/files, gzip, image_datasets, text_datasets, tokenizers,
 #                            checkpoint, training_state
+#   test_extension_api       testing/gradcheck.hpp (the public gradient checker), core/mode.hpp,
+#                            the router's lifecycle and shape checks on user policies
 #   test_sanitize_umbrella   graphmoe.hpp, train/datasets.hpp (include-only headers),
 #                            routing/registry, train/progress (no other test includes them)
 #   test_data                the readers on the real data sets, when ../shared/data is there
@@ -49,11 +51,11 @@ cd "$(dirname "$0")/.."
 build="${SANITIZE_BUILD_DIR:-build-asan}"
 jobs="${SANITIZE_JOBS:-2}"
 targets=(test_classifier test_vision test_metrics test_optim test_divergence test_checkpoint
-         test_image_corruptions test_dropout test_core test_communicator_self
+         test_image_corruptions test_dropout test_core test_communicator_self test_extension_api
          test_sanitize_umbrella fuzz_make_seeds replay_safetensors replay_training_state
          replay_text_datasets replay_image_datasets replay_tokenizers)
 tests=(test_classifier test_vision test_metrics test_optim test_divergence test_checkpoint
-       test_image_corruptions test_dropout test_core test_communicator_self
+       test_image_corruptions test_dropout test_core test_communicator_self test_extension_api
        test_sanitize_umbrella fuzz_replay)
 
 # test_data exists when the data sets do (tests/CMakeLists.txt: GRAPHMOE_HAVE_DATA, with the

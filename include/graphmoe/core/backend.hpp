@@ -32,13 +32,6 @@ struct cuda {
   static constexpr bool host_memory = false;
 };
 
-// Whether B's tensors live in host memory (what a host-memory communicator can move). A user
-// backend whose tensors are host memory specialises it.
-template <class B>
-inline constexpr bool host_memory_v = false;
-template <>
-inline constexpr bool host_memory_v<cpu> = true;
-
 template <class B>
 concept Backend = std::is_empty_v<B> && std::default_initializable<B> && requires {
   { B::name } -> std::convertible_to<const char*>;

@@ -51,10 +51,10 @@ class MoELayer {
   // (dist/expert_parallel.hpp), so they are collective: every rank calls them in the same order.
   // The expert parameters are declared as shards (ParameterInfo::sharded) under the names the
   // whole layer uses. comm must outlive the layer. Backends whose tensors are host memory only
-  // (host_memory_v<B>: the CPU), for now.
+  // (B::host_memory: the CPU), for now.
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, const MoEConfig& cfg,
                dist::Communicator& comm) {
-    GRAPHMOE_CHECK(host_memory_v<B>, "MoELayer", "expert parallelism is not built for the ",
+    GRAPHMOE_CHECK(B::host_memory, "MoELayer", "expert parallelism is not built for the ",
                    B::name, " backend (the expert exchange moves host tensors; "
                    "dist::NcclCommunicator exists but no device exchange uses it yet)");
     GRAPHMOE_CHECK(comm.memory_space() == dist::MemorySpace::Host, "MoELayer",
