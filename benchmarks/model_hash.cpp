@@ -2,6 +2,10 @@
 // that a change meant to move code without changing results (issue 27's refactor) can be checked
 // bit for bit: build it before and after, run both, compare the lines.
 //
+//   cmake --build build --target model_hash && build/benchmarks/model_hash > after.txt
+//   (or by hand against another tree: g++ -std=c++20 -O2 -fopenmp -DEIGEN_USE_BLAS
+//    -DGRAPHMOE_USE_BLAS -I<tree>/include -I/usr/include/eigen3 model_hash.cpp -lopenblas)
+//
 //   model_hash            prints one line per (model, router, scalar type):
 //                         "<name> loss=<hex> logits=<fnv64> grads=<fnv64>"
 //
