@@ -540,6 +540,7 @@ TEST_CASE("tau -> 0: S becomes the identity and the Similarity router equals the
   RouterConfig cfg;
   cfg.num_experts = e;
   cfg.k = 2;
+  cfg.allow_unused_options = true;  // one config for the softmax and the Similarity router
   cfg.options<Similarity>().tau = 1e-3;
   ParameterArena<double> arena;
   RouterImpl<SoftmaxRouter, double> soft;
@@ -609,6 +610,7 @@ TEST_CASE("router: bad input") {
   cfg.k = 5;
   CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("k = 5 must be in [1, num_experts = 4]"), Error);
   cfg.k = 2;
+  cfg.allow_unused_options = true;  // one config for routers with and without each graph
   cfg.options<Similarity>().tau = 0;
   CHECK_NOTHROW(cfg.validate());  // the common fields only
   CHECK_THROWS_WITH_AS((cfg.validate_for<LinearScorer, Similarity, TopK>()),
