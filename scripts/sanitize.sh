@@ -32,7 +32,8 @@
 #   replay_<target>          the fuzz targets of tests/fuzz on their seeds and regression inputs:
 #                            train/files, gzip, image_datasets, text_datasets, tokenizers,
 #                            checkpoint, training_state
-#   test_extension_api       testing/gradcheck.hpp (the public gradient checker), core/mode.hpp,
+#   test_extension_api       testing/router_gradcheck.hpp (the public gradient checker; its
+#                            testing/gradcheck.hpp runs in every test's gradient check), core/mode.hpp,
 #                            the router's lifecycle and shape checks on user policies
 #   test_sanitize_umbrella   graphmoe.hpp, train/datasets.hpp (include-only headers),
 #                            routing/registry, train/progress (no other test includes them)

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include <graphmoe/graphmoe.hpp>
-#include <graphmoe/testing/gradcheck.hpp>
+#include <graphmoe/testing/router_gradcheck.hpp>
 
 #include "knn_graph.hpp"
 #include "noisy_scorer.hpp"

@@ -1,7 +1,7 @@
 // The extension API from a user's side (routing/concepts.hpp, docs/extending.md): the optional
 // lifecycle of every policy kind (declare / configure, bind, init, set_mode), the router's checks
 // of each policy's output shape naming the policy, options for policies the router does not use
-// or set after declare, the public gradient checker (graphmoe/testing/gradcheck.hpp) and
+// or set after declare, the public gradient checker (graphmoe/testing/router_gradcheck.hpp) and
 // GRAPHMOE_USER_CHECK. Policies are written outside namespace graphmoe, as a user would.
 #include <doctest/doctest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "graphmoe/models/transformer_lm.hpp"
-#include "graphmoe/testing/gradcheck.hpp"
+#include "graphmoe/testing/router_gradcheck.hpp"
 #include "support/errors.hpp"
 
 namespace user {

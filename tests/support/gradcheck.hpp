@@ -21,17 +21,13 @@
 
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/testing/gradcheck.hpp"
 
 namespace graphmoe::test {
 
-struct GradcheckOptions {
-  double h = 1e-6;
-  double atol = 1e-6;
-  double rtol = 1e-6;
-  // Entries for which this returns true are not perturbed (e.g. masked attention probabilities,
-  // where the function is not defined on both sides).
-  std::function<bool(index_t)> skip;
-};
+// The library's public checker (graphmoe/testing/gradcheck.hpp) reported through doctest: every
+// entry outside the bound is a failed check, with the worst error in the summary.
+using GradcheckOptions = graphmoe::testing::GradcheckOptions;
 
 // Compares `analytic` (dL/dx) with central differences of `loss` in every entry of x. `loss`
 // must recompute the forward pass from the current contents of x.
@@ -40,28 +36,11 @@ inline void check_gradient(const std::string& name, Tensor<double, cpu>& x,
                            const std::function<double()>& loss, GradcheckOptions opt = {}) {
   REQUIRE_MESSAGE(analytic.shape() == x.shape(), name, ": gradient shape ", analytic.shape().str(),
                   " != parameter shape ", x.shape().str());
-  int failures = 0;
-  double worst = 0;
-  for (index_t i = 0; i < x.numel(); ++i) {
-    if (opt.skip && opt.skip(i)) continue;
-    const double saved = x.data()[i];
-    x.data()[i] = saved + opt.h;
-    const double lp = loss();
-    x.data()[i] = saved - opt.h;
-    const double lm = loss();
-    x.data()[i] = saved;
-    const double numeric = (lp - lm) / (2 * opt.h);
-    const double a = analytic.data()[i];
-    const double err = std::abs(a - numeric);
-    const double bound = opt.atol + opt.rtol * std::max(std::abs(a), std::abs(numeric));
-    worst = std::max(worst, err / bound);
-    if (!(err <= bound)) {
-      if (++failures <= 5)
-        FAIL_CHECK(name << "[" << i << "]: analytic " << a << " vs numeric " << numeric);
-    }
-  }
-  CHECK_MESSAGE(failures == 0, name, ": ", failures, " of ", x.numel(),
-                " entries off; worst error/bound ", worst);
+  const graphmoe::testing::GradcheckResult r =
+      graphmoe::testing::check_gradient(name, x, analytic, loss, opt);
+  for (const auto& f : r.first_failures) FAIL_CHECK(f);
+  CHECK_MESSAGE(r.ok(), name, ": ", r.failures, " of ", x.numel(),
+                " entries off; worst error/bound ", r.worst);
 }
 
 template <class T>

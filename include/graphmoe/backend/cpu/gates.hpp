@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "graphmoe/core/capacity.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -21,19 +22,8 @@ inline Offender capacity_mask(cpu, const Tensor<std::int32_t, cpu>& indices, ind
   dropped = 0;
   std::fill(keep.data(), keep.data() + keep.numel(), std::uint8_t{1});
   if (capacity <= 0) return {};
-  std::vector<index_t> load(static_cast<std::size_t>(num_experts), 0);
-  for (index_t a = 0; a < indices.numel(); ++a) {
-    const std::int32_t e = indices.data()[a];
-    if (!(e >= 0 && e < num_experts)) return {a, static_cast<double>(e)};
-    auto& l = load[static_cast<std::size_t>(e)];
-    if (l >= capacity) {
-      keep.data()[a] = 0;
-      ++dropped;
-    } else {
-      ++l;
-    }
-  }
-  return {};
+  return detail::capacity_mask_host(indices.data(), indices.numel(), num_experts, capacity,
+                                    keep.data(), dropped);
 }
 
 // gates (values' shape) prepared by ops/gates.hpp; returns the first token whose selected scores

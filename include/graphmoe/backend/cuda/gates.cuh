@@ -22,6 +22,7 @@
 
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/capacity.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -83,22 +84,13 @@ inline Offender capacity_mask(cuda, const Tensor<std::int32_t, cuda>& indices,
       GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(keep.data(), 1, keep.bytes(), cuda_stream()));
     return {};
   }
-  // The CPU system's loop (backend/cpu/gates.hpp) on host copies.
+  // The CPU system's loop (core/capacity.hpp) on host copies.
   const Tensor<std::int32_t, cpu> host_ids = to_host(indices);
   Tensor<std::uint8_t, cpu> host_keep(indices.shape());
   std::fill(host_keep.data(), host_keep.data() + host_keep.numel(), std::uint8_t{1});
-  std::vector<index_t> load(static_cast<std::size_t>(num_experts), 0);
-  for (index_t a = 0; a < host_ids.numel(); ++a) {
-    const std::int32_t e = host_ids.data()[a];
-    if (!(e >= 0 && e < num_experts)) return {a, static_cast<double>(e)};
-    auto& l = load[static_cast<std::size_t>(e)];
-    if (l >= capacity) {
-      host_keep.data()[a] = 0;
-      ++dropped;
-    } else {
-      ++l;
-    }
-  }
+  const Offender bad = detail::capacity_mask_host(host_ids.data(), host_ids.numel(), num_experts,
+                                                  capacity, host_keep.data(), dropped);
+  if (bad.found()) return bad;
   to_device(host_keep, keep);
   return {};
 }
