@@ -26,8 +26,10 @@
 namespace graphmoe::test {
 
 // The library's public checker (graphmoe/testing/gradcheck.hpp) reported through doctest: every
-// entry outside the bound is a failed check, with the worst error in the summary.
-using GradcheckOptions = graphmoe::testing::GradcheckOptions;
+// entry outside the bound is a failed check, with the worst error in the summary. Its own type
+// (not an alias), so that an unqualified check_gradient(..., opt) in a test picks this function
+// over the public one, which argument-dependent lookup also finds through the base class.
+struct GradcheckOptions : graphmoe::testing::GradcheckOptions {};
 
 // Compares `analytic` (dL/dx) with central differences of `loss` in every entry of x. `loss`
 // must recompute the forward pass from the current contents of x.
