@@ -293,26 +293,28 @@ const char* policy_name() {
 // a new, unmarked config.
 struct RouterConfig {
   RouterConfig() = default;
-  RouterConfig(const RouterConfig& other)
-      : num_experts(other.num_experts), k(other.k), causal(other.causal),
-        capacity_factor(other.capacity_factor), load_balance_coef(other.load_balance_coef),
-        z_loss_coef(other.z_loss_coef), allow_unused_options(other.allow_unused_options),
-        options_(other.options_) {}
-  RouterConfig& operator=(const RouterConfig& other) {
-    if (this != &other) {
-      check_not_declared("operator=");
-      num_experts = other.num_experts;
-      k = other.k;
-      causal = other.causal;
-      capacity_factor = other.capacity_factor;
-      load_balance_coef = other.load_balance_coef;
-      z_loss_coef = other.z_loss_coef;
-      allow_unused_options = other.allow_unused_options;
-      options_ = other.options_;
-    }
-    return *this;
-  }
 
+ private:
+  // Whether a router declared with this config (mark_declared). A copy of the config is a new,
+  // unmarked config; assigning to a marked one throws. Declared first, so that the defaulted
+  // assignment checks it before any field is overwritten.
+  struct DeclaredMark {
+    mutable bool on = false;
+    DeclaredMark() = default;
+    DeclaredMark(const DeclaredMark&) noexcept {}
+    DeclaredMark& operator=(const DeclaredMark&) {
+      check_unmarked(on, "operator=");
+      return *this;
+    }
+  };
+  static void check_unmarked(bool marked, const char* what) {
+    GRAPHMOE_CHECK(!marked, "RouterConfig", "a router was already declared with this config, ",
+                   "so changing it (", what, ") would have no effect on that router (it keeps a "
+                   "copy); set options before declaring, or change a copy");
+  }
+  DeclaredMark declared_;
+
+ public:
   index_t num_experts = 16;  // E
   index_t k = 2;             // experts per token (TopK; ExpertChoice: on average); ScheduledTopK
                              // uses its own k_min..k_max
@@ -402,22 +404,17 @@ struct RouterConfig {
   }
 
   // Called by RouterImpl::declare: from now on, changing this config's options throws.
-  void mark_declared() const { declared_ = true; }
-  bool declared() const { return declared_; }
+  void mark_declared() const { declared_.on = true; }
+  bool declared() const { return declared_.on; }
 
  private:
-  void check_not_declared(const char* what) const {
-    GRAPHMOE_CHECK(!declared_, "RouterConfig", "a router was already declared with this config, ",
-                   "so changing it (", what, ") would have no effect on that router (it keeps a "
-                   "copy); set options before declaring, or change a copy");
-  }
+  void check_not_declared(const char* what) const { check_unmarked(declared_.on, what); }
   struct StoredOptions {
     std::type_index policy;
     const char* name;  // for messages
     std::any value;    // policy_options_t<policy>
   };
   std::list<StoredOptions> options_;  // a list: references stay valid as entries are added
-  mutable bool declared_ = false;
 };
 
 }  // namespace graphmoe
