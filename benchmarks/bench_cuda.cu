@@ -29,6 +29,10 @@
 //   the inputs and the attention cache): the memory the layer's forward and backward add.
 //   graph/float/similarity/{fwd,fwdbwd}   GraphImpl<Similarity, float, graphmoe::cuda> alone on the
 //     same tokens (p = S r with S = softmax(U U^T / tau), causal), backward into dr and du.
+//     Counter graph_FLOP/s: the causal products the graph performs (similarity_graph_flop).
+//   <router>-tf32, <router>-bf16   the Similarity graph at GraphPrecision::TF32 / BF16 (the block
+//     path of backend/cuda/similarity_blocks.cuh on tensor cores); plain "similarity" is
+//     GraphPrecision::Exact, the fused fp32 kernel.
 //   graph_large/float/{similarity,attention}/{fwd,fwdbwd}   the Similarity and the Attention graph
 //     alone at the large shape (the attention graph on the cache of an 8-head causal attention
 //     layer run once): the graph's share of the moe_large rows.
@@ -44,7 +48,8 @@
 // the time divided by the count. An error (graphmoe::Error, a CUDA error) ends that benchmark with
 // SkipWithError; the others still run.
 //
-// bf16 is the experts' compute type only (mixed precision); the graph and the LM are float.
+// bf16 is the experts' compute type (mixed precision) and, in the -bf16 rows, the graph's product
+// inputs; parameters, activations and the LM are float.
 //
 // Without a CUDA device the program says so and exits 0.
 //
@@ -240,7 +245,8 @@ void BM_gemm(benchmark::State& state, GemmCase g) {
 }
 
 // ---- MoE layer --------------------------------------------------------------------------------
-MoEConfig moe_config(const MoeShape& shape = kMedium) {
+MoEConfig moe_config(const MoeShape& shape = kMedium,
+                     GraphPrecision precision = GraphPrecision::Exact) {
   MoEConfig cfg;
   cfg.d_model = shape.d;
   cfg.d_ff = shape.ff;
@@ -250,7 +256,19 @@ MoEConfig moe_config(const MoeShape& shape = kMedium) {
   cfg.router.options<graphmoe::ScheduledTopK>().k_min = kK;
   cfg.router.options<graphmoe::ScheduledTopK>().k_max = kK;
   cfg.router.causal = true;
+  cfg.router.options<Similarity>().precision = precision;
   return cfg;
+}
+
+// The products a causal Similarity graph performs, useful ones only (the masked half of each
+// (T, T) product left out): per sequence T (T + 1) / 2 entries of L = U U^T (depth D) and of
+// p = S R (depth E) forward; backward recomputes L and adds dL U, dL^T U (depth D) and
+// dp R^T, S^T dp (depth E). 2 FLOP per multiply-add.
+double similarity_graph_flop(const MoeShape& shape, bool backward) {
+  const double pairs = static_cast<double>(shape.batch) * static_cast<double>(shape.seq) *
+                       static_cast<double>(shape.seq + 1) / 2.0;
+  const double d = static_cast<double>(shape.d), e = static_cast<double>(shape.e);
+  return 2.0 * pairs * ((d + e) + (backward ? 3.0 * d + 2.0 * e : 0.0));
 }
 
 // The large shape's parameters without a full host draw: the router's weight in full, expert 0's
@@ -286,14 +304,14 @@ void init_large(ParameterArena<T, graphmoe::cuda>& arena, Rng& rng, double stdde
 
 // Compute: the expert GEMMs' operand type (float, or __nv_bfloat16 with fp32 parameters and router).
 template <class Policy, class Compute = float>
-void BM_moe(benchmark::State& state, bool backward, MoeShape shape) {
+void BM_moe(benchmark::State& state, bool backward, MoeShape shape, GraphPrecision precision) {
   guarded(state, [&] {
     using T = float;
     const index_t n = shape.tokens(), d = shape.d;
     cuda_empty_cache();
     ParameterArena<T, graphmoe::cuda> arena;
     MoELayer<Policy, T, graphmoe::cuda, Compute> layer;
-    const MoEConfig cfg = moe_config(shape);
+    const MoEConfig cfg = moe_config(shape, precision);
     layer.declare(arena, "moe.", cfg);
     arena.allocate();
     layer.bind(arena);
@@ -360,12 +378,12 @@ void BM_moe(benchmark::State& state, bool backward, MoeShape shape) {
 // Graph = Similarity or Attention (the latter on the cache of an 8-head causal attention layer run
 // once on the same tokens, as in BM_moe).
 template <class Graph>
-void BM_graph(benchmark::State& state, bool backward, MoeShape shape) {
+void BM_graph(benchmark::State& state, bool backward, MoeShape shape, GraphPrecision precision) {
   guarded(state, [&] {
     using T = float;
     const index_t n = shape.tokens(), d = shape.d, e = shape.e;
     GraphImpl<Graph, T, graphmoe::cuda> graph;
-    graph.configure(d, moe_config(shape).router);
+    graph.configure(d, moe_config(shape, precision).router);
     Rng rng(2);
     const Tensor<T, graphmoe::cuda> u = random_device<T>(Shape{n, d}, rng, 1.0);  // (N, D)
     const Tensor<T, graphmoe::cuda> r = uniform_device(Shape{n, e}, rng, 0.0, 1.0);  // (N, E)
@@ -399,6 +417,12 @@ void BM_graph(benchmark::State& state, bool backward, MoeShape shape) {
     }
     state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(n),
                                                     benchmark::Counter::kIsIterationInvariantRate);
+    if constexpr (std::is_same_v<Graph, Similarity>) {
+      const double flop = similarity_graph_flop(shape, backward);
+      state.counters["graph_flop"] = flop;
+      state.counters["graph_FLOP/s"] =
+          benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
+    }
   });
 }
 
@@ -469,22 +493,32 @@ void register_gemm() {
   }
 }
 
+// The router's name in the benchmark's: the Similarity graph's precision after a dash when it is
+// not Exact (similarity-tf32, similarity-bf16).
+std::string router_label(const std::string& router, GraphPrecision precision) {
+  return precision == GraphPrecision::Exact ? router
+                                            : router + "-" + graph_precision_name(precision);
+}
+
 template <class Policy, class Compute = float>
-void register_moe(const std::string& router) {
+void register_moe(const std::string& router, GraphPrecision precision = GraphPrecision::Exact) {
   const std::string type = std::is_same_v<Compute, float> ? "float" : "bf16";
   for (bool backward : {false, true}) {
-    const std::string name = "moe/" + type + "/" + router + (backward ? "/fwdbwd" : "/fwd");
-    benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, backward, kMedium)
+    const std::string name = "moe/" + type + "/" + router_label(router, precision) +
+                             (backward ? "/fwdbwd" : "/fwd");
+    benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, backward, kMedium,
+                                 precision)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
 }
 
 template <class Policy, class Compute = float>
-void register_moe_large(const std::string& router) {
+void register_moe_large(const std::string& router,
+                        GraphPrecision precision = GraphPrecision::Exact) {
   const std::string type = std::is_same_v<Compute, float> ? "float" : "bf16";
-  const std::string name = "moe_large/" + type + "/" + router + "/fwdbwd";
-  benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, true, kLarge)
+  const std::string name = "moe_large/" + type + "/" + router_label(router, precision) + "/fwdbwd";
+  benchmark::RegisterBenchmark(name.c_str(), BM_moe<Policy, Compute>, true, kLarge, precision)
       ->UseManualTime()
       ->Iterations(3)
       ->Repetitions(1)
@@ -492,34 +526,42 @@ void register_moe_large(const std::string& router) {
 }
 
 void register_all() {
+  using P = GraphPrecision;
   register_gemm<float>();
   register_gemm<__nv_bfloat16>();
   register_moe<SoftmaxRouter>("softmax");
   register_moe<SimilarityRouter>("similarity");
+  register_moe<SimilarityRouter>("similarity", P::TF32);
   register_moe<AttentionRouter>("attention");
   register_moe<SoftmaxRouter, __nv_bfloat16>("softmax");
   register_moe<SimilarityRouter, __nv_bfloat16>("similarity");
+  register_moe<SimilarityRouter, __nv_bfloat16>("similarity", P::BF16);
   register_moe<AttentionRouter, __nv_bfloat16>("attention");
   register_moe_large<SoftmaxRouter>("softmax");
   register_moe_large<SimilarityRouter>("similarity");
+  register_moe_large<SimilarityRouter>("similarity", P::TF32);
   register_moe_large<AttentionRouter>("attention");
   register_moe_large<SoftmaxRouter, __nv_bfloat16>("softmax");
   register_moe_large<SimilarityRouter, __nv_bfloat16>("similarity");
+  register_moe_large<SimilarityRouter, __nv_bfloat16>("similarity", P::BF16);
   register_moe_large<AttentionRouter, __nv_bfloat16>("attention");
   for (bool backward : {false, true}) {
     const std::string pass = backward ? "fwdbwd" : "fwd";
-    benchmark::RegisterBenchmark(("graph/float/similarity/" + pass).c_str(), BM_graph<Similarity>,
-                                 backward, kMedium)
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("graph_large/float/similarity/" + pass).c_str(),
-                                 BM_graph<Similarity>, backward, kLarge)
-        ->UseManualTime()
-        ->Iterations(3)
-        ->Repetitions(1)
-        ->Unit(benchmark::kMillisecond);
+    for (const P prec : {P::Exact, P::TF32, P::BF16}) {
+      const std::string sim = router_label("similarity", prec);
+      benchmark::RegisterBenchmark(("graph/float/" + sim + "/" + pass).c_str(),
+                                   BM_graph<Similarity>, backward, kMedium, prec)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(("graph_large/float/" + sim + "/" + pass).c_str(),
+                                   BM_graph<Similarity>, backward, kLarge, prec)
+          ->UseManualTime()
+          ->Iterations(3)
+          ->Repetitions(1)
+          ->Unit(benchmark::kMillisecond);
+    }
     benchmark::RegisterBenchmark(("graph_large/float/attention/" + pass).c_str(),
-                                 BM_graph<Attention>, backward, kLarge)
+                                 BM_graph<Attention>, backward, kLarge, P::Exact)
         ->UseManualTime()
         ->Iterations(3)
         ->Repetitions(1)

@@ -23,6 +23,7 @@
 # bench_cuda's --benchmark_filter, e.g.
 #   GRAPHMOE_GPU_TARGETS='test_cuda_nn_ops|bench_cuda' GRAPHMOE_GPU_BENCH_FILTER='_large/' \
 #     bash scripts/gpu-check.sh
+# (GRAPHMOE_GPU_BENCH_CAP_S, 150 by default: the benchmark step's own cap, within the budget.)
 # On a GPU machine without package access, first run `bash scripts/gpu-deps.sh` on a networked
 # machine and carry .gpu-deps with the tree (device tool: carry [".gpu-deps"]).
 set -uo pipefail
@@ -196,7 +197,7 @@ if (( configured )); then
   say "-- bench_cuda (--benchmark_min_time=0.1, 3 repetitions, aggregates)"
   if [[ " $targets " == *" bench_cuda "* && -x "$build/benchmarks/bench_cuda" ]]; then
     rm -f "$bench_json"
-    step bench_cuda "$bench_log" 150 15 \
+    step bench_cuda "$bench_log" "${GRAPHMOE_GPU_BENCH_CAP_S:-150}" 15 \
       "$build/benchmarks/bench_cuda" --benchmark_min_time=0.1 --benchmark_repetitions=3 \
         "--benchmark_filter=${GRAPHMOE_GPU_BENCH_FILTER:-.}" \
         --benchmark_report_aggregates_only=true --benchmark_out="$bench_json" \

@@ -43,6 +43,12 @@ TARGET_SIM_RATIO = 1.10  # (b): similarity / softmax router layer fwd+bwd time
 # router layers at most 1.05x and 1.07x the softmax layer's time (the paper's Table 8 overheads)
 TARGET_LARGE_FRACTION = 0.50
 TARGET_LARGE_RATIOS = {"similarity": 1.05, "attention": 1.07}
+# issue 26 (large shape): the similarity layer with its tensor-core graph (similarity-tf32 in
+# float, similarity-bf16 in bf16) at most 1.10x the softmax layer, attention at most 1.15x; the
+# Similarity graph alone (bf16, fwd+bwd) at least 150 TFLOP/s counting its causal products
+TARGET_TC_RATIOS = {"float": ("similarity-tf32", 1.10), "bf16": ("similarity-bf16", 1.10)}
+TARGET_TC_ATTENTION = 1.15
+TARGET_GRAPH_TFLOPS = 150.0
 SQUARE = "square_NN"
 SLOTS = "all_slots_NT"
 
@@ -254,20 +260,26 @@ def main():
            "similarity layer - softmax layer (ms)"], rows)
 
     rows = []
-    for router in ("similarity", "attention"):
+    for router in ("similarity", "similarity-tf32", "similarity-bf16", "attention"):
         for pas in ("fwd", "fwdbwd"):
             r = get(f"graph_large/float/{router}/{pas}")
             if r is None and f"graph_large/float/{router}/{pas}" not in results:
                 continue
-            layer = get(f"moe_large/float/{router}/fwdbwd") if pas == "fwdbwd" else None
-            soft = get("moe_large/float/softmax/fwdbwd") if pas == "fwdbwd" else None
+            # the layer the graph belongs to: float experts, or bf16 ones for the bf16 graph
+            ltype = "bf16" if router.endswith("-bf16") else "float"
+            layer = get(f"moe_large/{ltype}/{router}/fwdbwd") if pas == "fwdbwd" else None
+            soft = get(f"moe_large/{ltype}/softmax/fwdbwd") if pas == "fwdbwd" else None
             extra = (layer.seconds() - soft.seconds()) if layer and soft else None
+            rate = flops(f"graph_large/float/{router}/{pas}", "graph_flop")
             rows.append([router, pas, fmt(r.seconds() * 1e3 if r else None, ".2f"),
+                         fmt(rate / 1e12 if rate else None, ".1f"),
                          fmt(extra * 1e3 if extra is not None else None, ".2f")])
     if rows:
-        print("## Token graphs alone, large shape (float)")
+        print("## Token graphs alone, large shape (float router; -tf32 / -bf16: the Similarity "
+              "graph's products on tensor cores)")
         print()
-        table(["graph", "pass", "time (ms)", "its layer - softmax layer, fwd+bwd (ms)"], rows)
+        table(["graph", "pass", "time (ms)", "causal TFLOP/s",
+               "its layer - softmax layer, fwd+bwd (ms)"], rows)
 
     rows = []
     lm = {}
@@ -338,6 +350,23 @@ def main():
             v = "" if q is None else (f" (target <= {target:.2f}: " +
                                       ("met" if q <= target else "missed") + ")")
             print(f"    {router} / softmax layer time: {fmt(q, '.3f')}{v}")
+    # issue 26's targets
+    for dtype, (router, target) in TARGET_TC_RATIOS.items():
+        soft = get(f"moe_large/{dtype}/softmax/fwdbwd")
+        r = get(f"moe_large/{dtype}/{router}/fwdbwd")
+        att = get(f"moe_large/{dtype}/attention/fwdbwd")
+        q = ratio(r.seconds() if r else None, soft.seconds() if soft else None)
+        qa = ratio(att.seconds() if att else None, soft.seconds() if soft else None)
+        v = "" if q is None else f" (target <= {target:.2f}: " + ("met" if q <= target else "missed") + ")"
+        va = "" if qa is None else (f" (target <= {TARGET_TC_ATTENTION:.2f}: " +
+                                    ("met" if qa <= TARGET_TC_ATTENTION else "missed") + ")")
+        print(f"(d) {dtype}, large shape: {router} / softmax layer time, fwd+bwd: "
+              f"{fmt(q, '.3f')}{v}; attention: {fmt(qa, '.3f')}{va}")
+    rate = flops("graph_large/float/similarity-bf16/fwdbwd", "graph_flop")
+    v = "" if rate is None else (f" (target >= {TARGET_GRAPH_TFLOPS:.0f}: " +
+                                 ("met" if rate / 1e12 >= TARGET_GRAPH_TFLOPS else "missed") + ")")
+    print(f"(e) Similarity graph alone, bf16 products, large shape, fwd+bwd: "
+          f"{fmt(rate / 1e12 if rate else None, '.1f')} TFLOP/s of causal products{v}")
     return 0
 
 

@@ -468,18 +468,270 @@ TEST_CASE("cuda vs cpu: the op layer's checks give one message") {
   CHECK(att_cpu.find("no forward of these 8 tokens in sequences of 4") != std::string::npos);
   CHECK(error_of([&] { ag.backward(ud, rd, rd, rd, {len, &cache_d}, drd, dud); }) == att_cpu);
 
+  // every option configures on both backends now; the reduced precisions are refused where they
+  // cannot run (the CPU backend, a double router) with one message each
   for (int option = 0; option < 3; ++option) {
-    RouterConfig bad = cfg;
-    if (option == 0) bad.options<Similarity>().tau_mode = TauMode::Learned;
-    if (option == 1) bad.options<Similarity>().exclude_self = true;
-    if (option == 2) bad.options<Similarity>().projection = true;
+    RouterConfig ok = cfg;
+    if (option == 0) ok.options<Similarity>().tau_mode = TauMode::Learned;
+    if (option == 1) ok.options<Similarity>().exclude_self = true;
+    if (option == 2) ok.options<Similarity>().projection = true;
     CAPTURE(option);
     GraphImpl<Similarity, float, cpu> c;
-    CHECK(error_of([&] { c.configure(d, bad); }).empty());
+    CHECK(error_of([&] { c.configure(d, ok); }).empty());
     GraphImpl<Similarity, float, cuda> g;
-    CHECK(error_of([&] { g.configure(d, bad); })
-              .find("a learned temperature, Options::exclude_self and Options::projection are "
-                    "implemented on the CPU backend only") != std::string::npos);
+    CHECK(error_of([&] { g.configure(d, ok); }).empty());
+  }
+  for (const GraphPrecision prec : {GraphPrecision::TF32, GraphPrecision::BF16}) {
+    RouterConfig reduced = cfg;
+    reduced.options<Similarity>().precision = prec;
+    const std::string name = graph_precision_name(prec);
+    GraphImpl<Similarity, float, cuda> g;
+    CHECK(error_of([&] { g.configure(d, reduced); }).empty());
+    GraphImpl<Similarity, float, cpu> c;
+    CHECK(error_of([&] { c.configure(d, reduced); }) ==
+          "Similarity: precision " + name +
+              " needs tensor-core products, which the cpu backend does not have: use "
+              "GraphPrecision::Exact");
+    GraphImpl<Similarity, double, cuda> gd;
+    CHECK(error_of([&] { gd.configure(d, reduced); }) ==
+          "Similarity: precision " + name +
+              " rounds float inputs: it needs a float router (use GraphPrecision::Exact)");
+  }
+  RouterConfig junk = cfg;
+  junk.options<Similarity>().precision = static_cast<GraphPrecision>(7);
+  GraphImpl<Similarity, float, cuda> g;
+  CHECK(error_of([&] { g.configure(d, junk); }).find("precision 7 is not a GraphPrecision") !=
+        std::string::npos);
+}
+
+// ---- Similarity, the block path (similarity_blocks.cuh) -----------------------------------------
+//
+// Every option and precision against the CPU graph in double (the ops of ops/token_graph.hpp
+// called directly, with the learned parameters). Tolerances (normwise, see the file comment):
+//   Exact   as the fused kernel: double 1e-11, float 5e-5
+//   TF32    5e-3: inputs of the products rounded to 10 mantissa bits (relative 2^-11 = 4.9e-4
+//           each); logits of size |u|^2 / tau ~ 10 here move S by up to a few 1e-3
+//   BF16    4e-2: 7 mantissa bits (relative 2^-8 = 3.9e-3 per input), the same amplification
+//   dlog_tau (one cancelling sum) is held to 5x these under TF32 and BF16
+// The errors measured here (GRAPHMOE_CUDA_TEST_VERBOSE=1 prints them) are in docs/routers.md ("Precision").
+
+namespace {
+
+struct BlockCase {
+  index_t nseq, len, d, e;
+  bool causal = false, exclude_self = false, projection = false, learned = false;
+  bool store = false, detach = false;
+  GraphPrecision prec = GraphPrecision::Exact;
+};
+
+double block_tolerance(GraphPrecision prec, bool is_float) {
+  if (prec == GraphPrecision::TF32) return 5e-3;
+  if (prec == GraphPrecision::BF16) return 4e-2;
+  return is_float ? 5e-5 : 1e-11;
+}
+
+template <class T>
+Tensor<double, cpu> as_double(const Tensor<T, cpu>& x) {
+  Tensor<double, cpu> y(x.shape());
+  for (index_t i = 0; i < x.numel(); ++i) y.data()[i] = static_cast<double>(x.data()[i]);
+  return y;
+}
+
+template <class T>
+Tensor<T, cpu> as_type(const Tensor<double, cpu>& x) {
+  Tensor<T, cpu> y(x.shape());
+  for (index_t i = 0; i < x.numel(); ++i) y.data()[i] = static_cast<T>(x.data()[i]);
+  return y;
+}
+
+// The block path on CUDA in T against the CPU in double; returns the largest normwise error.
+template <class T>
+double compare_similarity_blocks(const BlockCase& bc, Rng& rng) {
+  CAPTURE(bc.nseq);
+  CAPTURE(bc.len);
+  CAPTURE(bc.d);
+  CAPTURE(bc.e);
+  CAPTURE(bc.causal);
+  CAPTURE(bc.exclude_self);
+  CAPTURE(bc.projection);
+  CAPTURE(bc.learned);
+  CAPTURE(bc.store);
+  CAPTURE(bc.detach);
+  const std::string prec_name = graph_precision_name(bc.prec);
+  CAPTURE(prec_name);
+  const index_t n = bc.nseq * bc.len, d = bc.d, e = bc.e;
+  // Exact without exclude_self, projection or a learned tau runs the fused kernel, which keeps
+  // neither S nor the self weights
+  const bool fused = bc.prec == GraphPrecision::Exact && !bc.exclude_self && !bc.projection &&
+                     !bc.learned;
+  // inputs rounded to T first, so that the reference sees the same values
+  const auto u = as_double(random_normal<T>({n, d}, rng, 0.7));
+  const auto r = as_double(random_probs<T>(n, e, rng));
+  const auto dp = as_double(random_normal<T>({n, e}, rng));
+  const auto du0 = as_double(random_normal<T>({n, d}, rng));
+  auto w_s = as_double(random_normal<T>({d, d}, rng, 0.2));
+  for (index_t i = 0; i < d; ++i) w_s.data()[i * d + i] += 1.0;
+  const auto dw0 = as_double(random_normal<T>({d, d}, rng));
+  const double tau = 1.5;
+
+  SimilarityGraphArgs args;
+  args.seq_len = bc.len;
+  args.d_model = d;
+  args.causal = bc.causal;
+  args.learned_tau = bc.learned;
+  args.exclude_self = bc.exclude_self;
+  args.projection = bc.projection;
+  args.store = bc.store;
+  args.detach = bc.detach;
+  SimilarityGraphArgs ref_args = args;  // the CPU is always Exact
+  args.precision = bc.prec;
+
+  SimilarityGraphParams<double, cpu> pc;
+  SimilarityGraphParams<T, cuda> pg;
+  if (bc.learned) {
+    pc.log_tau = Tensor<double, cpu>(Shape{1});
+    pc.log_tau.data()[0] = std::log(tau);
+    pc.dlog_tau = Tensor<double, cpu>(Shape{1});
+    pc.dlog_tau.data()[0] = 0.25;
+    pg.log_tau = to_device(as_type<T>(pc.log_tau));
+    pg.dlog_tau = to_device(as_type<T>(pc.dlog_tau));
+  }
+  if (bc.projection) {
+    pc.w_s = w_s.clone();
+    pc.dw_s = dw0.clone();
+    pg.w_s = to_device(as_type<T>(w_s));
+    pg.dw_s = to_device(as_type<T>(dw0));
+  }
+  SimilarityGraphState<double, cpu> sc;
+  SimilarityGraphState<T, cuda> sg;
+  sc.tau = sg.tau = bc.learned ? 99.0 : tau;  // a learned tau is read from log_tau
+
+  Tensor<double, cpu> p;
+  auto pd = nan_device<T>({n, e});
+  similarity_graph_forward(u, r, ref_args, pc, sc, p);
+  similarity_graph_forward(to_device(as_type<T>(u)), to_device(as_type<T>(r)), args, pg, sg, pd);
+  const double tol1 = block_tolerance(bc.prec, std::is_same_v<T, float>);
+  double worst = 0;
+  auto check = [&](const std::string& what, const Tensor<double, cpu>& ref, const auto& got,
+                   double factor = 1.0) {
+    const double tol = factor * tol1;
+    const double err = normwise_error(ref, as_double(to_host(got)));
+    worst = std::max(worst, err);
+    if (test::verbose())
+      std::printf("  %-28s %-6s %-5s error %.3e (tolerance %.0e)\n", what.c_str(), type_name<T>(),
+                  graph_precision_name(bc.prec), err, tol);
+    CHECK_MESSAGE(err <= tol, what, ": error ", err, " > tolerance ", tol);
+  };
+  CHECK(sg.stores == (bc.store && !fused));
+  check("blocks p", p, pd);
+  check("blocks lse", sc.lse, sg.lse);
+  if (!fused) check("blocks self weight", sc.self, sg.self);
+  if (bc.store && !fused) check("blocks stored S", sc.s, sg.s);
+  check_scalar("blocks mean entropy", similarity_graph_mean_entropy(sc),
+               similarity_graph_mean_entropy(sg), std::max(tol1, graph_tolerance<T>()));
+
+  Tensor<double, cpu> dr, du = du0.clone();
+  auto drd = nan_device<T>({n, e});
+  auto dud = to_device(as_type<T>(du0));
+  similarity_graph_backward(u, r, p, dp, ref_args, pc, sc, dr, du);
+  const auto pd_host = to_device(as_type<T>(p));  // the same p on both sides
+  similarity_graph_backward(to_device(as_type<T>(u)), to_device(as_type<T>(r)), pd_host,
+                            to_device(as_type<T>(dp)), args, pg, sg, drd, dud);
+  check("blocks dr", dr, drd);
+  check("blocks du (accumulated)", du, dud);
+  // d loss / d log_tau = -sum_ij dL_ij L_ij is one sum of N T terms that cancel (rows of dL sum
+  // to 0): its relative error is larger than the entries' under a reduced precision
+  if (bc.learned)
+    check("blocks dlog_tau (accumulated)", pc.dlog_tau, pg.dlog_tau,
+          bc.prec == GraphPrecision::Exact ? 1.0 : 5.0);
+  if (bc.projection) check("blocks dW_s (accumulated)", pc.dw_s, pg.dw_s);
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("cuda vs cpu: Similarity block path, every option and precision", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(11);
+  std::vector<GraphPrecision> precs{GraphPrecision::Exact};
+  if (std::is_same_v<T, float>) {
+    precs.push_back(GraphPrecision::TF32);
+    precs.push_back(GraphPrecision::BF16);
+  }
+  for (const GraphPrecision prec : precs) {
+    // each option alone and all together, causal and not, stored and recomputed, with lengths
+    // across the causal block rows is covered by the long case below
+    for (int variant = 0; variant < 6; ++variant) {
+      for (const bool causal : {false, true}) {
+        BlockCase bc{2, 13, 9, 5};
+        bc.prec = prec;
+        bc.causal = causal;
+        bc.exclude_self = variant == 1 || variant == 5;
+        bc.projection = variant == 2 || variant == 5;
+        bc.learned = variant == 3 || variant == 5;
+        bc.store = variant == 4 || variant == 5;
+        bc.detach = variant == 4;
+        compare_similarity_blocks<T>(bc, rng);
+      }
+    }
+  }
+  // a length 1 sequence (exclude_self keeps S[0,0]) and a causal graph over several block rows
+  // (kSimilarityCausalRows = 256)
+  BlockCase one{3, 1, 4, 3};
+  one.exclude_self = true;
+  compare_similarity_blocks<T>(one, rng);
+  BlockCase lng{1, 300, 8, 4};
+  lng.causal = true;
+  lng.exclude_self = true;
+  lng.learned = true;
+  compare_similarity_blocks<T>(lng, rng);
+}
+
+// Finite differences in double through the CUDA block path: u, log_tau and W_s with every option.
+TEST_CASE("cuda: Similarity block path gradient check (double, every option)") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(12);
+  for (const bool causal : {false, true}) {
+    CAPTURE(causal);
+    const index_t nseq = 2, len = 4, d = 3, e = 3, n = nseq * len;
+    auto u = random_normal<double>({n, d}, rng, 0.8);
+    const auto r = random_probs<double>(n, e, rng);
+    const auto w = random_normal<double>({n, e}, rng);  // L = sum w o p
+    auto log_tau = Tensor<double, cpu>(Shape{1});
+    log_tau.data()[0] = std::log(0.9);
+    auto w_s = random_normal<double>({d, d}, rng, 0.3);
+    for (index_t i = 0; i < d; ++i) w_s.data()[i * d + i] += 1.0;
+    SimilarityGraphArgs args;
+    args.seq_len = len;
+    args.d_model = d;
+    args.causal = causal;
+    args.learned_tau = args.exclude_self = args.projection = true;
+    auto loss = [&] {
+      SimilarityGraphParams<double, cuda> pg;
+      pg.log_tau = to_device(log_tau);
+      pg.w_s = to_device(w_s);
+      SimilarityGraphState<double, cuda> st;
+      Tensor<double, cuda> p;
+      similarity_graph_forward(to_device(u), to_device(r), args, pg, st, p);
+      const auto ph = to_host(p);
+      double l = 0;
+      for (index_t i = 0; i < ph.numel(); ++i) l += w.data()[i] * ph.data()[i];
+      return l;
+    };
+    SimilarityGraphParams<double, cuda> pg;
+    pg.log_tau = to_device(log_tau);
+    pg.dlog_tau = Tensor<double, cuda>(Shape{1});
+    pg.w_s = to_device(w_s);
+    pg.dw_s = Tensor<double, cuda>(Shape{d, d});
+    SimilarityGraphState<double, cuda> st;
+    Tensor<double, cuda> p, dr, du(Shape{n, d});
+    const auto ud = to_device(u), rd = to_device(r);
+    similarity_graph_forward(ud, rd, args, pg, st, p);
+    similarity_graph_backward(ud, rd, p, to_device(w), args, pg, st, dr, du);
+    test::check_gradient("blocks du", u, to_host(du), loss);
+    test::check_gradient("blocks dlog_tau", log_tau, to_host(pg.dlog_tau), loss);
+    test::check_gradient("blocks dW_s", w_s, to_host(pg.dw_s), loss);
   }
 }
 

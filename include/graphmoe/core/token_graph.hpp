@@ -18,10 +18,30 @@ namespace graphmoe {
 //   TokenGraphSupport token_graph_support(MyBackend);   (found by argument-dependent lookup)
 // and the op layer refuses an option the backend lacks, with one message for every backend.
 struct TokenGraphSupport {
-  bool learned_tau = false;   // Similarity: TauMode::Learned (the log_tau parameter)
-  bool exclude_self = false;  // Similarity::Options::exclude_self
-  bool projection = false;    // Similarity::Options::projection (the W_s parameter)
+  bool learned_tau = false;        // Similarity: TauMode::Learned (the log_tau parameter)
+  bool exclude_self = false;       // Similarity::Options::exclude_self
+  bool projection = false;         // Similarity::Options::projection (the W_s parameter)
+  bool reduced_precision = false;  // Similarity: GraphPrecision::TF32 and ::BF16
 };
+
+// The arithmetic of the Similarity graph's (T, T) products (Similarity::Options::precision).
+// Softmax, log-sum-exp, entropies and every accumulation stay in T (fp32 for float) whatever
+// the choice; only the products' inputs are rounded. docs/routers.md ("Precision") gives the
+// error of each against the CPU in double.
+enum class GraphPrecision {
+  Exact,  // T arithmetic throughout (fp32 or double): the reference, every backend
+  TF32,   // float only: product inputs rounded to TF32 (10-bit mantissa), fp32 accumulation
+  BF16,   // float only: product inputs rounded to bf16 (7-bit mantissa), fp32 accumulation
+};
+
+inline const char* graph_precision_name(GraphPrecision p) {
+  switch (p) {
+    case GraphPrecision::Exact: return "exact";
+    case GraphPrecision::TF32: return "tf32";
+    case GraphPrecision::BF16: return "bf16";
+  }
+  return "?";
+}
 
 // ---- Similarity ---------------------------------------------------------------------------------
 
@@ -35,6 +55,7 @@ struct SimilarityGraphArgs {
   bool projection = false;    // logits Q U^T / tau with Q = U W_s
   bool store = false;         // keep S for backward (graph_stores); a backend may always recompute
   bool detach = false;        // backward: no gradient into u, log_tau, W_s
+  GraphPrecision precision = GraphPrecision::Exact;  // the products' arithmetic
 };
 
 // The Similarity graph's learned parameters (handles into the parameter arena; empty when the
@@ -51,10 +72,11 @@ struct SimilarityGraphState {
   double tau = 1.0;       // the temperature of the last forward (set by configure, or learned)
   Tensor<T, B> lse;       // (N) row log-sum-exp of the logits                    every backend
   Tensor<T, B> entropy;   // (N) row entropy H(S[i, :])                           every backend
-  Tensor<T, B> self;      // (N) S[i, i]; empty on a backend that does not compute it (CUDA)
+  Tensor<T, B> self;      // (N) S[i, i]; empty where a backend does not compute it (CUDA fused path)
   Tensor<T, B> s;         // (N, T) S, when the forward stored it (stores); else empty
   Tensor<T, B> q;         // (N, D) Q = U W_s under projection; else empty
-  bool stores = false;    // whether s holds S; the backward follows (CUDA: always false)
+  Tensor<T, B> work;      // CUDA's block path: scratch kept between calls (grows, never shrinks)
+  bool stores = false;    // whether s holds S; the backward follows
 };
 
 // ---- Attention ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "graphmoe/backend/cpu/token_graph.hpp"
 #include "graphmoe/core/attention_cache.hpp"
@@ -83,15 +84,25 @@ const AttentionCache<T, B>& check_attention_cache(const AttentionCache<T, B>* ca
 
 // ---- Similarity ---------------------------------------------------------------------------------
 
-// Refuses the Similarity options that backend B does not implement (token_graph_support).
-template <Backend B>
-void similarity_graph_check_support(bool learned_tau, bool exclude_self, bool projection) {
+// Refuses the Similarity options that backend B does not implement (token_graph_support), and a
+// reduced precision for a T other than float.
+template <class T, Backend B>
+void similarity_graph_check_support(bool learned_tau, bool exclude_self, bool projection,
+                                    GraphPrecision precision = GraphPrecision::Exact) {
   const TokenGraphSupport s = token_graph_support(B{});
   GRAPHMOE_CHECK((s.learned_tau || !learned_tau) && (s.exclude_self || !exclude_self) &&
                      (s.projection || !projection),
-                 "Similarity",
-                 "a learned temperature, Options::exclude_self and Options::projection are "
-                 "implemented on the CPU backend only");
+                 "Similarity", "the ", B::name,
+                 " backend does not implement a learned temperature, Options::exclude_self or "
+                 "Options::projection");
+  if (precision != GraphPrecision::Exact) {
+    GRAPHMOE_CHECK(s.reduced_precision, "Similarity", "precision ",
+                   graph_precision_name(precision), " needs tensor-core products, which the ",
+                   B::name, " backend does not have: use GraphPrecision::Exact");
+    GRAPHMOE_CHECK((std::is_same_v<T, float>), "Similarity", "precision ",
+                   graph_precision_name(precision),
+                   " rounds float inputs: it needs a float router (use GraphPrecision::Exact)");
+  }
 }
 
 // p (N, E) = S r. A learned temperature is read from params.log_tau into state.tau first;

@@ -30,6 +30,7 @@
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/backend.hpp"
 #include "graphmoe/core/shape.hpp"
+#include "graphmoe/core/token_graph.hpp"
 
 namespace graphmoe {
 
@@ -144,21 +145,29 @@ struct Similarity {
     TauMode tau_mode = TauMode::Fixed;
     // Leave S[i,i] out of row i: p_i = sum_{j != i} S[i,j] r_j, the token's own scores dropped
     // (u_i still weighs its neighbours); a causal sequence's first token, which has no neighbour,
-    // keeps S[0,0] = 1. CPU backend.
+    // keeps S[0,0] = 1.
     bool exclude_self = false;
     // The graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s (D, D) a parameter
     // ("<router>.graph.w_s") initialised to the identity, so training starts from the paper's
-    // graph (the paper's Definition 2 has W_s, "in practice W_s = I"). CPU backend.
+    // graph (the paper's Definition 2 has W_s, "in practice W_s = I").
     bool projection = false;
     // Keep S (N x seq_len values) for backward, or recompute it block by block (one more U U^T
-    // product); Auto chooses by the sequence length (graph_stores). The CUDA graph always
-    // recomputes.
+    // product); Auto chooses by the sequence length (graph_stores). The CUDA backend's fused
+    // kernel (Exact precision, none of the options above) always recomputes.
     GraphMemory memory = GraphMemory::Auto;
     // No gradient through S (r still gets its gradient through p = S r).
     bool detach = false;
+    // The arithmetic of the (T, T) products: Exact (T throughout, the default and the CPU's only
+    // one), or on the CUDA backend with a float router TF32 / BF16 tensor-core products with fp32
+    // accumulation (core/token_graph.hpp; errors in docs/routers.md, "Precision").
+    GraphPrecision precision = GraphPrecision::Exact;
     void validate() const {
       GRAPHMOE_CHECK(tau > 0 && tau < 1e300, "Similarity::Options", "tau must be > 0 and finite, got ",
                      tau);
+      GRAPHMOE_CHECK(precision == GraphPrecision::Exact || precision == GraphPrecision::TF32 ||
+                         precision == GraphPrecision::BF16,
+                     "Similarity::Options", "precision ", static_cast<int>(precision),
+                     " is not a GraphPrecision");
       GRAPHMOE_CHECK(tau_mode == TauMode::Fixed || tau_mode == TauMode::ScaledSqrtD ||
                          tau_mode == TauMode::Learned,
                      "Similarity::Options", "tau_mode ", static_cast<int>(tau_mode),

@@ -21,7 +21,7 @@
 //                   own bytes for the caching allocator's blocks).
 //   memory          tensors start as NaN bytes, the bytes past their end are a canary checked when
 //                   they are freed, freed blocks read as NaN (on_tensor_allocate / on_tensor_free).
-//   cuBLAS          cublasSgemm / Dgemm / GemmEx / *StridedBatched evaluated naively on the host,
+//   cuBLAS          cublasSgemm / Dgemm / GemmEx / *StridedBatched(Ex) evaluated naively on the host,
 //                   accumulating in double (runtime.cpp).
 //   Thrust          the CPP device system (THRUST_DEVICE_SYSTEM_CPP).
 //

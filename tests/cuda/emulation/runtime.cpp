@@ -14,6 +14,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -622,6 +623,20 @@ double load(const void* p, cudaDataType t, std::size_t i) {
   }
 }
 
+// A float rounded to TF32 as the tensor cores read it under CUBLAS_COMPUTE_32F_FAST_TF32: the
+// low 13 of the 23 mantissa bits dropped, rounding to nearest even (Inf and NaN unchanged).
+double round_tf32(double v) {
+  const float f = static_cast<float>(v);
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return v;
+  bits += 0x0fffu + ((bits >> 13) & 1u);
+  bits &= ~0x1fffu;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
 void store(void* p, cudaDataType t, std::size_t i, double v) {
   switch (t) {
     case CUDA_R_32F: static_cast<float*>(p)[i] = static_cast<float>(v); break;
@@ -651,7 +666,7 @@ cublasStatus_t gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation
                     int n, int k, double alpha, const void* a, cudaDataType at, int lda,
                     long long sa, const void* b, cudaDataType bt, int ldb, long long sb,
                     double beta, void* c, cudaDataType ct, int ldc, long long sc, int batch,
-                    bool count = true) {
+                    bool count = true, bool tf32 = false) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
   if (count) ++counted.cublas_calls;
   if ((ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
@@ -691,6 +706,10 @@ cublasStatus_t gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation
       for (int l = 0; l < k; ++l)
         ob[std::size_t(j) * k + l] = load(bp, bt, tb == CUBLAS_OP_N ? l + std::size_t(j) * ldb
                                                                     : j + std::size_t(l) * ldb);
+    if (tf32) {
+      for (double& x : oa) x = round_tf32(x);
+      for (double& x : ob) x = round_tf32(x);
+    }
     for (int j = 0; j < n; ++j)
       for (int i = 0; i < m; ++i) {
         const double* x = &oa[std::size_t(i) * k];
@@ -790,6 +809,39 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
   }
   if (at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
   return gemm(h, ta, tb, m, n, k, al, a, at, lda, 0, b, bt, ldb, 0, be, c, ct, ldc, 0, 1);
+}
+
+// Strided-batched GemmEx: compute types 32F (float scalars), 32F_FAST_TF32 (float operands
+// rounded to TF32 first, as the tensor cores read them) and 64F; A and B of one type.
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
+                                          cublasOperation_t tb, int m, int n, int k,
+                                          const void* alpha, const void* a, cudaDataType at,
+                                          int lda, long long sa, const void* b, cudaDataType bt,
+                                          int ldb, long long sb, const void* beta, void* c,
+                                          cudaDataType ct, int ldc, long long sc, int batch,
+                                          cublasComputeType_t compute, cublasGemmAlgo_t) {
+  double al = 0, be = 0;
+  bool tf32 = false;
+  switch (compute) {
+    case CUBLAS_COMPUTE_32F_FAST_TF32:
+      if (at != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+      tf32 = true;
+      [[fallthrough]];
+    case CUBLAS_COMPUTE_32F:
+    case CUBLAS_COMPUTE_32F_PEDANTIC:
+      al = *static_cast<const float*>(alpha);
+      be = *static_cast<const float*>(beta);
+      break;
+    case CUBLAS_COMPUTE_64F:
+    case CUBLAS_COMPUTE_64F_PEDANTIC:
+      al = *static_cast<const double*>(alpha);
+      be = *static_cast<const double*>(beta);
+      break;
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  if (at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
+  return gemm(h, ta, tb, m, n, k, al, a, at, lda, sa, b, bt, ldb, sb, be, c, ct, ldc, sc, batch,
+              true, tf32);
 }
 
 // Grouped GEMMs: Aarray, Barray and Carray are device arrays of device pointers (one per

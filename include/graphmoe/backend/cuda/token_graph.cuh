@@ -5,13 +5,15 @@
 //
 // Differences from the CPU graphs (backend/cpu/token_graph.hpp), none of them in the results
 // beyond rounding:
-//   - token_graph_support(cuda): no learned temperature, exclude_self or projection (the op
-//     layer refuses them).
-//   - Similarity never stores S: the forward is one fused online-softmax kernel that keeps the
-//     row log-sum-exp and entropy (O(N)), and the backward recomputes S tile by tile. So
-//     args.store is ignored (state.stores stays false): the GPU path always recomputes (it costs
-//     one more U U^T product in backward, as GraphMemory::Recompute does on the CPU). No self
-//     weights (state.self stays empty).
+//   - Similarity has two paths. The block path (similarity_blocks.cuh: cuBLAS products, on
+//     TF32 / bf16 tensor cores under a reduced precision, and fused masked-softmax row kernels)
+//     runs for GraphPrecision::TF32 / BF16 and for any of a learned temperature, exclude_self
+//     and projection; it keeps what the CPU keeps. The fused kernel below (GraphPrecision::Exact
+//     without those options, the fp32 reference) never stores S: one online-softmax kernel
+//     keeps the row log-sum-exp and entropy (O(N)), and the backward recomputes S tile by tile.
+//     So there args.store is ignored (state.stores stays false; it costs one more U U^T product
+//     in backward, as GraphMemory::Recompute does on the CPU) and there are no self weights
+//     (state.self stays empty).
 //   - Attention always keeps A^p (args.store is ignored, state.stores is true); its row entropies
 //     stay on the device (state.entropy; state.row_entropy, state.lse and state.self stay empty);
 //     h* is copied back to the host (state.heads) during forward: the forward synchronises the
@@ -63,13 +65,16 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/detail/graph_blas.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/detail/token_graph_math.hpp"
 #include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/backend/cuda/similarity_blocks.cuh"
 #include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
@@ -284,20 +289,6 @@ __global__ void __launch_bounds__(tgm::kThreads)
 
 // ---- small row / column kernels -----------------------------------------------------------------
 
-// out[row] = x_row . y_row, one warp per row.
-template <class T>
-__global__ void graph_row_dot_kernel(const T* x, const T* y, T* out, index_t rows, index_t cols) {
-  const index_t warps_per_block = blockDim.x / 32;
-  const index_t total = static_cast<index_t>(gridDim.x) * warps_per_block;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  for (index_t row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < rows; row += total) {
-    T s = T(0);
-    for (index_t j = lane; j < cols; j += 32) s += x[row * cols + j] * y[row * cols + j];
-    s = warp_reduce(s, SumOp{});
-    if (lane == 0) out[row] = s;
-  }
-}
-
 // ent[row] = -sum_j A log A over the rows of probs (B H T rows of T), one warp per row.
 template <class T>
 __global__ void attention_row_entropy_kernel(const T* probs, T* ent, index_t rows, index_t len) {
@@ -440,43 +431,6 @@ __global__ void graph_column_sum_add_kernel(const T* x, T* out, index_t rows, in
   }
 }
 
-// ---- cuBLAS, row-major, strided-batched ---------------------------------------------------------
-
-inline void cublas_gemm_strided(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
-                                int n, int k, float alpha, const float* a, int lda, long long sa,
-                                const float* b, int ldb, long long sb, float beta, float* c,
-                                int ldc, long long sc, int batch) {
-  GRAPHMOE_CUBLAS_CHECK(cublasSgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
-                                                  sb, &beta, c, ldc, sc, batch));
-}
-inline void cublas_gemm_strided(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
-                                int n, int k, double alpha, const double* a, int lda, long long sa,
-                                const double* b, int ldb, long long sb, double beta, double* c,
-                                int ldc, long long sc, int batch) {
-  GRAPHMOE_CUBLAS_CHECK(cublasDgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
-                                                  sb, &beta, c, ldc, sc, batch));
-}
-
-// For each of `batch` matrices (pointers advanced by sa, sb, sc elements), row-major
-//   C (m, n; row stride ldc) = alpha op(A) op(B) + beta C,
-// A (row stride lda) and B (ldb) possibly column slices of wider matrices. As gemm.cuh, computed
-// as the column-major C^T = op(B)^T op(A)^T.
-template <class T>
-void graph_gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A,
-                index_t lda, index_t sa, const T* B, index_t ldb, index_t sb, T beta, T* C,
-                index_t ldc, index_t sc, index_t batch) {
-  GRAPHMOE_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX &&
-                     ldb <= INT_MAX && ldc <= INT_MAX && batch <= INT_MAX,
-                 "token graph gemm", "dimensions (", m, ", ", n, ", ", k, ") x ", batch,
-                 " exceed cuBLAS's int range");
-  if (m == 0 || n == 0 || batch == 0) return;
-  cublas_gemm_strided(cublas_handle(), cublas_op(tb), cublas_op(ta), static_cast<int>(n),
-                      static_cast<int>(m), static_cast<int>(k), alpha, B, static_cast<int>(ldb),
-                      static_cast<long long>(sb), A, static_cast<int>(lda),
-                      static_cast<long long>(sa), beta, C, static_cast<int>(ldc),
-                      static_cast<long long>(sc), static_cast<int>(batch));
-}
-
 // ---- launchers ----------------------------------------------------------------------------------
 
 inline unsigned graph_tile_blocks(index_t nseq, index_t len) {
@@ -484,11 +438,6 @@ inline unsigned graph_tile_blocks(index_t nseq, index_t len) {
   GRAPHMOE_CHECK(nseq * tiles <= INT_MAX, "Similarity", nseq * tiles,
                  " row tiles exceed the grid limit");
   return static_cast<unsigned>(nseq * tiles);
-}
-
-// Blocks of kThreads for one warp per row.
-inline unsigned graph_warp_rows_blocks(index_t rows) {
-  return grid_for(rows, kThreads / 32);
 }
 
 // p (N, E), lse (N), entropy (N) from u (N, D), r (N, E); N a multiple of len.
@@ -531,15 +480,6 @@ void similarity_backward_cuda(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
-// out (rows) = row-wise x . y of two (rows, cols) tensors.
-template <class T>
-void graph_row_dot_cuda(const Tensor<T, cuda>& x, const Tensor<T, cuda>& y, Tensor<T, cuda>& out) {
-  if (x.rows() == 0) return;
-  launch_kernel<graph_row_dot_kernel<T>>(graph_warp_rows_blocks(x.rows()), kThreads, x.data(),
-                                         y.data(), out.data(), x.rows(), x.cols());
-  GRAPHMOE_CUDA_CHECK_LAUNCH();
-}
-
 }  // namespace graphmoe::detail
 
 namespace graphmoe {
@@ -578,8 +518,9 @@ void attention_head_mean(const AttentionCache<T, cuda>& c, index_t h, index_t dm
 
 // ---- the backend entry points (ops/token_graph.hpp checks the arguments and prepares p / dr) ----
 
-// Learned temperature, exclude_self and projection are CPU-only.
-constexpr TokenGraphSupport token_graph_support(cuda) { return TokenGraphSupport{}; }
+// The CUDA graphs implement every option: the Similarity block path (similarity_blocks.cuh)
+// covers a learned temperature, exclude_self, projection and the tensor-core precisions.
+constexpr TokenGraphSupport token_graph_support(cuda) { return TokenGraphSupport{true, true, true, true}; }
 
 // The value of a one-entry parameter (copied to the host).
 template <class T>
@@ -587,13 +528,37 @@ double token_graph_scalar(cuda, const Tensor<T, cuda>& t) {
   return static_cast<double>(to_host(t).data()[0]);
 }
 
-// Similarity forward: p (N, E) prepared; keeps lse and the row entropy (N) only (S never stored).
+namespace detail {
+// Whether a Similarity call runs the fused SIMT kernels (Exact, no option beyond detach and
+// memory) rather than the block path.
+inline bool similarity_fused(const SimilarityGraphArgs& args) {
+  return args.precision == GraphPrecision::Exact && !args.learned_tau && !args.exclude_self &&
+         !args.projection;
+}
+}  // namespace detail
+
+// Similarity forward: p (N, E) prepared. Fused kernel: keeps lse and the row entropy (N) only
+// (S never stored, no self weights). Block path: as the CPU (S stored when args.store).
 template <class T>
 void similarity_graph_forward(cuda, const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
-                              const SimilarityGraphArgs& args, const SimilarityGraphParams<T, cuda>&,
+                              const SimilarityGraphArgs& args,
+                              const SimilarityGraphParams<T, cuda>& params,
                               SimilarityGraphState<T, cuda>& state, Tensor<T, cuda>& p) {
   const index_t n = u.rows();
+  if (!detail::similarity_fused(args)) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (args.precision == GraphPrecision::BF16) {
+        detail::similarity_blocks_forward<T, __nv_bfloat16>(u, r, args, params, state, p);
+        return;
+      }
+    }
+    detail::similarity_blocks_forward<T, T>(u, r, args, params, state, p);
+    return;
+  }
   state.stores = false;
+  state.s = Tensor<T, cuda>();
+  state.self = Tensor<T, cuda>();
+  state.q = Tensor<T, cuda>();
   if (state.lse.empty() || state.lse.shape() != Shape{n}) state.lse = Tensor<T, cuda>(Shape{n});
   state.entropy = Tensor<T, cuda>(Shape{n});
   detail::similarity_forward_cuda(u, r, p, state.lse, state.entropy, args.seq_len,
@@ -604,9 +569,20 @@ void similarity_graph_forward(cuda, const Tensor<T, cuda>& u, const Tensor<T, cu
 template <class T>
 void similarity_graph_backward(cuda, const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
                                const Tensor<T, cuda>& p, const Tensor<T, cuda>& dp,
-                               const SimilarityGraphArgs& args, SimilarityGraphParams<T, cuda>&,
+                               const SimilarityGraphArgs& args, SimilarityGraphParams<T, cuda>& params,
                                SimilarityGraphState<T, cuda>& state, Tensor<T, cuda>& dr,
                                Tensor<T, cuda>& du) {
+  if (!detail::similarity_fused(args)) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (args.precision == GraphPrecision::BF16) {
+        detail::similarity_blocks_backward<T, __nv_bfloat16>(u, r, p, dp, args, params, state,
+                                                             dr, du);
+        return;
+      }
+    }
+    detail::similarity_blocks_backward<T, T>(u, r, p, dp, args, params, state, dr, du);
+    return;
+  }
   detail::similarity_backward_cuda(u, r, p, dp, state.lse, dr, args.detach ? nullptr : du.data(),
                                    args.seq_len, static_cast<T>(1.0 / state.tau), args.causal);
 }

@@ -33,17 +33,20 @@ inline double similarity_tau(index_t d_model, const Similarity::Options& opts) {
 // L = Q U^T / tau with Q = U W_s (W_s a (D, D) parameter "<prefix>w_s" from the identity);
 // memory: Store keeps S (N x T values) for backward, Recompute keeps only the row log-sum-exp and
 // recomputes S in backward, Auto (the default) stores while T <= kGraphStoreMaxLen (graph_stores,
-// policies.hpp). The numerical work is the op similarity_graph_forward / _backward
-// (ops/token_graph.hpp; how each backend computes it: backend/cpu/token_graph.hpp,
-// backend/cuda/token_graph.cuh). A backend that lacks an option (token_graph_support: the CUDA
-// backend has no learned temperature, exclude_self or projection) refuses it in configure.
+// policies.hpp); precision: the (T, T) products in T (Exact) or, on the CUDA backend with a float
+// router, on TF32 / bf16 tensor cores. The numerical work is the op similarity_graph_forward /
+// _backward (ops/token_graph.hpp; how each backend computes it: backend/cpu/token_graph.hpp,
+// backend/cuda/token_graph.cuh and similarity_blocks.cuh). A backend that lacks an option
+// (token_graph_support) refuses it in configure.
 //
 // Backends differ in what the last forward keeps (the accessors say what each holds):
 //   CPU   S when it stores (stores()), the row entropies and the self weights S[i,i].
-//   CUDA  never S (one fused online-softmax kernel keeps the row log-sum-exp and entropy, and
-//         backward recomputes S tile by tile: Options::memory is ignored, stores() is false), no
-//         self weights (self_weight() is empty, mean_self_weight() 1); row_entropy() is a device
-//         tensor and mean_entropy() reads it back (synchronises) and averages in double.
+//   CUDA  the block path (tensor-core precisions, or any of exclude_self, projection, a learned
+//         tau): as the CPU. The fused kernel (Exact, none of those options) never stores S (it
+//         keeps the row log-sum-exp and entropy, and backward recomputes S tile by tile:
+//         Options::memory is ignored, stores() is false) and has no self weights (self_weight()
+//         is empty, mean_self_weight() 1). row_entropy() is a device tensor and mean_entropy()
+//         reads it back (synchronises) and averages in double.
 template <class T, class B>
 class GraphImpl<Similarity, T, B> {
  public:
@@ -71,8 +74,8 @@ class GraphImpl<Similarity, T, B> {
   void configure(index_t d_model, const RouterConfig& cfg) {
     opts_ = cfg.options<Similarity>();
     validate_options(opts_);
-    similarity_graph_check_support<B>(opts_.tau_mode == TauMode::Learned, opts_.exclude_self,
-                                      opts_.projection);
+    similarity_graph_check_support<T, B>(opts_.tau_mode == TauMode::Learned, opts_.exclude_self,
+                                         opts_.projection, opts_.precision);
     causal_ = cfg.causal;
     d_model_ = d_model;
     state_.tau = detail::similarity_tau(d_model, opts_);
@@ -96,10 +99,11 @@ class GraphImpl<Similarity, T, B> {
   double mean_entropy() const { return similarity_graph_mean_entropy(state_); }
   // H(S[i,:]) of every token in the last forward, (N) (a device tensor on CUDA).
   const Tensor<T, B>& row_entropy() const { return state_.entropy; }
-  // Whether the last forward kept S for backward (Options::memory, graph_stores; CUDA: never).
+  // Whether the last forward kept S for backward (Options::memory, graph_stores; CUDA's fused
+  // kernel: never).
   bool stores() const { return state_.stores; }
-  // S[i,i] of every token in the last forward, (N): 1 where S is the identity. Empty on a backend
-  // that does not compute it (CUDA).
+  // S[i,i] of every token in the last forward, (N): 1 where S is the identity. Empty where a
+  // backend does not compute it (CUDA's fused kernel).
   const Tensor<T, B>& self_weight() const { return state_.self; }
   // The mean of self_weight(); 1 (G = I) while it is empty.
   double mean_self_weight() const { return token_graph_mean_self_weight(state_.self); }
@@ -117,6 +121,7 @@ class GraphImpl<Similarity, T, B> {
     a.projection = opts_.projection;
     a.store = forward && seq_len >= 1 ? graph_stores(opts_.memory, seq_len) : state_.stores;
     a.detach = opts_.detach;
+    a.precision = opts_.precision;
     return a;
   }
 
