@@ -489,12 +489,12 @@ TEST_CASE("cuda vs cpu: the op layer's checks give one message") {
     CHECK(error_of([&] { g.configure(d, reduced); }).empty());
     GraphImpl<Similarity, float, cpu> c;
     CHECK(error_of([&] { c.configure(d, reduced); }) ==
-          "Similarity: precision " + name +
+          "graphmoe::Similarity: precision " + name +
               " needs tensor-core products, which the cpu backend does not have: use "
               "GraphPrecision::Exact");
     GraphImpl<Similarity, double, cuda> gd;
     CHECK(error_of([&] { gd.configure(d, reduced); }) ==
-          "Similarity: precision " + name +
+          "graphmoe::Similarity: precision " + name +
               " rounds float inputs: it needs a float router (use GraphPrecision::Exact)");
   }
   RouterConfig junk = cfg;
@@ -512,7 +512,8 @@ TEST_CASE("cuda vs cpu: the op layer's checks give one message") {
 //   TF32    5e-3: inputs of the products rounded to 10 mantissa bits (relative 2^-11 = 4.9e-4
 //           each); logits of size |u|^2 / tau ~ 10 here move S by up to a few 1e-3
 //   BF16    4e-2: 7 mantissa bits (relative 2^-8 = 3.9e-3 per input), the same amplification
-//   dlog_tau (one cancelling sum) is held to 5x these under TF32 and BF16
+//   dlog_tau (one cancelling sum) is held to 5x these in float (6.4e-5 measured at Exact on an
+//   H100, 8.5e-2 at BF16)
 // The errors measured here (GRAPHMOE_CUDA_TEST_VERBOSE=1 prints them) are in docs/routers.md ("Precision").
 
 namespace {
@@ -643,7 +644,7 @@ double compare_similarity_blocks(const BlockCase& bc, Rng& rng) {
   // to 0): its relative error is larger than the entries' under a reduced precision
   if (bc.learned)
     check("blocks dlog_tau (accumulated)", pc.dlog_tau, pg.dlog_tau,
-          bc.prec == GraphPrecision::Exact ? 1.0 : 5.0);
+          bc.prec == GraphPrecision::Exact && std::is_same_v<T, double> ? 1.0 : 5.0);
   if (bc.projection) check("blocks dW_s (accumulated)", pc.dw_s, pg.dw_s);
   return worst;
 }

@@ -125,13 +125,14 @@ GRAPHMOE_HOST_DEVICE inline SimilarityRowMask similarity_row_mask(index_t i, ind
 }
 
 // Forward, one thread block per row of the (nb, bi, jn) logits block (already scaled by 1/tau):
-// the masked softmax in place, zeros up to `width` (the stored rows' full length), S also into
-// sb (contiguous (nb, bi, jn)) when given; lse, entropy and S[i,i] of the row's token.
+// the masked softmax in place (write_rows; zeros up to `width`, the stored rows' full length),
+// S also into sb (contiguous (nb, bi, jn)) when given; lse, entropy and S[i,i] of the row's
+// token. The bf16 path that does not store S writes sb only (the products read that copy).
 template <class T, class In>
-__global__ void similarity_softmax_rows_kernel(BlockRows<T> rows, In* sb, index_t nb, index_t bi,
-                                               index_t jn, index_t width, index_t i0, index_t len,
-                                               bool causal, bool exclude_self, T* lse, T* ent,
-                                               T* self) {
+__global__ void similarity_softmax_rows_kernel(BlockRows<T> rows, bool write_rows, In* sb,
+                                               index_t nb, index_t bi, index_t jn, index_t width,
+                                               index_t i0, index_t len, bool causal,
+                                               bool exclude_self, T* lse, T* ent, T* self) {
   const T ninf = -std::numeric_limits<T>::infinity();
   for (index_t row = blockIdx.x; row < nb * bi; row += gridDim.x) {
     const index_t b = row / bi, a = row % bi, i = i0 + a, g = b * len + i;
@@ -153,9 +154,10 @@ __global__ void similarity_softmax_rows_kernel(BlockRows<T> rows, In* sb, index_
     s = block_reduce(s, SumOp{}, T(0));
     dot = block_reduce(dot, SumOp{}, T(0));
     const T inv = T(1) / s;
-    for (index_t j = threadIdx.x; j < width; j += blockDim.x) {
+    const index_t end = write_rows ? width : jn;
+    for (index_t j = threadIdx.x; j < end; j += blockDim.x) {
       const T v = mk.visible(j) ? exp_t(l[j] - mx) * inv : T(0);
-      l[j] = v;
+      if (write_rows) l[j] = v;
       if (sb != nullptr && j < jn) sb[row * jn + j] = value_cast<In>(v);
     }
     if (threadIdx.x == 0) {
@@ -167,9 +169,10 @@ __global__ void similarity_softmax_rows_kernel(BlockRows<T> rows, In* sb, index_
 }
 
 // Backward, one thread block per row: S from the logits block (from_logits: scaled logits in
-// place, replaced by S) or the stored rows; g (contiguous (nb, bi, jn), dp_i . r_j) replaced by
-// dL = S (g - c_i); bf16 copies of S and dL into sb / db when given; tau_rows[token] =
-// sum_j dL_ij L_ij when given. g null: S only (a detached graph's backward recomputing S).
+// place, replaced by S unless sb takes it) or the stored rows; g (contiguous (nb, bi, jn),
+// dp_i . r_j) replaced by dL = S (g - c_i) unless db takes it; bf16 copies of S and dL into sb /
+// db when given (the products then read those only); tau_rows[token] = sum_j dL_ij L_ij when
+// given. g null: S only (a detached graph's backward recomputing S).
 template <class T, class In>
 __global__ void similarity_dlogit_rows_kernel(BlockRows<T> rows, bool from_logits, T* g, In* sb,
                                               In* db, const T* lse, const T* c, T* tau_rows,
@@ -186,7 +189,7 @@ __global__ void similarity_dlogit_rows_kernel(BlockRows<T> rows, bool from_logit
       if (from_logits) {
         logit = l[j];
         s = mk.visible(j) ? exp_t(logit - row_lse) : T(0);
-        l[j] = s;
+        if (sb == nullptr) l[j] = s;
       } else {
         s = l[j];
         logit = s > T(0) ? log_t(s) + row_lse : T(0);
@@ -194,8 +197,10 @@ __global__ void similarity_dlogit_rows_kernel(BlockRows<T> rows, bool from_logit
       if (sb != nullptr) sb[row * jn + j] = value_cast<In>(s);
       if (g != nullptr) {
         const T ds = s * (g[row * jn + j] - ci);
-        g[row * jn + j] = ds;
-        if (db != nullptr) db[row * jn + j] = value_cast<In>(ds);
+        if (db != nullptr)
+          db[row * jn + j] = value_cast<In>(ds);
+        else
+          g[row * jn + j] = ds;
         tau += ds * logit;
       }
     }
@@ -312,7 +317,7 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
                            uin, d, len * d, T(0), rows.base, rows.row_stride, rows.batch_stride,
                            nb);
     launch_kernel<similarity_softmax_rows_kernel<T, In>>(
-        grid_for_rows(nb * bi), threads_for_row(jn), rows, sb, nb, bi, jn,
+        grid_for_rows(nb * bi), threads_for_row(jn), rows, st.stores || !kCopies, sb, nb, bi, jn,
         st.stores ? len : jn, i0, len, args.causal, args.exclude_self, st.lse.data(),
         st.entropy.data(), st.self.data());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
