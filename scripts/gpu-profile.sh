@@ -11,6 +11,8 @@ bench=${GRAPHMOE_GPU_BUILD_DIR:-$(pwd)/build-gpu}/benchmarks/bench_cuda
 filter=${GRAPHMOE_PROFILE_FILTER:?set GRAPHMOE_PROFILE_FILTER to one bench_cuda filter}
 out=${OUT:-$(mktemp -d)}
 report=$out/gpu-profile.txt
+# (The lent machines' image has Nsight Compute but no working nsys as of 2026-11: this script
+# then says so and exits 1; .library/device/KINDS.md.)
 nsys_bin=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
 if [[ -z "$nsys_bin" || ! -x "$bench" ]]; then
   echo "gpu-profile: nsys (${nsys_bin:-not found}) or $bench missing" | tee "$report"
