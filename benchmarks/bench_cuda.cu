@@ -32,7 +32,8 @@
 //     Counter graph_FLOP/s: the causal products the graph performs (similarity_graph_flop).
 //   <router>-tf32, <router>-bf16   the Similarity graph at GraphPrecision::TF32 / BF16 (the block
 //     path of backend/cuda/similarity_blocks.cuh on tensor cores); plain "similarity" is
-//     GraphPrecision::Exact, the fused fp32 kernel.
+//     GraphPrecision::Exact, the fused fp32 kernel; attention-tf32: the Attention graph's (T, T)
+//     products on TF32 tensor cores.
 //   graph_large/float/{similarity,attention}/{fwd,fwdbwd}   the Similarity and the Attention graph
 //     alone at the large shape (the attention graph on the cache of an 8-head causal attention
 //     layer run once): the graph's share of the moe_large rows.
@@ -257,6 +258,9 @@ MoEConfig moe_config(const MoeShape& shape = kMedium,
   cfg.router.options<graphmoe::ScheduledTopK>().k_max = kK;
   cfg.router.causal = true;
   cfg.router.options<Similarity>().precision = precision;
+  // the Attention graph has Exact and TF32 (a -bf16 row keeps its attention graph Exact)
+  cfg.router.options<Attention>().precision =
+      precision == GraphPrecision::TF32 ? precision : GraphPrecision::Exact;
   return cfg;
 }
 
@@ -541,10 +545,12 @@ void register_all() {
   register_moe_large<SimilarityRouter>("similarity");
   register_moe_large<SimilarityRouter>("similarity", P::TF32);
   register_moe_large<AttentionRouter>("attention");
+  register_moe_large<AttentionRouter>("attention", P::TF32);
   register_moe_large<SoftmaxRouter, __nv_bfloat16>("softmax");
   register_moe_large<SimilarityRouter, __nv_bfloat16>("similarity");
   register_moe_large<SimilarityRouter, __nv_bfloat16>("similarity", P::BF16);
   register_moe_large<AttentionRouter, __nv_bfloat16>("attention");
+  register_moe_large<AttentionRouter, __nv_bfloat16>("attention", P::TF32);
   for (bool backward : {false, true}) {
     const std::string pass = backward ? "fwdbwd" : "fwd";
     for (const P prec : {P::Exact, P::TF32, P::BF16}) {
@@ -560,12 +566,14 @@ void register_all() {
           ->Repetitions(1)
           ->Unit(benchmark::kMillisecond);
     }
-    benchmark::RegisterBenchmark(("graph_large/float/attention/" + pass).c_str(),
-                                 BM_graph<Attention>, backward, kLarge, P::Exact)
-        ->UseManualTime()
-        ->Iterations(3)
-        ->Repetitions(1)
-        ->Unit(benchmark::kMillisecond);
+    for (const P prec : {P::Exact, P::TF32})
+      benchmark::RegisterBenchmark(
+          ("graph_large/float/" + router_label("attention", prec) + "/" + pass).c_str(),
+          BM_graph<Attention>, backward, kLarge, prec)
+          ->UseManualTime()
+          ->Iterations(3)
+          ->Repetitions(1)
+          ->Unit(benchmark::kMillisecond);
   }
   benchmark::RegisterBenchmark("lm_train/float/softmax", BM_lm_train<SoftmaxRouter>)
       ->UseManualTime()

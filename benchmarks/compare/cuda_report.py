@@ -260,7 +260,8 @@ def main():
            "similarity layer - softmax layer (ms)"], rows)
 
     rows = []
-    for router in ("similarity", "similarity-tf32", "similarity-bf16", "attention"):
+    for router in ("similarity", "similarity-tf32", "similarity-bf16", "attention",
+                   "attention-tf32"):
         for pas in ("fwd", "fwdbwd"):
             r = get(f"graph_large/float/{router}/{pas}")
             if r is None and f"graph_large/float/{router}/{pas}" not in results:
@@ -354,14 +355,15 @@ def main():
     for dtype, (router, target) in TARGET_TC_RATIOS.items():
         soft = get(f"moe_large/{dtype}/softmax/fwdbwd")
         r = get(f"moe_large/{dtype}/{router}/fwdbwd")
-        att = get(f"moe_large/{dtype}/attention/fwdbwd")
+        att = get(f"moe_large/{dtype}/attention-tf32/fwdbwd") or get(f"moe_large/{dtype}/attention/fwdbwd")
+        att_name = "attention-tf32" if get(f"moe_large/{dtype}/attention-tf32/fwdbwd") else "attention"
         q = ratio(r.seconds() if r else None, soft.seconds() if soft else None)
         qa = ratio(att.seconds() if att else None, soft.seconds() if soft else None)
         v = "" if q is None else f" (target <= {target:.2f}: " + ("met" if q <= target else "missed") + ")"
         va = "" if qa is None else (f" (target <= {TARGET_TC_ATTENTION:.2f}: " +
                                     ("met" if qa <= TARGET_TC_ATTENTION else "missed") + ")")
         print(f"(d) {dtype}, large shape: {router} / softmax layer time, fwd+bwd: "
-              f"{fmt(q, '.3f')}{v}; attention: {fmt(qa, '.3f')}{va}")
+              f"{fmt(q, '.3f')}{v}; {att_name}: {fmt(qa, '.3f')}{va}")
     rate = flops("graph_large/float/similarity-bf16/fwdbwd", "graph_flop")
     v = "" if rate is None else (f" (target >= {TARGET_GRAPH_TFLOPS:.0f}: " +
                                  ("met" if rate / 1e12 >= TARGET_GRAPH_TFLOPS else "missed") + ")")

@@ -53,9 +53,17 @@ using test::error_of;
 using test::normwise_error;
 using test::type_name;
 
+// A looser tolerance for the comparisons of one scope (a reduced-precision graph).
+double g_tolerance_override = 0;
+struct ToleranceScope {
+  explicit ToleranceScope(double tol) { g_tolerance_override = tol; }
+  ~ToleranceScope() { g_tolerance_override = 0; }
+};
+
 // See the file comment: fp32 logits of size |u|^2 / tau move S by a few 1e-6.
 template <class T>
 double graph_tolerance() {
+  if (g_tolerance_override > 0) return g_tolerance_override;
   return std::is_same_v<T, float> ? 5e-5 : 1e-11;
 }
 
@@ -213,7 +221,9 @@ void compare_attention(const AttentionCase& ac, const RouterConfig& cfg, bool ca
 
   GraphImpl<Attention, T, cpu> ref;
   GraphImpl<Attention, T, cuda> gpu;
-  ref.configure(ac.d, cfg);
+  RouterConfig ref_cfg = cfg;  // the CPU reference is Exact
+  ref_cfg.options<Attention>().precision = GraphPrecision::Exact;
+  ref.configure(ac.d, ref_cfg);
   gpu.configure(ac.d, cfg);
   Tensor<T, cpu> p;
   auto pd = nan_device<T>({n, ac.e});
@@ -347,6 +357,41 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Attention forward and backward into the attenti
 }
 
 // ---- bad input ----------------------------------------------------------------------------------
+
+// GraphPrecision::TF32: the Attention graph's (T, T) products on TF32 tensor cores, against the
+// CPU graph in float at 1e-2 (twice the block path's TF32 tolerance: db_o sums over tokens with
+// cancellation); heads agree exactly (they come from the cache's entropies, not the products).
+TEST_CASE("cuda vs cpu: Attention with TF32 products") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(13);
+  const ToleranceScope tf32(1e-2);  // 4.4e-3 measured (db_o, a sum over tokens that cancels)
+  for (const bool causal : {false, true}) {
+    RouterConfig cfg;
+    cfg.num_experts = 5;
+    cfg.causal = causal;
+    cfg.options<Attention>().precision = GraphPrecision::TF32;
+    compare_attention<float>(AttentionCase{2, 21, 4, 16, 5}, cfg, causal, true, false, rng);
+    cfg.options<Attention>().sigma = 0.7;
+    compare_attention<float>(AttentionCase{3, 9, 2, 8, 3}, cfg, causal, false, true, rng);
+  }
+  // BF16 is not implemented for this graph; TF32 needs a float router and a backend with it
+  RouterConfig bad;
+  bad.num_experts = 3;
+  bad.options<Attention>().precision = GraphPrecision::BF16;
+  GraphImpl<Attention, float, cuda> g;
+  CHECK(error_of([&] { g.configure(8, bad); }) ==
+        "graphmoe::Attention::Options: precision bf16 is not available for the Attention graph "
+        "(Exact or TF32)");
+  bad.options<Attention>().precision = GraphPrecision::TF32;
+  GraphImpl<Attention, double, cuda> gd;
+  CHECK(error_of([&] { gd.configure(8, bad); }) ==
+        "graphmoe::Attention: precision tf32 rounds float inputs: it needs a float router (use "
+        "GraphPrecision::Exact)");
+  GraphImpl<Attention, float, cpu> gc;
+  CHECK(error_of([&] { gc.configure(8, bad); }) ==
+        "graphmoe::Attention: precision tf32 needs tensor-core products, which the cpu backend "
+        "does not have: use GraphPrecision::Exact");
+}
 
 TEST_CASE("cuda vs cpu: bad graph inputs throw the CPU messages") {
   SKIP_WITHOUT_CUDA_DEVICE();

@@ -366,6 +366,13 @@ struct HostAttention {
     }
   }
 
+  // attention_head_query: q = H Aout W_o,h (N, dh)
+  void head_query(const AttentionCache<T>& c, index_t h, Tensor<T>& q) const {
+    const index_t n = c.v.rows(), dvc = c.v.cols(), dh = dvc / c.num_heads, dm = d_model;
+    graph_gemm(Trans::N, Trans::N, n, dh, dm, static_cast<T>(c.num_heads), c.out.data(), dm, 0,
+               c.w_o.data() + h * dh, dvc, 0, T(0), q.data(), dh, 0, 1);
+  }
+
   // Returns "" or the error message's tail.
   std::string forward(const Tensor<T>& r, const AttentionCache<T>& c, index_t len, Tensor<T>& p) {
     const index_t n = r.rows(), nh = c.num_heads, nb = n / len, e = r.cols(), dm = d_model;
@@ -392,12 +399,14 @@ struct HostAttention {
                                         prefix.data() + b * nh, heads.data() + b * len);
                      });
     index_t first_bad = -1;
-    Tensor<T> m({n, dm}), msq({n}), g({n, len});
+    const index_t dvc = c.v.cols(), dh = dvc / nh;
+    Tensor<T> m({n, dm}), msq({n}), q({n, dh}), g({n, len});
     for (index_t h = 0; h < nh; ++h) {
       if (!head_used(h)) continue;
       head_mean(c, h, m, msq);
-      graph_gemm(Trans::N, Trans::T, len, len, dm, T(1), c.out.data(), dm, len * dm, m.data(), dm,
-                 len * dm, T(0), g.data(), len, len * len, nb);
+      head_query(c, h, q);
+      graph_gemm(Trans::N, Trans::T, len, len, dh, T(1), q.data(), dh, len * dh,
+                 c.v.data() + h * dh, dvc, len * dvc, T(0), g.data(), len, len * len, nb);
       // attention_posterior_rows_kernel
       for (index_t i = 0; i < n; ++i) {
         if (heads[static_cast<std::size_t>(i)] != h) continue;
@@ -451,7 +460,8 @@ struct HostAttention {
                T(0), dl.data(), len, len * len, nb);
     for (index_t k = 0; k < n * len; ++k)  // attention_dlogit_kernel
       dl.data()[k] = post.data()[k] * (dl.data()[k] - rowdot.data()[k / len]);
-    Tensor<T> dlh({n, len}), m({n, dm}), msq({n}), colsum({n}), dmean({n, dm});
+    Tensor<T> dlh({n, len}), m({n, dm}), msq({n}), colsum({n}), q({n, dh}), dq({n, dh}),
+        y({n, dh});
     for (index_t h = 0; h < nh; ++h) {
       if (!head_used(h)) continue;
       for (index_t k = 0; k < n * len; ++k)  // attention_head_rows_kernel
@@ -465,31 +475,38 @@ struct HostAttention {
         }
       }
       head_mean(c, h, m, msq);
-      if (!c.dout.empty())
-        graph_gemm(Trans::N, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len, m.data(),
-                   dm, len * dm, T(1), c.dout.data(), dm, len * dm, nb);
+      head_query(c, h, q);
       for (index_t k = 0; k < n; ++k) {  // attention_column_sum_kernel
         T s = T(0);
         for (index_t i = 0; i < len; ++i) s += dlh.data()[(k / len * len + i) * len + k % len];
         colsum.data()[k] = s;
       }
-      graph_gemm(Trans::T, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len,
-                 c.out.data(), dm, len * dm, T(0), dmean.data(), dm, len * dm, nb);
-      for (index_t k = 0; k < n * dm; ++k)  // attention_dmean_kernel
-        dmean.data()[k] -= inv_var * (m.data()[k] * colsum.data()[k / dm]);
-      if (!c.dv.empty())
-        graph_gemm(Trans::N, Trans::N, n, dh, dm, fh, dmean.data(), dm, 0, c.w_o.data() + h * dh,
-                   dvc, 0, T(1), c.dv.data() + h * dh, dvc, 0, 1);
-      if (!c.dw_o.empty())
-        graph_gemm(Trans::T, Trans::N, dm, dh, n, fh, dmean.data(), dm, 0, c.v.data() + h * dh,
-                   dvc, 0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
-      if (!c.db_o.empty()) {
-        for (index_t col = 0; col < dm; ++col) {  // graph_column_sum_add_kernel
-          T s = T(0);
-          for (index_t row = 0; row < n; ++row) s += dmean.data()[row * dm + col];
-          c.db_o.data()[col] += s;
-        }
+      const T* vh = c.v.data() + h * dh;
+      graph_gemm(Trans::N, Trans::N, len, dh, len, fh * inv_var, dlh.data(), len, len * len, vh,
+                 dvc, len * dvc, T(0), dq.data(), dh, len * dh, nb);
+      if (!c.dout.empty())
+        graph_gemm(Trans::N, Trans::T, n, dm, dh, T(1), dq.data(), dh, 0, c.w_o.data() + h * dh,
+                   dvc, 0, T(1), c.dout.data(), dm, 0, 1);
+      if (!c.dw_o.empty()) {
+        graph_gemm(Trans::T, Trans::N, dm, dh, n, T(1), c.out.data(), dm, 0, dq.data(), dh, 0,
+                   T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
+        for (index_t k = 0; k < n * dh; ++k)  // attention_scale_rows_kernel
+          y.data()[k] = colsum.data()[k / dh] * vh[(k / dh) * dvc + k % dh];
+        graph_gemm(Trans::T, Trans::N, dm, dh, n, -fh * inv_var, m.data(), dm, 0, y.data(), dh,
+                   0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
       }
+      if (!c.dv.empty()) {
+        graph_gemm(Trans::T, Trans::N, len, dh, len, inv_var, dlh.data(), len, len * len,
+                   q.data(), dh, len * dh, T(1), c.dv.data() + h * dh, dvc, len * dvc, nb);
+        graph_gemm(Trans::N, Trans::N, n, dh, dm, T(1), m.data(), dm, 0, c.w_o.data() + h * dh,
+                   dvc, 0, T(0), y.data(), dh, 0, 1);
+        for (index_t k = 0; k < n * dh; ++k)  // attention_dv_mean_kernel
+          c.dv.data()[(k / dh) * dvc + h * dh + k % dh] -=
+              fh * inv_var * colsum.data()[k / dh] * y.data()[k];
+      }
+      if (!c.db_o.empty())
+        graph_gemm(Trans::T, Trans::N, dm, index_t(1), n, -inv_var, m.data(), dm, 0,
+                   colsum.data(), 1, 0, T(1), c.db_o.data(), 1, 0, 1);
     }
   }
 };

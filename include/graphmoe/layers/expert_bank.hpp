@@ -139,11 +139,13 @@ class ExpertBank {
       const index_t r0 = plan.offset(e_), r1 = plan.offset(plan.num_experts);
       if (r1 > r0) dxs.slice(r0, r1).zero();
     }
-    Tensor<T, B> dh_all(Shape{xs.rows(), f_});
-    Tensor<C, B> dyc_all = to_compute(dys, Tensor<C, B>());
-    Tensor<C, B> dhc_all;
-    if constexpr (!std::is_same_v<C, T>) dhc_all = Tensor<C, B>(Shape{xs.rows(), f_});
-    expert_ffn_backward(plan, tensors(), gelu_, par_, dys, dyc_all, dxs, dh_all, dhc_all);
+    // scratch kept between steps (allocated, and zero-filled, only when the slot count changes)
+    if (dh_.empty() || dh_.rows() != xs.rows()) {
+      dh_ = Tensor<T, B>(Shape{xs.rows(), f_});
+      if constexpr (!std::is_same_v<C, T>) dhc_ = Tensor<C, B>(Shape{xs.rows(), f_});
+    }
+    dyc_ = to_compute(dys, dyc_);
+    expert_ffn_backward(plan, tensors(), gelu_, par_, dys, dyc_, dxs, dh_, dhc_);
   }
 
   index_t total_experts() const { return total_; }
@@ -198,6 +200,9 @@ class ExpertBank {
   Tensor<T, B> h_, a_;  // forward cache (S, F)
   // The GEMM operands in the compute type C (with C = T, handles of the tensors themselves).
   Tensor<C, B> xc_, w1c_, w2c_, ac_;
+  // Backward scratch (S, F): dh, its compute-type copy and dy's (C = T: dhc_ stays empty)
+  Tensor<T, B> dh_;
+  Tensor<C, B> dhc_, dyc_;
   GeluForm gelu_ = GeluForm::Tanh;
   ExpertParallelism par_ = ExpertParallelism::WithinGemm;
 };

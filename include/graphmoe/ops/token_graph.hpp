@@ -84,6 +84,18 @@ const AttentionCache<T, B>& check_attention_cache(const AttentionCache<T, B>* ca
 
 // ---- Similarity ---------------------------------------------------------------------------------
 
+// Refuses a reduced precision on a backend without tensor-core products or for a T other than
+// float (graph: the message's prefix).
+template <class T, Backend B>
+void token_graph_check_precision(const char* graph, GraphPrecision precision) {
+  if (precision == GraphPrecision::Exact) return;
+  GRAPHMOE_CHECK(token_graph_support(B{}).reduced_precision, graph, "precision ",
+                 graph_precision_name(precision), " needs tensor-core products, which the ",
+                 B::name, " backend does not have: use GraphPrecision::Exact");
+  GRAPHMOE_CHECK((std::is_same_v<T, float>), graph, "precision ", graph_precision_name(precision),
+                 " rounds float inputs: it needs a float router (use GraphPrecision::Exact)");
+}
+
 // Refuses the Similarity options that backend B does not implement (token_graph_support), and a
 // reduced precision for a T other than float.
 template <class T, Backend B>
@@ -95,14 +107,13 @@ void similarity_graph_check_support(bool learned_tau, bool exclude_self, bool pr
                  "Similarity", "the ", B::name,
                  " backend does not implement a learned temperature, Options::exclude_self or "
                  "Options::projection");
-  if (precision != GraphPrecision::Exact) {
-    GRAPHMOE_CHECK(s.reduced_precision, "Similarity", "precision ",
-                   graph_precision_name(precision), " needs tensor-core products, which the ",
-                   B::name, " backend does not have: use GraphPrecision::Exact");
-    GRAPHMOE_CHECK((std::is_same_v<T, float>), "Similarity", "precision ",
-                   graph_precision_name(precision),
-                   " rounds float inputs: it needs a float router (use GraphPrecision::Exact)");
-  }
+  token_graph_check_precision<T, B>("Similarity", precision);
+}
+
+// Refuses the Attention graph's precision where backend B or T cannot run it.
+template <class T, Backend B>
+void attention_graph_check_support(GraphPrecision precision) {
+  token_graph_check_precision<T, B>("Attention", precision);
 }
 
 // p (N, E) = S r. A learned temperature is read from params.log_tau into state.tau first;

@@ -17,12 +17,12 @@
 // With them, the GPU's expert FFNs over the dispatched rows (contract and argument checks:
 // ops/experts.hpp, which calls expert_ffn_forward / expert_ffn_backward through the backend tag):
 // the same math as the CPU's per-expert loop (backend/cpu/experts.hpp) with every step for all
-// experts at once: grouped GEMMs over the experts' row blocks, one bias / GELU / conversion
+// experts at once: grouped GEMMs over the experts' row blocks, one fused bias + GELU (+ conversion)
 // launch over all their rows, so that the launches per layer do not grow with E.
 // ExpertParallelism (a CPU schedule) is ignored. Compute type C: T, or __nv_bfloat16 / __half
 // with T = float (mixed precision): the GEMMs read C, accumulate in fp32 and write fp32, so bias,
-// GELU and every reduction stay fp32; the activations A are converted to C once per forward
-// (into ac), dh once per backward (into dhc).
+// GELU and every reduction stay fp32; the activations A are written in C only (into ac: the
+// fp32 a is not written), dh in both (dh for the bias gradient, dhc for the GEMMs).
 #pragma once
 
 #include <cublas_v2.h>
@@ -35,6 +35,8 @@
 #include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/detail/nn_functors.hpp"
+#include "graphmoe/backend/cuda/detail/nn_launch.cuh"
 #include "graphmoe/backend/cuda/dispatch.cuh"
 #include "graphmoe/backend/cuda/gelu.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
@@ -230,6 +232,44 @@ void accumulate_expert_column_sums(const Tensor<T, cuda>& dy, const CudaDispatch
 // ---- the expert FFNs -------------------------------------------------------------------------
 namespace detail {
 
+// The first layer's epilogue over the experts' rows, one pass: h += b1[expert of the row]
+// (kept for backward), then gelu(h) into a (T, when given) and into ac (the compute type C, when
+// given): the same values as add_expert_rows, gelu_forward and convert one after the other.
+template <class T, class C>
+struct ExpertBiasGeluOp {
+  GeluForm form;
+  const T* b1;
+  const std::int32_t* slot_expert;
+  T* h;
+  T* a;
+  C* ac;
+  index_t cols, num_experts;
+  __device__ void operator()(index_t i) const {
+    const index_t e = slot_expert[i / cols];
+    T x = h[i];
+    if (e < num_experts) x = from_acc<T>(to_acc(x) + to_acc(b1[e * cols + i % cols]));
+    h[i] = x;
+    const T v = gelu_value_of(form, x);
+    if (a != nullptr) a[i] = v;
+    if (ac != nullptr) ac[i] = value_cast<C>(v);
+  }
+};
+
+// The backward's GELU step, one pass: dh = da gelu'(h) in place, and dh in the compute type into
+// dhc (when given): gelu_backward, then convert.
+template <class T, class C>
+struct ExpertGeluBackwardOp {
+  GeluForm form;
+  const T* h;
+  T* dh;
+  C* dhc;
+  __device__ void operator()(index_t i) const {
+    const T v = dh[i] * gelu_derivative_of(form, h[i]);
+    dh[i] = v;
+    if (dhc != nullptr) dhc[i] = value_cast<C>(v);
+  }
+};
+
 // One grouped GEMM over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e, where
 // operands(e, r0, r1) returns (A_e, B_e, C_e) for expert e's rows [r0, r1).
 template <class T, class C, class Operands>
@@ -246,19 +286,6 @@ void expert_gemm(const DispatchPlan<cuda>& plan, index_t num_experts, Trans ta, 
   grouped_gemm(ta, tb, T(1), lhs, rhs, beta, out);
 }
 
-// A's rows [r0, r1) as the compute type (converted into f.ac when C != T).
-template <class T, class C>
-Tensor<C, cuda> expert_compute_rows(const ExpertFfn<T, C, cuda>& f, const Tensor<T, cuda>& a,
-                                    index_t r0, index_t r1) {
-  if constexpr (std::is_same_v<C, T>) {
-    return a;
-  } else {
-    Tensor<C, cuda> dst = f.ac.slice(r0, r1);
-    convert(a, dst);
-    return dst;
-  }
-}
-
 }  // namespace detail
 
 // The forward for all experts at once (rows of the drop bucket untouched).
@@ -271,10 +298,20 @@ void expert_ffn_forward(cuda, const DispatchPlan<cuda>& plan, const ExpertFfn<T,
   detail::expert_gemm<T, C>(plan, e_, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
     return std::tuple{f.xc.slice(r0, r1), f.w1[e], f.h.slice(r0, r1)};  // H_e = X_e w1_e^T
   });
-  Tensor<T, cuda> h = f.h.slice(0, rows), a = f.a.slice(0, rows);
-  add_expert_rows(f.b1, plan, h);
-  gelu_forward(gelu, h, a);
-  const Tensor<C, cuda> ac = detail::expert_compute_rows(f, a, 0, rows);
+  // h += b1, a = gelu(h) (or its compute-type copy only, which is all backward reads: mixed
+  // precision writes no fp32 a), in one pass
+  Tensor<C, cuda> ac;
+  if constexpr (std::is_same_v<C, T>)
+    ac = f.a.slice(0, rows);
+  else
+    ac = f.ac.slice(0, rows);
+  detail::check_expert_rows("expert_ffn_forward", "h", plan, rows, f.b1.rows());
+  detail::for_each_index(
+      rows * f.h.cols(),
+      detail::ExpertBiasGeluOp<T, C>{gelu, f.b1.data(), plan.slot_expert.data(), f.h.data(),
+                                     std::is_same_v<C, T> ? reinterpret_cast<T*>(ac.data()) : nullptr,
+                                     std::is_same_v<C, T> ? nullptr : ac.data(), f.h.cols(),
+                                     f.b1.rows()});
   detail::expert_gemm<T, C>(plan, e_, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
     return std::tuple{ac.slice(r0, r1), f.w2[e], ys.slice(r0, r1)};  // Y_e = A_e w2_e^T
   });
@@ -305,16 +342,16 @@ void expert_ffn_backward(cuda, const DispatchPlan<cuda>& plan, const ExpertFfn<T
     return std::tuple{dyc_all.slice(r0, r1), f.w2[e], dh_all.slice(r0, r1)};  // da = dy w2
   });
   Tensor<T, cuda> dh = dh_all.slice(0, rows);
-  gelu_backward(gelu, f.h.slice(0, rows), dh, dh);  // dh = gelu'(h) da
-  accumulate_expert_column_sums(dh, plan, f.db1);
   Tensor<C, cuda> dhc;
-  if constexpr (std::is_same_v<C, T>) {
+  if constexpr (std::is_same_v<C, T>)
     dhc = dh_all;
-  } else {
+  else
     dhc = dhc_all;
-    Tensor<C, cuda> dst = dhc_all.slice(0, rows);
-    convert(dh, dst);
-  }
+  // dh = gelu'(h) da, and its compute-type copy, in one pass
+  detail::for_each_index(rows * dh.cols(), detail::ExpertGeluBackwardOp<T, C>{
+                                               gelu, f.h.data(), dh.data(),
+                                               std::is_same_v<C, T> ? nullptr : dhc.data()});
+  accumulate_expert_column_sums(dh, plan, f.db1);
   detail::expert_gemm<T, C>(plan, e_, Trans::T, Trans::N, T(1), [&](index_t e, index_t r0, index_t r1) {
     return std::tuple{dhc.slice(r0, r1), f.xc.slice(r0, r1), f.dw1[e]};  // dw1 += dh^T x
   });

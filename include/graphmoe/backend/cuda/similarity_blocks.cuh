@@ -67,7 +67,7 @@ inline constexpr cudaDataType_t similarity_in_type_v =
 // element type In and C of T. Exact: In = T, cuBLAS in T (graph_gemm); TF32: In = T = float on
 // tensor cores; BF16: In = bf16, T = float.
 template <class In, class T>
-void similarity_gemm(GraphPrecision prec, Trans ta, Trans tb, index_t m, index_t n, index_t k,
+void graph_gemm_prec(GraphPrecision prec, Trans ta, Trans tb, index_t m, index_t n, index_t k,
                      T alpha, const In* A, index_t lda, index_t sa, const In* B, index_t ldb,
                      index_t sb, T beta, T* C, index_t ldc, index_t sc, index_t batch) {
   if constexpr (std::is_same_v<In, T>) {
@@ -287,7 +287,7 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
   if (!st.stores) st.s = Tensor<T, cuda>();
   if (args.projection) {
     if (st.q.shape() != u.shape()) st.q = Tensor<T, cuda>(u.shape());
-    similarity_gemm<T, T>(similarity_projection_precision(prec), Trans::N, Trans::N, n, d, d,
+    graph_gemm_prec<T, T>(similarity_projection_precision(prec), Trans::N, Trans::N, n, d, d,
                           T(1), u.data(), d, 0, params.w_s.data(), d, 0, T(0), st.q.data(), d,
                           0, 1);
   } else {
@@ -313,7 +313,7 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
                                         : BlockRows<T>{scratch.template at<T>(off_l), bi * jn, jn};
     In* sb = kCopies ? scratch.template at<In>(off_sb) : nullptr;
     // L = Q_blk U^T / tau
-    similarity_gemm<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d, len * d,
+    graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d, len * d,
                            uin, d, len * d, T(0), rows.base, rows.row_stride, rows.batch_stride,
                            nb);
     launch_kernel<similarity_softmax_rows_kernel<T, In>>(
@@ -323,10 +323,10 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
     GRAPHMOE_CUDA_CHECK_LAUNCH();
     // p_blk = S R
     if constexpr (kCopies)
-      similarity_gemm<In, T>(prec, Trans::N, Trans::N, bi, e, jn, T(1), sb, jn, bi * jn, rin, e,
+      graph_gemm_prec<In, T>(prec, Trans::N, Trans::N, bi, e, jn, T(1), sb, jn, bi * jn, rin, e,
                              len * e, T(0), p.data() + i0 * e, e, len * e, nb);
     else
-      similarity_gemm<In, T>(prec, Trans::N, Trans::N, bi, e, jn, T(1), rows.base,
+      graph_gemm_prec<In, T>(prec, Trans::N, Trans::N, bi, e, jn, T(1), rows.base,
                              rows.row_stride, rows.batch_stride, rin, e, len * e, T(0),
                              p.data() + i0 * e, e, len * e, nb);
   }
@@ -380,11 +380,11 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
     In* sb = kCopies ? scratch.template at<In>(off_sb) : nullptr;
     In* db = kCopies && to_u ? scratch.template at<In>(off_db) : nullptr;
     if (!st.stores)  // L = Q_blk U^T / tau, turned into S by the kernel
-      similarity_gemm<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d,
+      graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d,
                              len * d, uin, d, len * d, T(0), rows.base, rows.row_stride,
                              rows.batch_stride, nb);
     if (to_u)  // G = dp_blk R^T
-      similarity_gemm<In, T>(prec, Trans::N, Trans::T, bi, jn, e, T(1), dpin + i0 * e, e,
+      graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, e, T(1), dpin + i0 * e, e,
                              len * e, rin, e, len * e, T(0), g, jn, bi * jn, nb);
     if (!st.stores || to_u || kCopies) {
       launch_kernel<similarity_dlogit_rows_kernel<T, In>>(
@@ -397,14 +397,14 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
     // dr[:jn] += S^T dp_blk
     const In* s_op = kCopies ? sb : reinterpret_cast<const In*>(rows.base);
     const index_t s_ld = kCopies ? jn : rows.row_stride, s_st = kCopies ? bi * jn : rows.batch_stride;
-    similarity_gemm<In, T>(prec, Trans::T, Trans::N, jn, e, bi, T(1), s_op, s_ld, s_st,
+    graph_gemm_prec<In, T>(prec, Trans::T, Trans::N, jn, e, bi, T(1), s_op, s_ld, s_st,
                            dpin + i0 * e, e, len * e, T(1), dr.data(), e, len * e, nb);
     if (!to_u) continue;
     const In* d_op = kCopies ? static_cast<const In*>(db) : reinterpret_cast<const In*>(g);
     // dQ_blk += dL U / tau;  dU[:jn] += dL^T Q_blk / tau
-    similarity_gemm<In, T>(prec, Trans::N, Trans::N, bi, d, jn, inv_tau, d_op, jn, bi * jn, uin, d,
+    graph_gemm_prec<In, T>(prec, Trans::N, Trans::N, bi, d, jn, inv_tau, d_op, jn, bi * jn, uin, d,
                            len * d, T(1), dq_rows + i0 * d, d, len * d, nb);
-    similarity_gemm<In, T>(prec, Trans::T, Trans::N, jn, d, bi, inv_tau, d_op, jn, bi * jn,
+    graph_gemm_prec<In, T>(prec, Trans::T, Trans::N, jn, d, bi, inv_tau, d_op, jn, bi * jn,
                            qin + i0 * d, d, len * d, T(1), du.data(), d, len * d, nb);
   }
   if (to_tau) {
@@ -417,9 +417,9 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
   }
   if (proj && to_u) {  // dU += dQ W_s^T;  dW_s += U^T dQ
     const GraphPrecision pp = similarity_projection_precision(prec);
-    similarity_gemm<T, T>(pp, Trans::N, Trans::T, n, d, d, T(1), dq.data(), d, 0,
+    graph_gemm_prec<T, T>(pp, Trans::N, Trans::T, n, d, d, T(1), dq.data(), d, 0,
                           params.w_s.data(), d, 0, T(1), du.data(), d, 0, 1);
-    similarity_gemm<T, T>(pp, Trans::T, Trans::N, d, d, n, T(1), u.data(), d, 0, dq.data(), d, 0,
+    graph_gemm_prec<T, T>(pp, Trans::T, Trans::N, d, d, n, T(1), u.data(), d, 0, dq.data(), d, 0,
                           T(1), params.dw_s.data(), d, 0, 1);
   }
 }

@@ -51,11 +51,21 @@
 // ---- Attention posterior graph ----------------------------------------------------------------
 // Row entropies of the attention heads when the cache has none (one warp per row), h* per
 // sequence (one thread per sequence, graph_math::choose_heads), then per head h in use: the means
-// M_h = H V_h W_o,h^T + b_o and a m^T (cuBLAS, strided-batched over sequences), the posterior rows
-// of the tokens with h* = h (one block per row: logits, max, sum, entropy), and p = A^p r.
-// Backward follows the CPU graph (backend/cpu/token_graph.hpp) term by term with the same GEMMs and
-// element-wise kernels. A^p is stored (N, T), as on the CPU; scratch: one (N, T) for a m^T in
-// forward, two (dl and its rows of head h) in backward.
+// M_h = H V_h W_o,h^T + b_o and |m_j|^2, the head's queries Q_h = H Aout W_o,h (N, dh) and
+// G = Q_h V_h^T per sequence (cuBLAS, strided-batched over sequences), the posterior rows of the
+// tokens with h* = h (one block per row: logits, max, sum, entropy), and p = A^p r.
+// As on the CPU, the (T, T) products run in the head's dh = D / H dimensions:
+// a_i . m_j = q_i . v_j + a_i . b_o, and a_i . b_o is the same for every j of row i, so it cancels
+// in the row's softmax (T^2 dh per head instead of T^2 D). Backward, per head h in use, with dL_h
+// the rows of dL = A^p o (dp r^T - rowdot(dp, p)) whose head is h and colsum_j = sum_i dL_h[i, j]:
+//   dQ = (H / sigma^2) dL_h V_h          dout += dQ W_o,h^T          dW_o,h += Aout^T dQ
+//   dV_h += dL_h^T Q_h / sigma^2 - (H / sigma^2) colsum o (M_h W_o,h)
+//   dW_o,h -= (H / sigma^2) M_h^T (colsum o V_h)         db_o -= M_h^T colsum / sigma^2
+// (the first line from a_i . m_j, the rest from -|m_j|^2 / (2 sigma^2); rows of dL sum to 0, so
+// a_i . b_o adds nothing). A^p is stored (N, T), as on the CPU; scratch: one (N, T) for G in
+// forward, two (dL and its rows of head h) in backward. Under GraphPrecision::TF32 the (T, T)
+// products (G, p, dr, dp r^T, dQ, dV_h) run on TF32 tensor cores (graph_gemm_prec of
+// similarity_blocks.cuh); the (N, D, dh) ones stay fp32.
 #pragma once
 
 #include <cublas_v2.h>
@@ -414,20 +424,23 @@ __global__ void attention_column_sum_kernel(const T* dlh, T* colsum, index_t n, 
   }
 }
 
-// dm -= inv_var (m o colsum) row-wise.
+// out[i, c] = colsum[i] x[i, c] over (n, cols), x and out with row strides ldx and ldo.
 template <class T>
-__global__ void attention_dmean_kernel(const T* m, const T* colsum, T* dm, index_t n, index_t cols,
-                                       T inv_var) {
-  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) { dm[k] -= inv_var * (m[k] * colsum[k / cols]); }
+__global__ void attention_scale_rows_kernel(const T* x, index_t ldx, const T* colsum, T* out,
+                                            index_t ldo, index_t n, index_t cols) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
+    const index_t i = k / cols, c = k % cols;
+    out[i * ldo + c] = colsum[i] * x[i * ldx + c];
+  }
 }
 
-// out[c] += sum_row x[row, c] (thread per column, rows in order).
+// dv[i, c] -= alpha colsum[i] y[i, c] (dv with row stride ldv, y contiguous (n, cols)).
 template <class T>
-__global__ void graph_column_sum_add_kernel(const T* x, T* out, index_t rows, index_t cols) {
-  GRAPHMOE_CUDA_GRID_STRIDE(c, cols) {
-    T s = T(0);
-    for (index_t row = 0; row < rows; ++row) s += x[row * cols + c];
-    out[c] += s;
+__global__ void attention_dv_mean_kernel(const T* y, const T* colsum, T* dv, index_t ldv, index_t n,
+                                         index_t cols, T alpha) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
+    const index_t i = k / cols, c = k % cols;
+    dv[i * ldv + c] -= alpha * colsum[i] * y[k];
   }
 }
 
@@ -513,6 +526,15 @@ void attention_head_mean(const AttentionCache<T, cuda>& c, index_t h, index_t dm
                                                  c.b_o.empty() ? nullptr : c.b_o.data(),
                                                  msq.data(), n, dm);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// q = H Aout W_o,h for all N tokens (N, dh): the head's queries, a_i . m_j = q_i . v_j + a_i . b_o.
+template <class T>
+void attention_head_query(const AttentionCache<T, cuda>& c, index_t h, index_t dm,
+                          Tensor<T, cuda>& q) {
+  const index_t n = c.v.rows(), dvc = c.v.cols(), dh = dvc / c.num_heads;
+  graph_gemm(Trans::N, Trans::N, n, dh, dm, static_cast<T>(c.num_heads), c.out.data(), dm, 0,
+             c.w_o.data() + h * dh, dvc, 0, T(0), q.data(), dh, 0, 1);
 }
 }  // namespace detail
 
@@ -648,13 +670,16 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
 
   // the posterior rows, one head at a time
   detail::FirstIndexFlag bad;
-  Tensor<T, cuda> m(Shape{n, dm}), msq(Shape{n}), g(Shape{n, len});
+  const index_t dvc = c.v.cols(), dh = dvc / nh;
+  Tensor<T, cuda> m(Shape{n, dm}), msq(Shape{n}), q(Shape{n, dh}), g(Shape{n, len});
   for (index_t h = 0; h < nh; ++h) {
     if (!detail::attention_head_used(state.heads, h)) continue;
     detail::attention_head_mean(c, h, dm, m, msq);
-    // g = a m^T per sequence (T, T)
-    detail::graph_gemm(Trans::N, Trans::T, len, len, dm, T(1), c.out.data(), dm, len * dm,
-                       m.data(), dm, len * dm, T(0), g.data(), len, len * len, nb);
+    detail::attention_head_query(c, h, dm, q);
+    // g = Q_h V_h^T per sequence (T, T): a_i . m_j less a_i . b_o, which cancels in the softmax
+    detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, len, len, dh, T(1),
+                                  q.data(), dh, len * dh, c.v.data() + h * dh, dvc, len * dvc,
+                                  T(0), g.data(), len, len * len, nb);
     detail::launch_kernel<detail::attention_posterior_rows_kernel<T>>(
         detail::grid_for_rows(n), detail::threads_for_row(len), c.probs.data(), g.data(),
         msq.data(), state.head_dev.data(), state.post.data(), state.entropy.data(), bad.get(), n,
@@ -664,8 +689,9 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
   const index_t first_bad = bad.read();  // (b nh + h) len + i
   if (first_bad >= 0) return {(first_bad / (nh * len)) * len + first_bad % len, 0.0};
   // p = A^p r per sequence
-  detail::graph_gemm(Trans::N, Trans::N, len, e, len, T(1), state.post.data(), len, len * len,
-                     r.data(), e, len * e, T(0), p.data(), e, len * e, nb);
+  detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::N, len, e, len, T(1),
+                                state.post.data(), len, len * len, r.data(), e, len * e, T(0),
+                                p.data(), e, len * e, nb);
   return {};
 }
 
@@ -680,8 +706,10 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   const index_t dm = args.d_model, dvc = c.v.cols(), dh = dvc / nh;
   if (n == 0) return;
   // dr = A^p^T dp per sequence
-  detail::graph_gemm(Trans::T, Trans::N, len, e, len, T(1), state.post.data(), len, len * len,
-                     dp.data(), e, len * e, T(0), dr.data(), e, len * e, nb);
+  const GraphPrecision prec = args.precision;
+  detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, len, e, len, T(1), state.post.data(),
+                                len, len * len, dp.data(), e, len * e, T(0), dr.data(), e, len * e,
+                                nb);
   if (args.detach) return;
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
   const T fh = static_cast<T>(nh);
@@ -690,14 +718,14 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   // dl = A^p o (dp r^T - rowdot(dp, p))   (N, T)
   Tensor<T, cuda> rowdot(Shape{n}), dl(Shape{n, len});
   detail::graph_row_dot_cuda(dp, p, rowdot);
-  detail::graph_gemm(Trans::N, Trans::T, len, len, e, T(1), dp.data(), e, len * e, r.data(), e,
-                     len * e, T(0), dl.data(), len, len * len, nb);
+  detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::T, len, len, e, T(1), dp.data(), e,
+                                len * e, r.data(), e, len * e, T(0), dl.data(), len, len * len, nb);
   detail::launch_kernel<detail::attention_dlogit_kernel<T>>(
       detail::grid_for(nt), detail::kThreads, state.post.data(), rowdot.data(), dl.data(), n, len);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 
   Tensor<T, cuda> dlh(Shape{n, len}), m(Shape{n, dm}), msq(Shape{n}), colsum(Shape{n}),
-      dmean(Shape{n, dm});
+      q(Shape{n, dh}), dq(Shape{n, dh}), y(Shape{n, dh});
   for (index_t h = 0; h < nh; ++h) {
     if (!detail::attention_head_used(state.heads, h)) continue;
     const auto hh = static_cast<std::int32_t>(h);
@@ -713,32 +741,44 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
       GRAPHMOE_CUDA_CHECK_LAUNCH();
     }
     detail::attention_head_mean(c, h, dm, m, msq);
-    // da += dl_h M / sigma^2
-    if (!c.dout.empty())
-      detail::graph_gemm(Trans::N, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len,
-                         m.data(), dm, len * dm, T(1), c.dout.data(), dm, len * dm, nb);
-    // dM = (dl_h^T a - M o colsum(dl_h)) / sigma^2
+    detail::attention_head_query(c, h, dm, q);
     detail::launch_kernel<detail::attention_column_sum_kernel<T>>(
         detail::grid_for(n), detail::kThreads, dlh.data(), colsum.data(), n, len);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
-    detail::graph_gemm(Trans::T, Trans::N, len, dm, len, inv_var, dlh.data(), len, len * len,
-                       c.out.data(), dm, len * dm, T(0), dmean.data(), dm, len * dm, nb);
-    detail::launch_kernel<detail::attention_dmean_kernel<T>>(
-        detail::grid_for(n * dm), detail::kThreads, m.data(), colsum.data(), dmean.data(), n, dm,
-        inv_var);
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
-    // m = H v_h W_o,h^T + b_o: dv_h += H dM W_o,h, dW_o,h += H dM^T v_h, db_o += sum_j dM_j
-    if (!c.dv.empty())
-      detail::graph_gemm(Trans::N, Trans::N, n, dh, dm, fh, dmean.data(), dm, 0,
-                         c.w_o.data() + h * dh, dvc, 0, T(1), c.dv.data() + h * dh, dvc, 0, 1);
-    if (!c.dw_o.empty())
-      detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, fh, dmean.data(), dm, 0,
-                         c.v.data() + h * dh, dvc, 0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
-    if (!c.db_o.empty()) {
-      detail::launch_kernel<detail::graph_column_sum_add_kernel<T>>(
-          detail::grid_for(dm), detail::kThreads, dmean.data(), c.db_o.data(), n, dm);
+    const T* vh = c.v.data() + h * dh;
+    // dQ = (H / sigma^2) dL_h V_h per sequence; dout += dQ W_o,h^T; dW_o,h += Aout^T dQ
+    detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, len, dh, len, fh * inv_var,
+                                  dlh.data(), len, len * len, vh, dvc, len * dvc, T(0), dq.data(),
+                                  dh, len * dh, nb);
+    if (!c.dout.empty())
+      detail::graph_gemm(Trans::N, Trans::T, n, dm, dh, T(1), dq.data(), dh, 0,
+                         c.w_o.data() + h * dh, dvc, 0, T(1), c.dout.data(), dm, 0, 1);
+    if (!c.dw_o.empty()) {
+      detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, T(1), c.out.data(), dm, 0, dq.data(), dh,
+                         0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
+      // dW_o,h -= (H / sigma^2) M_h^T (colsum o V_h)
+      detail::launch_kernel<detail::attention_scale_rows_kernel<T>>(
+          detail::grid_for(n * dh), detail::kThreads, vh, dvc, colsum.data(), y.data(), dh, n, dh);
+      GRAPHMOE_CUDA_CHECK_LAUNCH();
+      detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, -fh * inv_var, m.data(), dm, 0, y.data(),
+                         dh, 0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
+    }
+    // dV_h += dL_h^T Q_h / sigma^2 per sequence, then -= (H / sigma^2) colsum o (M_h W_o,h)
+    if (!c.dv.empty()) {
+      detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, len, dh, len, inv_var, dlh.data(),
+                                    len, len * len, q.data(), dh, len * dh, T(1),
+                                    c.dv.data() + h * dh, dvc, len * dvc, nb);
+      detail::graph_gemm(Trans::N, Trans::N, n, dh, dm, T(1), m.data(), dm, 0,
+                         c.w_o.data() + h * dh, dvc, 0, T(0), y.data(), dh, 0, 1);
+      detail::launch_kernel<detail::attention_dv_mean_kernel<T>>(
+          detail::grid_for(n * dh), detail::kThreads, y.data(), colsum.data(),
+          c.dv.data() + h * dh, dvc, n, dh, fh * inv_var);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
     }
+    // db_o -= M_h^T colsum / sigma^2
+    if (!c.db_o.empty())
+      detail::graph_gemm(Trans::T, Trans::N, dm, index_t(1), n, -inv_var, m.data(), dm, 0,
+                         colsum.data(), 1, 0, T(1), c.db_o.data(), 1, 0, 1);
   }
 }
 

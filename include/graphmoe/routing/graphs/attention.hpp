@@ -39,6 +39,7 @@ class GraphImpl<Attention, T, B> {
     opts_ = cfg.options<Attention>();
     validate_options(opts_);
     head_choice_ = opts_.head_choice_for(cfg.causal);
+    attention_graph_check_support<T, B>(opts_.precision);
     d_model_ = d_model;
   }
 
@@ -90,6 +91,7 @@ class GraphImpl<Attention, T, B> {
     a.causal_heads = head_choice_ == HeadChoice::PerSequenceCausal;
     a.store = forward && seq_len >= 1 ? graph_stores(opts_.memory, seq_len) : state_.stores;
     a.detach = opts_.detach;
+    a.precision = opts_.precision;
     return a;
   }
 
