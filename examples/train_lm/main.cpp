@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
   m.router.allow_unused_options = true;
   auto& sim = m.router.options<Similarity>();
   auto& sched = m.router.options<ScheduledTopK>();
-  std::string layout = "switch", tau_mode = "fixed";
+  std::string layout = "switch", tau_mode = "fixed", graph_precision = "exact";
   app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
   app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
   app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
@@ -61,9 +61,10 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", m.router.k, "experts per token k")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--seq", m.max_seq_len, "sequence length")->check(examples::integer<index_t>(1, examples::kMaxSeq));
   app.add_option("--tau", sim.tau, "Similarity graph temperature (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
-  app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau (CPU)")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
-  app.add_flag("--graph-exclude-self", sim.exclude_self, "Similarity graph: leave S[i,i] out of each row (CPU)");
-  app.add_flag("--graph-projection", sim.projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity (CPU)");
+  app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
+  app.add_flag("--graph-exclude-self", sim.exclude_self, "Similarity graph: leave S[i,i] out of each row");
+  app.add_flag("--graph-projection", sim.projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity");
+  app.add_option("--graph-precision", graph_precision, "token graphs' (T, T) products: exact; tf32 or bf16 on CUDA tensor cores (bf16: the Similarity graph; the Attention graph then uses tf32)")->check(CLI::IsMember({"exact", "tf32", "bf16"}));
   app.add_option("--sigma", m.router.options<Attention>().sigma, "Attention graph sigma (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(examples::real(0, examples::kMaxCoef));
@@ -94,6 +95,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
+  sim.precision = graph_precision == "tf32"   ? GraphPrecision::TF32
+                  : graph_precision == "bf16" ? GraphPrecision::BF16
+                                              : GraphPrecision::Exact;
+  m.router.options<Attention>().precision =
+      sim.precision == GraphPrecision::Exact ? GraphPrecision::Exact : GraphPrecision::TF32;
   sim.tau_mode = tau_mode == "scaled"    ? TauMode::ScaledSqrtD
                  : tau_mode == "learned" ? TauMode::Learned
                                          : TauMode::Fixed;
