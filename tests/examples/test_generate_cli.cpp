@@ -142,7 +142,7 @@ TEST_CASE("generate: a word-level train_lm checkpoint generates --max-new-tokens
   CHECK(u.err.find("1 not in the vocabulary, read as <unk>): the <unk>") != std::string::npos);
 }
 
-TEST_CASE("generate: --stop ends at the first stop token; a character-level checkpoint generates characters") {
+TEST_CASE("generate: --stop ends at the first stop token, and a character-level checkpoint generates characters") {
   Scratch s("generate_stop");
   const std::string dir = s / "lm";
   train(s, dir, false);

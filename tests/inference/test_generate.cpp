@@ -85,7 +85,7 @@ TEST_CASE_TEMPLATE("generate: greedy decoding is the arg max of the full forward
   CHECK(std::adjacent_find(r.tokens.begin(), r.tokens.end(), std::not_equal_to<>()) != r.tokens.end());
 }
 
-TEST_CASE("generate: a stop id ends the generation, is returned and streamed; max_new_tokens bounds it") {
+TEST_CASE("generate: a stop id ends the generation, is returned and streamed, and max_new_tokens bounds it") {
   TransformerLM<SoftmaxRouter, double> lm(tiny_config(), 7);
   const std::vector<std::int32_t> prompt = {2, 9};
   const GenerateResult full = generate(lm, prompt, greedy_options(10));
@@ -113,7 +113,7 @@ TEST_CASE("generate: a stop id ends the generation, is returned and streamed; ma
   CHECK(none.reason == StopReason::MaxNewTokens);
 }
 
-TEST_CASE("generate: sampling is deterministic for a seed; the model is in eval mode during, its mode restored after") {
+TEST_CASE("generate: sampling is deterministic for a seed, the model is in eval mode during, its mode restored after") {
   TransformerLM<SoftmaxRouter, float> lm(tiny_config(), 3);
   GenerateOptions o;
   o.max_new_tokens = 20;

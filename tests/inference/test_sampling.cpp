@@ -145,7 +145,7 @@ TEST_CASE("Sampler: top-p never emits a token outside the smallest set whose mas
   CHECK(d[3] == 0.0);
 }
 
-TEST_CASE("Sampler: a small temperature approaches greedy; greedy is the arg max and draws nothing") {
+TEST_CASE("Sampler: a small temperature approaches greedy, and greedy is the arg max and draws nothing") {
   const std::vector<float> l = {0.3f, 1.9f, -2.0f, 1.8f, 0.0f};  // arg max 1, by a margin of 0.1
   Sampler cold(sampling(1e-3, 0, 1.0, 3));  // p(3) / p(1) = exp(-0.1 / 1e-3) = e^-100
   for (int i = 0; i < 2000; ++i) CHECK(cold.sample(l) == 1);
