@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "examples_routers.hpp"  // generated: built_for_cpu<Policy>, the examples' CPU routers
+#include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/checkpoint.hpp"
 #include "support/processes.hpp"
 
@@ -52,11 +54,12 @@ void write_corpus(const std::string& path) {
 }
 
 // A tiny train_lm run (about a second); char: a character-level model.
-void train(const Scratch& s, const std::string& out, bool char_level) {
+void train(const Scratch& s, const std::string& out, bool char_level,
+           const std::string& router = "softmax") {
   const std::string corpus = s / "corpus.txt";
   write_corpus(corpus);
   std::vector<std::string> args = {
-      "--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router", "softmax",
+      "--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router", router,
       "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8", "--experts", "2",
       "--top-k", "1", "--seq", "8", "--batch", "2", "--steps", "20", "--warmup", "0",
       "--eval-every", "0", "--threads", "1", "--out", out};
@@ -231,4 +234,40 @@ TEST_CASE("generate: absurd command lines and broken checkpoints are refused, na
   rewrite(ckpt, bad, [](auto&, auto& meta) { meta.clear(); });
   check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", dir + "/vocab.txt", "--prompt", "the"}),
                 {"has no 'config' and 'step' metadata: is it a train_lm checkpoint?"});
+}
+
+TEST_CASE("generate: every router built into the examples generates past the context window, the others are refused by name") {
+  Scratch s("generate_routers");
+  const std::string soft = s / "softmax";
+  train(s, soft, false);
+  int built = 0;
+  for (const std::string& router : router_names()) {
+    CAPTURE(router);
+    const bool is_built = with_router(router, []<class P>() { return examples::built_for_cpu<P>; });
+    if (is_built) {
+      ++built;
+      const std::string dir = s / router;
+      if (router != "softmax") train(s, dir, false, router);
+      // prompt 3 + 12 tokens > --seq 8: the window slides
+      const Result r = run(s, kGenerate, gen_args(router == "softmax" ? soft : dir, "the cat sat",
+                                                  {"--max-new-tokens", "12", "--top-p", "0.9"}));
+      INFO(r.text());
+      CHECK(r.status == 0);
+      CHECK(r.err.find("generate: " + router + " model (step 20)") != std::string::npos);
+      std::set<std::string> words;
+      CHECK(count_tokens(r.out, &words) == 12);
+    } else {
+      // the softmax checkpoint relabelled: refused before the model is built, naming the routers
+      const std::string bad = s / "relabelled.safetensors";
+      rewrite(soft + "/checkpoint.safetensors", bad, [&](auto&, auto& meta) {
+        auto cfg = nlohmann::json::parse(meta.at("config"));
+        cfg["router"] = router;
+        meta["config"] = cfg.dump();
+      });
+      check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", soft + "/vocab.txt", "--prompt", "the"}),
+                    {"router '" + router + "' is not built in this binary (built: " +
+                     std::string(examples::cpu_router_list)});
+    }
+  }
+  CHECK(built >= 1);
 }
