@@ -35,6 +35,7 @@
 #   test_extension_api       testing/router_gradcheck.hpp (the public gradient checker; its
 #                            testing/gradcheck.hpp runs in every test's gradient check), core/mode.hpp,
 #                            the router's lifecycle and shape checks on user policies
+#   test_inference           inference/ (the Sampler, generate on a tiny LM)
 #   test_sanitize_umbrella   graphmoe.hpp, train/datasets.hpp (include-only headers),
 #                            routing/registry, train/progress (no other test includes them)
 #   test_data                the readers on the real data sets, when ../shared/data is there
@@ -53,11 +54,11 @@ build="${SANITIZE_BUILD_DIR:-build-asan}"
 jobs="${SANITIZE_JOBS:-2}"
 targets=(test_classifier test_vision test_metrics test_optim test_divergence test_checkpoint
          test_image_corruptions test_dropout test_core test_communicator_self test_extension_api
-         test_sanitize_umbrella fuzz_make_seeds replay_safetensors replay_training_state
+         test_inference test_sanitize_umbrella fuzz_make_seeds replay_safetensors replay_training_state
          replay_text_datasets replay_image_datasets replay_tokenizers)
 tests=(test_classifier test_vision test_metrics test_optim test_divergence test_checkpoint
        test_image_corruptions test_dropout test_core test_communicator_self test_extension_api
-       test_sanitize_umbrella fuzz_replay)
+       test_inference test_sanitize_umbrella fuzz_replay)
 
 # test_data exists when the data sets do (tests/CMakeLists.txt: GRAPHMOE_HAVE_DATA, with the
 # same default folder: ../shared/data, else /work/shared/data; GRAPHMOE_DATA_DIR overrides).

@@ -17,7 +17,7 @@ layers only:
     5  routing/           policies, token graphs, the router
     6  layers/
     7  models/
-    8  train/
+    8  train/  inference/  (separate folders of one layer: neither includes the other)
     9  testing/           the public gradient checker, for users' policies and layers
    10  graphmoe.hpp, cuda.cuh   the umbrella headers
 
@@ -49,6 +49,7 @@ RANKS = {
     "layers": 6,
     "models": 7,
     "train": 8,
+    "inference": 8,  # generation and sampling: on models/, independent of train/
     "testing": 9,
     "graphmoe.hpp": 10,
     "cuda.cuh": 10,

@@ -84,3 +84,7 @@
 #include "graphmoe/train/text_attack.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 #include "graphmoe/train/training_state.hpp"
+
+// inference: sampling (greedy, temperature, top-k, top-p) and generate (the full-forward decoder)
+#include "graphmoe/inference/generate.hpp"
+#include "graphmoe/inference/sampling.hpp"

@@ -1,0 +1,179 @@
+// generate: text from a trained train_lm checkpoint, streamed to stdout.
+//
+//   generate --checkpoint runs/lm/checkpoint.safetensors --vocab runs/lm/vocab.txt
+//            --prompt "the king said" --max-new-tokens 40 --seed 1 --temperature 0.8 --top-k 40
+//
+// Loads any train_lm checkpoint (its router, shape and word or character vocabulary come from the
+// checkpoint's metadata; the router must be one this binary is built for, GRAPHMOE_EXAMPLE_ROUTERS),
+// encodes the prompt with the vocabulary train_lm wrote beside it, and samples with
+// graphmoe::generate (graphmoe/inference/generate.hpp): a full forward over the context per token,
+// the O(t^2) decoder; there is no KV or routing cache yet. stdout receives the generated text only,
+// each token as soon as it is drawn (words: separated by spaces, <eos> as a line break; characters:
+// the bytes); stderr the prompt as the model reads it, and the count, time and tokens/s.
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/cli_checks.hpp"
+#include "common/device_dispatch.hpp"
+#include "common/lm_config.hpp"
+#include "generate/run.hpp"
+#include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/tokenizers.hpp"
+#include "graphmoe/train/training_state.hpp"
+
+using namespace graphmoe;
+
+namespace {
+
+inline constexpr index_t kMaxNewTokens = 1'000'000;
+inline constexpr double kMaxTemperature = 1000.0;  // beyond, every kept token is equally likely
+
+// The prompt's ids and the text of generated ids, for the checkpoint's kind of vocabulary.
+struct Vocabulary {
+  std::size_t size = 0;
+  std::string prompt_text;                // the prompt as the model reads it (unknowns as <unk>)
+  std::size_t unknown = 0;                // prompt tokens outside the vocabulary
+  std::vector<std::int32_t> prompt, stop;
+  std::function<std::string(std::int32_t)> text;
+};
+
+Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
+                           const std::vector<std::string>& stops) {
+  auto tok = std::make_shared<const WordTokenizer>(WordTokenizer::load(path));
+  Vocabulary v;
+  v.size = tok->size();
+  // the prompt's lines, each but the last followed by <eos> (as train_lm reads a text file)
+  std::size_t begin = 0;
+  while (true) {
+    const std::size_t end = prompt.find('\n', begin);
+    const std::string line = prompt.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    const std::vector<std::int32_t> ids = tok->encode_line(line);
+    v.prompt.insert(v.prompt.end(), ids.begin(), ids.end());
+    if (end == std::string::npos) break;
+    v.prompt.push_back(tok->eos());
+    begin = end + 1;
+  }
+  for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
+  v.prompt_text = tok->decode(v.prompt);
+  for (const std::string& s : stops) {
+    GRAPHMOE_CHECK(tok->contains(s), "generate", "--stop '", s, "' is not a word of the vocabulary '",
+                   path, "' (", tok->size(), " words; the end of a line is <eos>)");
+    v.stop.push_back(tok->id(s));
+  }
+  // words separated by spaces, <eos> as a line break; the first continues the prompt's line
+  auto line_start = std::make_shared<bool>(v.prompt.empty() || v.prompt.back() == tok->eos());
+  v.text = [tok, line_start](std::int32_t id) {
+    if (id == tok->eos()) {
+      *line_start = true;
+      return std::string("\n");
+    }
+    std::string s = *line_start ? "" : " ";
+    *line_start = false;
+    return s + tok->decode(id);
+  };
+  return v;
+}
+
+Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
+                           const std::vector<std::string>& stops) {
+  auto tok = std::make_shared<const CharTokenizer>(CharTokenizer::load(path));
+  Vocabulary v;
+  v.size = tok->size();
+  v.prompt = tok->encode(prompt);
+  for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
+  v.prompt_text = tok->decode(v.prompt);
+  for (const std::string& s : stops) {
+    GRAPHMOE_CHECK(s.size() == 1 && tok->id(s[0]) != tok->unk(), "generate", "--stop '", s,
+                   "' is not one character of the vocabulary '", path,
+                   "' (a character-level model stops at single bytes it knows)");
+    v.stop.push_back(tok->id(s[0]));
+  }
+  v.text = [tok](std::int32_t id) { return tok->decode(id); };
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string checkpoint, vocab, prompt;
+  std::vector<std::string> stops;
+  GenerateOptions gen;
+  gen.max_new_tokens = 50;
+  gen.sampling.seed = 1;
+  int threads = 2;
+  CLI::App app{"Generate text from a train_lm checkpoint (graphmoe)"};
+  app.add_option("--checkpoint", checkpoint, "the model (a train_lm checkpoint.safetensors)")->required()->check(CLI::ExistingFile);
+  app.add_option("--vocab", vocab, "its vocabulary (the vocab.txt train_lm wrote beside it)")->required()->check(CLI::ExistingFile);
+  app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model)")->required();
+  app.add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate at most")->check(examples::integer<index_t>(1, kMaxNewTokens));
+  app.add_option("--seed", gen.sampling.seed, "random seed of the draws")->check(examples::seed());
+  auto* greedy = app.add_flag("--greedy", gen.sampling.greedy, "always the most probable token (no sampling)");
+  app.add_option("--temperature", gen.sampling.temperature, "softmax temperature (1: the model's distribution)")->check(examples::positive_real(kMaxTemperature))->excludes(greedy);
+  app.add_option("--top-k", gen.sampling.top_k, "sample among the k most probable tokens (0: all)")->check(examples::integer<index_t>(0, examples::kMaxCount))->excludes(greedy);
+  app.add_option("--top-p", gen.sampling.top_p, "sample among the smallest set of most probable tokens of mass >= p (1: all)")->check(examples::positive_real(1.0))->excludes(greedy);
+  app.add_option("--stop", stops, "stop after generating this token (a word, <eos> for a line break, or one character; repeatable)");
+  app.add_option("--threads", threads, "CPU threads")->check(examples::threads());
+  CLI11_PARSE(app, argc, argv);
+  try {
+    set_num_threads(threads);
+    const SafetensorsFile f = load_safetensors(checkpoint);
+    GRAPHMOE_CHECK(f.metadata.count("config") && f.metadata.count("step"), "generate", "'",
+                   checkpoint, "' has no 'config' and 'step' metadata: is it a train_lm checkpoint?");
+    const nlohmann::json cfg = metadata_json(f, "config");
+    GRAPHMOE_CHECK(cfg.is_object() && cfg.contains("router") && cfg.contains("d_model") &&
+                       cfg.contains("char_level"),
+                   "generate", "'", checkpoint, "' is not a train_lm checkpoint (its config has no "
+                   "router, d_model or char_level)");
+    const std::string where = "'" + checkpoint + "'";
+    generate_cli::Input in;
+    in.file = &f;
+    in.config = examples::lm_config_from_json(cfg, where);
+    in.router = examples::detail::config_field<std::string>(cfg, "router", where);
+    const auto& known = router_names();
+    GRAPHMOE_CHECK(std::find(known.begin(), known.end(), in.router) != known.end(), "generate",
+                   where, ": config field 'router' is '", in.router, "', not a known router");
+    examples::require_cpu_router("generate", in.router, "cpu");
+    in.step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
+    // non-finite weights would make every logit NaN: refused by name before the model is built
+    check_weight_values<float>(f, "model.", "generate", "a checkpoint's");
+
+    const bool char_level = examples::detail::config_field<bool>(cfg, "char_level", where);
+    Vocabulary v = char_level ? char_vocabulary(vocab, prompt, stops) : word_vocabulary(vocab, prompt, stops);
+    GRAPHMOE_CHECK(static_cast<index_t>(v.size) == in.config.vocab_size, "generate", "the vocabulary '",
+                   vocab, "' has ", v.size, " entries, the model ", where, " ", in.config.vocab_size,
+                   ": pass the vocab.txt train_lm wrote beside the checkpoint");
+    GRAPHMOE_CHECK(!v.prompt.empty(), "generate", "--prompt holds no ",
+                   char_level ? "character" : "word", ": give at least one");
+    GRAPHMOE_CHECK(static_cast<index_t>(v.prompt.size()) <= in.config.max_seq_len, "generate",
+                   "--prompt is ", v.prompt.size(), char_level ? " characters" : " words",
+                   ", longer than the model's context of max_seq_len = ", in.config.max_seq_len);
+    GRAPHMOE_CHECK(gen.sampling.top_k <= in.config.vocab_size, "generate", "--top-k ",
+                   gen.sampling.top_k, " exceeds the vocabulary of ", in.config.vocab_size,
+                   " tokens (0 samples among all of them)");
+    std::fprintf(stderr, "generate: prompt (%zu %s%s): %s\n", v.prompt.size(),
+                 char_level ? "characters" : "words",
+                 v.unknown > 0 ? (", " + std::to_string(v.unknown) + " not in the vocabulary, read as <unk>").c_str() : "",
+                 v.prompt_text.c_str());
+    in.prompt = std::move(v.prompt);
+    gen.stop_ids = std::move(v.stop);
+    in.options = gen;
+    in.text = v.text;
+    return with_router(in.router, [&]<class Policy>() {
+      examples::require_cpu_router<Policy>("generate", in.router);
+      if constexpr (examples::built_for_cpu<Policy>) return generate_cli::run<Policy>(in);
+      return 1;
+    });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "generate: error: %s\n", e.what());
+    return 1;
+  }
+}

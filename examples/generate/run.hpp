@@ -1,0 +1,30 @@
+// generate: what main.cpp hands to the per-router generation (one function template, instantiated
+// per router in its own translation unit, examples/CMakeLists.txt, from run_impl.hpp).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "graphmoe/inference/generate.hpp"
+#include "graphmoe/train/checkpoint.hpp"
+
+namespace generate_cli {
+
+struct Input {
+  const graphmoe::SafetensorsFile* file = nullptr;  // a train_lm checkpoint ("model.<name>")
+  graphmoe::TransformerLMConfig config;             // from its metadata
+  std::string router;                               // its router's name
+  std::int64_t step = 0;                            // its training step (SMoE-Dropout's k)
+  std::vector<std::int32_t> prompt;                 // the prompt's ids
+  graphmoe::GenerateOptions options;                // max_new_tokens, sampling, stop ids
+  std::function<std::string(std::int32_t)> text;    // the text printed for a generated id
+};
+
+// Loads the model of `in.file` with router Policy (float, CPU), generates, streams the text of each
+// token to stdout and the timing to stderr. Returns the exit status. Defined in run_impl.hpp.
+template <class Policy>
+int run(const Input& in);
+
+}  // namespace generate_cli

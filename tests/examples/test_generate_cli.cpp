@@ -1,0 +1,273 @@
+// examples/generate on tiny train_lm checkpoints written by the test (seconds): it generates from a
+// word-level and a character-level model, streams exactly --max-new-tokens tokens of the
+// vocabulary, repeats itself for a seed, stops at --stop, and refuses absurd command lines and
+// broken checkpoints with a non-zero exit and a message naming the option, file or field.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "examples_routers.hpp"  // generated: built_for_cpu<Policy>, the examples' CPU routers
+#include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/checkpoint.hpp"
+#include "support/processes.hpp"
+
+#if !defined(GRAPHMOE_TRAIN_LM) || !defined(GRAPHMOE_GENERATE)
+#error "GRAPHMOE_TRAIN_LM and GRAPHMOE_GENERATE (the executables) must be defined by CMake"
+#endif
+
+using namespace graphmoe;
+
+namespace {
+
+const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
+const std::string kGenerate = GRAPHMOE_GENERATE;
+
+using test::check_refused;
+using test::Result;
+using test::Scratch;
+
+Result run(const Scratch& s, const std::string& exe, const std::vector<std::string>& args) {
+  return test::run_program(s, "", exe, args, 120);
+}
+
+const std::vector<std::string> kWords = {"the", "cat", "sat", "on", "a", "mat", "dog", "ran",
+                                         "far", "good", "bad", "film", "was", "very", "not"};
+void write_corpus(const std::string& path) {
+  std::ofstream out(path);
+  unsigned x = 7;
+  for (int line = 0; line < 300; ++line) {
+    for (int w = 0; w < 10; ++w) {
+      x = x * 1103515245u + 12345u;
+      out << (w ? " " : "") << kWords[(x >> 16) % kWords.size()];
+    }
+    out << "\n";
+  }
+}
+
+// A tiny train_lm run (about a second); char: a character-level model.
+void train(const Scratch& s, const std::string& out, bool char_level,
+           const std::string& router = "softmax") {
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  std::vector<std::string> args = {
+      "--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router", router,
+      "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8", "--experts", "2",
+      "--top-k", "1", "--seq", "8", "--batch", "2", "--steps", "20", "--warmup", "0",
+      "--eval-every", "0", "--threads", "1", "--out", out};
+  if (char_level) args.push_back("--char");
+  const Result r = run(s, kTrainLM, args);
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+}
+
+std::vector<std::string> gen_args(const std::string& dir, const std::string& prompt,
+                                  std::vector<std::string> extra) {
+  std::vector<std::string> a = {"--checkpoint", dir + "/checkpoint.safetensors", "--vocab",
+                                dir + "/vocab.txt", "--prompt", prompt, "--threads", "1"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// The words and line breaks of generated word-level text: the number of tokens it shows.
+std::size_t count_tokens(const std::string& out, std::set<std::string>* words) {
+  REQUIRE(!out.empty());
+  REQUIRE(out.back() == '\n');  // generate ends its output with a line break
+  const std::string text = out.substr(0, out.size() - 1);
+  std::size_t n = 0;
+  std::string w;
+  for (char c : text + " ") {
+    if (c == ' ' || c == '\n') {
+      if (!w.empty()) {
+        words->insert(w);
+        ++n;
+        w.clear();
+      }
+      n += c == '\n';  // <eos>
+    } else {
+      w += c;
+    }
+  }
+  return n;
+}
+
+// Rewrites the checkpoint `src` to `dst` after edit(tensors, metadata).
+void rewrite(const std::string& src, const std::string& dst,
+             const std::function<void(std::map<std::string, LoadedTensor>&,
+                                      std::map<std::string, std::string>&)>& edit) {
+  const SafetensorsFile f = load_safetensors(src);
+  std::map<std::string, LoadedTensor> tensors = f.tensors;
+  std::map<std::string, std::string> meta = f.metadata;
+  edit(tensors, meta);
+  std::vector<TensorRef> refs;
+  for (const auto& [name, t] : tensors) refs.push_back({name, t.dtype, t.shape, t.bytes.data()});
+  save_safetensors(dst, refs, meta);
+}
+
+}  // namespace
+
+TEST_CASE("generate: a word-level train_lm checkpoint generates --max-new-tokens words of its vocabulary, the same for a seed") {
+  Scratch s("generate_words");
+  const std::string dir = s / "lm";
+  train(s, dir, false);
+  const Result a = run(s, kGenerate, gen_args(dir, "the cat sat", {"--max-new-tokens", "12", "--seed", "3", "--temperature", "0.9", "--top-k", "8"}));
+  INFO(a.text());
+  REQUIRE(a.status == 0);
+  std::set<std::string> words;
+  CHECK(count_tokens(a.out, &words) == 12);
+  std::set<std::string> known(kWords.begin(), kWords.end());
+  known.insert("<unk>");
+  for (const std::string& w : words) {
+    CAPTURE(w);
+    CHECK(known.count(w) == 1);
+  }
+  CHECK(a.err.find("generate: prompt (3 words): the cat sat") != std::string::npos);
+  CHECK(a.err.find("generate: 12 tokens in ") != std::string::npos);
+  CHECK(a.err.find("tokens/s") != std::string::npos);
+  // the same seed: the same text; another seed: another (12 draws among 8 tokens)
+  const Result b = run(s, kGenerate, gen_args(dir, "the cat sat", {"--max-new-tokens", "12", "--seed", "3", "--temperature", "0.9", "--top-k", "8"}));
+  CHECK(b.status == 0);
+  CHECK(b.out == a.out);
+  const Result c = run(s, kGenerate, gen_args(dir, "the cat sat", {"--max-new-tokens", "12", "--seed", "4", "--temperature", "0.9", "--top-k", "8"}));
+  CHECK(c.status == 0);
+  CHECK(c.out != a.out);
+  // a word outside the vocabulary is read as <unk>, and said so
+  const Result u = run(s, kGenerate, gen_args(dir, "the zebra", {"--max-new-tokens", "2"}));
+  CHECK(u.status == 0);
+  CHECK(u.err.find("1 not in the vocabulary, read as <unk>): the <unk>") != std::string::npos);
+}
+
+TEST_CASE("generate: --stop ends at the first stop token, and a character-level checkpoint generates characters") {
+  Scratch s("generate_stop");
+  const std::string dir = s / "lm";
+  train(s, dir, false);
+  // greedy: the first word drawn, then stop at it
+  const Result g = run(s, kGenerate, gen_args(dir, "the", {"--greedy", "--max-new-tokens", "5"}));
+  INFO(g.text());
+  REQUIRE(g.status == 0);
+  std::set<std::string> words;
+  REQUIRE(count_tokens(g.out, &words) == 5);
+  std::istringstream first_word(g.out);
+  std::string first;
+  first_word >> first;
+  const bool eos_first = g.out.rfind("\n", 0) == 0;
+  const std::string stop = eos_first ? "<eos>" : first;
+  const Result st = run(s, kGenerate, gen_args(dir, "the", {"--greedy", "--max-new-tokens", "5", "--stop", stop}));
+  INFO(st.text());
+  CHECK(st.status == 0);
+  CHECK(st.err.find("generate: 1 tokens in ") != std::string::npos);
+  CHECK(st.err.find("stopped at a --stop token") != std::string::npos);
+  CHECK(st.out == (eos_first ? "\n\n" : " " + first + "\n"));
+
+  const std::string cdir = s / "char";
+  train(s, cdir, true);
+  const Result c = run(s, kGenerate, gen_args(cdir, "the c", {"--max-new-tokens", "20", "--seed", "2"}));
+  INFO(c.text());
+  CHECK(c.status == 0);
+  CHECK(c.err.find("generate: prompt (5 characters): the c") != std::string::npos);
+  CHECK(c.err.find("generate: 20 tokens in ") != std::string::npos);
+  // every byte is one of the corpus's (or of "<unk>", the unknown id's text)
+  const std::string allowed = "abcdefghilmnorstvwy <>uk\n";
+  for (char ch : c.out) {
+    CAPTURE(static_cast<int>(ch));
+    CHECK(allowed.find(ch) != std::string::npos);
+  }
+}
+
+TEST_CASE("generate: absurd command lines and broken checkpoints are refused, naming the option, file or field") {
+  Scratch s("generate_refusals");
+  const std::string dir = s / "lm";
+  train(s, dir, false);
+  const std::string ckpt = dir + "/checkpoint.safetensors";
+  auto refused = [&](const std::vector<std::string>& extra, const std::string& message,
+                     const std::string& prompt = "the cat") {
+    CAPTURE(message);
+    check_refused(run(s, kGenerate, gen_args(dir, prompt, extra)), {message});
+  };
+  refused({"--max-new-tokens", "0"}, "--max-new-tokens: value 0 is out of range; expected an integer in [1, 1000000]");
+  refused({"--max-new-tokens", "99999999999999999999"}, "--max-new-tokens: value '99999999999999999999' is out of range");
+  refused({"--max-new-tokens", "-3"}, "--max-new-tokens: value -3 is out of range");
+  refused({"--temperature", "0"}, "--temperature: value 0 is out of range; expected a number in (0, 1000]");
+  refused({"--temperature", "nan"}, "--temperature: value 'nan' is out of range");
+  refused({"--temperature", "-1"}, "--temperature: value -1 is out of range");
+  refused({"--top-p", "0"}, "--top-p: value 0 is out of range; expected a number in (0, 1]");
+  refused({"--top-p", "1.5"}, "--top-p: value 1.5 is out of range");
+  refused({"--top-k", "-1"}, "--top-k: value -1 is out of range");
+  refused({"--top-k", "1000"}, "--top-k 1000 exceeds the vocabulary of 17 tokens");
+  refused({"--seed", "-1"}, "--seed: value '-1' is negative");
+  refused({"--greedy", "--temperature", "0.5"}, "--greedy excludes --temperature");
+  refused({"--stop", "zebra"}, "--stop 'zebra' is not a word of the vocabulary");
+  refused({}, "--prompt is 9 words, longer than the model's context of max_seq_len = 8",
+          "the cat sat on a mat the dog ran");
+  refused({}, "--prompt holds no word", "   ");
+  check_refused(run(s, kGenerate, {"--checkpoint", ckpt, "--vocab", dir + "/vocab.txt"}),
+                {"--prompt is required"});
+  // files: a text file as the checkpoint, the corpus as the vocabulary, a char vocabulary
+  check_refused(run(s, kGenerate, {"--checkpoint", s / "corpus.txt", "--vocab", dir + "/vocab.txt", "--prompt", "the"}),
+                {"corpus.txt"});
+  check_refused(run(s, kGenerate, {"--checkpoint", ckpt, "--vocab", s / "corpus.txt", "--prompt", "the"}),
+                {"expected the header 'graphmoe::WordTokenizer v1 <size>'"});
+  // checkpoints: an unknown router, NaN weights, no metadata
+  const std::string bad = s / "bad.safetensors";
+  rewrite(ckpt, bad, [](auto&, auto& meta) {
+    auto cfg = nlohmann::json::parse(meta.at("config"));
+    cfg["router"] = "nonsense";
+    meta["config"] = cfg.dump();
+  });
+  check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", dir + "/vocab.txt", "--prompt", "the"}),
+                {"config field 'router' is 'nonsense', not a known router"});
+  rewrite(ckpt, bad, [](auto& tensors, auto&) {
+    LoadedTensor& t = tensors.at("model.tok_emb.weight");
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(t.bytes.data() + 4, &nan, 4);
+  });
+  check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", dir + "/vocab.txt", "--prompt", "the"}),
+                {"model tensor 'model.tok_emb.weight' holds nan at element 1"});
+  rewrite(ckpt, bad, [](auto&, auto& meta) { meta.clear(); });
+  check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", dir + "/vocab.txt", "--prompt", "the"}),
+                {"has no 'config' and 'step' metadata: is it a train_lm checkpoint?"});
+}
+
+TEST_CASE("generate: every router built into the examples generates past the context window, the others are refused by name") {
+  Scratch s("generate_routers");
+  const std::string soft = s / "softmax";
+  train(s, soft, false);
+  int built = 0;
+  for (const std::string& router : router_names()) {
+    CAPTURE(router);
+    const bool is_built = with_router(router, []<class P>() { return examples::built_for_cpu<P>; });
+    if (is_built) {
+      ++built;
+      const std::string dir = s / router;
+      if (router != "softmax") train(s, dir, false, router);
+      // prompt 3 + 12 tokens > --seq 8: the window slides
+      const Result r = run(s, kGenerate, gen_args(router == "softmax" ? soft : dir, "the cat sat",
+                                                  {"--max-new-tokens", "12", "--top-p", "0.9"}));
+      INFO(r.text());
+      CHECK(r.status == 0);
+      CHECK(r.err.find("generate: " + router + " model (step 20)") != std::string::npos);
+      std::set<std::string> words;
+      CHECK(count_tokens(r.out, &words) == 12);
+    } else {
+      // the softmax checkpoint relabelled: refused before the model is built, naming the routers
+      const std::string bad = s / "relabelled.safetensors";
+      rewrite(soft + "/checkpoint.safetensors", bad, [&](auto&, auto& meta) {
+        auto cfg = nlohmann::json::parse(meta.at("config"));
+        cfg["router"] = router;
+        meta["config"] = cfg.dump();
+      });
+      check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", soft + "/vocab.txt", "--prompt", "the"}),
+                    {"router '" + router + "' is not built in this binary (built: " +
+                     std::string(examples::cpu_router_list)});
+    }
+  }
+  CHECK(built >= 1);
+}

@@ -1,0 +1,173 @@
+// generate (graphmoe/inference/generate.hpp), the full-forward decoder, on a tiny randomly
+// initialised TransformerLM: greedy decoding is the arg max of the full forward's last logits at
+// every step (sliding window included), stop tokens, streaming, seeds, the model's mode, bad input.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <functional>
+#include <stdexcept>
+#include <vector>
+
+#include "graphmoe/inference/generate.hpp"
+
+using namespace graphmoe;
+
+namespace {
+
+TransformerLMConfig tiny_config() {
+  TransformerLMConfig c;
+  c.vocab_size = 11;
+  c.max_seq_len = 8;
+  c.d_model = 8;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.d_ff = 6;
+  c.router.num_experts = 3;
+  c.router.k = 2;
+  c.router.allow_unused_options = true;
+  c.router.options<Similarity>().tau = 2.0;
+  c.init_std = 0.4;  // logits far apart, so that no arg max is a near tie
+  return c;
+}
+
+// The arg max of row `row` of the (1, t, V) logits the last forward left.
+template <class LM>
+std::int32_t argmax_row(const LM& lm, index_t row) {
+  const index_t v = lm.config().vocab_size;
+  const auto* p = lm.logits().data() + row * v;
+  return static_cast<std::int32_t>(std::max_element(p, p + v) - p);
+}
+
+template <class LM>
+void forward_on(LM& lm, const std::vector<std::int32_t>& ids) {
+  Tensor<std::int32_t> t(Shape{1, static_cast<index_t>(ids.size())});
+  std::copy(ids.begin(), ids.end(), t.data());
+  lm.forward(t, Tensor<std::int32_t>());
+}
+
+GenerateOptions greedy_options(index_t n) {
+  GenerateOptions o;
+  o.max_new_tokens = n;
+  o.sampling.greedy = true;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("generate: greedy decoding is the arg max of the full forward's last logits at each step",
+                   Policy, SoftmaxRouter, SimilarityRouter) {
+  TransformerLM<Policy, double> lm(tiny_config(), 5);
+  const index_t window = lm.config().max_seq_len;
+  const std::vector<std::int32_t> prompt = {3, 1, 4};
+  // 12 tokens: the context passes max_seq_len = 8 after 5, then the window slides
+  const GenerateResult r = generate(lm, prompt, greedy_options(12));
+  REQUIRE(r.tokens.size() == 12);
+  CHECK(r.reason == StopReason::MaxNewTokens);
+  std::vector<std::int32_t> context = prompt;
+  for (std::size_t i = 0; i < r.tokens.size(); ++i) {
+    CAPTURE(i);
+    const std::size_t t = std::min(context.size(), static_cast<std::size_t>(window));
+    forward_on(lm, std::vector<std::int32_t>(context.end() - static_cast<std::ptrdiff_t>(t), context.end()));
+    CHECK(r.tokens[i] == argmax_row(lm, static_cast<index_t>(t) - 1));
+    context.push_back(r.tokens[i]);
+  }
+  // within the window the model is causal: one forward over prompt + the first 5 generated
+  // tokens gives, at each position, the logits the step that drew the next token saw
+  std::vector<std::int32_t> all = prompt;
+  all.insert(all.end(), r.tokens.begin(), r.tokens.begin() + 5);
+  REQUIRE(static_cast<index_t>(all.size()) == window);
+  forward_on(lm, all);
+  for (std::size_t i = 0; i < 5; ++i) {
+    CAPTURE(i);
+    CHECK(r.tokens[i] == argmax_row(lm, static_cast<index_t>(prompt.size() + i) - 1));
+  }
+  // not a constant sequence (the check above could pass for a model that ignores its input)
+  CHECK(std::adjacent_find(r.tokens.begin(), r.tokens.end(), std::not_equal_to<>()) != r.tokens.end());
+}
+
+TEST_CASE("generate: a stop id ends the generation, is returned and streamed, and max_new_tokens bounds it") {
+  TransformerLM<SoftmaxRouter, double> lm(tiny_config(), 7);
+  const std::vector<std::int32_t> prompt = {2, 9};
+  const GenerateResult full = generate(lm, prompt, greedy_options(10));
+  REQUIRE(full.tokens.size() == 10);
+  // stop at the first occurrence of the token drawn at step 3
+  const std::int32_t stop = full.tokens[3];
+  const std::size_t first =
+      static_cast<std::size_t>(std::find(full.tokens.begin(), full.tokens.end(), stop) - full.tokens.begin());
+  GenerateOptions o = greedy_options(10);
+  o.stop_ids = {stop, 10};
+  std::vector<std::int32_t> streamed;
+  const GenerateResult r = generate(lm, prompt, o, [&](std::int32_t id) { streamed.push_back(id); });
+  CHECK(r.reason == StopReason::StopToken);
+  CHECK(r.tokens.size() == first + 1);
+  CHECK(r.tokens.back() == stop);
+  CHECK(std::equal(r.tokens.begin(), r.tokens.end(), full.tokens.begin()));
+  CHECK(streamed == r.tokens);
+  // a stop id never drawn changes nothing; max_new_tokens = 0 draws nothing
+  GenerateOptions never = greedy_options(10);
+  for (std::int32_t id = 0; id < 11; ++id)
+    if (std::find(full.tokens.begin(), full.tokens.end(), id) == full.tokens.end()) never.stop_ids.push_back(id);
+  CHECK(generate(lm, prompt, never).tokens == full.tokens);
+  const GenerateResult none = generate(lm, prompt, greedy_options(0));
+  CHECK(none.tokens.empty());
+  CHECK(none.reason == StopReason::MaxNewTokens);
+}
+
+TEST_CASE("generate: sampling is deterministic for a seed, the model is in eval mode during, its mode restored after") {
+  TransformerLM<SoftmaxRouter, float> lm(tiny_config(), 3);
+  GenerateOptions o;
+  o.max_new_tokens = 20;
+  o.sampling.temperature = 1.5;
+  o.sampling.top_k = 6;
+  o.sampling.seed = 12;
+  const std::vector<std::int32_t> prompt = {1};
+  REQUIRE(lm.mode() == Mode::Train);
+  bool all_eval = true;
+  const GenerateResult a = generate(lm, prompt, o, [&](std::int32_t) { all_eval = all_eval && lm.mode() == Mode::Eval; });
+  CHECK(all_eval);
+  CHECK(lm.mode() == Mode::Train);
+  CHECK(generate(lm, prompt, o).tokens == a.tokens);
+  o.sampling.seed = 13;
+  CHECK(generate(lm, prompt, o).tokens != a.tokens);
+  // restored also when the callback throws, and after an eval-mode model's generation
+  CHECK_THROWS_AS(generate(lm, prompt, o, [](std::int32_t) { throw std::runtime_error("stop"); }),
+                  std::runtime_error);
+  CHECK(lm.mode() == Mode::Train);
+  lm.set_mode(Mode::Eval);
+  (void)generate(lm, prompt, o);
+  CHECK(lm.mode() == Mode::Eval);
+}
+
+TEST_CASE("generate: bad input is refused before any forward (empty prompt, too long, unknown ids, bad options)") {
+  TransformerLM<SoftmaxRouter, float> lm(tiny_config(), 3);
+  const GenerateOptions o = greedy_options(4);
+  auto refused = [&](const std::vector<std::int32_t>& prompt, const GenerateOptions& opt,
+                     const char* message) {
+    CAPTURE(message);
+    bool called = false;
+    CHECK_THROWS_WITH_AS(generate(lm, prompt, opt, [&](std::int32_t) { called = true; }),
+                         doctest::Contains(message), Error);
+    CHECK_FALSE(called);
+    CHECK(lm.mode() == Mode::Train);
+  };
+  refused({}, o, "graphmoe::generate: the prompt is empty");
+  refused(std::vector<std::int32_t>(9, 1), o,
+          "the prompt has 9 tokens, longer than the model's context of max_seq_len = 8 tokens");
+  refused({1, 11}, o, "prompt token 1 is id 11, not in the model's vocabulary [0, 11)");
+  refused({-1, 2}, o, "prompt token 0 is id -1, not in the model's vocabulary [0, 11)");
+  GenerateOptions bad_stop = o;
+  bad_stop.stop_ids = {1, 42};
+  refused({1}, bad_stop, "stop id 42 is not in the model's vocabulary [0, 11)");
+  GenerateOptions negative = o;
+  negative.max_new_tokens = -1;
+  refused({1}, negative, "max_new_tokens must be >= 0, got -1");
+  GenerateOptions cold = o;
+  cold.sampling.greedy = false;
+  cold.sampling.temperature = 0.0;
+  refused({1}, cold, "temperature must be finite and > 0");
+  GenerateOptions top_p = o;
+  top_p.sampling.top_p = 0.0;
+  refused({1}, top_p, "top_p must be in (0, 1]");
+  // a prompt of exactly max_seq_len tokens is accepted
+  CHECK(generate(lm, std::vector<std::int32_t>(8, 1), o).tokens.size() == 4);
+}
