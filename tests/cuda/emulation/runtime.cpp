@@ -788,31 +788,50 @@ cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
               c, CUDA_R_64F, ldc, sc, batch);
 }
 
+}  // extern "C"
+
+namespace {
+// alpha and beta of a GemmEx call as doubles, by compute type: float scalars for 32F (and
+// 32F_FAST_TF32 when tf32 is allowed, which sets *tf32: float operands rounded to TF32 first, as
+// the tensor cores read them), double ones for 64F. False for a compute type not emulated.
+bool gemm_ex_scalars(cublasComputeType_t compute, const void* alpha, const void* beta,
+                     bool allow_tf32, double& al, double& be, bool* tf32) {
+  switch (compute) {
+    case CUBLAS_COMPUTE_32F_FAST_TF32:
+      if (!allow_tf32) return false;
+      *tf32 = true;
+      [[fallthrough]];
+    case CUBLAS_COMPUTE_32F:
+    case CUBLAS_COMPUTE_32F_PEDANTIC:
+      al = *static_cast<const float*>(alpha);
+      be = *static_cast<const float*>(beta);
+      return true;
+    case CUBLAS_COMPUTE_64F:
+    case CUBLAS_COMPUTE_64F_PEDANTIC:
+      al = *static_cast<const double*>(alpha);
+      be = *static_cast<const double*>(beta);
+      return true;
+    default: return false;
+  }
+}
+}  // namespace
+
+extern "C" {
+
 cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
                             int n, int k, const void* alpha, const void* a, cudaDataType at,
                             int lda, const void* b, cudaDataType bt, int ldb, const void* beta,
                             void* c, cudaDataType ct, int ldc, cublasComputeType_t compute,
                             cublasGemmAlgo_t) {
   double al = 0, be = 0;
-  switch (compute) {
-    case CUBLAS_COMPUTE_32F:
-    case CUBLAS_COMPUTE_32F_PEDANTIC:
-      al = *static_cast<const float*>(alpha);
-      be = *static_cast<const float*>(beta);
-      break;
-    case CUBLAS_COMPUTE_64F:
-    case CUBLAS_COMPUTE_64F_PEDANTIC:
-      al = *static_cast<const double*>(alpha);
-      be = *static_cast<const double*>(beta);
-      break;
-    default: return CUBLAS_STATUS_NOT_SUPPORTED;
-  }
-  if (at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
+  bool tf32 = false;
+  if (!gemm_ex_scalars(compute, alpha, beta, false, al, be, &tf32) || at != bt)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
   return gemm(h, ta, tb, m, n, k, al, a, at, lda, 0, b, bt, ldb, 0, be, c, ct, ldc, 0, 1);
 }
 
-// Strided-batched GemmEx: compute types 32F (float scalars), 32F_FAST_TF32 (float operands
-// rounded to TF32 first, as the tensor cores read them) and 64F; A and B of one type.
+// Strided-batched GemmEx: compute types 32F, 32F_FAST_TF32 (float operands only) and 64F; A and
+// B of one type.
 cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
                                           cublasOperation_t tb, int m, int n, int k,
                                           const void* alpha, const void* a, cudaDataType at,
@@ -822,24 +841,9 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                                           cublasComputeType_t compute, cublasGemmAlgo_t) {
   double al = 0, be = 0;
   bool tf32 = false;
-  switch (compute) {
-    case CUBLAS_COMPUTE_32F_FAST_TF32:
-      if (at != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
-      tf32 = true;
-      [[fallthrough]];
-    case CUBLAS_COMPUTE_32F:
-    case CUBLAS_COMPUTE_32F_PEDANTIC:
-      al = *static_cast<const float*>(alpha);
-      be = *static_cast<const float*>(beta);
-      break;
-    case CUBLAS_COMPUTE_64F:
-    case CUBLAS_COMPUTE_64F_PEDANTIC:
-      al = *static_cast<const double*>(alpha);
-      be = *static_cast<const double*>(beta);
-      break;
-    default: return CUBLAS_STATUS_NOT_SUPPORTED;
-  }
-  if (at != bt) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (!gemm_ex_scalars(compute, alpha, beta, true, al, be, &tf32) || at != bt ||
+      (tf32 && at != CUDA_R_32F))
+    return CUBLAS_STATUS_NOT_SUPPORTED;
   return gemm(h, ta, tb, m, n, k, al, a, at, lda, sa, b, bt, ldb, sb, be, c, ct, ldc, sc, batch,
               true, tf32);
 }
