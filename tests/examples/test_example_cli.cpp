@@ -51,20 +51,6 @@ Result run(const Scratch& s, const std::string& exe, const std::vector<std::stri
   return test::run_program(s, "", exe, args, 120);
 }
 
-// A word-level corpus of 300 lines (about 3,000 tokens) and its words.
-const std::vector<std::string> kWords = {"the", "cat", "sat", "on", "a", "mat", "dog", "ran",
-                                         "far", "good", "bad", "film", "was", "very", "not"};
-void write_corpus(const std::string& path) {
-  std::ofstream out(path);
-  unsigned x = 7;
-  for (int line = 0; line < 300; ++line) {
-    for (int w = 0; w < 10; ++w) {
-      x = x * 1103515245u + 12345u;
-      out << (w ? " " : "") << kWords[(x >> 16) % kWords.size()];
-    }
-    out << "\n";
-  }
-}
 
 // The tiny train_lm run every resume case starts from (about a second).
 std::vector<std::string> lm_args(const std::string& corpus, const std::string& out, int steps) {
@@ -240,7 +226,7 @@ TEST_CASE("examples: every numeric option refuses out-of-range and malformed num
 TEST_CASE("examples: train_lm --resume refuses broken and malformed checkpoints, naming the file and field") {
   Scratch s("resume");
   const std::string corpus = s / "corpus.txt";
-  write_corpus(corpus);
+  test::write_word_corpus(corpus);
   const std::string run_dir = s / "run";
   // a stale temporary file of a killed save (pid 2^31 - 1 runs nowhere) and a look-alike
   fs::create_directories(run_dir);
@@ -345,7 +331,7 @@ TEST_CASE("examples: a diverged run stops naming the step, and its last checkpoi
   using Meta = std::map<std::string, std::string>;
   Scratch s("diverge");
   const std::string corpus = s / "corpus.txt";
-  write_corpus(corpus);
+  test::write_word_corpus(corpus);
   const std::string run_dir = s / "run";
   Result r = run(s, kTrainLM, lm_args(corpus, run_dir, 4));
   CAPTURE(r.err);
@@ -404,7 +390,7 @@ TEST_CASE("examples: a diverged run stops naming the step, and its last checkpoi
 TEST_CASE("examples: finetune_classifier and routing_report apply the same checkpoint rules") {
   Scratch s("finetune");
   const std::string corpus = s / "corpus.txt";
-  write_corpus(corpus);
+  test::write_word_corpus(corpus);
   const std::string run_dir = s / "run";
   REQUIRE(run(s, kTrainLM, lm_args(corpus, run_dir, 2)).status == 0);
   const std::string ckpt = run_dir + "/checkpoint.safetensors", vocab = run_dir + "/vocab.txt";
@@ -480,7 +466,7 @@ TEST_CASE("examples: finetune_classifier and routing_report apply the same check
 TEST_CASE("examples: finetune_classifier refuses a checkpoint with weights of 1e30 or NaN, naming the tensor") {
   Scratch s("finetune_hostile");
   const std::string corpus = s / "corpus.txt";
-  write_corpus(corpus);
+  test::write_word_corpus(corpus);
   const std::string run_dir = s / "run";
   REQUIRE(run(s, kTrainLM, lm_args(corpus, run_dir, 2)).status == 0);
   const std::string ckpt = run_dir + "/checkpoint.safetensors", vocab = run_dir + "/vocab.txt";
@@ -527,7 +513,7 @@ TEST_CASE("examples: finetune_classifier refuses a checkpoint with weights of 1e
 TEST_CASE("examples: a metric not computable yet prints n/a, never nan (one evaluation, no --compare)") {
   Scratch s("not_available");
   const std::string corpus = s / "corpus.txt";
-  write_corpus(corpus);
+  test::write_word_corpus(corpus);
   // the field of `column` in line `line` (1: the first row after the header) of a CSV file
   auto csv_field = [](const std::string& text, const std::string& column, int line) {
     std::istringstream in(text);

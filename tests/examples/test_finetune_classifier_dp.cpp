@@ -53,21 +53,9 @@ Result run(const Scratch& s, const std::string& program, int ranks, const std::v
 // --load-balance 0 (the classifier takes the coefficient from the checkpoint: the balancing loss
 // is per shard, so it would make --dp 2 differ from one process). Returns the run folder
 // (checkpoint.safetensors, vocab.txt).
-const std::vector<std::string> kWords = {"the", "cat", "sat", "on", "a", "mat", "dog", "ran",
-                                         "far", "good", "bad", "film", "was", "very", "not"};
 std::string pretrain(const Scratch& s) {
   const std::string corpus = s / "corpus.txt", dir = s / "lm";
-  {
-    std::ofstream out(corpus);
-    unsigned x = 7;
-    for (int line = 0; line < 300; ++line) {
-      for (int w = 0; w < 10; ++w) {
-        x = x * 1103515245u + 12345u;
-        out << (w ? " " : "") << kWords[(x >> 16) % kWords.size()];
-      }
-      out << "\n";
-    }
-  }
+  graphmoe::test::write_word_corpus(corpus);
   const Result r = run(s, kTrainLM, 0,
                        {"--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router",
                         "softmax", "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8",

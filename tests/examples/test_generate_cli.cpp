@@ -39,25 +39,12 @@ Result run(const Scratch& s, const std::string& exe, const std::vector<std::stri
   return test::run_program(s, "", exe, args, 120);
 }
 
-const std::vector<std::string> kWords = {"the", "cat", "sat", "on", "a", "mat", "dog", "ran",
-                                         "far", "good", "bad", "film", "was", "very", "not"};
-void write_corpus(const std::string& path) {
-  std::ofstream out(path);
-  unsigned x = 7;
-  for (int line = 0; line < 300; ++line) {
-    for (int w = 0; w < 10; ++w) {
-      x = x * 1103515245u + 12345u;
-      out << (w ? " " : "") << kWords[(x >> 16) % kWords.size()];
-    }
-    out << "\n";
-  }
-}
 
 // A tiny train_lm run (about a second); char: a character-level model.
 void train(const Scratch& s, const std::string& out, bool char_level,
            const std::string& router = "softmax") {
   const std::string corpus = s / "corpus.txt";
-  write_corpus(corpus);
+  test::write_word_corpus(corpus);
   std::vector<std::string> args = {
       "--train", corpus, "--test", "", "--valid-fraction", "0.5", "--router", router,
       "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8", "--experts", "2",
@@ -123,7 +110,7 @@ TEST_CASE("generate: a word-level train_lm checkpoint generates --max-new-tokens
   REQUIRE(a.status == 0);
   std::set<std::string> words;
   CHECK(count_tokens(a.out, &words) == 12);
-  std::set<std::string> known(kWords.begin(), kWords.end());
+  std::set<std::string> known(test::kCorpusWords.begin(), test::kCorpusWords.end());
   known.insert("<unk>");
   for (const std::string& w : words) {
     CAPTURE(w);

@@ -105,6 +105,23 @@ inline std::string mpiexec_prefix(int ranks) {
 }
 #endif
 
+// The word corpus of the examples' command-line tests: 300 lines of 10 words drawn from
+// kCorpusWords by a fixed linear congruential stream (about 3,000 tokens, the same every run).
+inline const std::vector<std::string> kCorpusWords = {"the", "cat",  "sat", "on",   "a",
+                                                      "mat", "dog",  "ran", "far",  "good",
+                                                      "bad", "film", "was", "very", "not"};
+inline void write_word_corpus(const std::string& path) {
+  std::ofstream out(path);
+  unsigned x = 7;
+  for (int line = 0; line < 300; ++line) {
+    for (int w = 0; w < 10; ++w) {
+      x = x * 1103515245u + 12345u;
+      out << (w ? " " : "") << kCorpusWords[(x >> 16) % kCorpusWords.size()];
+    }
+    out << "\n";
+  }
+}
+
 // A refusal: a non-zero exit (not a crash) whose stderr holds every one of `parts`.
 inline void check_refused(const Result& r, const std::vector<std::string>& parts) {
   INFO(r.text());

@@ -272,6 +272,25 @@ inline GraphPrecision similarity_projection_precision(GraphPrecision p) {
   return p == GraphPrecision::Exact ? p : GraphPrecision::TF32;
 }
 
+// Block [i0, i0 + bi) x [0, jn) of S: the stored rows (state.s, row stride len) or the scratch
+// block (row stride jn) at off_l.
+template <class T>
+BlockRows<T> similarity_block_at(const SimilarityGraphState<T, cuda>& st,
+                                 const SimilarityScratch<T>& scratch, index_t off_l, index_t i0,
+                                 index_t bi, index_t jn, index_t len) {
+  return st.stores ? BlockRows<T>{st.s.data() + i0 * len, len * len, len}
+                   : BlockRows<T>{scratch.template at<T>(off_l), bi * jn, jn};
+}
+
+// The block's logits L = Q_blk U^T / tau (every sequence) into rows.
+template <class In, class T>
+void similarity_block_logits(GraphPrecision prec, const BlockRows<T>& rows, const In* qin,
+                             const In* uin, index_t i0, index_t bi, index_t jn, index_t d,
+                             index_t len, index_t nb, T inv_tau) {
+  graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d, len * d,
+                         uin, d, len * d, T(0), rows.base, rows.row_stride, rows.batch_stride, nb);
+}
+
 template <class T, class In>
 void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r,
                                const SimilarityGraphArgs& args,
@@ -309,13 +328,9 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
 
   for (index_t i0 = 0; i0 < len; i0 += bi_max) {
     const index_t bi = std::min(bi_max, len - i0), jn = args.causal ? i0 + bi : len;
-    const BlockRows<T> rows = st.stores ? BlockRows<T>{st.s.data() + i0 * len, len * len, len}
-                                        : BlockRows<T>{scratch.template at<T>(off_l), bi * jn, jn};
+    const BlockRows<T> rows = similarity_block_at(st, scratch, off_l, i0, bi, jn, len);
     In* sb = kCopies ? scratch.template at<In>(off_sb) : nullptr;
-    // L = Q_blk U^T / tau
-    graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d, len * d,
-                           uin, d, len * d, T(0), rows.base, rows.row_stride, rows.batch_stride,
-                           nb);
+    similarity_block_logits(prec, rows, qin, uin, i0, bi, jn, d, len, nb, inv_tau);
     launch_kernel<similarity_softmax_rows_kernel<T, In>>(
         grid_for_rows(nb * bi), threads_for_row(jn), rows, st.stores || !kCopies, sb, nb, bi, jn,
         st.stores ? len : jn, i0, len, args.causal, args.exclude_self, st.lse.data(),
@@ -374,15 +389,12 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
 
   for (index_t i0 = 0; i0 < len; i0 += bi_max) {
     const index_t bi = std::min(bi_max, len - i0), jn = args.causal ? i0 + bi : len;
-    const BlockRows<T> rows = st.stores ? BlockRows<T>{st.s.data() + i0 * len, len * len, len}
-                                        : BlockRows<T>{scratch.template at<T>(off_l), bi * jn, jn};
+    const BlockRows<T> rows = similarity_block_at(st, scratch, off_l, i0, bi, jn, len);
     T* g = to_u ? scratch.template at<T>(off_g) : nullptr;
     In* sb = kCopies ? scratch.template at<In>(off_sb) : nullptr;
     In* db = kCopies && to_u ? scratch.template at<In>(off_db) : nullptr;
-    if (!st.stores)  // L = Q_blk U^T / tau, turned into S by the kernel
-      graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d,
-                             len * d, uin, d, len * d, T(0), rows.base, rows.row_stride,
-                             rows.batch_stride, nb);
+    if (!st.stores)  // L, turned into S by the kernel
+      similarity_block_logits(prec, rows, qin, uin, i0, bi, jn, d, len, nb, inv_tau);
     if (to_u)  // G = dp_blk R^T
       graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, e, T(1), dpin + i0 * e, e,
                              len * e, rin, e, len * e, T(0), g, jn, bi * jn, nb);
