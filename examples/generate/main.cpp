@@ -6,10 +6,15 @@
 // Loads any train_lm checkpoint (its router, shape and word or character vocabulary come from the
 // checkpoint's metadata; the router must be one this binary is built for, GRAPHMOE_EXAMPLE_ROUTERS),
 // encodes the prompt with the vocabulary train_lm wrote beside it, and samples with
-// graphmoe::generate (graphmoe/inference/generate.hpp): a full forward over the context per token,
-// the O(t^2) decoder; there is no KV or routing cache yet. stdout receives the generated text only,
-// each token as soon as it is drawn (words: separated by spaces, <eos> as a line break; characters:
-// the bytes); stderr the prompt as the model reads it, and the count, time and tokens/s.
+// graphmoe::generate (graphmoe/inference/generate.hpp): by default the incremental decoder (a KV
+// cache per attention layer and a routing cache per MoE layer, O(t) per token); --decoder full runs
+// a full forward over the context per token (the O(t^2) reference; the same tokens). stdout
+// receives the generated text only, each token as soon as it is drawn (words: separated by
+// spaces, <eos> as a line break; characters: the bytes); stderr the prompt as the model reads it,
+// and the count, time and tokens/s. --explain prints instead one line per generated token: its
+// position and text, and per MoE block the experts it was routed to with their gates and, for a
+// graph router, the earlier tokens with the largest weights in its row of S or A^p:
+//   [7] "king" | block 0: experts 3 (0.61) 1 (0.39); from [6] "the" 0.42 [2] "said" 0.18 ...
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -44,7 +49,20 @@ struct Vocabulary {
   std::size_t unknown = 0;                // prompt tokens outside the vocabulary
   std::vector<std::int32_t> prompt, stop;
   std::function<std::string(std::int32_t)> text;
+  std::function<std::string(std::int32_t)> label;  // an id quoted, for --explain
 };
+
+// s in double quotes, with line breaks, tabs, quotes and backslashes escaped (--explain lines).
+std::string quoted(const std::string& s) {
+  std::string q = "\"";
+  for (char c : s) {
+    if (c == '\n') q += "\\n";
+    else if (c == '\t') q += "\\t";
+    else if (c == '"' || c == '\\') q += std::string("\\") + c;
+    else q += c;
+  }
+  return q + "\"";
+}
 
 Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
                            const std::vector<std::string>& stops) {
@@ -80,6 +98,7 @@ Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
     *line_start = false;
     return s + tok->decode(id);
   };
+  v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
 }
 
@@ -98,6 +117,7 @@ Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
     v.stop.push_back(tok->id(s[0]));
   }
   v.text = [tok](std::int32_t id) { return tok->decode(id); };
+  v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
 }
 
@@ -122,9 +142,17 @@ int main(int argc, char** argv) {
   app.add_option("--top-p", gen.sampling.top_p, "sample among the smallest set of most probable tokens of mass >= p (1: all)")->check(examples::positive_real(1.0))->excludes(greedy);
   app.add_option("--stop", stops, "stop after generating this token (a word, <eos> for a line break, or one character; repeatable)");
   app.add_option("--threads", threads, "CPU threads")->check(examples::threads());
+  std::string decoder = "incremental";
+  app.add_option("--decoder", decoder, "incremental (KV and routing caches) or full (a full forward per token)")
+      ->check(CLI::IsMember({"incremental", "full"}));
+  app.add_flag("--explain", gen.explain, "one line per generated token: its experts and, for graph routers, the earlier tokens it was routed by");
+  app.add_option("--explain-sources", gen.explain_sources, "earlier tokens shown per MoE block with --explain")->check(examples::integer<index_t>(1, 64));
   CLI11_PARSE(app, argc, argv);
   try {
     set_num_threads(threads);
+    gen.decoding = decoder == "full" ? Decoding::FullForward : Decoding::Incremental;
+    GRAPHMOE_CHECK(!gen.explain || gen.decoding == Decoding::Incremental, "generate",
+                   "--explain needs --decoder incremental (the routing caches hold the graph weights)");
     const SafetensorsFile f = load_safetensors(checkpoint);
     GRAPHMOE_CHECK(f.metadata.count("config") && f.metadata.count("step"), "generate", "'",
                    checkpoint, "' has no 'config' and 'step' metadata: is it a train_lm checkpoint?");
@@ -167,6 +195,7 @@ int main(int argc, char** argv) {
     gen.stop_ids = std::move(v.stop);
     in.options = gen;
     in.text = v.text;
+    in.label = v.label;
     return with_router(in.router, [&]<class Policy>() {
       examples::require_cpu_router<Policy>("generate", in.router);
       if constexpr (examples::built_for_cpu<Policy>) return generate_cli::run<Policy>(in);

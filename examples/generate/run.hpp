@@ -20,10 +20,13 @@ struct Input {
   std::vector<std::int32_t> prompt;                 // the prompt's ids
   graphmoe::GenerateOptions options;                // max_new_tokens, sampling, stop ids
   std::function<std::string(std::int32_t)> text;    // the text printed for a generated id
+  // the text of any id in an --explain line (a word, "<eos>", or a character, quoted)
+  std::function<std::string(std::int32_t)> label;
 };
 
 // Loads the model of `in.file` with router Policy (float, CPU), generates, streams the text of each
-// token to stdout and the timing to stderr. Returns the exit status. Defined in run_impl.hpp.
+// token to stdout (with options.explain: one line per token with its routing instead) and the
+// timing to stderr. Returns the exit status. Defined in run_impl.hpp.
 template <class Policy>
 int run(const Input& in);
 

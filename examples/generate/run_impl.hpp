@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "generate/run.hpp"
 
@@ -19,18 +20,50 @@ int run(const Input& in) {
                in.router.c_str(), static_cast<long long>(in.step),
                static_cast<long long>(in.prompt.size()),
                static_cast<long long>(in.options.max_new_tokens));
+  std::vector<std::int32_t> context = in.prompt;  // for the --explain lines' sources
   const auto start = std::chrono::steady_clock::now();
-  const GenerateResult r = generate(lm, in.prompt, in.options, [&](std::int32_t id) {
-    const std::string s = in.text(id);
-    std::fwrite(s.data(), 1, s.size(), stdout);
-    std::fflush(stdout);  // streamed: each token as soon as it is drawn
-  });
+  const bool explain = in.options.explain;
+  const GenerateResult r = generate(
+      lm, in.prompt, in.options,
+      [&](std::int32_t id) {
+        context.push_back(id);
+        if (explain) return;  // the routing line shows it
+        const std::string s = in.text(id);
+        std::fwrite(s.data(), 1, s.size(), stdout);
+        std::fflush(stdout);  // streamed: each token as soon as it is drawn
+      },
+      [&](const RoutedToken& t) {
+        // position, token, then per MoE block: experts:gates and the graph's largest sources
+        std::string line = "[" + std::to_string(t.position) + "] " + in.label(t.id);
+        char buf[64];
+        for (const auto& l : t.layers) {
+          line += " | block " + std::to_string(l.block) + ": experts";
+          for (std::size_t j = 0; j < l.experts.size(); ++j) {
+            std::snprintf(buf, sizeof buf, " %d (%.2f)", l.experts[j], l.gates[j]);
+            line += buf;
+          }
+          if (!l.sources.empty()) {
+            line += "; from";
+            for (const auto& src : l.sources) {
+              std::snprintf(buf, sizeof buf, " %.2f ", src.weight);
+              line += " [" + std::to_string(src.position) + "] " +
+                      in.label(context[static_cast<std::size_t>(src.position)]) + buf;
+              line.pop_back();
+            }
+          }
+        }
+        line += "\n";
+        std::fwrite(line.data(), 1, line.size(), stdout);
+        std::fflush(stdout);
+      });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::fputc('\n', stdout);
+  if (!explain) std::fputc('\n', stdout);
   std::fflush(stdout);
   const double n = static_cast<double>(r.tokens.size());
-  std::fprintf(stderr, "generate: %zu tokens in %.3f s (%.1f tokens/s, a full forward per token), %s\n",
+  std::fprintf(stderr, "generate: %zu tokens in %.3f s (%.1f tokens/s, %s), %s\n",
                r.tokens.size(), seconds, seconds > 0 ? n / seconds : 0.0,
+               in.options.decoding == Decoding::Incremental ? "incremental: KV and routing caches"
+                                                            : "a full forward per token",
                r.reason == StopReason::StopToken ? "stopped at a --stop token"
                                                  : "reached --max-new-tokens");
   return 0;

@@ -171,3 +171,103 @@ TEST_CASE("generate: bad input is refused before any forward (empty prompt, too 
   // a prompt of exactly max_seq_len tokens is accepted
   CHECK(generate(lm, std::vector<std::int32_t>(8, 1), o).tokens.size() == 4);
 }
+
+TEST_CASE_TEMPLATE("generate: the incremental decoder draws the full-forward decoder's tokens, past the window too",
+                   Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter) {
+  TransformerLM<Policy, double> lm(tiny_config(), 11);
+  GenerateOptions o;
+  o.max_new_tokens = 14;  // the context of max_seq_len = 8 is passed after 6
+  o.sampling.temperature = 1.3;
+  o.sampling.top_k = 6;
+  o.sampling.seed = 17;
+  const std::vector<std::int32_t> prompt = {5, 2};
+  o.decoding = Decoding::FullForward;
+  const GenerateResult full = generate(lm, prompt, o);
+  o.decoding = Decoding::Incremental;
+  const GenerateResult inc = generate(lm, prompt, o);
+  REQUIRE(full.tokens.size() == 14);
+  CHECK(inc.tokens == full.tokens);
+  // the draws are not all the same token (the comparison above could not fail otherwise)
+  CHECK(std::adjacent_find(inc.tokens.begin(), inc.tokens.end(), std::not_equal_to<>()) != inc.tokens.end());
+}
+
+TEST_CASE_TEMPLATE("generate_batch: prompts of different lengths decoded together draw what each draws alone",
+                   Policy, SimilarityRouter, AttentionRouter) {
+  TransformerLMConfig cfg = tiny_config();
+  cfg.max_seq_len = 16;
+  TransformerLM<Policy, double> lm(cfg, 12);
+  GenerateOptions o;
+  o.max_new_tokens = 9;
+  o.sampling.seed = 40;
+  const std::vector<std::vector<std::int32_t>> prompts = {{1}, {4, 4, 2, 7, 9, 1}, {3, 8, 0}};
+  std::vector<std::vector<std::int32_t>> streamed(3);
+  const auto batch = generate_batch(lm, prompts, o, [&](index_t b, std::int32_t id) {
+    streamed[static_cast<std::size_t>(b)].push_back(id);
+  });
+  REQUIRE(batch.size() == 3);
+  for (std::size_t b = 0; b < 3; ++b) {
+    CAPTURE(b);
+    GenerateOptions alone = o;
+    alone.sampling.seed = o.sampling.seed + b;
+    CHECK(generate(lm, prompts[b], alone).tokens == batch[b].tokens);
+    CHECK(streamed[b] == batch[b].tokens);
+  }
+  CHECK(batch[0].tokens != batch[1].tokens);
+}
+
+TEST_CASE("generate: explain reports how each generated token was routed") {
+  TransformerLMConfig cfg = tiny_config();
+  cfg.max_seq_len = 12;
+  SUBCASE("the Similarity graph's sources") {
+    TransformerLM<SimilarityRouter, double> lm(cfg, 13);
+    GenerateOptions o;
+    o.max_new_tokens = 5;
+    o.sampling.greedy = true;
+    o.explain = true;
+    o.explain_sources = 2;
+    const std::vector<std::int32_t> prompt = {1, 2, 3};
+    std::vector<RoutedToken> seen;
+    const GenerateResult r = generate(lm, prompt, o, {}, [&](const RoutedToken& t) { seen.push_back(t); });
+    REQUIRE(seen.size() == 5);
+    for (std::size_t i = 0; i < seen.size(); ++i) {
+      CAPTURE(i);
+      CHECK(seen[i].position == static_cast<index_t>(prompt.size() + i));
+      CHECK(seen[i].id == r.tokens[i]);
+      REQUIRE(seen[i].layers.size() == 2);
+      for (const auto& l : seen[i].layers) {
+        CHECK(l.experts.size() == 2);
+        CHECK(l.gates[0] + l.gates[1] == doctest::Approx(1.0));
+        REQUIRE(l.sources.size() == 2);
+        CHECK(l.sources[0].weight >= l.sources[1].weight);
+        CHECK(l.sources[0].weight + l.sources[1].weight <= 1.0 + 1e-12);
+        CHECK(l.sources[0].position <= seen[i].position);
+      }
+    }
+    // explaining changes nothing that is drawn
+    o.explain = false;
+    CHECK(generate(lm, prompt, o).tokens == r.tokens);
+  }
+  SUBCASE("the softmax router has experts, no graph") {
+    TransformerLM<SoftmaxRouter, double> lm(cfg, 13);
+    GenerateOptions o;
+    o.max_new_tokens = 3;
+    o.explain = true;
+    std::size_t n = 0;
+    (void)generate(lm, std::vector<std::int32_t>{4}, o, {}, [&](const RoutedToken& t) {
+      ++n;
+      for (const auto& l : t.layers) {
+        CHECK(l.experts.size() == 2);
+        CHECK(l.sources.empty());
+      }
+    });
+    CHECK(n == 3);
+  }
+  SUBCASE("explain needs the incremental decoder") {
+    TransformerLM<SoftmaxRouter, double> lm(cfg, 13);
+    GenerateOptions o;
+    o.explain = true;
+    o.decoding = Decoding::FullForward;
+    CHECK_THROWS_WITH_AS(generate(lm, std::vector<std::int32_t>{4}, o),
+                         doctest::Contains("explain needs the incremental decoder"), Error);
+  }
+}

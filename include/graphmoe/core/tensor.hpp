@@ -220,4 +220,17 @@ void prepare_output(const char* op, const char* what, Tensor<T, B>& out, const S
                  ", expected ", expected);
 }
 
+namespace detail {
+// A host tensor with t's values: t itself on the CPU; a copy (to_host, found by argument-dependent
+// lookup in graphmoe/backend/cuda/copy.cuh) for a device tensor.
+template <class T, class B>
+Tensor<T, cpu> host_values(const Tensor<T, B>& t) {
+  if constexpr (std::is_same_v<B, cpu>) {
+    return t;
+  } else {
+    return to_host(t);
+  }
+}
+}  // namespace detail
+
 }  // namespace graphmoe

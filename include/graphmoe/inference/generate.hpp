@@ -1,12 +1,13 @@
-// graphmoe/inference/generate.hpp: text generation from a TransformerLM on the CPU.
+// graphmoe/inference/generate.hpp: text generation from a TransformerLM (every backend).
 //
-// This is the O(t^2) full-forward decoder: every new token runs TransformerLM::forward over the
-// whole context (the prompt and the tokens generated so far, at most max_seq_len of them), and
-// samples from the last position's logits. It keeps no KV cache and no routing cache, so each
-// step costs a full forward and generating n tokens costs O(n t) token-forwards, O(n t^2) for the
-// attention and the token graphs. It is the reference that the incremental decoder (a KV cache
-// per attention layer and a routing cache per MoE layer, a later part of issue 28, not built yet)
-// must match token for token, and the baseline its speed is measured against.
+// Two decoders, chosen by GenerateOptions::decoding, that give the same tokens:
+//   Decoding::Incremental (the default)  inference/decoder.hpp: a KV cache per attention layer and
+//       a routing cache per MoE layer; each token costs O(t) (the prompt is fed one token per step
+//       through the same caches).
+//   Decoding::FullForward  the O(t^2) reference: every new token runs TransformerLM::forward over
+//       the whole context and samples from the last position's logits.
+// Both read exactly the logits of a training forward over the context (up to rounding), so greedy
+// decoding gives the same tokens (tests/inference/test_generate.cpp).
 //
 //   GenerateOptions opt;
 //   opt.max_new_tokens = 50;
@@ -15,38 +16,59 @@
 //   opt.sampling.seed = 1;
 //   opt.stop_ids = {eos};
 //   GenerateResult r = generate(lm, prompt_ids, opt, [](std::int32_t id) { print(id); });
+//   // several prompts of different lengths, decoded together (one row per sequence and step):
+//   std::vector<GenerateResult> rs = generate_batch(lm, {p0, p1, p2}, opt);
 //
-// The context: the prompt must hold 1 to max_seq_len ids. Once prompt + generated tokens exceed
-// max_seq_len, each forward reads the last max_seq_len tokens only (a sliding window; their
+// The context: each prompt must hold 1 to max_seq_len ids. Once prompt + generated tokens exceed
+// max_seq_len, each further token reads the last max_seq_len tokens only (a sliding window; their
 // positions are 0..max_seq_len-1 again, as in training, where every sequence starts at position
-// 0). The routers see exactly what they would in a training forward over that window: causal
-// token graphs, the model's current step (set_step: SMoE-Dropout's scheduled k) and its capacity
-// setting (capacity_factor <= 0, the default, is dropless).
+// 0). Sliding moves every position, so no cache survives it: from then on both decoders run a full
+// forward over the window per token. The routers see what they would in a training forward over
+// the context: causal token graphs and the model's current step (set_step: SMoE-Dropout's
+// scheduled k); routing is dropless (the incremental decoder ignores capacity_factor, and the full
+// forward of one context has no capacity to exceed unless capacity_factor is set, in which case
+// the two decoders may differ: see inference/decoder.hpp).
 //
-// Each step: forward (1, t) -> the logits of position t-1 -> Sampler::sample -> on_token(id). A
-// stop id is emitted (returned and passed to on_token) and then ends the generation. The model is
-// put in Mode::Eval for the generation and its previous mode is restored on return, also when an
-// error or the callback throws. Bad input throws graphmoe::Error before any forward: an empty
-// prompt, a prompt longer than max_seq_len, a prompt or stop id outside [0, vocab_size), a
-// negative max_new_tokens, bad SamplingOptions.
+// Each step: the logits of the context's last position -> Sampler::sample -> on_token(id). A stop
+// id is emitted (returned and passed to on_token) and then ends that sequence. Sequence i of a
+// batch samples with seed opt.sampling.seed + i, so it draws what generate() would draw for that
+// prompt alone with that seed. The model is put in Mode::Eval for the generation and its previous
+// mode is restored on return, also when an error or a callback throws. Bad input throws
+// graphmoe::Error before any forward: an empty prompt, a prompt longer than max_seq_len, a prompt
+// or stop id outside [0, vocab_size), a negative max_new_tokens, bad SamplingOptions.
+//
+// opt.explain (incremental decoding only): each generated token is also fed back once more at the
+// end so that on_routed reports how every generated token was routed (RoutedToken: per MoE block
+// its experts and gates and, for graph routers, the earlier positions with the largest graph
+// weights).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "graphmoe/core/mode.hpp"
+#include "graphmoe/inference/decoder.hpp"
 #include "graphmoe/inference/sampling.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 
 namespace graphmoe {
 
+enum class Decoding {
+  Incremental,  // KV and routing caches (inference/decoder.hpp), O(t) per token
+  FullForward,  // a full forward over the context per token, O(t^2): the reference
+};
+
 struct GenerateOptions {
   index_t max_new_tokens = 64;          // >= 0 tokens to generate at most
   SamplingOptions sampling;             // greedy, temperature, top_k, top_p, seed
   std::vector<std::int32_t> stop_ids;   // emitting one of these ends the generation
+  Decoding decoding = Decoding::Incremental;
+  bool explain = false;                 // report each generated token's routing (on_routed)
+  index_t explain_sources = 3;          // earlier positions reported per graph row (>= 1)
 };
 
 enum class StopReason {
@@ -57,6 +79,24 @@ enum class StopReason {
 struct GenerateResult {
   std::vector<std::int32_t> tokens;  // the generated ids (the prompt is not repeated)
   StopReason reason = StopReason::MaxNewTokens;
+};
+
+// How one generated token was routed (GenerateOptions::explain).
+struct RoutedToken {
+  struct Source {
+    index_t position = 0;  // an earlier (or this) position of the sequence
+    double weight = 0;     // its weight in the token's row of S or A^p
+  };
+  struct Layer {
+    index_t block = 0;                  // the MoE block
+    std::vector<std::int32_t> experts;  // chosen experts, by descending score
+    std::vector<double> gates;          // their gates
+    std::vector<Source> sources;        // graph routers: the largest weights, descending
+  };
+  index_t sequence = 0;  // the prompt's index in the batch
+  index_t position = 0;  // the token's position in its sequence (prompt included)
+  std::int32_t id = 0;
+  std::vector<Layer> layers;  // one per MoE block
 };
 
 namespace detail {
@@ -73,61 +113,213 @@ class ModeScope {
   Model& m_;
   Mode saved_;
 };
-}  // namespace detail
 
-// Generates up to opt.max_new_tokens tokens after `prompt` (see the header comment). on_token
-// (optional) is called with each generated id as soon as it is drawn, for streaming.
-template <class Policy, class T>
-GenerateResult generate(TransformerLM<Policy, T, cpu>& lm, std::span<const std::int32_t> prompt,
-                        const GenerateOptions& opt,
-                        const std::function<void(std::int32_t)>& on_token = {}) {
+inline void check_generate_input(const TransformerLMConfig& cfg,
+                                 const std::vector<std::vector<std::int32_t>>& prompts,
+                                 const GenerateOptions& opt) {
   const char* op = "generate";
-  Sampler sampler(opt.sampling);  // validates the sampling options
-  const TransformerLMConfig& cfg = lm.config();
   const index_t window = cfg.max_seq_len, vocab = cfg.vocab_size;
+  opt.sampling.validate();
   GRAPHMOE_CHECK(opt.max_new_tokens >= 0, op, "max_new_tokens must be >= 0, got ",
                  opt.max_new_tokens);
-  GRAPHMOE_CHECK(!prompt.empty(), op, "the prompt is empty: give at least one token");
-  GRAPHMOE_CHECK(static_cast<index_t>(prompt.size()) <= window, op, "the prompt has ",
-                 prompt.size(), " tokens, longer than the model's context of max_seq_len = ",
-                 window, " tokens");
-  for (std::size_t i = 0; i < prompt.size(); ++i)
-    GRAPHMOE_CHECK(prompt[i] >= 0 && prompt[i] < vocab, op, "prompt token ", i, " is id ",
-                   prompt[i], ", not in the model's vocabulary [0, ", vocab, ")");
+  GRAPHMOE_CHECK(!prompts.empty(), op, "no prompt given");
+  GRAPHMOE_CHECK(!opt.explain || opt.decoding == Decoding::Incremental, op,
+                 "explain needs the incremental decoder (its routing caches hold the graph weights)");
+  GRAPHMOE_CHECK(opt.explain_sources >= 1, op, "explain_sources must be >= 1, got ",
+                 opt.explain_sources);
+  for (std::size_t b = 0; b < prompts.size(); ++b) {
+    const auto& prompt = prompts[b];
+    const std::string which = prompts.size() > 1 ? " " + std::to_string(b) : std::string();
+    GRAPHMOE_CHECK(!prompt.empty(), op, "the prompt", which, " is empty: give at least one token");
+    GRAPHMOE_CHECK(static_cast<index_t>(prompt.size()) <= window, op, "the prompt", which, " has ",
+                   prompt.size(), " tokens, longer than the model's context of max_seq_len = ",
+                   window, " tokens");
+    for (std::size_t i = 0; i < prompt.size(); ++i)
+      GRAPHMOE_CHECK(prompt[i] >= 0 && prompt[i] < vocab, op, "prompt", which, " token ", i,
+                     " is id ", prompt[i], ", not in the model's vocabulary [0, ", vocab, ")");
+  }
   for (std::int32_t s : opt.stop_ids)
     GRAPHMOE_CHECK(s >= 0 && s < vocab, op, "stop id ", s, " is not in the model's vocabulary [0, ",
                    vocab, ")");
+}
 
-  detail::ModeScope<TransformerLM<Policy, T, cpu>> eval(lm, Mode::Eval);
-  std::vector<std::int32_t> context(prompt.begin(), prompt.end());
-  GenerateResult result;
-  result.tokens.reserve(static_cast<std::size_t>(opt.max_new_tokens));
-  const Tensor<std::int32_t, cpu> no_targets;
-  for (index_t step = 0; step < opt.max_new_tokens; ++step) {
-    const index_t t = std::min(static_cast<index_t>(context.size()), window);
-    Tensor<std::int32_t, cpu> ids(Shape{1, t});
-    std::copy(context.end() - t, context.end(), ids.data());
-    lm.forward(ids, no_targets);
-    const T* last = lm.logits().data() + (t - 1) * vocab;
-    const std::int32_t next = sampler.sample(std::span<const T>(last, static_cast<std::size_t>(vocab)));
-    context.push_back(next);
-    result.tokens.push_back(next);
-    if (on_token) on_token(next);
+// The logits of the last position of a forward over the last max_seq_len tokens of context.
+template <class Policy, class T, class B>
+Tensor<T, cpu> last_logits_full_forward(TransformerLM<Policy, T, B>& lm,
+                                        const std::vector<std::int32_t>& context) {
+  const index_t window = lm.config().max_seq_len, vocab = lm.config().vocab_size;
+  const index_t t = std::min(static_cast<index_t>(context.size()), window);
+  Tensor<std::int32_t, cpu> ids(Shape{1, t});
+  std::copy(context.end() - t, context.end(), ids.data());
+  Tensor<std::int32_t, B> dev(Shape{1, t});
+  copy_from_host(dev, ids);
+  lm.forward(dev, Tensor<std::int32_t, B>());
+  const Tensor<T, cpu> all = host_values(lm.logits());
+  Tensor<T, cpu> last(Shape{vocab});
+  std::copy_n(all.data() + (t - 1) * vocab, vocab, last.data());
+  return last;
+}
+
+// The largest `count` weights of row (len values), descending (ties: the earlier position).
+template <class T>
+std::vector<RoutedToken::Source> top_sources(const T* row, index_t len, index_t count) {
+  std::vector<RoutedToken::Source> all;
+  for (index_t j = 0; j < len; ++j) all.push_back({j, static_cast<double>(row[j])});
+  const auto k = static_cast<std::size_t>(std::min(count, len));
+  std::partial_sort(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k), all.end(),
+                    [](const RoutedToken::Source& a, const RoutedToken::Source& b) {
+                      return a.weight > b.weight || (a.weight == b.weight && a.position < b.position);
+                    });
+  all.resize(k);
+  return all;
+}
+}  // namespace detail
+
+// Generates up to opt.max_new_tokens tokens after each prompt (see the header comment), decoding
+// the prompts together. on_token (optional) is called with (sequence, id) as soon as each id is
+// drawn, for streaming; on_routed (optional, with opt.explain) with each generated token's routing.
+template <class Policy, class T, class B>
+std::vector<GenerateResult> generate_batch(
+    TransformerLM<Policy, T, B>& lm, const std::vector<std::vector<std::int32_t>>& prompts,
+    const GenerateOptions& opt,
+    const std::function<void(index_t, std::int32_t)>& on_token = {},
+    const std::function<void(const RoutedToken&)>& on_routed = {}) {
+  detail::check_generate_input(lm.config(), prompts, opt);
+  const index_t nseq = static_cast<index_t>(prompts.size());
+  const index_t window = lm.config().max_seq_len, vocab = lm.config().vocab_size;
+  std::vector<Sampler> samplers;
+  for (index_t b = 0; b < nseq; ++b) {
+    SamplingOptions so = opt.sampling;
+    so.seed = opt.sampling.seed + static_cast<std::uint64_t>(b);
+    samplers.emplace_back(so);
+  }
+  detail::ModeScope<TransformerLM<Policy, T, B>> eval(lm, Mode::Eval);
+  std::vector<std::vector<std::int32_t>> context(prompts.begin(), prompts.end());
+  std::vector<GenerateResult> results(static_cast<std::size_t>(nseq));
+  std::vector<char> done(static_cast<std::size_t>(nseq), opt.max_new_tokens == 0);
+  // Draws sequence b's next token from its logits; false once b is done.
+  auto emit = [&](index_t b, const T* logits) {
+    const auto ub = static_cast<std::size_t>(b);
+    const std::int32_t next =
+        samplers[ub].sample(std::span<const T>(logits, static_cast<std::size_t>(vocab)));
+    context[ub].push_back(next);
+    results[ub].tokens.push_back(next);
+    if (on_token) on_token(b, next);
     if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end()) {
-      result.reason = StopReason::StopToken;
-      return result;
+      results[ub].reason = StopReason::StopToken;
+      done[ub] = 1;
+    } else if (static_cast<index_t>(results[ub].tokens.size()) == opt.max_new_tokens) {
+      done[ub] = 1;
+    }
+  };
+  if (opt.decoding == Decoding::FullForward) {
+    for (index_t b = 0; b < nseq; ++b)
+      while (!done[static_cast<std::size_t>(b)])
+        emit(b, detail::last_logits_full_forward(lm, context[static_cast<std::size_t>(b)]).data());
+    return results;
+  }
+  Decoder<Policy, T, B> dec(lm, nseq, window);
+  // fed[b]: the tokens of context[b] in the cache; the logits of the last one predict the next
+  std::vector<index_t> fed(static_cast<std::size_t>(nseq), 0);
+  auto report = [&](const Tensor<T, cpu>& /*logits*/, const DecodeRows& rows) {
+    if (!on_routed) return;
+    for (index_t r = 0; r < rows.size(); ++r) {
+      const index_t b = rows.slot[static_cast<std::size_t>(r)], pos = rows.pos[static_cast<std::size_t>(r)];
+      const auto ub = static_cast<std::size_t>(b);
+      if (pos < static_cast<index_t>(prompts[ub].size())) continue;  // a prompt token
+      RoutedToken rt;
+      rt.sequence = b;
+      rt.position = pos;
+      rt.id = context[ub][static_cast<std::size_t>(pos)];
+      for (index_t l = 0; l < lm.num_layers(); ++l) {
+        if (!lm.block(l).is_moe()) continue;
+        RoutedToken::Layer layer;
+        layer.block = l;
+        const Tensor<std::int32_t, cpu> ex = dec.experts(l);
+        const Tensor<T, cpu> g = dec.gates(l);
+        const index_t m = ex.dim(1);
+        for (index_t j = 0; j < m; ++j) {
+          layer.experts.push_back(ex.data()[r * m + j]);
+          layer.gates.push_back(static_cast<double>(g.data()[r * m + j]));
+        }
+        const Tensor<T, cpu>& w = dec.weights()[static_cast<std::size_t>(l)];
+        if (!w.empty())
+          layer.sources = detail::top_sources(w.data() + r * w.dim(1), pos + 1, opt.explain_sources);
+        rt.layers.push_back(std::move(layer));
+      }
+      on_routed(rt);
+    }
+  };
+  std::vector<index_t> slots;
+  std::vector<std::int32_t> ids;
+  for (;;) {
+    slots.clear();
+    ids.clear();
+    bool any = false;
+    for (index_t b = 0; b < nseq; ++b) {
+      const auto ub = static_cast<std::size_t>(b);
+      if (done[ub]) continue;
+      any = true;
+      if (static_cast<index_t>(context[ub].size()) > window) {
+        // past the context: the window slides, a full forward per token (the header comment)
+        emit(b, detail::last_logits_full_forward(lm, context[ub]).data());
+        continue;
+      }
+      slots.push_back(b);
+      ids.push_back(context[ub][static_cast<std::size_t>(fed[ub])]);
+    }
+    if (!any) break;
+    if (slots.empty()) continue;
+    const Tensor<T, cpu>& logits = dec.step(slots, ids, opt.explain);
+    const DecodeRows rows = dec.rows();
+    report(logits, rows);
+    for (std::size_t r = 0; r < slots.size(); ++r) {
+      const auto ub = static_cast<std::size_t>(slots[r]);
+      ++fed[ub];
+      if (fed[ub] == static_cast<index_t>(context[ub].size()))
+        emit(slots[r], logits.data() + static_cast<index_t>(r) * vocab);
     }
   }
-  result.reason = StopReason::MaxNewTokens;
-  return result;
+  // explain: the last generated token of each sequence has not been fed; feed it to report it
+  if (opt.explain && on_routed) {
+    slots.clear();
+    ids.clear();
+    for (index_t b = 0; b < nseq; ++b) {
+      const auto ub = static_cast<std::size_t>(b);
+      if (fed[ub] < static_cast<index_t>(context[ub].size()) && fed[ub] < window &&
+          static_cast<index_t>(context[ub].size()) <= window) {
+        slots.push_back(b);
+        ids.push_back(context[ub][static_cast<std::size_t>(fed[ub])]);
+      }
+    }
+    if (!slots.empty()) {
+      const Tensor<T, cpu>& logits = dec.step(slots, ids, true);
+      report(logits, dec.rows());
+    }
+  }
+  return results;
+}
+
+// One prompt (see generate_batch). on_token (optional) is called with each generated id as soon
+// as it is drawn, for streaming.
+template <class Policy, class T, class B>
+GenerateResult generate(TransformerLM<Policy, T, B>& lm, std::span<const std::int32_t> prompt,
+                        const GenerateOptions& opt,
+                        const std::function<void(std::int32_t)>& on_token = {},
+                        const std::function<void(const RoutedToken&)>& on_routed = {}) {
+  std::function<void(index_t, std::int32_t)> each;
+  if (on_token) each = [&](index_t, std::int32_t id) { on_token(id); };
+  return generate_batch(lm, {std::vector<std::int32_t>(prompt.begin(), prompt.end())}, opt, each,
+                        on_routed)[0];
 }
 
 // The same with the prompt as a vector (a braced list or a tokenizer's output).
-template <class Policy, class T>
-GenerateResult generate(TransformerLM<Policy, T, cpu>& lm, const std::vector<std::int32_t>& prompt,
+template <class Policy, class T, class B>
+GenerateResult generate(TransformerLM<Policy, T, B>& lm, const std::vector<std::int32_t>& prompt,
                         const GenerateOptions& opt,
-                        const std::function<void(std::int32_t)>& on_token = {}) {
-  return generate(lm, std::span<const std::int32_t>(prompt), opt, on_token);
+                        const std::function<void(std::int32_t)>& on_token = {},
+                        const std::function<void(const RoutedToken&)>& on_routed = {}) {
+  return generate(lm, std::span<const std::int32_t>(prompt), opt, on_token, on_routed);
 }
 
 }  // namespace graphmoe

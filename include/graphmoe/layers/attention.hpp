@@ -15,8 +15,10 @@
 #include <string>
 
 #include "graphmoe/core/attention_cache.hpp"
+#include "graphmoe/core/decode.hpp"
 #include "graphmoe/layers/linear.hpp"
 #include "graphmoe/ops/attention.hpp"
+#include "graphmoe/ops/decode.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
@@ -114,6 +116,41 @@ class MultiHeadAttention {
     axpy(T(1), tmp, dxf);
     v_.backward(dvf, &tmp);
     axpy(T(1), tmp, dxf);
+  }
+
+  // Incremental decoding (core/decode.hpp): x (n, D), one new token per row of `rows`; appends
+  // each row's key and value to kv (allocated (S, H, max_len, D / H), kv_cache()) and attends over
+  // its slot's positions 0..t (a causal layer only) -> a (n, D). step receives what the Attention
+  // graph of the block reads (probs, row entropies, a, w_o, b_o, the cache). Overwrites the
+  // projections' forward cache (run forward again before a backward).
+  void decode(const Tensor<T, B>& x, const DecodeRows& rows, KVCache<T, B>& kv,
+              AttentionStep<T, B>& step, Tensor<T, B>& a) {
+    check_bound("decode");
+    GRAPHMOE_CHECK(causal_, "MultiHeadAttention",
+                   "incremental decoding needs a causal layer (a token cannot attend to later ones "
+                   "that are not decoded yet)");
+    GRAPHMOE_CHECK(x.rank() == 2 && x.dim(1) == d_, "MultiHeadAttention", "input has shape ",
+                   x.shape(), ", expected (n, ", d_, ")");
+    Tensor<T, B> q, k, v, o;
+    q_.forward(x, q);
+    k_.forward(x, k);
+    v_.forward(x, v);
+    // the step's outputs are kept across steps of the same number of rows
+    const index_t n = x.rows();
+    if (step.probs.shape() != Shape{n, heads_, kv.max_len()}) step.probs = Tensor<T, B>();
+    if (step.row_entropy.shape() != Shape{n, heads_}) step.row_entropy = Tensor<T, B>();
+    attention_decode(q, k, v, rows, kv, step.probs, step.row_entropy, o);
+    prepare_output("MultiHeadAttention", "a", a, x.shape());
+    o_.forward(o, a);
+    step.num_heads = heads_;
+    step.out = a;
+    step.w_o = o_.weight();
+    step.b_o = o_.bias();
+    step.kv = &kv;
+  }
+  // An empty KV cache of this layer for `slots` sequences of at most max_len tokens.
+  KVCache<T, B> kv_cache(index_t slots, index_t max_len) const {
+    return KVCache<T, B>(slots, heads_, max_len, d_ / heads_);
   }
 
   AttentionCache<T, B>& cache() { return cache_; }

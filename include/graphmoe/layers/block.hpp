@@ -96,6 +96,62 @@ class TransformerBlock {
     axpy(T(1), f, out);
   }
 
+  // What a decoder keeps of this block between steps: the attention layer's KV cache and, in an
+  // MoE block, the token graph's routing cache (routing/concepts.hpp, GraphDecodes).
+  using graph_cache =
+      graph_decode_cache_t<typename RouterPolicy::graph, T, B>;
+  struct DecodeCache {
+    KVCache<T, B> kv;
+    graph_cache graph;
+    AttentionStep<T, B> step;  // the last step's attention outputs (read by the Attention graph)
+  };
+  DecodeCache decode_cache(index_t slots, index_t max_len, index_t num_experts) {
+    DecodeCache c;
+    c.kv = attn_.kv_cache(slots, max_len);
+    static_assert(check_graph_decodes<typename RouterPolicy::graph, T, B>());
+    if constexpr (GraphDecodes<typename RouterPolicy::graph, T, B>) {
+      if (!cfg_.moe) return c;
+      GraphDecodeDims dims;
+      dims.slots = slots;
+      dims.max_len = max_len;
+      dims.d_model = cfg_.d_model;
+      dims.num_experts = num_experts;
+      dims.num_heads = cfg_.num_heads;
+      moe_.router().graph().decode_init(c.graph, dims);
+    }
+    return c;
+  }
+
+  // Incremental decoding: h (n, D), one new token per row of `rows` -> out (n, D). weights
+  // (optional): each row's graph weights over its slot's positions (n, max_len), left empty by a
+  // graph that has none (Independent) and in a dense block.
+  void decode(const Tensor<T, B>& h, const DecodeRows& rows, DecodeCache& c, Tensor<T, B>& out,
+              Tensor<T, B>* weights = nullptr) {
+    check_bound("decode");
+    const index_t n = h.rows();
+    Tensor<T, B> x, a;
+    ln1_.forward(h, x);
+    attn_.decode(x, rows, c.kv, c.step, a);
+    Tensor<T, B> h1 = h.clone();
+    axpy(T(1), a, h1);
+    Tensor<T, B> u;
+    ln2_.forward(h1, u);
+    Tensor<T, B> f(Shape{n, cfg_.d_model});
+    if (cfg_.moe) {
+      GraphDecodeContext<T, B> ctx;
+      ctx.rows = &rows;
+      ctx.attention = &c.step;
+      ctx.weights = weights;
+      moe_.decode(u, ctx, c.graph, f);
+    } else {
+      ffn_.forward(u, f);
+      if (weights != nullptr) *weights = Tensor<T, B>();
+    }
+    prepare_output("TransformerBlock", "out", out, h.shape());
+    out.copy_from(h1);
+    axpy(T(1), f, out);
+  }
+
   // dout (B, T, D) -> dh (B, T, D) assigned.
   void backward(const Tensor<T, B>& dout, Tensor<T, B>& dh) {
     check_bound("backward");

@@ -92,6 +92,31 @@ class MoELayer {
     u_ = u;
     ctx_ = ctx;
     router_.forward(u, ctx, route_);
+    run_experts(u, y);
+  }
+
+  // Incremental decoding (inference/decoder.hpp): u (n, D), one new token per row of ctx.rows;
+  // the router decodes it from `cache` (the graph's routing cache, RouterImpl::decode, dropless)
+  // and the experts run as in forward. routing() holds the step's routing afterwards. The forward
+  // cache is overwritten: run forward again before a backward.
+  template <class Cache>
+  void decode(const Tensor<T, B>& u, const GraphDecodeContext<T, B>& ctx, Cache& cache,
+              Tensor<T, B>& y) {
+    check_bound("decode");
+    GRAPHMOE_CHECK(ep_ == nullptr, "MoELayer",
+                   "incremental decoding of an expert-parallel layer is not built (its exchange "
+                   "is collective over a training step's tokens)");
+    GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == cfg_.d_model, "MoELayer", "u has shape ",
+                   u.shape(), ", expected (n, ", cfg_.d_model, ")");
+    u_ = u;
+    ctx_ = GraphContext<T, B>{};
+    router_.decode(u, ctx, cache, route_);
+    run_experts(u, y);
+  }
+
+ private:
+  // dispatch -> experts -> combine for the routing in route_
+  void run_experts(const Tensor<T, B>& u, Tensor<T, B>& y) {
     const Selection<T, B>& sel = route_.selection;
     // Capacity-dropped assignments go to a bucket expert E that the bank skips.
     const index_t e = cfg_.router.num_experts;
@@ -119,6 +144,8 @@ class MoELayer {
     prepare_output("MoELayer", "y", y, u.shape());
     combine_forward(plan_, ys_, sel.gates, y);
   }
+
+ public:
 
   // dy: (N, D) -> du: (N, D) assigned. Parameter gradients accumulated. With the Attention graph,
   // gradients for the attention layer are accumulated into ctx.attention's d* tensors.

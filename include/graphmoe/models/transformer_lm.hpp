@@ -324,6 +324,74 @@ class TransformerLM {
   const Tensor<T, B>& class_logits() const { return class_logits_; }
 
 
+  // ---- incremental decoding (inference/decoder.hpp drives it) ----------------------------------
+  // What a decoder keeps between steps: one KV cache per block and one routing cache per MoE
+  // block, for `slots` sequences of at most max_len tokens each.
+  struct DecodeCache {
+    std::vector<typename TransformerBlock<RouterPolicy, T, B>::DecodeCache> blocks;
+    index_t slots = 0, max_len = 0;
+    // Values kept per cached token, summed over the layers: the KV caches' (2 D per layer) and the
+    // routing caches' (what each MoE layer's graph declares).
+    index_t kv_values_per_token() const {
+      index_t v = 0;
+      for (const auto& b : blocks) v += b.kv.values_per_token();
+      return v;
+    }
+    index_t routing_values_per_token() const {
+      index_t v = 0;
+      for (const auto& b : blocks) v += b.graph.values_per_token();
+      return v;
+    }
+  };
+  // An empty cache for `slots` sequences of at most max_len tokens (1..max_seq_len; 0: max_seq_len).
+  DecodeCache decode_cache(index_t slots, index_t max_len = 0) {
+    check_bound("decode_cache");
+    if (max_len == 0) max_len = cfg_.max_seq_len;
+    GRAPHMOE_CHECK(slots >= 1 && max_len >= 1 && max_len <= cfg_.max_seq_len, "TransformerLM",
+                   "a decode cache needs slots >= 1 and max_len in [1, max_seq_len = ",
+                   cfg_.max_seq_len, "], got ", slots, " slots of ", max_len);
+    DecodeCache c;
+    c.slots = slots;
+    c.max_len = max_len;
+    c.blocks.reserve(blocks_.size());
+    for (auto& b : blocks_) c.blocks.push_back(b.decode_cache(slots, max_len, cfg_.router.num_experts));
+    return c;
+  }
+  // One decode step: ids (n) the new tokens, row i at position rows.pos[i] of slot rows.slot[i]
+  // (earlier positions of that slot cached by previous steps; position 0 starts a new sequence)
+  // -> logits (n, V) (reallocated when its shape differs), equal to forward's logits at those positions up to rounding. weights
+  // (optional): per block, each row's graph weights over its slot's positions (n, max_len), empty
+  // for a block without a graph. Overwrites the forward caches (run forward before a backward).
+  void decode(const Tensor<std::int32_t, B>& ids, const DecodeRows& rows, DecodeCache& cache,
+              Tensor<T, B>& logits, std::vector<Tensor<T, B>>* weights = nullptr) {
+    check_bound("decode");
+    GRAPHMOE_CHECK(cache.blocks.size() == blocks_.size(), "TransformerLM::decode",
+                   "the decode cache was not made by this model's decode_cache()");
+    rows.validate("TransformerLM::decode", cache.slots, cache.max_len);
+    const index_t n = rows.size();
+    GRAPHMOE_CHECK(ids.rank() == 1 && ids.dim(0) == n, "TransformerLM::decode", "ids must be (",
+                   n, ") for this step's rows, got ", ids.shape());
+    Tensor<std::int32_t, cpu> pos_host(Shape{n});
+    for (index_t i = 0; i < n; ++i)
+      pos_host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
+    Tensor<std::int32_t, B> pos_ids(Shape{n});
+    copy_from_host(pos_ids, pos_host);
+    Tensor<T, B> h, hp;
+    embedding_forward(ids, tok_, h);  // (n, D)
+    embedding_forward(pos_ids, pos_, hp);
+    axpy(T(1), hp, h);
+    if (weights != nullptr) weights->assign(blocks_.size(), Tensor<T, B>());
+    for (std::size_t l = 0; l < blocks_.size(); ++l) {
+      Tensor<T, B> next;
+      blocks_[l].decode(h, rows, cache.blocks[l], next, weights != nullptr ? &(*weights)[l] : nullptr);
+      h = next;
+    }
+    Tensor<T, B> xf;
+    ln_f_.forward(h, xf);
+    if (logits.shape() != Shape{n, cfg_.vocab_size}) logits = Tensor<T, B>(Shape{n, cfg_.vocab_size});
+    gemm(Trans::N, Trans::T, T(1), xf, head_weight(), T(0), logits);
+  }
+
   const TransformerLMConfig& config() const { return cfg_; }
   const Tensor<T, B>& logits() const { return logits_; }  // (B, T, V) of the last forward
   index_t num_layers() const { return cfg_.num_layers; }

@@ -164,6 +164,53 @@ concept TokenGraphPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> &&
                            GraphForward<P, T, B> && GraphBackward<P, T, B> &&
                            GraphEntropy<P, T, B>;
 
+// ---- the incremental form of a token graph (optional; incremental decoding needs it) ---------
+// A graph that can decode one token at a time, given what it kept of the sequence's earlier tokens
+// (a routing cache, as the KV cache keeps keys and values), has
+//   using decode_cache = C;   default-constructible; `index_t values_per_token() const` says how
+//                             many values it keeps per cached token (reported beside the KV cache)
+//   decode_init(C&, const GraphDecodeDims&)        allocates it for dims.slots sequences of
+//                                                  dims.max_len tokens
+//   decode(u, r, const GraphDecodeContext<T, B>&, C&, p)
+//                             ctx.rows: one new token per row (its slot and position t, earlier
+//                             positions cached); writes what later tokens need at position t
+//                             (reading only positions < t, so that a slot can be rewound to any
+//                             position, core/decode.hpp), assigns p (n, E)
+//                             equal to the forward's p of that token in a causal sequence; fills
+//                             *ctx.weights (n, max_len) with the row's graph weights if asked
+// (routing/graphs/*.hpp: Independent keeps nothing, Similarity u and r, Attention r and one value
+// per head). A decoder over a graph without it fails to compile with check_graph_decodes's message.
+template <class P, class T, class B>
+concept GraphDecodes =
+    PolicyWithImpl<P, T, B> && requires { typename policy_impl_t<P, T, B>::decode_cache; } &&
+    std::default_initializable<typename policy_impl_t<P, T, B>::decode_cache> &&
+    requires(policy_impl_t<P, T, B>& g, typename policy_impl_t<P, T, B>::decode_cache& c,
+             const GraphDecodeDims& dims, const Tensor<T, B>& u, const Tensor<T, B>& r,
+             const GraphDecodeContext<T, B>& ctx, Tensor<T, B>& p) {
+      g.decode_init(c, dims);
+      g.decode(u, r, ctx, c, p);
+      { static_cast<const typename policy_impl_t<P, T, B>::decode_cache&>(c).values_per_token() }
+          -> std::convertible_to<index_t>;
+    };
+
+// The routing cache of a graph that decodes; NoDecodeCache for one that does not (its decode path
+// is then refused at compile time, check_graph_decodes).
+struct NoDecodeCache {
+  index_t values_per_token() const { return 0; }
+};
+namespace policy_detail {
+template <class P, class T, class B, bool = GraphDecodes<P, T, B>>
+struct graph_decode_cache {
+  using type = NoDecodeCache;
+};
+template <class P, class T, class B>
+struct graph_decode_cache<P, T, B, true> {
+  using type = typename policy_impl_t<P, T, B>::decode_cache;
+};
+}  // namespace policy_detail
+template <class P, class T, class B>
+using graph_decode_cache_t = typename policy_detail::graph_decode_cache<P, T, B>::type;
+
 // Whether the graph reads the attention layer's cache (GraphContext::attention): the policy's
 // optional `static constexpr bool needs_attention_cache`, false without it.
 template <class P>
@@ -263,6 +310,21 @@ consteval bool check_graph_policy() {
                           "const GraphContext<T, B>&, Tensor<T, B>& dr, Tensor<T, B>& du)`")
   GRAPHMOE_POLICY_REQUIRE((GraphEntropy<P, T, B>),
                           "the token-graph implementation lacks `double mean_entropy() const`")
+  return true;
+}
+
+// For a decoder: the graph's incremental form (above), with one message naming what is missing.
+template <class P, class T, class B>
+consteval bool check_graph_decodes() {
+  if constexpr (false) {
+  }
+  GRAPHMOE_POLICY_REQUIRE((GraphDecodes<P, T, B>),
+                          "incremental decoding needs the token graph's incremental form: `using "
+                          "decode_cache = ...;` (with `index_t values_per_token() const`), "
+                          "`decode_init(decode_cache&, const GraphDecodeDims&)` and `decode(const "
+                          "Tensor<T, B>& u, const Tensor<T, B>& r, const GraphDecodeContext<T, B>&, "
+                          "decode_cache&, Tensor<T, B>& p)` (routing/concepts.hpp); use "
+                          "generate_full_forward (inference/generate.hpp) for a graph without it")
   return true;
 }
 

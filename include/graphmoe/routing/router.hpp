@@ -155,6 +155,44 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     out.z_loss = cfg_.z_loss_coef > 0 ? z_loss<T>(out.gamma, 0.0, nullptr) : 0.0;
   }
 
+  // Incremental decoding (inference/decoder.hpp): u (n, D) holds one new token per row of
+  // ctx.rows; the graph decodes it from its routing cache (GraphDecodes, routing/concepts.hpp)
+  // and the selector routes dropless (the capacity limit is a training device: a selector with
+  // select_dropless is asked for that, one without must drop nothing). No auxiliary loss.
+  template <class Cache>
+  void decode(const Tensor<T, B>& u, const GraphDecodeContext<T, B>& ctx, Cache& cache,
+              RouterOutput<T, B>& out) {
+    static_assert(check_graph_decodes<Graph, T, B>());
+    static_assert(!selector_chooses_across_tokens<Selector>(),
+                  "graphmoe: incremental decoding needs a token-choice selector (this one chooses "
+                  "across a sequence's tokens, later ones included)");
+    GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == d_model_, "Router", "u has shape ", u.shape(),
+                   ", expected (n, ", d_model_, ")");
+    check_finite("Router", "u", u);
+    out.gamma = Tensor<T, B>();
+    out.r = Tensor<T, B>();
+    out.p = Tensor<T, B>();
+    const index_t n = u.rows(), e = cfg_.num_experts;
+    scorer_.forward(u, out.gamma);
+    check_policy_output("scorer", Scorer::name, "gamma", out.gamma, n, e);
+    softmax_forward(out.gamma, out.r);
+    graph_.decode(u, out.r, ctx, cache, out.p);
+    check_policy_output("token graph", Graph::name, "p (decode)", out.p, n, e);
+    if constexpr (requires { selector_.select_dropless(out.p, index_t{1}, out.selection); }) {
+      selector_.select_dropless(out.p, selector_.current_k(), out.selection);
+    } else {
+      selector_.select(out.p, selector_.current_k(), out.selection);
+      GRAPHMOE_CHECK(out.selection.dropped == 0, "Router", "the selector '", Selector::name,
+                     "' dropped ", out.selection.dropped,
+                     " assignments in a decode step; decoding routes dropless (give the selector "
+                     "select_dropless(p, k, selection))");
+    }
+    check_selection(out.selection, n);
+    out.graph_entropy = 0;
+    out.load_balance_loss = 0;
+    out.z_loss = 0;
+  }
+
   // dgates: (N, m), the selection's shape. du accumulated (+=). The auxiliary losses' gradients (coefficient times
   // gradient) are added here.
   void backward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx,

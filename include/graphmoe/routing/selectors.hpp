@@ -46,20 +46,12 @@ class TopKSelectorBase {
   void configure(const RouterConfig& cfg) { cfg_ = cfg; }
 
   void select(const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) const {
-    const index_t n = p.rows(), e = p.cols();
-    GRAPHMOE_CHECK(k >= 1 && k <= e, "TopK", "k = ", k, " must be in [1, E = ", e, "]");
-    sel.indices = Tensor<std::int32_t, B>();
-    sel.values = Tensor<T, B>();
-    sel.keep = Tensor<std::uint8_t, B>();
-    sel.gates = Tensor<T, B>();
-    topk_forward(p, k, sel.values, sel.indices);
-    const index_t cap =
-        cfg_.capacity_factor > 0
-            ? static_cast<index_t>(std::ceil(cfg_.capacity_factor * static_cast<double>(n * k) /
-                                             static_cast<double>(e)))
-            : 0;
-    sel.dropped = capacity_mask(sel.indices, e, cap, sel.keep);
-    renormalized_gates(sel.values, sel.keep, sel.gates);
+    select_with(p, k, cfg_.capacity_factor, sel);
+  }
+  // The same without the capacity limit (incremental decoding routes every token to its k
+  // experts, RouterImpl::decode).
+  void select_dropless(const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) const {
+    select_with(p, k, 0.0, sel);
   }
 
   // dp assigned (N, E): zero except at the selected experts.
@@ -70,6 +62,24 @@ class TopKSelectorBase {
   }
 
  protected:
+  void select_with(const Tensor<T, B>& p, index_t k, double capacity_factor,
+                   Selection<T, B>& sel) const {
+    const index_t n = p.rows(), e = p.cols();
+    GRAPHMOE_CHECK(k >= 1 && k <= e, "TopK", "k = ", k, " must be in [1, E = ", e, "]");
+    sel.indices = Tensor<std::int32_t, B>();
+    sel.values = Tensor<T, B>();
+    sel.keep = Tensor<std::uint8_t, B>();
+    sel.gates = Tensor<T, B>();
+    topk_forward(p, k, sel.values, sel.indices);
+    const index_t cap =
+        capacity_factor > 0
+            ? static_cast<index_t>(std::ceil(capacity_factor * static_cast<double>(n * k) /
+                                             static_cast<double>(e)))
+            : 0;
+    sel.dropped = capacity_mask(sel.indices, e, cap, sel.keep);
+    renormalized_gates(sel.values, sel.keep, sel.gates);
+  }
+
   RouterConfig cfg_;
 };
 

@@ -68,17 +68,6 @@ inline nlohmann::json metadata_json(const SafetensorsFile& f, const std::string&
 }
 
 namespace detail {
-// A host tensor with t's values: t itself on the CPU; a copy (to_host, found by argument-dependent
-// lookup in graphmoe/backend/cuda/copy.cuh) for a device tensor.
-template <class T, class B>
-Tensor<T, cpu> host_values(const Tensor<T, B>& t) {
-  if constexpr (std::is_same_v<B, cpu>) {
-    return t;
-  } else {
-    return to_host(t);
-  }
-}
-
 // An arena on the host with the same parameters (names, shapes, trainable flags, hence the same
 // layout) as `arena`, allocated and zero.
 template <class T, class B>

@@ -7,6 +7,7 @@
 
 #include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/core/token_graph.hpp"
+#include "graphmoe/ops/decode.hpp"
 #include "graphmoe/ops/token_graph.hpp"
 #include "graphmoe/routing/graphs/context.hpp"
 #include "graphmoe/routing/policies.hpp"
@@ -56,6 +57,28 @@ class GraphImpl<Attention, T, B> {
     attention_graph_backward(u, r, p, dp, ctx.attention, args, state_, dr);
   }
 
+  // The incremental form (routing/concepts.hpp): its logits q_i . v_hj read the attention layer's
+  // V cache; the routing cache keeps each token's r, |m_hj|^2 of every head and the prefix sums
+  // of the attention-row entropies, which choose h* from the prefix (PerSequenceCausal, the causal
+  // router's head choice): E + 2 H values per token. decode_heads(): h* of each row of the
+  // last decode step.
+  using decode_cache = AttentionDecodeCache<T, B>;
+  void decode_init(decode_cache& c, const GraphDecodeDims& dims) const {
+    c.r = Tensor<T, B>(Shape{dims.slots, dims.max_len, dims.num_experts});
+    c.msq = Tensor<T, B>(Shape{dims.slots, dims.num_heads, dims.max_len});
+    c.entropy_prefix.assign(static_cast<std::size_t>(dims.slots * dims.max_len * dims.num_heads), 0.0);
+  }
+  void decode(const Tensor<T, B>&, const Tensor<T, B>& r, const GraphDecodeContext<T, B>& ctx,
+              decode_cache& c, Tensor<T, B>& p) {
+    GRAPHMOE_CHECK(ctx.rows != nullptr, "Attention", "a decode step needs its rows");
+    GRAPHMOE_CHECK(ctx.attention != nullptr, "Attention",
+                   "the Attention token graph decodes from the attention layer's step (the "
+                   "router's GraphDecodeContext::attention), and none was given");
+    attention_graph_decode(r, *ctx.rows, *ctx.attention, args_for(1, false), c, p, decode_heads_,
+                           ctx.weights);
+  }
+  const std::vector<int>& decode_heads() const { return decode_heads_; }
+
   double mean_entropy() const { return attention_graph_mean_entropy(state_); }
   // Mean over tokens of A^p[i,i] in the last forward (1 where A^p is the identity, and while
   // self_weight() is empty).
@@ -99,6 +122,7 @@ class GraphImpl<Attention, T, B> {
   HeadChoice head_choice_ = HeadChoice::PerSequence;
   index_t d_model_ = 0;
   AttentionGraphState<T, B> state_;
+  std::vector<int> decode_heads_;
 };
 
 }  // namespace graphmoe

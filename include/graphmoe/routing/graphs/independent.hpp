@@ -27,6 +27,17 @@ class GraphImpl<Independent, T, B> {
     prepare_output("Independent", "dr", dr, r.shape());
     dr.copy_from(dp);
   }
+  // The incremental form: p = r needs nothing from earlier tokens.
+  struct decode_cache {
+    index_t values_per_token() const { return 0; }
+  };
+  void decode_init(decode_cache&, const GraphDecodeDims&) const {}
+  void decode(const Tensor<T, B>&, const Tensor<T, B>& r, const GraphDecodeContext<T, B>& ctx,
+              decode_cache&, Tensor<T, B>& p) {
+    prepare_output("Independent", "p", p, r.shape());
+    p.copy_from(r);
+    if (ctx.weights != nullptr) *ctx.weights = Tensor<T, B>();  // no graph weights to show
+  }
   double mean_entropy() const { return 0.0; }
   double mean_self_weight() const { return 1.0; }  // G = I
 };

@@ -8,6 +8,7 @@
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/token_graph.hpp"
+#include "graphmoe/ops/decode.hpp"
 #include "graphmoe/ops/token_graph.hpp"
 #include "graphmoe/routing/graphs/context.hpp"
 #include "graphmoe/routing/policies.hpp"
@@ -94,6 +95,20 @@ class GraphImpl<Similarity, T, B> {
                 Tensor<T, B>& du) {
     const SimilarityGraphArgs args = args_for(ctx.seq_len, false);
     similarity_graph_backward(u, r, p, dp, args, params_, state_, dr, du);
+  }
+
+  // The incremental form (routing/concepts.hpp): the routing cache keeps every token's u and r
+  // (D + E values), from which a new token's row of S and its p follow (ops/decode.hpp).
+  using decode_cache = SimilarityDecodeCache<T, B>;
+  void decode_init(decode_cache& c, const GraphDecodeDims& dims) const {
+    c.u = Tensor<T, B>(Shape{dims.slots, dims.max_len, d_model_});
+    c.r = Tensor<T, B>(Shape{dims.slots, dims.max_len, dims.num_experts});
+  }
+  void decode(const Tensor<T, B>& u, const Tensor<T, B>& r, const GraphDecodeContext<T, B>& ctx,
+              decode_cache& c, Tensor<T, B>& p) {
+    GRAPHMOE_CHECK(ctx.rows != nullptr, "Similarity", "a decode step needs its rows");
+    similarity_graph_decode(u, r, *ctx.rows, args_for(1, false), params_, state_.tau, c, p,
+                            ctx.weights);
   }
 
   double mean_entropy() const { return similarity_graph_mean_entropy(state_); }

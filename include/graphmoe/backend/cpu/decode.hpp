@@ -1,0 +1,182 @@
+// graphmoe/backend/cpu/decode.hpp: the CPU system's incremental decoding ops (contract and
+// argument checks: ops/decode.hpp, which calls these through the backend tag).
+//
+// Each row of a step is one token of one slot at position t (core/decode.hpp); it first appends
+// what later tokens read to its slot's caches, then reads positions [0, t]. The arithmetic is the
+// forward's (backend/cpu/attention.hpp, backend/cpu/token_graph.hpp) for one row: the same
+// softmax, entropy and floor formulas, so a decoded row equals the forward's row up to the
+// rounding of the products' summation order. Rows (and, for attention, heads) run in parallel;
+// every item writes only its own row and its own slot's cache entries.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "graphmoe/core/attention_cache.hpp"
+#include "graphmoe/core/decode.hpp"
+#include "graphmoe/core/eigen.hpp"
+#include "graphmoe/core/threads.hpp"
+#include "graphmoe/core/token_graph.hpp"
+
+namespace graphmoe {
+
+namespace detail {
+template <class T>
+using RowVectorMap = Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>, Eigen::Unaligned>;
+template <class T>
+using ConstRowVectorMap = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>, Eigen::Unaligned>;
+}  // namespace detail
+
+// q, k, v (n, H dh); kv (S, H, L, dh); probs (n, H, L), row_entropy (n, H), out (n, H dh) prepared
+// by ops/decode.hpp (probs zeroed beyond each row's position).
+template <class T>
+void attention_decode(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
+                      const Tensor<T, cpu>& v, const DecodeRows& rows, KVCache<T, cpu>& kv,
+                      Tensor<T, cpu>& probs, Tensor<T, cpu>& row_entropy, Tensor<T, cpu>& out) {
+  const index_t n = rows.size(), nh = kv.heads(), len_max = kv.max_len(), dh = kv.head_dim();
+  const index_t width = nh * dh;
+  const T scale = T(1) / std::sqrt(static_cast<T>(dh));
+  parallel_items(n * nh, [&](index_t item) {
+    const index_t i = item / nh, h = item % nh;
+    const index_t s = rows.slot[static_cast<std::size_t>(i)];
+    const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
+    const index_t base = (s * nh + h) * len_max * dh;
+    T* kc = kv.k.data() + base;
+    T* vc = kv.v.data() + base;
+    std::copy_n(k.data() + i * width + h * dh, dh, kc + t * dh);
+    std::copy_n(v.data() + i * width + h * dh, dh, vc + t * dh);
+    const MatrixMap<T> K(kc, len, dh), V(vc, len, dh);
+    const detail::ConstRowVectorMap<T> qh(q.data() + i * width + h * dh, dh);
+    detail::RowVectorMap<T> p(probs.data() + (i * nh + h) * len_max, len);
+    p.noalias() = qh * K.transpose();  // raw scores; the scale is applied inside the softmax
+    auto row = p.array();
+    const T m = row.maxCoeff();
+    const Eigen::Array<T, 1, Eigen::Dynamic> z = (row - m) * scale;
+    row = z.exp();
+    const T sum = row.sum();
+    row_entropy.data()[i * nh + h] = std::log(sum) - (z * row).sum() / sum;
+    row *= T(1) / row.sum();
+    detail::RowVectorMap<T>(out.data() + i * width + h * dh, dh).noalias() = p * V;
+  });
+}
+
+// u (n, D), r (n, E); cache.u (S, L, D), cache.r (S, L, E); p (n, E) and weights (null or (n, L),
+// zeroed) prepared by ops/decode.hpp; w_s is (D, D) under projection. inv_tau = 1 / tau.
+template <class T>
+void similarity_graph_decode(cpu, const Tensor<T, cpu>& u, const Tensor<T, cpu>& r,
+                             const DecodeRows& rows, const SimilarityGraphArgs& args,
+                             const Tensor<T, cpu>& w_s, double tau,
+                             SimilarityDecodeCache<T, cpu>& cache, Tensor<T, cpu>& p,
+                             Tensor<T, cpu>* weights) {
+  const index_t n = rows.size(), d = u.cols(), e = r.cols(), len_max = cache.u.dim(1);
+  const T inv_tau = static_cast<T>(1.0 / tau);
+  parallel_items(n, [&](index_t i) {
+    const index_t s = rows.slot[static_cast<std::size_t>(i)];
+    const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
+    T* uc = cache.u.data() + s * len_max * d;
+    T* rc = cache.r.data() + s * len_max * e;
+    std::copy_n(u.data() + i * d, d, uc + t * d);
+    std::copy_n(r.data() + i * e, e, rc + t * e);
+    const MatrixMap<T> U(uc, len, d), R(rc, len, e);
+    const detail::ConstRowVectorMap<T> ui(u.data() + i * d, d);
+    Eigen::Matrix<T, 1, Eigen::Dynamic> q;
+    if (args.projection)
+      q.noalias() = ui * as_matrix(w_s);
+    else
+      q = ui;
+    Eigen::Matrix<T, 1, Eigen::Dynamic> row(len);
+    row.noalias() = inv_tau * (q * U.transpose());
+    // the forward's softmax_block for one row (exclude_self: the own entry masked when the row
+    // has another)
+    const bool mask = args.exclude_self && len > 1;
+    if (mask) row(t) = std::numeric_limits<T>::lowest();
+    const T mx = row.maxCoeff();
+    auto shifted = (row.array() - mx).eval();
+    if (mask) shifted(t) = T(0);
+    auto ex = shifted.exp().eval();
+    if (mask) ex(t) = T(0);
+    const T sum = ex.sum();
+    row = ex.matrix() / sum;
+    detail::RowVectorMap<T>(p.data() + i * e, e).noalias() = row * R;
+    if (weights != nullptr) std::copy_n(row.data(), len, weights->data() + i * len_max);
+  });
+}
+
+// r (n, E); step from the attention layer of the same block; cache.r (S, L, E), cache.msq
+// (S, H, L), cache.entropy_prefix (S L H); p (n, E) and weights (null or (n, L), zeroed) prepared by
+// ops/decode.hpp; heads (n) assigned. Returns the first row whose chosen head's attention row is
+// all at or below the prior floor (-1: none), as the forward reports such a row.
+template <class T>
+index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& rows,
+                               const AttentionStep<T, cpu>& step, const AttentionGraphArgs& args,
+                               AttentionDecodeCache<T, cpu>& cache, Tensor<T, cpu>& p,
+                               Tensor<T, cpu>* weights, std::vector<int>& heads) {
+  const index_t n = rows.size(), e = r.cols(), nh = step.num_heads;
+  const KVCache<T, cpu>& kv = *step.kv;
+  const index_t len_max = kv.max_len(), dh = kv.head_dim(), d = step.w_o.rows();
+  const T fh = static_cast<T>(nh);
+  const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  constexpr T floor = attention_prior_floor<T>();
+  const MatrixMap<T> Wo = as_matrix(step.w_o);
+  heads.assign(static_cast<std::size_t>(n), 0);
+  std::vector<index_t> bad(static_cast<std::size_t>(n), 0);
+  parallel_items(n, [&](index_t i) {
+    const index_t s = rows.slot[static_cast<std::size_t>(i)];
+    const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
+    // the slot's caches: r_t, |m_ht|^2 - |b_o|^2 of every head, the entropy sums; h* of the prefix
+    std::copy_n(r.data() + i * e, e, cache.r.data() + (s * len_max + t) * e);
+    double* esum = cache.entropy_prefix.data() + (s * len_max + t) * nh;
+    const double* prev = t > 0 ? esum - nh : nullptr;
+    int best = 0;
+    double best_v = std::numeric_limits<double>::infinity();
+    Eigen::Matrix<T, Eigen::Dynamic, 1> y(d);
+    for (index_t h = 0; h < nh; ++h) {
+      const T* vt = kv.v.data() + ((s * nh + h) * len_max + t) * dh;
+      y.noalias() = Wo.middleCols(h * dh, dh) * VectorMap<T>(const_cast<T*>(vt), dh);
+      T msq = fh * fh * y.squaredNorm();
+      if (!step.b_o.empty()) msq += T(2) * fh * y.dot(as_vector(step.b_o));
+      cache.msq.data()[(s * nh + h) * len_max + t] = msq;
+      esum[h] = (prev != nullptr ? prev[h] : 0.0) +
+                static_cast<double>(step.row_entropy.data()[i * nh + h]);
+      const double mean = esum[h] / static_cast<double>(len);
+      if (mean < best_v) {
+        best_v = mean;
+        best = static_cast<int>(h);
+      }
+    }
+    heads[static_cast<std::size_t>(i)] = best;
+    const index_t h = best;
+    // q = H a W_o,h (dh); logits log A + (q . v_j - msq_j / 2) / sigma^2, -inf at or below the floor
+    const detail::ConstRowVectorMap<T> a(step.out.data() + i * d, d);
+    const Eigen::Matrix<T, 1, Eigen::Dynamic> q = fh * a * Wo.middleCols(h * dh, dh);
+    const MatrixMap<T> V(kv.v.data() + (s * nh + h) * len_max * dh, len, dh);
+    const T* A = step.probs.data() + (i * nh + h) * len_max;
+    const T* msq = cache.msq.data() + (s * nh + h) * len_max;
+    Eigen::Matrix<T, 1, Eigen::Dynamic> row(len);
+    row.noalias() = q * V.transpose();
+    for (index_t j = 0; j < len; ++j)
+      row(j) = A[j] > floor ? std::log(A[j]) + (row(j) - T(0.5) * msq[j]) * inv_var : kNegInf;
+    const T mx = row.maxCoeff();
+    if (!(mx > kNegInf)) {
+      bad[static_cast<std::size_t>(i)] = 1;
+      return;
+    }
+    double sum = 0;
+    for (index_t j = 0; j < len; ++j) {
+      row(j) = row(j) > kNegInf ? std::exp(row(j) - mx) : T(0);
+      sum += static_cast<double>(row(j));
+    }
+    row *= static_cast<T>(1.0 / sum);
+    const MatrixMap<T> R(cache.r.data() + s * len_max * e, len, e);
+    detail::RowVectorMap<T>(p.data() + i * e, e).noalias() = row * R;
+    if (weights != nullptr) std::copy_n(row.data(), len, weights->data() + i * len_max);
+  });
+  for (index_t i = 0; i < n; ++i)
+    if (bad[static_cast<std::size_t>(i)]) return i;
+  return -1;
+}
+
+}  // namespace graphmoe

@@ -1,0 +1,100 @@
+// graphmoe/core/decode.hpp: the shared types of incremental decoding (inference/decoder.hpp):
+// which sequence and position each row of a decode step is, the KV cache of an attention layer,
+// and what that layer hands the Attention graph for the rows it just decoded.
+//
+// A decoder holds S sequence slots of at most max_len tokens each. A decode step takes one new
+// token for each of some slots (at most one per slot): row i of the step's tensors is the token
+// at position rows.pos[i] of slot rows.slot[i], and positions [0, pos[i]) of that slot are
+// already cached. Every layer writes its row into its caches at that position and reads the
+// slot's earlier positions, so a step costs O(pos) per row instead of a forward over the whole
+// prefix. Every cache is addressed by position and a step at position t reads positions < t only,
+// so a slot continues from any position t by stepping there (Decoder::rewind): what was cached at
+// t and after is overwritten, never read.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "graphmoe/core/shape.hpp"
+#include "graphmoe/core/tensor.hpp"
+
+namespace graphmoe {
+
+// The rows of one decode step, on the host.
+struct DecodeRows {
+  std::vector<index_t> slot;  // the sequence slot of each row (distinct within a step)
+  std::vector<index_t> pos;   // its position: the number of that slot's tokens already cached
+  index_t size() const { return static_cast<index_t>(slot.size()); }
+
+  // Checks the rows against a cache of `slots` slots of `max_len` positions: one position per
+  // slot, both vectors of one length, every slot in [0, slots) once, every position in
+  // [0, max_len).
+  void validate(const char* op, index_t slots, index_t max_len) const {
+    GRAPHMOE_CHECK(slot.size() == pos.size() && !slot.empty(), op,
+                   "a decode step needs one slot and one position per row, got ", slot.size(),
+                   " slots and ", pos.size(), " positions");
+    std::vector<char> seen(static_cast<std::size_t>(slots > 0 ? slots : 0), 0);
+    for (std::size_t i = 0; i < slot.size(); ++i) {
+      GRAPHMOE_CHECK(slot[i] >= 0 && slot[i] < slots, op, "row ", i, " names slot ", slot[i],
+                     ", outside the cache's [0, ", slots, ")");
+      GRAPHMOE_CHECK(!seen[static_cast<std::size_t>(slot[i])], op, "slot ", slot[i],
+                     " appears twice in one decode step (one token per sequence and step)");
+      seen[static_cast<std::size_t>(slot[i])] = 1;
+      GRAPHMOE_CHECK(pos[i] >= 0 && pos[i] < max_len, op, "row ", i, " is at position ", pos[i],
+                     ", outside the cache's [0, ", max_len, ")");
+    }
+  }
+};
+
+// The keys and values of one attention layer for every slot, head by head so that a head's
+// cached rows are one contiguous (len, dh) matrix.
+template <class T, class B>
+struct KVCache {
+  Tensor<T, B> k;  // (S, H, max_len, dh)
+  Tensor<T, B> v;  // (S, H, max_len, dh)
+
+  KVCache() = default;
+  KVCache(index_t slots, index_t heads, index_t max_len, index_t head_dim)
+      : k(Shape{slots, heads, max_len, head_dim}), v(Shape{slots, heads, max_len, head_dim}) {}
+  index_t slots() const { return k.empty() ? 0 : k.dim(0); }
+  index_t heads() const { return k.empty() ? 0 : k.dim(1); }
+  index_t max_len() const { return k.empty() ? 0 : k.dim(2); }
+  index_t head_dim() const { return k.empty() ? 0 : k.dim(3); }
+  // The values the cache holds per token (2 D: a key and a value of width D).
+  index_t values_per_token() const { return 2 * heads() * head_dim(); }
+};
+
+// What an attention layer computed for the rows of a decode step: the Attention graph of the
+// same block reads it (as it reads AttentionCache in a forward).
+template <class T, class B>
+struct AttentionStep {
+  index_t num_heads = 0;
+  Tensor<T, B> probs;        // (n, H, max_len): row i, head h: A_h[pos_i, 0..pos_i], the rest 0
+  Tensor<T, B> row_entropy;  // (n, H) H(A_h[pos_i, :]) from the attention softmax
+  Tensor<T, B> out;          // (n, D) the attention sublayer's output a of each row
+  Tensor<T, B> w_o;          // (D, D) output projection
+  Tensor<T, B> b_o;          // (D) or empty
+  const KVCache<T, B>* kv = nullptr;  // the layer's cache, the step's rows included
+};
+
+// The Similarity graph's routing cache: what a later token's row of S and p = S r read.
+template <class T, class B>
+struct SimilarityDecodeCache {
+  Tensor<T, B> u;  // (S, max_len, D) the tokens u_j (the keys of S)
+  Tensor<T, B> r;  // (S, max_len, E) their expert scores softmax(gamma_j)
+  index_t values_per_token() const { return u.empty() ? 0 : u.dim(2) + r.dim(2); }
+};
+
+// The Attention graph's routing cache. Its logits q_i . v_hj read the V cache; besides that, per
+// token, the expert scores, |m_hj|^2 - |b_o|^2 of every head (h* may change with the prefix) and
+// the prefix sums of the attention-row entropies that choose h* (in double, as the forward sums
+// them), kept per position so that every entry of a slot is addressed by position.
+template <class T, class B>
+struct AttentionDecodeCache {
+  Tensor<T, B> r;                       // (S, max_len, E)
+  Tensor<T, B> msq;                     // (S, H, max_len)
+  std::vector<double> entropy_prefix;   // (S, max_len, H) on the host: sum_{i <= t} H(A_h[i, :])
+  index_t values_per_token() const { return r.empty() ? 0 : r.dim(2) + 2 * msq.dim(1); }
+};
+
+}  // namespace graphmoe
