@@ -88,6 +88,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
+  app.add_option("--sample-tokens", opt.sample_tokens, "tokens of the sample printed at the end (0: none)")->check(examples::integer<index_t>(0, 100000));
+  app.add_option("--sample-prompt", opt.sample_prompt, "the sample's prompt: this many tokens from the start of the validation text")->check(examples::integer<index_t>(1, 100000));
   app.add_flag("--keep-checkpoints", opt.keep_checkpoints, "also keep <out>/checkpoint-step<N>.safetensors at every checkpoint (routing_report compares them)");
   app.add_option("--attack-rate", opt.attack_rate, "robustness: also report the test perplexity with this share of the input words replaced by --attack-word, targets clean (paper: 0.1; 0 = off)")->check(examples::real(0, 1));
   app.add_option("--attack-seed", opt.attack_seed, "seed choosing the attacked positions")->check(examples::seed());
@@ -161,7 +163,9 @@ int main(int argc, char** argv) {
                      static_cast<unsigned long long>(opt.attack_seed));
     };
     if (opt.char_level) {
-      const CharTokenizer tok = CharTokenizer::build(opt.train_path);
+      const auto tokp = std::make_shared<const CharTokenizer>(CharTokenizer::build(opt.train_path));
+      const CharTokenizer& tok = *tokp;
+      data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
       data.train = tok.encode_file(opt.train_path);
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
@@ -177,7 +181,9 @@ int main(int argc, char** argv) {
       const std::vector<std::int32_t> newline = tok.encode("\n");
       if (opt.attack_rate > 0.0) attack(w.front(), newline, opt.attack_word.c_str());
     } else {
-      const WordTokenizer tok = WordTokenizer::build(opt.train_path, opt.max_vocab);
+      const auto tokp = std::make_shared<const WordTokenizer>(WordTokenizer::build(opt.train_path, opt.max_vocab));
+      const WordTokenizer& tok = *tokp;
+      data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
       data.train = tok.encode_file(opt.train_path);
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);

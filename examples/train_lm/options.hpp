@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,12 +43,18 @@ struct Options {
   double attack_rate = 0.0;
   std::uint64_t attack_seed = 1;
   std::string attack_word = "AAA";
+  // a short sample at the end: the first sample_prompt tokens of the validation text continued by
+  // sample_tokens generated ones (temperature 0.8, top-k 40, the run's seed); 0: no sample
+  graphmoe::index_t sample_tokens = 24;
+  graphmoe::index_t sample_prompt = 8;
 };
 
 struct Data {
   std::vector<std::int32_t> train, valid, test;
   std::vector<std::int32_t> attacked_test;  // test with attacked inputs (empty: no attack)
   std::size_t vocab_size = 0;
+  // ids -> text (words joined by spaces, <eos> a line break; or the characters), for the sample
+  std::function<std::string(const std::vector<std::int32_t>&)> detokenize;
 };
 
 // The training loop for one router policy on backend B (graphmoe::cpu or graphmoe::cuda),

@@ -12,6 +12,7 @@
 // these steps is the identity, and the loop is the one it always was.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -24,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "graphmoe/inference/generate.hpp"
 #include "graphmoe/train/training_state.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/metrics.hpp"
@@ -65,6 +67,38 @@ double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches,
     sum += lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).task;
   }
   return nb > 0 ? examples::mean_over_ranks(dp, sum) / static_cast<double>(nb) : std::nan("");
+}
+
+// The sample printed at the end of training (stdout, one line): the first opt.sample_prompt
+// tokens of the validation text (of the training text without one), then opt.sample_tokens drawn
+// by the incremental decoder (graphmoe/inference/generate.hpp) at temperature 0.8 among the 40
+// most probable, seeded with the run's seed. Line breaks are shown as " / ". An expert-parallel
+// model (--ep) has no incremental decoder: it prints why instead.
+template <class Model>
+void print_sample(Model& lm, const Options& opt, const Data& data) {
+  if (opt.dp.expert_parallel()) {
+    std::printf("sample: none (an expert-parallel model, --ep, is not decoded here; load its "
+                "checkpoint with examples/generate)\n");
+    return;
+  }
+  const std::vector<std::int32_t>& src = data.valid.empty() ? data.train : data.valid;
+  const auto n = static_cast<std::size_t>(
+      std::min<index_t>({opt.sample_prompt, lm.config().max_seq_len, static_cast<index_t>(src.size())}));
+  if (n == 0) return;
+  const std::vector<std::int32_t> prompt(src.begin(), src.begin() + static_cast<std::ptrdiff_t>(n));
+  GenerateOptions g;
+  g.max_new_tokens = opt.sample_tokens;
+  g.sampling.temperature = 0.8;
+  g.sampling.top_k = 40;
+  g.sampling.seed = opt.seed;
+  const GenerateResult r = generate(lm, prompt, g);
+  auto one_line = [](std::string s) {
+    std::string out;
+    for (char c : s) out += c == '\n' ? std::string(" / ") : std::string(1, c);
+    return out;
+  };
+  std::printf("sample: %s >>> %s\n", one_line(data.detokenize(prompt)).c_str(),
+              one_line(data.detokenize(r.tokens)).c_str());
 }
 
 template <class Policy, class B>
@@ -266,6 +300,7 @@ int run(const Options& opt, const Data& data) {
     }
   }
   if (root) std::printf("\n");
+  if (root && opt.sample_tokens > 0 && data.detokenize) print_sample(lm, opt, data);
   return 0;
 }
 

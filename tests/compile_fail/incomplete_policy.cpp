@@ -6,8 +6,9 @@
 //   3  a selector without set_step(step)
 //   4  a token graph without `impl`
 //   5  (not a user policy) a causal LM with the ExpertChoice selector, which it refuses
+//   6  a complete token graph without the incremental form, asked for a decode cache
 #include "graphmoe/routing/router.hpp"
-#if GRAPHMOE_CF_CASE == 5
+#if GRAPHMOE_CF_CASE == 5 || GRAPHMOE_CF_CASE == 6
 #include "graphmoe/models/transformer_lm.hpp"
 #endif
 
@@ -64,6 +65,13 @@ int main() {
 #if GRAPHMOE_CF_CASE == 5
   graphmoe::TransformerLM<graphmoe::ExpertChoiceRouter, float> lm{graphmoe::TransformerLMConfig{}};
   (void)lm;
+#endif
+#if GRAPHMOE_CF_CASE == 6  // a complete graph without the incremental form: training compiles,
+                           // decoding does not
+  using Policy = graphmoe::Router<user::MyScorer, user::MyGraph, user::MySelector>;
+  graphmoe::TransformerLM<Policy, float> lm{graphmoe::TransformerLMConfig{}};
+  auto cache = lm.decode_cache(1);
+  (void)cache;
 #endif
   graphmoe::RouterImpl<graphmoe::Router<user::MyScorer, user::MyGraph, user::MySelector>, float> router;
   (void)router;

@@ -169,6 +169,62 @@ TEST_CASE("generate: --stop ends at the first stop token, and a character-level 
   }
 }
 
+TEST_CASE("generate: --decoder full draws the incremental decoder's text, --explain one routing line per token, train_lm a sample") {
+  Scratch s("generate_explain");
+  const std::string dir = s / "lm";
+  // a Similarity router the examples are built for (CI builds xmoe-similarity, not similarity)
+  std::string router;
+  for (const std::string& r : router_names())
+    if (router.empty() && r.find("similarity") != std::string::npos &&
+        with_router(r, []<class P>() { return examples::built_for_cpu<P>; }))
+      router = r;
+  REQUIRE(!router.empty());
+  train(s, dir, false, router);
+  const std::vector<std::string> opts = {"--max-new-tokens", "6", "--seed", "5", "--temperature", "0.9"};
+  const Result inc = run(s, kGenerate, gen_args(dir, "the cat", opts));
+  std::vector<std::string> full_opts = opts;
+  full_opts.insert(full_opts.end(), {"--decoder", "full"});
+  const Result full = run(s, kGenerate, gen_args(dir, "the cat", full_opts));
+  INFO(inc.text(), full.text());
+  REQUIRE(inc.status == 0);
+  REQUIRE(full.status == 0);
+  CHECK(inc.out == full.out);
+  CHECK(inc.err.find("incremental: KV and routing caches") != std::string::npos);
+  CHECK(full.err.find("a full forward per token") != std::string::npos);
+  std::vector<std::string> ex_opts = opts;
+  ex_opts.push_back("--explain");
+  const Result ex = run(s, kGenerate, gen_args(dir, "the cat", ex_opts));
+  INFO(ex.text());
+  REQUIRE(ex.status == 0);
+  std::istringstream lines(ex.out);
+  std::string line;
+  int n = 0;
+  while (std::getline(lines, line)) {
+    CAPTURE(line);
+    // "[2] "word" | block 0: experts e (g); from [j] "w" x ..." (a 1-layer similarity model, top-1)
+    CHECK(line.rfind("[" + std::to_string(2 + n) + "] \"", 0) == 0);
+    CHECK(line.find(" | block 0: experts ") != std::string::npos);
+    CHECK(line.find("; from [") != std::string::npos);
+    ++n;
+  }
+  CHECK(n == 6);
+  check_refused(run(s, kGenerate, gen_args(dir, "the cat", {"--explain", "--decoder", "full"})),
+                {"--explain needs --decoder incremental"});
+  check_refused(run(s, kGenerate, gen_args(dir, "the cat", {"--decoder", "fast"})), {"--decoder"});
+  // train_lm's own sample: one line at the end of its output
+  const std::string corpus = s / "corpus.txt";
+  const Result t = run(s, kTrainLM, {"--train", corpus, "--test", "", "--valid-fraction", "0.5",
+                                     "--layers", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8",
+                                     "--experts", "2", "--top-k", "1", "--seq", "8", "--batch", "2",
+                                     "--steps", "4", "--warmup", "0", "--eval-every", "0",
+                                     "--threads", "1", "--sample-tokens", "5", "--out", s / "lm2"});
+  INFO(t.text());
+  REQUIRE(t.status == 0);
+  const std::size_t at = t.out.find("\nsample: ");
+  REQUIRE(at != std::string::npos);
+  CHECK(t.out.find(" >>> ", at) != std::string::npos);
+}
+
 TEST_CASE("generate: absurd command lines and broken checkpoints are refused, naming the option, file or field") {
   Scratch s("generate_refusals");
   const std::string dir = s / "lm";

@@ -319,3 +319,13 @@ TEST_CASE("decode: a model reloaded from a checkpoint rebuilds the same routing 
     for (std::size_t j = 0; j < want.size(); ++j) REQUIRE(lb.data()[j] == want[j]);
   }
 }
+
+TEST_CASE("decode: a backward after a decode step is refused (the forward caches were overwritten)") {
+  TransformerLM<SoftmaxRouter, double> lm(decode_config(8), 1);
+  Tensor<std::int32_t> ids(Shape{1, 4}), targets(Shape{1, 4});
+  (void)lm.forward(ids, targets);
+  auto cache = lm.decode_cache(1);
+  Tensor<double> logits;
+  lm.decode(Tensor<std::int32_t>(Shape{1}), DecodeRows{{0}, {0}}, cache, logits);
+  CHECK_THROWS_WITH_AS(lm.backward(), doctest::Contains("call forward with targets first"), Error);
+}

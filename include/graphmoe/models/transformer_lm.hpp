@@ -369,6 +369,8 @@ class TransformerLM {
                    "the decode cache was not made by this model's decode_cache()");
     rows.validate("TransformerLM::decode", cache.slots, cache.max_len);
     const index_t n = rows.size();
+    has_loss_ = false;                      // the blocks' forward caches are overwritten below:
+    class_log_probs_ = Tensor<T, B>();      // backward() needs a new forward
     GRAPHMOE_CHECK(ids.rank() == 1 && ids.dim(0) == n, "TransformerLM::decode", "ids must be (",
                    n, ") for this step's rows, got ", ids.shape());
     Tensor<std::int32_t, cpu> pos_host(Shape{n});
