@@ -28,12 +28,15 @@
 #include "graphmoe/cuda.cuh"
 #include "graphmoe/inference/generate.hpp"
 #include "cuda/cuda_test_support.cuh"
+#include "support/decode_fixtures.hpp"
 #include "support/gradcheck.hpp"
 
 namespace graphmoe {
 using test::check_close;
 using test::check_equal;
+using test::decode_config;
 using test::error_of;
+using test::random_ids;
 using test::random_normal;
 using test::random_tensor;
 
@@ -301,29 +304,6 @@ TEST_CASE_TEMPLATE("cuda vs cpu: attention_graph_decode refuses an all-zero atte
 
 namespace {
 
-TransformerLMConfig decode_lm_config(index_t max_len) {
-  TransformerLMConfig c;
-  c.vocab_size = 23;
-  c.max_seq_len = max_len;
-  c.d_model = 12;
-  c.num_layers = 2;
-  c.num_heads = 3;
-  c.d_ff = 10;
-  c.router.num_experts = 5;
-  c.router.k = 2;
-  c.router.allow_unused_options = true;
-  c.router.options<Similarity>().tau = 0.7;
-  c.init_std = 0.3;  // attention rows and token graphs far from uniform
-  return c;
-}
-
-std::vector<std::int32_t> random_ids(index_t n, index_t vocab, std::uint64_t seed) {
-  Rng rng(seed);
-  std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
-  for (auto& id : ids) id = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(vocab)));
-  return ids;
-}
-
 template <class B>
 Tensor<std::int32_t, B> ids_on(const std::vector<std::int32_t>& ids, const Shape& shape) {
   Tensor<std::int32_t, cpu> h(shape);
@@ -346,7 +326,7 @@ double model_tolerance() {
 template <class Policy, class T>
 void compare_decode() {
   const double tol = model_tolerance<T>();
-  const TransformerLMConfig cfg = decode_lm_config(32);
+  const TransformerLMConfig cfg = decode_config(32);
   TransformerLM<Policy, T, cpu> host(cfg, 3);
   TransformerLM<Policy, T, graphmoe::cuda> dev(cfg, 3);
   host.set_mode(Mode::Eval);
@@ -370,14 +350,7 @@ void compare_decode() {
   std::vector<Tensor<T, graphmoe::cuda>> dweights;
   for (index_t i = 0; i < 30; ++i) {
     CAPTURE(i);
-    DecodeRows rows;
-    std::vector<std::int32_t> ids;
-    for (index_t s = 0; s < nslots; ++s) {
-      if (i >= static_cast<index_t>(seqs[static_cast<std::size_t>(s)].size())) continue;
-      rows.slot.push_back(s);
-      rows.pos.push_back(i);
-      ids.push_back(seqs[static_cast<std::size_t>(s)][static_cast<std::size_t>(i)]);
-    }
+    const auto [rows, ids] = test::decode_step_input(seqs, i);
     const Shape shape{rows.size()};
     host.decode(ids_on<cpu>(ids, shape), rows, hcache, hlogits, &hweights);
     dev.decode(ids_on<graphmoe::cuda>(ids, shape), rows, dcache, dlogits, &dweights);
@@ -415,7 +388,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: greedy generate and generate_batch give the CPU
                    SoftmaxRouter, SimilarityRouter, AttentionRouter) {
   SKIP_WITHOUT_CUDA_DEVICE();
   using T = double;
-  const TransformerLMConfig cfg = decode_lm_config(16);
+  const TransformerLMConfig cfg = decode_config(16);
   TransformerLM<Policy, T, cpu> host(cfg, 5);
   TransformerLM<Policy, T, graphmoe::cuda> dev(cfg, 5);
   GenerateOptions opt;
