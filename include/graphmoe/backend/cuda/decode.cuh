@@ -60,8 +60,9 @@ inline Tensor<index_t, cuda> decode_rows_to_device(const DecodeRows& rows,
   return to_device(h);
 }
 
-// Threads per block for a step whose longest row reads `len` positions and whose vectors have
-// `width` entries: a multiple of the warp size, at most kThreads.
+// Threads per block for the step's rows: one per position of the longest row (max pos + 1) or
+// per entry of a `width`-long vector, whichever is more, as a multiple of the warp size and at
+// most kThreads.
 inline int decode_threads(const DecodeRows& rows, index_t width) {
   const index_t len = *std::max_element(rows.pos.begin(), rows.pos.end()) + 1;
   return threads_for_row(std::max(len, width));
