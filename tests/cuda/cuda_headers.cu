@@ -60,6 +60,8 @@
 #include "graphmoe/backend/cuda/gates.cuh"
 #include "graphmoe/backend/cuda/aux_losses.cuh"
 #include "graphmoe/backend/cuda/aux_losses.cuh"
+#include "graphmoe/backend/cuda/decode.cuh"
+#include "graphmoe/backend/cuda/decode.cuh"
 #include "graphmoe/cuda.cuh"
 #include "graphmoe/cuda.cuh"
 

@@ -18,36 +18,13 @@
 #include "graphmoe/inference/decoder.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/checkpoint.hpp"
+#include "support/decode_fixtures.hpp"
 
 using namespace graphmoe;
+using graphmoe::test::decode_config;
+using graphmoe::test::random_ids;
 
 namespace {
-
-TransformerLMConfig decode_config(index_t max_len) {
-  TransformerLMConfig c;
-  c.vocab_size = 23;
-  c.max_seq_len = max_len;
-  c.d_model = 12;
-  c.num_layers = 2;
-  c.num_heads = 3;
-  c.d_ff = 10;
-  c.router.num_experts = 5;
-  c.router.k = 2;
-  c.router.allow_unused_options = true;
-  c.router.options<Similarity>().tau = 0.7;
-  c.router.options<ScheduledTopK>().k_min = 1;
-  c.router.options<ScheduledTopK>().k_max = 3;
-  c.router.options<ScheduledTopK>().schedule_steps = 10;
-  c.init_std = 0.3;  // attention rows and token graphs far from uniform
-  return c;
-}
-
-std::vector<std::int32_t> random_ids(index_t n, index_t vocab, std::uint64_t seed) {
-  Rng rng(seed);
-  std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
-  for (auto& id : ids) id = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(vocab)));
-  return ids;
-}
 
 // The full forward over ids (1, T): logits (T, V) and, per MoE block, the experts of every token.
 template <class LM>
@@ -94,14 +71,7 @@ void check_decode_matches_forward(TransformerLM<Policy, T>& lm,
   Tensor<T> logits;
   std::size_t rows_checked = 0;
   for (index_t i = 0; i < longest; ++i) {
-    DecodeRows rows;
-    std::vector<std::int32_t> ids;
-    for (index_t s = 0; s < nslots; ++s) {
-      if (i >= static_cast<index_t>(seqs[static_cast<std::size_t>(s)].size())) continue;
-      rows.slot.push_back(s);
-      rows.pos.push_back(i);
-      ids.push_back(seqs[static_cast<std::size_t>(s)][static_cast<std::size_t>(i)]);
-    }
+    const auto [rows, ids] = test::decode_step_input(seqs, i);
     Tensor<std::int32_t> x(Shape{rows.size()});
     std::copy(ids.begin(), ids.end(), x.data());
     lm.decode(x, rows, cache, logits);

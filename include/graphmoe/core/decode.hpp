@@ -12,6 +12,7 @@
 // t and after is overwritten, never read.
 #pragma once
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -96,5 +97,28 @@ struct AttentionDecodeCache {
   std::vector<double> entropy_prefix;   // (S, max_len, H) on the host: sum_{i <= t} H(A_h[i, :])
   index_t values_per_token() const { return r.empty() ? 0 : r.dim(2) + 2 * msq.dim(1); }
 };
+
+// h* of the token at position t of slot s, on the host (every backend's attention_graph_decode):
+// adds its attention-row entropies ent[0..H) to the slot's prefix sums, in double (entry (s, t)
+// = entry (s, t - 1) + ent; entry (s, t) alone at t = 0), and returns the head whose mean
+// entropy over positions 0..t is the smallest (the first on ties), as the forward's
+// PerSequenceCausal choice does. prefix is AttentionDecodeCache::entropy_prefix (S max_len H).
+template <class T>
+int decode_choose_head(std::vector<double>& prefix, index_t s, index_t t, index_t max_len,
+                       index_t heads, const T* ent) {
+  double* esum = prefix.data() + (s * max_len + t) * heads;
+  const double* prev = t > 0 ? esum - heads : nullptr;
+  int best = 0;
+  double best_v = std::numeric_limits<double>::infinity();
+  for (index_t h = 0; h < heads; ++h) {
+    esum[h] = (prev != nullptr ? prev[h] : 0.0) + static_cast<double>(ent[h]);
+    const double mean = esum[h] / static_cast<double>(t + 1);
+    if (mean < best_v) {
+      best_v = mean;
+      best = static_cast<int>(h);
+    }
+  }
+  return best;
+}
 
 }  // namespace graphmoe

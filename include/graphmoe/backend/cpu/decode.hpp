@@ -128,10 +128,6 @@ index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& r
     const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
     // the slot's caches: r_t, |m_ht|^2 - |b_o|^2 of every head, the entropy sums; h* of the prefix
     std::copy_n(r.data() + i * e, e, cache.r.data() + (s * len_max + t) * e);
-    double* esum = cache.entropy_prefix.data() + (s * len_max + t) * nh;
-    const double* prev = t > 0 ? esum - nh : nullptr;
-    int best = 0;
-    double best_v = std::numeric_limits<double>::infinity();
     Eigen::Matrix<T, Eigen::Dynamic, 1> y(d);
     for (index_t h = 0; h < nh; ++h) {
       const T* vt = kv.v.data() + ((s * nh + h) * len_max + t) * dh;
@@ -139,14 +135,9 @@ index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& r
       T msq = fh * fh * y.squaredNorm();
       if (!step.b_o.empty()) msq += T(2) * fh * y.dot(as_vector(step.b_o));
       cache.msq.data()[(s * nh + h) * len_max + t] = msq;
-      esum[h] = (prev != nullptr ? prev[h] : 0.0) +
-                static_cast<double>(step.row_entropy.data()[i * nh + h]);
-      const double mean = esum[h] / static_cast<double>(len);
-      if (mean < best_v) {
-        best_v = mean;
-        best = static_cast<int>(h);
-      }
     }
+    const int best = decode_choose_head(cache.entropy_prefix, s, t, len_max, nh,
+                                        step.row_entropy.data() + i * nh);
     heads[static_cast<std::size_t>(i)] = best;
     const index_t h = best;
     // q = H a W_o,h (dh); logits log A + (q . v_j - msq_j / 2) / sigma^2, -inf at or below the floor
