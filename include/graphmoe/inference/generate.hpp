@@ -129,7 +129,8 @@ inline void check_generate_input(const TransformerLMConfig& cfg,
                  opt.explain_sources);
   for (std::size_t b = 0; b < prompts.size(); ++b) {
     const auto& prompt = prompts[b];
-    const std::string which = prompts.size() > 1 ? " " + std::to_string(b) : std::string();
+    std::string which;
+    if (prompts.size() > 1) which.append(" ").append(std::to_string(b));
     GRAPHMOE_CHECK(!prompt.empty(), op, "the prompt", which, " is empty: give at least one token");
     GRAPHMOE_CHECK(static_cast<index_t>(prompt.size()) <= window, op, "the prompt", which, " has ",
                    prompt.size(), " tokens, longer than the model's context of max_seq_len = ",
@@ -222,7 +223,7 @@ std::vector<GenerateResult> generate_batch(
   // fed[b]: the tokens of context[b] in the cache; the logits of the last one predict the next
   std::vector<index_t> fed(static_cast<std::size_t>(nseq), 0);
   auto report = [&](const Tensor<T, cpu>& /*logits*/, const DecodeRows& rows) {
-    if (!on_routed) return;
+    if (!opt.explain || !on_routed) return;
     for (index_t r = 0; r < rows.size(); ++r) {
       const index_t b = rows.slot[static_cast<std::size_t>(r)], pos = rows.pos[static_cast<std::size_t>(r)];
       const auto ub = static_cast<std::size_t>(b);
