@@ -15,6 +15,10 @@ set(GRAPHMOE_EXAMPLE_ROUTERS "SoftmaxRouter;SimilarityXMoERouter;AttentionSMoEDr
 # cannot run without a GPU; one router keeps the loop compiling.
 set(GRAPHMOE_CUDA_EXAMPLE_ROUTERS "SoftmaxRouter"
     CACHE STRING "Routers of the examples' --device cuda training loops (CI subset: cmake/ci.cmake)")
+# Only train_lm's CUDA loop: it instantiates the CUDA decoder too (its closing sample), so
+# generate's --device cuda unit would compile nothing new for another nvcc minute or two.
+set(GRAPHMOE_CUDA_EXAMPLES "train_lm"
+    CACHE STRING "Examples built with --device cuda loops (CI subset: cmake/ci.cmake)")
 
 # One GPU architecture for the nvcc translation units: sm_80 code plus its PTX, which the driver
 # compiles for any later GPU (sm_90 included) at load time. Device code is compiled once per

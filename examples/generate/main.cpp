@@ -142,6 +142,9 @@ int main(int argc, char** argv) {
   app.add_option("--top-p", gen.sampling.top_p, "sample among the smallest set of most probable tokens of mass >= p (1: all)")->check(examples::positive_real(1.0))->excludes(greedy);
   app.add_option("--stop", stops, "stop after generating this token (a word, <eos> for a line break, or one character; repeatable)");
   app.add_option("--threads", threads, "CPU threads")->check(examples::threads());
+  std::string device = "cpu";
+  app.add_option("--device", device, "where to run the model: " + examples::device_help())
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   std::string decoder = "incremental";
   app.add_option("--decoder", decoder, "incremental (KV and routing caches) or full (a full forward per token)")
       ->check(CLI::IsMember({"incremental", "full"}));
@@ -169,7 +172,7 @@ int main(int argc, char** argv) {
     const auto& known = router_names();
     GRAPHMOE_CHECK(std::find(known.begin(), known.end(), in.router) != known.end(), "generate",
                    where, ": config field 'router' is '", in.router, "', not a known router");
-    examples::require_cpu_router("generate", in.router, "cpu");
+    examples::require_cpu_router("generate", in.router, device);
     in.step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
     // non-finite weights would make every logit NaN: refused by name before the model is built
     check_weight_values<float>(f, "model.", "generate", "a checkpoint's");
@@ -197,9 +200,9 @@ int main(int argc, char** argv) {
     in.text = v.text;
     in.label = v.label;
     return with_router(in.router, [&]<class Policy>() {
-      examples::require_cpu_router<Policy>("generate", in.router);
-      if constexpr (examples::built_for_cpu<Policy>) return generate_cli::run<Policy>(in);
-      return 1;
+      return examples::on_device<Policy>("generate", device, in.router, [&]<class B>() {
+        return generate_cli::run<Policy, B>(in);
+      });
     });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "generate: error: %s\n", e.what());

@@ -24,10 +24,10 @@ struct Input {
   std::function<std::string(std::int32_t)> label;
 };
 
-// Loads the model of `in.file` with router Policy (float, CPU), generates, streams the text of each
+// Loads the model of `in.file` with router Policy (float, on backend B), generates, streams the text of each
 // token to stdout (with options.explain: one line per token with its routing instead) and the
 // timing to stderr. Returns the exit status. Defined in run_impl.hpp.
-template <class Policy>
+template <class Policy, class B>
 int run(const Input& in);
 
 }  // namespace generate_cli

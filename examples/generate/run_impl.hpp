@@ -4,17 +4,27 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "common/device.hpp"
 #include "generate/run.hpp"
+#include "graphmoe/train/training_state.hpp"
 
 namespace generate_cli {
 
-template <class Policy>
+template <class Policy, class B>
 int run(const Input& in) {
   using namespace graphmoe;
-  TransformerLM<Policy, float> lm(in.config, 0);
-  load_arena(*in.file, lm.arena(), "model.");  // strict: every parameter, no stray tensor
+  examples::require_device<B>("generate");
+  TransformerLM<Policy, float, B> lm(in.config, 0);
+  if constexpr (std::is_same_v<B, cpu>) {
+    load_arena(*in.file, lm.arena(), "model.");  // strict: every parameter, no stray tensor
+  } else {  // read into a host arena of the same layout, then one copy to the device
+    ParameterArena<float, cpu> host = detail::host_mirror(lm.arena());
+    load_arena(*in.file, host, "model.");
+    copy_from_host(lm.arena().values(), host.values());
+  }
   lm.set_step(in.step);  // the router as trained up to its checkpoint (SMoE-Dropout's k)
   std::fprintf(stderr, "generate: %s model (step %lld), %lld prompt tokens, up to %lld new tokens\n",
                in.router.c_str(), static_cast<long long>(in.step),
