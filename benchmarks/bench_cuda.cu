@@ -41,6 +41,13 @@
 //     (forward with the loss, zero_grad, backward, clip_grad_norm(1.0), AdamW) at
 //     TransformerLMConfig::paper_medium (6 layers, D = 352, 8 heads, E = 16, top-2) with a
 //     vocabulary of 1024, batch 4 x 512 tokens. Counter tokens/s.
+//   decode/float/<router>/b<batch>/p<prompt>   incremental decoding (inference/decoder.hpp) on the
+//     GPU: TransformerLM<Router, float, graphmoe::cuda> at paper_medium with a vocabulary of 10000
+//     and max_seq_len 1088, `batch` slots prefilled with `prompt` tokens (untimed), then one step
+//     per iteration (one new token per slot, the logits copied to the host as generate does),
+//     the slots rewound to the prompt's length every 16 steps (bench_decode.cpp's protocol).
+//     Counter tokens/s. decode_full/...: the O(t^2) reference, one forward over (batch, prompt)
+//     per token of every sequence.
 //
 // Timing: every iteration is bracketed by CUDA events on graphmoe::cuda_stream() (the stream every
 // op runs on) and reported with UseManualTime, so the time is the device's from the first queued
@@ -71,6 +78,7 @@
 #include <vector>
 
 #include "graphmoe/cuda.cuh"
+#include "graphmoe/inference/decoder.hpp"
 #include "graphmoe/ops/gemm.hpp"
 
 namespace graphmoe::bench {
@@ -482,6 +490,84 @@ void BM_lm_train(benchmark::State& state) {
   });
 }
 
+// ---- decoding ---------------------------------------------------------------------------------
+constexpr index_t kDecodeVocab = 10000, kDecodeMaxSeq = 1088, kDecodeRewind = 16;
+
+TransformerLMConfig decode_config() {
+  TransformerLMConfig c = TransformerLMConfig::paper_medium(kDecodeVocab);
+  c.max_seq_len = kDecodeMaxSeq;
+  return c;
+}
+
+template <class Policy>
+void BM_decode(benchmark::State& state, index_t batch, index_t prompt, bool full_forward) {
+  guarded(state, [&] {
+    using T = float;
+    TransformerLM<Policy, T, graphmoe::cuda> lm(decode_config(), /*seed=*/1);
+    lm.set_mode(Mode::Eval);
+    Rng rng(7);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(batch * (prompt + kDecodeRewind)));
+    for (auto& id : ids) id = static_cast<std::int32_t>(rng.next_u32() % kDecodeVocab);
+    const double tokens = static_cast<double>(batch);
+    if (full_forward) {
+      Tensor<std::int32_t, cpu> host(Shape{batch, prompt});
+      std::copy_n(ids.begin(), batch * prompt, host.data());
+      const Tensor<std::int32_t, graphmoe::cuda> dev = to_device(host);
+      const Tensor<std::int32_t, graphmoe::cuda> none;
+      lm.forward(dev, none);
+      cuda_stream_synchronize();
+      EventTimer timer;
+      for (auto _ : state) {
+        timer.start();
+        lm.forward(dev, none);
+        benchmark::DoNotOptimize(to_host(lm.logits()).data());  // as the reference decoder reads it
+        state.SetIterationTime(timer.seconds());
+      }
+    } else {
+      Decoder<Policy, T, graphmoe::cuda> dec(lm, batch);
+      std::vector<index_t> slots(static_cast<std::size_t>(batch));
+      for (index_t s = 0; s < batch; ++s) slots[static_cast<std::size_t>(s)] = s;
+      std::vector<std::int32_t> step(static_cast<std::size_t>(batch));
+      auto feed = [&](index_t p) {
+        for (index_t s = 0; s < batch; ++s)
+          step[static_cast<std::size_t>(s)] = ids[static_cast<std::size_t>(s * (prompt + kDecodeRewind) + p)];
+        return dec.step(slots, step).data();
+      };
+      for (index_t p = 0; p < prompt; ++p) (void)feed(p);
+      cuda_stream_synchronize();
+      index_t k = 0;
+      EventTimer timer;
+      for (auto _ : state) {
+        if (k == kDecodeRewind) {
+          for (index_t s = 0; s < batch; ++s) dec.rewind(s, prompt);
+          k = 0;
+        }
+        timer.start();
+        benchmark::DoNotOptimize(feed(prompt + k));
+        state.SetIterationTime(timer.seconds());
+        ++k;
+      }
+    }
+    state.counters["tokens/s"] =
+        benchmark::Counter(tokens, benchmark::Counter::kIsIterationInvariantRate);
+  });
+}
+
+template <class Policy>
+void register_decode(const std::string& router) {
+  for (index_t batch : {1, 8})
+    for (index_t prompt : {64, 1024})
+      for (bool full : {false, true}) {
+        const std::string name = std::string(full ? "decode_full" : "decode") + "/float/" + router +
+                                 "/b" + std::to_string(batch) + "/p" + std::to_string(prompt);
+        auto* b = benchmark::RegisterBenchmark(name.c_str(), BM_decode<Policy>, batch, prompt, full)
+                      ->UseManualTime()
+                      ->Unit(benchmark::kMillisecond);
+        if (full) b->Iterations(batch * prompt > 1024 ? 4 : 16);
+        else b->Iterations(96);
+      }
+}
+
 // ---- registration -----------------------------------------------------------------------------
 template <class T>
 void register_gemm() {
@@ -581,6 +667,9 @@ void register_all() {
   benchmark::RegisterBenchmark("lm_train/float/similarity", BM_lm_train<SimilarityRouter>)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
+  register_decode<SoftmaxRouter>("softmax");
+  register_decode<SimilarityRouter>("similarity");
+  register_decode<AttentionRouter>("attention");
 }
 
 }  // namespace

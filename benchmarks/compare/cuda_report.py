@@ -297,6 +297,23 @@ def main():
     print(f"similarity / softmax step time: {fmt(lm_ratio, '.3f')}")
     print()
 
+    rows = []
+    for router in ("softmax", "similarity", "attention"):
+        for batch in (1, 8):
+            for prompt in (64, 1024):
+                inc = get(f"decode/float/{router}/b{batch}/p{prompt}")
+                full = get(f"decode_full/float/{router}/b{batch}/p{prompt}")
+                ti = inc.counters.get("tokens/s") if inc else None
+                tf = full.counters.get("tokens/s") if full else None
+                rows.append([router, str(batch), str(prompt), fmt(ti, ",.0f"), fmt(tf, ",.0f"),
+                             fmt(ratio(ti, tf), ".1f")])
+    if any(r[3] != "-" for r in rows):
+        print("## Decoding (paper_medium, vocabulary 10000, float): tokens/s")
+        print()
+        table(["router", "batch", "prompt", "incremental", "full forward per token",
+               "incremental / full"], rows)
+        print()
+
     # Targets
     print("## Targets")
     print()
