@@ -68,6 +68,6 @@ row "Similarity-Aware SMoE" runs/main-similarity.txt
 echo "graph entropy: mean row entropy of the token graph (nats; 0 = each token routes alone)"
 echo "fluctuation: share of 1,024 probe tokens whose top-2 experts changed over the last 100 steps"
 echo
-echo "samples: the first 8 validation words >>> 24 drawn by incremental decoding (temperature 0.8, top-k 40, seed 1)"
+echo "samples: the first 8 validation tokens >>> 24 drawn by incremental decoding (temperature 0.8, top-k 40, seed 1)"
 echo "  softmax SMoE:          $(sed -n 's/^sample: //p' runs/main-softmax.txt)"
 echo "  Similarity-Aware SMoE: $(sed -n 's/^sample: //p' runs/main-similarity.txt)"
