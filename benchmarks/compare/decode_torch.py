@@ -43,7 +43,8 @@ rerun when other processes used more than --max-other-load of the CPUs (torch_pe
 "load" columns show what remained (ours / torch).
 
     python3 benchmarks/compare/decode_torch.py --build-dir build [--steps 96] [--warmup 16]
-        [--python PY ...] [--threads 2]
+        [--python PY ...] [--threads 2] [--routers softmax,similarity,attention]
+        [--batches 1,8] [--prompts 64,1024]
 
 Every torch found is measured (torch_peers.py; eager only: torch.compile is not tried here). The
 table: per router, batch and prompt, graphmoe's incremental tokens/s, each torch's (cat and static),
@@ -276,13 +277,24 @@ def main():
                     help="skip graphmoe's full-forward baseline")
     ap.add_argument("--omp-wait-policy", default="PASSIVE",
                     help="OMP_WAIT_POLICY of both sides (lm_torch.py: PASSIVE)")
+    ap.add_argument("--routers", default=",".join(GRAPHMOE_ROUTERS),
+                    help="comma-separated subset of " + ",".join(GRAPHMOE_ROUTERS))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="e.g. 1")
+    ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="e.g. 64")
     torch_peers.add_load_arguments(ap)
     args = ap.parse_args()
+    routers = [r for r in args.routers.split(",") if r]
+    if any(r not in GRAPHMOE_ROUTERS for r in routers):
+        ap.error(f"--routers: choose from {','.join(GRAPHMOE_ROUTERS)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = [int(p) for p in args.prompts.split(",")]
+    if any(b not in BATCHES for b in batches) or any(p not in PROMPTS for p in prompts):
+        ap.error(f"bench_decode registers batches {BATCHES} and prompts {PROMPTS}")
     peers = torch_peers.peers_from_args(args)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                OPENBLAS_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY=args.omp_wait_policy)
 
-    cases = [(r, b, p) for r in GRAPHMOE_ROUTERS for b in BATCHES for p in PROMPTS]
+    cases = [(r, b, p) for r in routers for b in batches for p in prompts]
     ours, full, theirs, failed = {}, {}, {}, {}
     for router, batch, prompt in cases:
         ours[(router, batch, prompt)] = graphmoe_case(args, "incremental", router, batch, prompt,
@@ -345,9 +357,9 @@ def main():
     print()
     print("graphmoe's caches (values per cached token, summed over the 6 layers; MiB: all slots "
           f"at max_seq_len {MAX_SEQ}, float):")
-    for router in GRAPHMOE_ROUTERS:
-        for batch in BATCHES:
-            o = ours[(router, batch, PROMPTS[0])]
+    for router in routers:
+        for batch in batches:
+            o = ours[(router, batch, prompts[0])]
             print(f"  {router:<10} batch {batch}: KV {o.get('kv_values/token', 0):.0f}, routing "
                   f"{o.get('routing_values/token', 0):.0f}, {o.get('cache_MiB', 0):.1f} MiB")
     torch_peers.report_left_out({}, failed)
