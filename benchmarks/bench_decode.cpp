@@ -23,7 +23,8 @@
 //   (Decoder::rewind, O(1)), so the timed steps stay at positions prompt .. prompt + 15.
 //   items_per_second = tokens (batch per step). Counters: kv_values/token and
 //   routing_values/token (DecodeCache::kv_values_per_token, routing_values_per_token, summed over
-//   the layers) and cache_MiB (the KV and routing caches of all slots at max_seq_len, in float).
+//   the layers) and cache_MiB (those values for all slots at max_seq_len, 4 bytes each: the
+//   Attention graph's per-head entropy sums are doubles, so its MiB is a little low).
 // BM_decode_full_forward_<router>: each iteration is one TransformerLM::forward over
 //   (batch, prompt) ids, i.e. the cost of the next token of every sequence when nothing is cached
 //   (the logits of every position are computed, as Decoding::FullForward's forward does);
