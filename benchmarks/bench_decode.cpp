@@ -1,0 +1,163 @@
+// Decode speed (issue 28): tokens/s of a float TransformerLM generating one token per sequence and
+// step, incrementally (inference/decoder.hpp: the KV cache and the routing caches) and by the O(t^2)
+// reference that runs a full forward over the context for every new token (what
+// Decoding::FullForward does).
+//
+// Model: the paper's medium shape (TransformerLMConfig::paper_medium: 6 pre-norm blocks, D = 352,
+// 8 heads, d_ff = 352, every FFN an MoE with E = 16 experts, top-2, GELU (tanh), learned positions,
+// tied head) with a vocabulary of 10000 and max_seq_len 1088 (a 1024-token prompt plus 64), random
+// weights (seed 1), Mode::Eval. Routers: SoftmaxRouter, SimilarityRouter, AttentionRouter.
+// Token ids are random with a fixed seed.
+//
+//   ./benchmarks/bench_decode --benchmark_filter='BM_decode_incremental'
+//   python3 benchmarks/compare/decode_torch.py --build-dir build     (beside PyTorch)
+//
+// Arguments: {batch, prompt, threads} (threads: graphmoe::set_num_threads; 2, the comparison's
+// default, and 1). Each case builds its model and prefills its own decoder: filter to the cases
+// wanted (the comparison script runs one case per process).
+//
+// BM_decode_incremental_<router>: a Decoder with `batch` slots; every slot is fed the `prompt`
+//   tokens first (untimed; one step per position, all slots together, as generate_batch feeds a
+//   prompt), then each iteration is one step: one new token per slot at the position after the
+//   slot's last. Every kRewindEvery steps every slot is rewound to the prompt's length
+//   (Decoder::rewind, O(1)), so the timed steps stay at positions prompt .. prompt + 15.
+//   items_per_second = tokens (batch per step). Counters: kv_values/token and
+//   routing_values/token (DecodeCache::kv_values_per_token, routing_values_per_token, summed over
+//   the layers) and cache_MiB (those values for all slots at max_seq_len, 4 bytes each: the
+//   Attention graph's per-head entropy sums are doubles, so its MiB is a little low).
+// BM_decode_full_forward_<router>: each iteration is one TransformerLM::forward over
+//   (batch, prompt) ids, i.e. the cost of the next token of every sequence when nothing is cached
+//   (the logits of every position are computed, as Decoding::FullForward's forward does);
+//   items_per_second = tokens (batch per forward). One untimed forward first.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "graphmoe/inference/decoder.hpp"
+#include "graphmoe/models/transformer_lm.hpp"
+
+using namespace graphmoe;
+
+namespace {
+
+constexpr index_t kVocab = 10000, kMaxSeq = 1088;
+constexpr index_t kRewindEvery = 16;
+
+TransformerLMConfig decode_config() {
+  TransformerLMConfig c = TransformerLMConfig::paper_medium(kVocab);
+  c.max_seq_len = kMaxSeq;
+  return c;
+}
+
+std::vector<std::int32_t> random_ids(index_t n, std::uint64_t seed) {
+  Rng rng(seed);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
+  for (auto& id : ids) id = static_cast<std::int32_t>(rng.next_u32() % kVocab);
+  return ids;
+}
+
+template <class Policy>
+void BM_decode_incremental(benchmark::State& state) {
+  using T = float;
+  const index_t batch = state.range(0), prompt = state.range(1);
+  set_num_threads(static_cast<int>(state.range(2)));
+  TransformerLM<Policy, T> lm(decode_config(), /*seed=*/1);
+  lm.set_mode(Mode::Eval);
+  Decoder<Policy, T> dec(lm, batch);
+
+  std::vector<index_t> slots(static_cast<std::size_t>(batch));
+  for (index_t s = 0; s < batch; ++s) slots[static_cast<std::size_t>(s)] = s;
+  const std::vector<std::int32_t> prompt_ids = random_ids(batch * prompt, 7);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(batch));
+  // prefill, untimed: position p of every slot in one step
+  for (index_t p = 0; p < prompt; ++p) {
+    for (index_t s = 0; s < batch; ++s)
+      ids[static_cast<std::size_t>(s)] = prompt_ids[static_cast<std::size_t>(s * prompt + p)];
+    dec.step(slots, ids);
+  }
+  // the generated tokens: random ids (sampling is not timed here)
+  const std::vector<std::int32_t> gen = random_ids(batch * kRewindEvery, 11);
+  index_t k = 0;
+  for (auto _ : state) {
+    if (k == kRewindEvery) {
+      for (index_t s = 0; s < batch; ++s) dec.rewind(s, prompt);
+      k = 0;
+    }
+    for (index_t s = 0; s < batch; ++s)
+      ids[static_cast<std::size_t>(s)] = gen[static_cast<std::size_t>(k * batch + s)];
+    const Tensor<T, cpu>& logits = dec.step(slots, ids);
+    benchmark::DoNotOptimize(logits.data());
+    ++k;
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * batch);
+  const auto& cache = dec.cache();
+  const index_t kv = cache.kv_values_per_token(), routing = cache.routing_values_per_token();
+  state.counters["kv_values/token"] = static_cast<double>(kv);
+  state.counters["routing_values/token"] = static_cast<double>(routing);
+  state.counters["cache_MiB"] = static_cast<double>((kv + routing) * batch * kMaxSeq) *
+                                sizeof(T) / (1024.0 * 1024.0);
+  set_num_threads(1);
+}
+
+template <class Policy>
+void BM_decode_full_forward(benchmark::State& state) {
+  using T = float;
+  const index_t batch = state.range(0), prompt = state.range(1);
+  set_num_threads(static_cast<int>(state.range(2)));
+  TransformerLM<Policy, T> lm(decode_config(), /*seed=*/1);
+  lm.set_mode(Mode::Eval);
+  const std::vector<std::int32_t> prompt_ids = random_ids(batch * prompt, 7);
+  Tensor<std::int32_t> ids(Shape{batch, prompt});
+  std::copy(prompt_ids.begin(), prompt_ids.end(), ids.data());
+  const Tensor<std::int32_t> no_targets;
+  lm.forward(ids, no_targets);  // first-touch allocations
+  for (auto _ : state) {
+    lm.forward(ids, no_targets);
+    benchmark::DoNotOptimize(lm.logits().data());
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * batch);
+  set_num_threads(1);
+}
+
+// Iterations are fixed per case, so that Google Benchmark calls each case once (the prefill of
+// 8 x 1024 tokens is not repeated to estimate an iteration count): incremental, 96 steps (6 rewinds);
+// full forward, 32 forwards of 64 tokens, 8 of 1024 (one sequence) and 2 of 8 x 1024.
+template <class Policy>
+void register_router(const char* router) {
+  for (int threads : {2, 1})
+    for (index_t batch : {1, 8})
+      for (index_t prompt : {64, 1024}) {
+        benchmark::RegisterBenchmark(("BM_decode_incremental_" + std::string(router)).c_str(),
+                                     BM_decode_incremental<Policy>)
+            ->Args({batch, prompt, threads})
+            ->ArgNames({"batch", "prompt", "threads"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime()
+            ->Iterations(96);
+        const index_t tokens = batch * prompt;
+        const index_t iters = tokens <= 64 ? 32 : tokens <= 1024 ? 8 : 2;
+        benchmark::RegisterBenchmark(("BM_decode_full_forward_" + std::string(router)).c_str(),
+                                     BM_decode_full_forward<Policy>)
+            ->Args({batch, prompt, threads})
+            ->ArgNames({"batch", "prompt", "threads"})
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime()
+            ->Iterations(iters);
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_router<SoftmaxRouter>("softmax");
+  register_router<SimilarityRouter>("similarity");
+  register_router<AttentionRouter>("attention");
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
