@@ -76,9 +76,18 @@ void gemm_matrix(Trans ta, Trans tb, T alpha, const MatrixMap<T>& A, const Matri
   const index_t m = C.rows(), n = C.cols(), k = ta == Trans::N ? A.cols() : A.rows();
   const int threads = num_threads();
   constexpr double kMinFlopsPerThread = 4e6;
+  // A skinny product (at most kSkinnyRows rows, a decode step's: one token per sequence) is bound
+  // by reading the other operand, not by FLOPs: split it by columns once each thread reads at
+  // least kMinSkinnyValuesPerThread of it (measured on the decode benchmark, session 15: the LM
+  // head and the projections of a batch-1 step were single-threaded below the FLOP rule).
+  constexpr index_t kSkinnyRows = 16;
+  constexpr double kMinSkinnyValuesPerThread = 32768;
+  const bool skinny = m <= kSkinnyRows && n >= 16 * threads &&
+                      static_cast<double>(n) * static_cast<double>(k) >=
+                          kMinSkinnyValuesPerThread * threads;
   if (threads > 1 && !in_parallel_region() &&
-      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >=
-          kMinFlopsPerThread * threads) {
+      (skinny || 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >=
+                     kMinFlopsPerThread * threads)) {
     const bool by_rows = m >= n;
     const index_t extent = by_rows ? m : n;
     const index_t parts = std::min<index_t>(threads, std::max<index_t>(1, extent / 16));
