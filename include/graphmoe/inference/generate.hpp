@@ -222,7 +222,7 @@ std::vector<GenerateResult> generate_batch(
   Decoder<Policy, T, B> dec(lm, nseq, window);
   // fed[b]: the tokens of context[b] in the cache; the logits of the last one predict the next
   std::vector<index_t> fed(static_cast<std::size_t>(nseq), 0);
-  auto report = [&](const Tensor<T, cpu>& /*logits*/, const DecodeRows& rows) {
+  auto report = [&](const DecodeRows& rows) {
     if (!opt.explain || !on_routed) return;
     for (index_t r = 0; r < rows.size(); ++r) {
       const index_t b = rows.slot[static_cast<std::size_t>(r)], pos = rows.pos[static_cast<std::size_t>(r)];
@@ -272,8 +272,7 @@ std::vector<GenerateResult> generate_batch(
     if (!any) break;
     if (slots.empty()) continue;
     const Tensor<T, cpu>& logits = dec.step(slots, ids, opt.explain);
-    const DecodeRows rows = dec.rows();
-    report(logits, rows);
+    report(dec.rows());
     for (std::size_t r = 0; r < slots.size(); ++r) {
       const auto ub = static_cast<std::size_t>(slots[r]);
       ++fed[ub];
@@ -287,15 +286,15 @@ std::vector<GenerateResult> generate_batch(
     ids.clear();
     for (index_t b = 0; b < nseq; ++b) {
       const auto ub = static_cast<std::size_t>(b);
-      if (fed[ub] < static_cast<index_t>(context[ub].size()) && fed[ub] < window &&
+      if (fed[ub] < static_cast<index_t>(context[ub].size()) &&
           static_cast<index_t>(context[ub].size()) <= window) {
         slots.push_back(b);
         ids.push_back(context[ub][static_cast<std::size_t>(fed[ub])]);
       }
     }
     if (!slots.empty()) {
-      const Tensor<T, cpu>& logits = dec.step(slots, ids, true);
-      report(logits, dec.rows());
+      (void)dec.step(slots, ids, true);
+      report(dec.rows());
     }
   }
   return results;

@@ -131,16 +131,8 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
 
   // u: (N, D) tokens, N a multiple of ctx.seq_len.
   void forward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx, RouterOutput<T, B>& out) {
-    GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == d_model_, "Router", "u has shape ", u.shape(),
-                   ", expected (N, ", d_model_, ")");
-    check_finite("Router", "u", u);
-    out.gamma = Tensor<T, B>();
-    out.r = Tensor<T, B>();
-    out.p = Tensor<T, B>();
+    score(u, out);
     const index_t n = u.rows(), e = cfg_.num_experts;
-    scorer_.forward(u, out.gamma);
-    check_policy_output("scorer", Scorer::name, "gamma", out.gamma, n, e);
-    softmax_forward(out.gamma, out.r);
     graph_.forward(u, out.r, ctx, out.p);
     check_policy_output("token graph", Graph::name, "p", out.p, n, e);
     if constexpr (SelectorSelectsInGroups<Selector, T, B>)
@@ -166,16 +158,8 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     static_assert(!selector_chooses_across_tokens<Selector>(),
                   "graphmoe: incremental decoding needs a token-choice selector (this one chooses "
                   "across a sequence's tokens, later ones included)");
-    GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == d_model_, "Router", "u has shape ", u.shape(),
-                   ", expected (n, ", d_model_, ")");
-    check_finite("Router", "u", u);
-    out.gamma = Tensor<T, B>();
-    out.r = Tensor<T, B>();
-    out.p = Tensor<T, B>();
+    score(u, out);
     const index_t n = u.rows(), e = cfg_.num_experts;
-    scorer_.forward(u, out.gamma);
-    check_policy_output("scorer", Scorer::name, "gamma", out.gamma, n, e);
-    softmax_forward(out.gamma, out.r);
     graph_.decode(u, out.r, ctx, cache, out.p);
     check_policy_output("token graph", Graph::name, "p (decode)", out.p, n, e);
     if constexpr (requires { selector_.select_dropless(out.p, index_t{1}, out.selection); }) {
@@ -212,6 +196,20 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   }
 
  private:
+  // What forward and decode share before the graph: u checked, out's tensors cleared, gamma =
+  // Scorer(u) (shape checked) and r = softmax(gamma).
+  void score(const Tensor<T, B>& u, RouterOutput<T, B>& out) {
+    GRAPHMOE_CHECK(u.rank() == 2 && u.cols() == d_model_, "Router", "u has shape ", u.shape(),
+                   ", expected (N, ", d_model_, ")");
+    check_finite("Router", "u", u);
+    out.gamma = Tensor<T, B>();
+    out.r = Tensor<T, B>();
+    out.p = Tensor<T, B>();
+    scorer_.forward(u, out.gamma);
+    check_policy_output("scorer", Scorer::name, "gamma", out.gamma, u.rows(), cfg_.num_experts);
+    softmax_forward(out.gamma, out.r);
+  }
+
   // A policy's output must be (n, e): the router names the policy when it is not.
   template <class U>
   static void check_policy_output(const char* kind, const char* name, const char* what,
