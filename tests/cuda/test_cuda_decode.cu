@@ -320,19 +320,22 @@ double model_tolerance() {
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;
 }
 
-// Decodes three sequences of different lengths in three slots of both models together (a slot
-// drops out when its sequence ends) and compares every step's logits, experts and graph weights
-// with the CPU model's decode and the CUDA model's full forward of each sequence.
+// Decodes three sequences of different lengths (the longest `longest` tokens) in three slots of
+// both models together (a slot drops out when its sequence ends) and compares every step's
+// logits, experts and graph weights with the CPU model's decode and the CUDA model's full forward
+// of each sequence.
 template <class Policy, class T>
-void compare_decode() {
+void compare_decode(index_t longest) {
   const double tol = model_tolerance<T>();
-  const TransformerLMConfig cfg = decode_config(32);
+  const TransformerLMConfig cfg = decode_config(longest);
   TransformerLM<Policy, T, cpu> host(cfg, 3);
   TransformerLM<Policy, T, graphmoe::cuda> dev(cfg, 3);
   host.set_mode(Mode::Eval);
   dev.set_mode(Mode::Eval);
+  host.set_step(4);  // SMoE-Dropout: k = 2 of its 1..3 schedule
+  dev.set_step(4);
   const std::vector<std::vector<std::int32_t>> seqs = {
-      random_ids(30, cfg.vocab_size, 1), random_ids(12, cfg.vocab_size, 2),
+      random_ids(longest, cfg.vocab_size, 1), random_ids(12, cfg.vocab_size, 2),
       random_ids(21, cfg.vocab_size, 3)};
   const index_t v = cfg.vocab_size, nslots = static_cast<index_t>(seqs.size());
   // the CUDA model's full forward of each sequence: logits (T, V) on the host
@@ -348,7 +351,7 @@ void compare_decode() {
   Tensor<T, graphmoe::cuda> dlogits;
   std::vector<Tensor<T, cpu>> hweights;
   std::vector<Tensor<T, graphmoe::cuda>> dweights;
-  for (index_t i = 0; i < 30; ++i) {
+  for (index_t i = 0; i < longest; ++i) {
     CAPTURE(i);
     const auto [rows, ids] = test::decode_step_input(seqs, i);
     const Shape shape{rows.size()};
@@ -378,8 +381,17 @@ void compare_decode() {
 TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM::decode over three slots equals the CPU decode and "
                    "the CUDA full forward", Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  SUBCASE("double") { compare_decode<Policy, double>(); }
-  SUBCASE("float") { compare_decode<Policy, float>(); }
+  SUBCASE("double, 210 tokens") { compare_decode<Policy, double>(210); }
+  SUBCASE("float") { compare_decode<Policy, float>(30); }
+}
+
+// The other causal routers differ from the three above in their scorer (X-MoE's cosine) or
+// selector (SMoE-Dropout's scheduled k), which the decode shares with the forward; one of each,
+// on a graph, in double (the CPU's tests/inference/test_decode.cpp has all nine).
+TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM::decode with X-MoE and SMoE-Dropout routers", Policy,
+                   SimilarityXMoERouter, AttentionSMoEDropoutRouter) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  compare_decode<Policy, double>(210);
 }
 
 // ---- generate ------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/ops/attention.hpp"
@@ -285,4 +286,24 @@ TEST_CASE_TEMPLATE("attention_forward: row entropies from the softmax match -sum
         }
     CHECK(worst < (std::is_same_v<T, float> ? 1e-4 : 1e-10));
   }
+}
+
+// Eigen's packet exp alone returns about 1e-39 (float) or 1e-308 (double) far below its range
+// instead of 0: a subnormal probability that made every later product on it several times slower
+// (the decode rows of docs/benchmarks.md, "Decoding"). The softmax row gives std::exp's values.
+TEST_CASE_TEMPLATE("attention_forward: a probability far below its row's maximum is exactly 0", T,
+                   float, double) {
+  const graphmoe::index_t t = 3, dh = 1;
+  const T big = std::is_same_v<T, float> ? T(40) : T(60);  // scores q k: -big^2 and +big^2 apart
+  graphmoe::Tensor<T> q = graphmoe::Tensor<T>::from({1, t, dh}, {T(0), big, big});
+  graphmoe::Tensor<T> k = graphmoe::Tensor<T>::from({1, t, dh}, {-big, big, T(0)});
+  graphmoe::Tensor<T> v = graphmoe::Tensor<T>::from({1, t, dh}, {T(1), T(2), T(3)});
+  graphmoe::Tensor<T> probs, out, ent;
+  graphmoe::attention_forward(q, k, v, 1, true, probs, out, &ent);
+  // row 1: scores -big^2, big^2 (2 big^2 apart: exp underflows to 0); row 2: -big^2, big^2, 0
+  CHECK(probs(0, 0, 1, 0) == T(0));
+  CHECK(probs(0, 0, 1, 1) == T(1));
+  CHECK(ent(0, 0, 1) == T(0));
+  CHECK(probs(0, 0, 2, 0) == T(0));
+  CHECK(out(0, 1, 0) == T(2));
 }

@@ -321,6 +321,38 @@ TEST_CASE("similarity graph: tau scaled with the width uses tau * sqrt(D)") {
     for (index_t c = 0; c < e; ++c) CHECK(p(i, c) == doctest::Approx(ref[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)]).epsilon(1e-12));
 }
 
+// Eigen's packet exp alone gives about 1e-39 (float) / 1e-308 (double) far below its range, where
+// exp is 0: a subnormal weight in S that slowed every product on it several times (the decode
+// rows, docs/benchmarks.md "Decoding"). S, its entropy and the self weight follow std::exp.
+TEST_CASE_TEMPLATE("similarity graph: a weight far below its row's maximum is exactly 0", T, float,
+                   double) {
+  const T big = std::is_same_v<T, float> ? T(30) : T(60);
+  // causal, tau = 1, d = 1: row 1's logits are -big^2 and big^2 (row 2's all 0: S[2] uniform)
+  auto u = Tensor<T>::from({3, 1}, {-big, big, T(0)});
+  auto r = Tensor<T>::from({3, 2}, {T(0.25), T(0.75), T(0.5), T(0.5), T(0.125), T(0.875)});
+  for (GraphMemory memory : {GraphMemory::Store, GraphMemory::Recompute}) {
+    RouterConfig cfg;
+    cfg.num_experts = 2;
+    cfg.causal = true;
+    cfg.options<Similarity>().tau = 1.0;
+    cfg.options<Similarity>().memory = memory;
+    GraphImpl<Similarity, T> g;
+    g.configure(1, cfg);
+    Tensor<T> p;
+    g.forward(u, r, {3, nullptr}, p);
+    CHECK(p(1, 0) == T(0.5));  // S[1] = (0, 1): r_1 exactly
+    CHECK(p(1, 1) == T(0.5));
+    CHECK(g.row_entropy()(1) == T(0));
+    CHECK(g.self_weight()(1) == T(1));
+    // the backward (S recomputed under Recompute): dr_0 = sum_i S[i, 0] dp_i = dp_0 (dp_2 = 0)
+    Tensor<T> dp = Tensor<T>::from({3, 2}, {T(1), T(2), T(3), T(4), T(0), T(0)}), dr,
+        du(Shape{3, 1});
+    g.backward(u, r, p, dp, {3, nullptr}, dr, du);
+    CHECK(dr(0, 0) == T(1));
+    CHECK(dr(0, 1) == T(2));
+  }
+}
+
 TEST_CASE("attention graph: matches Lemma 1 / Eq. 13 with the full Gaussian likelihood") {
   Rng rng(13);
   for (bool causal : {false, true}) {

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "graphmoe/backend/cpu/detail/vexp.hpp"
 #include "graphmoe/core/attention_dims.hpp"
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -32,6 +33,25 @@ template <class T>
 using HeadMap = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 template <class T>
 using ConstHeadMap = Eigen::Map<const RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// In place: the raw scores x[0, len) of one row -> softmax(z), z = (x - max x) * scale (kept in
+// the workspace z); with entropy, *entropy = log Z - sum_j P_j z_j. The exponentials go through
+// exp_nonpositive (detail/vexp.hpp): an entry far below the row's maximum is exactly 0, as with
+// std::exp, not Eigen's subnormal. The forward's rows and a decode step's rows
+// (backend/cpu/decode.hpp) both use it.
+template <class T>
+void softmax_scaled_row(T* x, index_t len, T scale, T* entropy,
+                        Eigen::Array<T, 1, Eigen::Dynamic>& z) {
+  Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> row(x, len);
+  const T m = row.maxCoeff();
+  z = (row - m) * scale;
+  exp_nonpositive(z.data(), x, len);
+  if (entropy != nullptr) {
+    const T sum = row.sum();
+    *entropy = std::log(sum) - (z * row).sum() / sum;
+  }
+  row *= T(1) / row.sum();
+}
 }  // namespace detail
 
 // probs (B, H, T, T), out (B, T, H dh) and row_entropy (null or (B, H, T)) prepared by
@@ -64,17 +84,7 @@ void attention_forward(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
     Eigen::Array<T, 1, Eigen::Dynamic> z;
     for (index_t i = 0; i < n; ++i) {
       const index_t len = causal ? i + 1 : n;
-      auto row = P.row(i).head(len).array();
-      const T m = row.maxCoeff();
-      if (ent != nullptr) {
-        z = (row - m) * scale;
-        row = z.exp();
-        const T sum = row.sum();
-        ent[i] = std::log(sum) - (z * row).sum() / sum;
-      } else {
-        row = ((row - m) * scale).exp();
-      }
-      row *= T(1) / row.sum();
+      detail::softmax_scaled_row(P.row(i).data(), len, scale, ent != nullptr ? ent + i : nullptr, z);
       if (len < n) P.row(i).tail(n - len).setZero();
     }
     for (index_t r0 = 0; r0 < n; r0 += block) {

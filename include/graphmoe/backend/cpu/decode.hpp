@@ -14,6 +14,8 @@
 #include <limits>
 #include <vector>
 
+#include "graphmoe/backend/cpu/attention.hpp"
+#include "graphmoe/backend/cpu/token_graph.hpp"
 #include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/core/decode.hpp"
 #include "graphmoe/core/eigen.hpp"
@@ -51,19 +53,22 @@ void attention_decode(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
     const detail::ConstRowVectorMap<T> qh(q.data() + i * width + h * dh, dh);
     detail::RowVectorMap<T> p(probs.data() + (i * nh + h) * len_max, len);
     p.noalias() = qh * K.transpose();  // raw scores; the scale is applied inside the softmax
-    auto row = p.array();
-    const T m = row.maxCoeff();
-    const Eigen::Array<T, 1, Eigen::Dynamic> z = (row - m) * scale;
-    row = z.exp();
-    const T sum = row.sum();
-    row_entropy.data()[i * nh + h] = std::log(sum) - (z * row).sum() / sum;
-    row *= T(1) / row.sum();
+    Eigen::Array<T, 1, Eigen::Dynamic> z;
+    detail::softmax_scaled_row(p.data(), len, scale, row_entropy.data() + i * nh + h, z);
     detail::RowVectorMap<T>(out.data() + i * width + h * dh, dh).noalias() = p * V;
   });
 }
 
 // u (n, D), r (n, E); cache.u (S, L, D), cache.r (S, L, E); p (n, E) and weights (null or (n, L),
 // zeroed) prepared by ops/decode.hpp; w_s is (D, D) under projection. inv_tau = 1 / tau.
+//
+// Three passes: (1) append u_i and r_i, q_i = u_i (or u_i W_s); (2) the scores q_i . u_j / tau in
+// blocks of kSimilarityDecodeBlock positions, every (row, block) an item, so that a single row of
+// a batch-1 step reads its slot's cache (L x D values, the step's largest read) on every thread;
+// (3) per row, the forward's softmax_block and p_i = S_i R. Only the order in which pass 2's items
+// run depends on the thread count; each score is the same sum.
+inline constexpr index_t kSimilarityDecodeBlock = 256;
+
 template <class T>
 void similarity_graph_decode(cpu, const Tensor<T, cpu>& u, const Tensor<T, cpu>& r,
                              const DecodeRows& rows, const SimilarityGraphArgs& args,
@@ -72,35 +77,47 @@ void similarity_graph_decode(cpu, const Tensor<T, cpu>& u, const Tensor<T, cpu>&
                              Tensor<T, cpu>* weights) {
   const index_t n = rows.size(), d = u.cols(), e = r.cols(), len_max = cache.u.dim(1);
   const T inv_tau = static_cast<T>(1.0 / tau);
+  constexpr index_t block = kSimilarityDecodeBlock;
+  auto slot_of = [&](index_t i) { return rows.slot[static_cast<std::size_t>(i)]; };
+  auto len_of = [&](index_t i) { return rows.pos[static_cast<std::size_t>(i)] + 1; };
+  // (1) the caches and the queries
+  std::vector<T> q_store;
+  if (args.projection) q_store.resize(static_cast<std::size_t>(n * d));
   parallel_items(n, [&](index_t i) {
-    const index_t s = rows.slot[static_cast<std::size_t>(i)];
-    const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
-    T* uc = cache.u.data() + s * len_max * d;
-    T* rc = cache.r.data() + s * len_max * e;
-    std::copy_n(u.data() + i * d, d, uc + t * d);
-    std::copy_n(r.data() + i * e, e, rc + t * e);
-    const MatrixMap<T> U(uc, len, d), R(rc, len, e);
-    const detail::ConstRowVectorMap<T> ui(u.data() + i * d, d);
-    Eigen::Matrix<T, 1, Eigen::Dynamic> q;
+    const index_t s = slot_of(i), t = len_of(i) - 1;
+    std::copy_n(u.data() + i * d, d, cache.u.data() + (s * len_max + t) * d);
+    std::copy_n(r.data() + i * e, e, cache.r.data() + (s * len_max + t) * e);
     if (args.projection)
-      q.noalias() = ui * as_matrix(w_s);
-    else
-      q = ui;
-    Eigen::Matrix<T, 1, Eigen::Dynamic> row(len);
-    row.noalias() = inv_tau * (q * U.transpose());
-    // the forward's softmax_block for one row (exclude_self: the own entry masked when the row
-    // has another)
+      detail::RowVectorMap<T>(q_store.data() + i * d, d).noalias() =
+          detail::ConstRowVectorMap<T>(u.data() + i * d, d) * as_matrix(w_s);
+  });
+  const T* q_all = args.projection ? q_store.data() : u.data();
+  // (2) the scores, (row, block) items
+  std::vector<T> scores(static_cast<std::size_t>(n * len_max));
+  std::vector<index_t> first_item(static_cast<std::size_t>(n + 1), 0);
+  for (index_t i = 0; i < n; ++i)
+    first_item[static_cast<std::size_t>(i + 1)] =
+        first_item[static_cast<std::size_t>(i)] + (len_of(i) + block - 1) / block;
+  parallel_items(first_item.back(), [&](index_t item) {
+    const index_t i = static_cast<index_t>(
+        std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1);
+    const index_t j0 = (item - first_item[static_cast<std::size_t>(i)]) * block;
+    const index_t m = std::min(block, len_of(i) - j0);
+    const MatrixMap<T> U(cache.u.data() + (slot_of(i) * len_max + j0) * d, m, d);
+    detail::RowVectorMap<T>(scores.data() + i * len_max + j0, m).noalias() =
+        inv_tau * (detail::ConstRowVectorMap<T>(q_all + i * d, d) * U.transpose());
+  });
+  // (3) the forward's softmax_block for one row (exclude_self: the own entry masked when the row
+  // has another), then p_i
+  parallel_items(n, [&](index_t i) {
+    const index_t s = slot_of(i), len = len_of(i), t = len - 1;
+    T* row = scores.data() + i * len_max;
     const bool mask = args.exclude_self && len > 1;
-    if (mask) row(t) = std::numeric_limits<T>::lowest();
-    const T mx = row.maxCoeff();
-    auto shifted = (row.array() - mx).eval();
-    if (mask) shifted(t) = T(0);
-    auto ex = shifted.exp().eval();
-    if (mask) ex(t) = T(0);
-    const T sum = ex.sum();
-    row = ex.matrix() / sum;
-    detail::RowVectorMap<T>(p.data() + i * e, e).noalias() = row * R;
-    if (weights != nullptr) std::copy_n(row.data(), len, weights->data() + i * len_max);
+    detail::similarity_softmax_row(row, len, mask ? t : -1);
+    const MatrixMap<T> R(cache.r.data() + s * len_max * e, len, e);
+    detail::RowVectorMap<T>(p.data() + i * e, e).noalias() =
+        detail::RowVectorMap<T>(row, len) * R;
+    if (weights != nullptr) std::copy_n(row, len, weights->data() + i * len_max);
   });
 }
 

@@ -85,6 +85,35 @@ namespace detail {
 
 // ---- Similarity ---------------------------------------------------------------------------------
 
+// The lse and entropy of one softmax row of S.
+template <class T>
+struct SimilarityRowStats {
+  T lse;      // max + log Z
+  T entropy;  // log Z - sum_j S_j (l_j - max)
+};
+
+// In place: the logits x[0, n) of one row of S -> its probabilities, entry `skip` (exclude_self;
+// -1: none) exactly 0. The exponentials go through exp_nonpositive (detail/vexp.hpp), so an entry
+// far below the row's maximum is exactly 0 as with std::exp: Eigen's packet exp alone returns
+// about 1e-39 there, a subnormal that made every product it reached (p = S R) several times
+// slower; with u of norm about sqrt(D) and tau = 1 most of a long row is that far below. The
+// forward's rows and a decode step's rows (backend/cpu/decode.hpp) both use it.
+template <class T>
+SimilarityRowStats<T> similarity_softmax_row(T* x, index_t n, index_t skip = -1) {
+  Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> row(x, n);
+  if (skip >= 0) row(skip) = std::numeric_limits<T>::lowest();
+  const T mx = row.maxCoeff();
+  // e_j = exp(l_j - mx); H = log(sum e) - sum e (l - mx) / sum e (the skipped entry: e = 0)
+  Eigen::Array<T, 1, Eigen::Dynamic> shifted = row - mx, e(n);
+  if (skip >= 0) shifted(skip) = T(0);
+  exp_nonpositive(shifted.data(), e.data(), n);
+  if (skip >= 0) e(skip) = T(0);
+  const T sum = e.sum();
+  const T dot = (e * shifted).sum();
+  row = e / sum;
+  return {mx + std::log(sum), std::log(sum) - dot / sum};
+}
+
 template <class T>
 class SimilarityGraphCpu {
  public:
@@ -171,6 +200,7 @@ class SimilarityGraphCpu {
     parallel_items(n / len, [&](index_t seq) {
       const index_t s0 = seq * len;
       RowMatrix<T> scratch, dL, dLU;
+      Eigen::Array<T, 1, Eigen::Dynamic> z;  // a recomputed row of logits - lse
       Eigen::Matrix<T, Eigen::Dynamic, 1> rowdot;
       for (index_t i0 = 0; i0 < len; i0 += kBlock) {
         const index_t bi = std::min(kBlock, len - i0);
@@ -206,7 +236,8 @@ class SimilarityGraphCpu {
           for (index_t a = 0; a < bi; ++a) {
             const T l = st_.lse.data()[s0 + i0 + a];
             const index_t valid = causal ? i0 + a + 1 : jn;
-            scratch.row(a).head(valid) = (scratch.row(a).head(valid).array() - l).exp();
+            z = scratch.row(a).head(valid).array() - l;  // <= 0: l is the row's lse
+            exp_nonpositive(z.data(), scratch.row(a).data(), valid);
             scratch.row(a).tail(jn - valid).setZero();
             if (masks_self(valid)) scratch(a, i0 + a) = T(0);
           }
@@ -235,20 +266,10 @@ class SimilarityGraphCpu {
   void softmax_block(detail::MatrixView<T> L, index_t i0, index_t g0) {
     for (index_t a = 0; a < L.rows(); ++a) {
       const index_t valid = args_.causal ? i0 + a + 1 : L.cols();
-      auto row = L.row(a).head(valid);
-      const bool mask = masks_self(valid);
-      if (mask) row(i0 + a) = std::numeric_limits<T>::lowest();
-      const T mx = row.maxCoeff();
-      // e_j = exp(l_j - mx); H = log(sum e) - sum e (l - mx) / sum e (the masked entry: e = 0)
-      auto shifted = (row.array() - mx).eval();
-      if (mask) shifted(i0 + a) = T(0);
-      auto e = shifted.exp().eval();
-      if (mask) e(i0 + a) = T(0);
-      const T sum = e.sum();
-      const T dot = (e * shifted).sum();
-      st_.lse.data()[g0 + a] = mx + std::log(sum);
-      st_.entropy.data()[g0 + a] = std::log(sum) - dot / sum;
-      row = e.matrix() / sum;
+      const SimilarityRowStats<T> stats =
+          similarity_softmax_row(L.row(a).data(), valid, masks_self(valid) ? i0 + a : -1);
+      st_.lse.data()[g0 + a] = stats.lse;
+      st_.entropy.data()[g0 + a] = stats.entropy;
       L.row(a).tail(L.cols() - valid).setZero();
       st_.self.data()[g0 + a] = L(a, i0 + a);
     }

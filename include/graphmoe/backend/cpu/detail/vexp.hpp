@@ -70,6 +70,21 @@ double exp_shifted(const T* x, T shift, T* y, index_t n) {
   return total;
 }
 
+// e[j] = exp(z[j]) for j < n, z <= 0 (a softmax row shifted by its maximum; z and e must not
+// overlap): Eigen's packet exp over the whole row, then the entries below its normal range (z <
+// vexp_low, rare: checked with one vectorised compare) as std::exp gives them, 0 below vexp_zero.
+// Eigen's exp alone returns about 1e-39 (float) there: a subnormal that takes the CPU's slow path
+// in every product it reaches.
+template <class T>
+void exp_nonpositive(const T* z, T* e, index_t n) {
+  using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const Array> zm(z, n);
+  Eigen::Map<Array>(e, n) = zm.exp();
+  if ((zm < vexp_low<T>()).any())
+    for (index_t j = 0; j < n; ++j)
+      if (z[j] < vexp_low<T>()) e[j] = z[j] < vexp_zero<T>() ? T(0) : std::exp(z[j]);
+}
+
 // sum_j exp(x[j] - shift) in double; nothing is stored.
 template <class T>
 double sum_exp_shifted(const T* x, T shift, index_t n) {
