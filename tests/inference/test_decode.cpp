@@ -267,6 +267,43 @@ TEST_CASE_TEMPLATE("prefill: several slots' chunks in one step, interleaved and 
   check_schedule(lm, seqs, plan, 1e-12);
 }
 
+TEST_CASE_TEMPLATE("prefill: a step's logit rows are those rows of its full logits", Policy,
+                   SimilarityRouter, AttentionRouter) {
+  TransformerLM<Policy, double> lm(decode_config(41), 6);  // 40 tokens and one more step
+  const auto a = random_ids(40, 23, 91), b = random_ids(9, 23, 92);
+  Decoder<Policy, double> all(lm, 2), some(lm, 2);
+  (void)all.prefill(0, std::vector<std::int32_t>(a.begin(), a.begin() + 20), 8);
+  (void)some.prefill(0, std::vector<std::int32_t>(a.begin(), a.begin() + 20), 8);
+  // slot 0's next 20 tokens interleaved with slot 1's 9: rows 0..28
+  std::vector<index_t> slots;
+  std::vector<std::int32_t> ids;
+  for (std::size_t j = 0; j < 20; ++j) {
+    slots.push_back(0);
+    ids.push_back(a[20 + j]);
+    if (j < 9) {
+      slots.push_back(1);
+      ids.push_back(b[j]);
+    }
+  }
+  const Tensor<double>& full = all.step(slots, ids);
+  const std::vector<double> want(full.data(), full.data() + full.numel());
+  const std::vector<index_t> pick = {28, 0, 17, 17};
+  const Tensor<double>& got = some.step(slots, ids, false, pick);
+  REQUIRE(got.shape() == Shape{4, 23});
+  double scale = 1;
+  for (double x : want) scale = std::max(scale, std::abs(x));
+  for (std::size_t j = 0; j < pick.size(); ++j)
+    for (index_t c = 0; c < 23; ++c)
+      REQUIRE(std::abs(got.data()[static_cast<index_t>(j) * 23 + c] -
+                       want[static_cast<std::size_t>(pick[j] * 23 + c)]) <= 1e-12 * scale);
+  // the caches took every row either way: the next step agrees
+  const Tensor<double>& next_all = all.step({0, 1}, {a[0], a[1]});
+  const std::vector<double> want_next(next_all.data(), next_all.data() + next_all.numel());
+  const Tensor<double>& next_some = some.step({0, 1}, {a[0], a[1]});
+  for (std::size_t j = 0; j < want_next.size(); ++j)
+    REQUIRE(std::abs(next_some.data()[j] - want_next[j]) <= 1e-12 * scale);
+}
+
 TEST_CASE("prefill: bad chunks and prompts are refused with a message naming the problem") {
   TransformerLM<SimilarityRouter, double> lm(decode_config(8), 1);
   auto cache = lm.decode_cache(2);
@@ -301,6 +338,9 @@ TEST_CASE("prefill: bad chunks and prompts are refused with a message naming the
                        doctest::Contains("slot 0 is full (8 tokens, the decoder's max_len) at row 4"),
                        Error);
   CHECK(dec.length(0) == 5);
+  CHECK(dec.length(1) == 0);
+  CHECK_THROWS_WITH_AS(dec.step({1, 1}, {1, 2}, false, {0, 2}),
+                       doctest::Contains("logit row 2 (entry 1) is outside the step's 2 rows"), Error);
   CHECK(dec.length(1) == 0);
 }
 

@@ -71,11 +71,13 @@ class Decoder {
 
   // Appends ids[i] to slot slots[i] for every i, in order (a slot listed several times gets
   // consecutive positions), and returns their logits (n, V), on the host (the reference stays
-  // valid until the next step). With explain, weights() and experts() describe the step's routing
-  // afterwards. Throws graphmoe::Error, with the caches unchanged, for a slot out of range, a
-  // slot that the step would overfill, or an id outside the vocabulary.
+  // valid until the next step); with logit_rows, only those rows' logits, (m, V) in that order
+  // (e.g. each slot's last row of a step of chunks). With explain, weights() and experts()
+  // describe the step's routing afterwards (every row). Throws graphmoe::Error, with the caches
+  // unchanged, for a slot out of range, a slot that the step would overfill, an id outside the
+  // vocabulary, or a logit row outside [0, n).
   const Tensor<T, cpu>& step(std::span<const index_t> slots, std::span<const std::int32_t> ids,
-                             bool explain = false) {
+                             bool explain = false, std::span<const index_t> logit_rows = {}) {
     GRAPHMOE_CHECK(slots.size() == ids.size() && !ids.empty(), "Decoder::step",
                    "a step needs one id per slot, got ", ids.size(), " ids for ", slots.size(),
                    " slots");
@@ -98,7 +100,7 @@ class Decoder {
     std::copy(ids.begin(), ids.end(), host_ids.data());
     Tensor<std::int32_t, B> dev_ids(Shape{n});
     copy_from_host(dev_ids, host_ids);
-    lm_.decode(dev_ids, rows_, cache_, logits_, explain ? &weights_ : nullptr);
+    lm_.decode(dev_ids, rows_, cache_, logits_, explain ? &weights_ : nullptr, logit_rows);
     for (index_t i = 0; i < n; ++i) ++len_[static_cast<std::size_t>(rows_.slot[static_cast<std::size_t>(i)])];
     host_logits_ = detail::host_values(logits_);
     host_weights_.clear();
@@ -108,13 +110,15 @@ class Decoder {
     return host_logits_;
   }
   const Tensor<T, cpu>& step(const std::vector<index_t>& slots, const std::vector<std::int32_t>& ids,
-                             bool explain = false) {
-    return step(std::span<const index_t>(slots), std::span<const std::int32_t>(ids), explain);
+                             bool explain = false, const std::vector<index_t>& logit_rows = {}) {
+    return step(std::span<const index_t>(slots), std::span<const std::int32_t>(ids), explain,
+                std::span<const index_t>(logit_rows));
   }
 
   // Appends a prompt (or any run of tokens) to slot s, in steps of at most `chunk` tokens, and
   // returns the logits of its last token (V) on the host (valid until the next step or prefill):
-  // what ids.size() steps of one token would give, up to the rounding of the longer GEMMs. Throws
+  // what ids.size() steps of one token would give, up to the rounding of the longer GEMMs (the
+  // LM head runs on each chunk's last row only: the others' logits are not needed). Throws
   // graphmoe::Error, with the caches unchanged, for an empty ids, chunk < 1, an id outside the
   // vocabulary, or more tokens than the slot has room for. weights() and experts() then describe
   // the last chunk (without explain).
@@ -133,16 +137,13 @@ class Decoder {
     }
     std::vector<index_t> slots;
     for (index_t at = 0; at < len; at += chunk) {
-      const index_t m = std::min(chunk, len - at);
+      const index_t m = std::min(chunk, len - at), last = m - 1;
       slots.assign(static_cast<std::size_t>(m), s);
-      (void)step(std::span<const index_t>(slots), ids.subspan(static_cast<std::size_t>(at),
-                                                              static_cast<std::size_t>(m)));
+      (void)step(std::span<const index_t>(slots),
+                 ids.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(m)), false,
+                 std::span<const index_t>(&last, 1));
     }
-    // the last row of the last step
-    const index_t n = host_logits_.dim(0);
-    Tensor<T, cpu> last(Shape{vocab});
-    std::copy_n(host_logits_.data() + (n - 1) * vocab, vocab, last.data());
-    host_logits_ = std::move(last);
+    host_logits_ = host_logits_.view(Shape{vocab});  // (1, V) -> (V)
     return host_logits_;
   }
   const Tensor<T, cpu>& prefill(index_t s, const std::vector<std::int32_t>& ids, index_t chunk = 256) {

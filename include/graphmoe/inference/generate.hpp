@@ -287,13 +287,14 @@ std::vector<GenerateResult> generate_batch(
     }
     if (!any) break;
     if (slots.empty()) continue;
-    const Tensor<T, cpu>& logits = dec.step(slots, ids, opt.explain);
+    // the logits of each sequence's last row only (row j: sequence stepped[j])
+    const Tensor<T, cpu>& logits = dec.step(slots, ids, opt.explain, last_row);
     report(dec.rows());
     for (std::size_t j = 0; j < stepped.size(); ++j) {
       const auto ub = static_cast<std::size_t>(stepped[j]);
       fed[ub] = dec.length(stepped[j]);
       if (fed[ub] == static_cast<index_t>(context[ub].size()))
-        emit(stepped[j], logits.data() + last_row[j] * vocab);
+        emit(stepped[j], logits.data() + static_cast<index_t>(j) * vocab);
     }
   }
   // explain: the last generated token of each sequence has not been fed; feed it to report it
