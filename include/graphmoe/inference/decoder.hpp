@@ -14,8 +14,9 @@
 // (TransformerLM::forward over (1, t)) up to rounding, with the same experts chosen
 // (tests/inference/test_decode.cpp: every causal router, double to 1e-12, one token per step or
 // in chunks). Several tokens of a slot in one step (core/decode.hpp: every op appends all rows
-// before any row reads) make the projections, experts and LM head GEMMs of many rows: prefill
-// feeds a prompt of L tokens in ceil(L / chunk) steps instead of L one-row steps.
+// before any row reads) make the projections and experts GEMMs of many rows: prefill feeds a
+// prompt of L tokens in ceil(L / chunk) steps instead of L one-row steps, with the LM head on
+// each step's last row only (logit_rows).
 // What the caches hold (TransformerLM::DecodeCache): per layer the keys and values (2 D values per
 // token) and what the layer's token graph declared (routing/concepts.hpp, GraphDecodes): nothing
 // for the softmax router's Independent graph, u and softmax(r) (D + E) for the Similarity graph,
