@@ -17,14 +17,18 @@
 // wanted (the comparison script runs one case per process).
 //
 // BM_decode_incremental_<router>: a Decoder with `batch` slots; every slot is fed the `prompt`
-//   tokens first (untimed; one step per position, all slots together, as generate_batch feeds a
-//   prompt), then each iteration is one step: one new token per slot at the position after the
+//   tokens first (untimed; Decoder::prefill, slot by slot, in chunks of 256 tokens), then each iteration is one step: one new token per slot at the position after the
 //   slot's last. Every kRewindEvery steps every slot is rewound to the prompt's length
 //   (Decoder::rewind, O(1)), so the timed steps stay at positions prompt .. prompt + 15.
 //   items_per_second = tokens (batch per step). Counters: kv_values/token and
 //   routing_values/token (DecodeCache::kv_values_per_token, routing_values_per_token, summed over
 //   the layers) and cache_MiB (those values for all slots at max_seq_len, 4 bytes each: the
 //   Attention graph's per-head entropy sums are doubles, so its MiB is a little low).
+// BM_prefill_<router>: time to first token: each iteration resets slot 0 of a one-slot Decoder
+//   and feeds the `prompt` tokens with Decoder::prefill in steps of `chunk` tokens (chunk 1:
+//   step by step, one token per step as before prefill existed; 256: GEMMs of 256 rows), which
+//   returns the last token's logits (what the first generated token is drawn from). One untimed
+//   step of `chunk` tokens first (first-touch allocations). items_per_second = prompt tokens.
 // BM_decode_full_forward_<router>: each iteration is one TransformerLM::forward over
 //   (batch, prompt) ids, i.e. the cost of the next token of every sequence when nothing is cached
 //   (the logits of every position are computed, as Decoding::FullForward's forward does);
@@ -33,6 +37,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -72,12 +77,10 @@ void BM_decode_incremental(benchmark::State& state) {
   for (index_t s = 0; s < batch; ++s) slots[static_cast<std::size_t>(s)] = s;
   const std::vector<std::int32_t> prompt_ids = random_ids(batch * prompt, 7);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(batch));
-  // prefill, untimed: position p of every slot in one step
-  for (index_t p = 0; p < prompt; ++p) {
-    for (index_t s = 0; s < batch; ++s)
-      ids[static_cast<std::size_t>(s)] = prompt_ids[static_cast<std::size_t>(s * prompt + p)];
-    dec.step(slots, ids);
-  }
+  // prefill, untimed
+  for (index_t s = 0; s < batch; ++s)
+    (void)dec.prefill(s, std::span<const std::int32_t>(prompt_ids).subspan(
+                             static_cast<std::size_t>(s * prompt), static_cast<std::size_t>(prompt)));
   // the generated tokens: random ids (sampling is not timed here)
   const std::vector<std::int32_t> gen = random_ids(batch * kRewindEvery, 11);
   index_t k = 0;
@@ -99,6 +102,26 @@ void BM_decode_incremental(benchmark::State& state) {
   state.counters["routing_values/token"] = static_cast<double>(routing);
   state.counters["cache_MiB"] = static_cast<double>((kv + routing) * batch * kMaxSeq) *
                                 sizeof(T) / (1024.0 * 1024.0);
+  set_num_threads(1);
+}
+
+template <class Policy>
+void BM_prefill(benchmark::State& state) {
+  using T = float;
+  const index_t prompt = state.range(0), chunk = state.range(1);
+  set_num_threads(static_cast<int>(state.range(2)));
+  TransformerLM<Policy, T> lm(decode_config(), /*seed=*/1);
+  lm.set_mode(Mode::Eval);
+  Decoder<Policy, T> dec(lm, 1);
+  const std::vector<std::int32_t> ids = random_ids(prompt, 7);
+  const std::span<const std::int32_t> all(ids);
+  (void)dec.prefill(0, all.first(static_cast<std::size_t>(std::min(chunk, prompt))), chunk);
+  for (auto _ : state) {
+    dec.reset(0);
+    const Tensor<T, cpu>& logits = dec.prefill(0, all, chunk);
+    benchmark::DoNotOptimize(logits.data());
+  }
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()) * prompt);
   set_num_threads(1);
 }
 
@@ -147,6 +170,15 @@ void register_router(const char* router) {
             ->UseRealTime()
             ->Iterations(iters);
       }
+  // time to first token of a 1024-token prompt at batch 1, 2 threads: step by step against
+  // chunks of 256 (2 prefills each)
+  for (index_t chunk : {1, 256})
+    benchmark::RegisterBenchmark(("BM_prefill_" + std::string(router)).c_str(), BM_prefill<Policy>)
+        ->Args({1024, chunk, 2})
+        ->ArgNames({"prompt", "chunk", "threads"})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime()
+        ->Iterations(2);
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 //     Attention graph's prior floor, head choice and all-zero-row error);
 //   - TransformerLM<Policy, T, cuda>::decode over three slots of different lengths for the three
 //     token graphs against the CPU model's decode (same parameters: the same seed) and the CUDA
-//     model's own full forward, with the same experts and graph weights;
+//     model's own full forward, with the same experts and graph weights, one token per slot and
+//     step or in chunks of several tokens per slot and step (rows of slots interleaved);
 //   - greedy generate / generate_batch in double on the GPU give the CPU's tokens (the sliding
 //     window and explain included).
 //
@@ -323,9 +324,10 @@ double model_tolerance() {
 // Decodes three sequences of different lengths (the longest `longest` tokens) in three slots of
 // both models together (a slot drops out when its sequence ends) and compares every step's
 // logits, experts and graph weights with the CPU model's decode and the CUDA model's full forward
-// of each sequence.
+// of each sequence. chunks empty: one token per slot and step; else up to chunks[s] tokens of
+// slot s per step, the slots' rows interleaved (one row of each slot in turn).
 template <class Policy, class T>
-void compare_decode(index_t longest) {
+void compare_decode(index_t longest, const std::vector<index_t>& chunks = {}) {
   const double tol = model_tolerance<T>();
   const TransformerLMConfig cfg = decode_config(longest);
   TransformerLM<Policy, T, cpu> host(cfg, 3);
@@ -351,9 +353,29 @@ void compare_decode(index_t longest) {
   Tensor<T, graphmoe::cuda> dlogits;
   std::vector<Tensor<T, cpu>> hweights;
   std::vector<Tensor<T, graphmoe::cuda>> dweights;
-  for (index_t i = 0; i < longest; ++i) {
+  std::vector<index_t> fed(seqs.size(), 0);
+  for (index_t i = 0;; ++i) {
     CAPTURE(i);
-    const auto [rows, ids] = test::decode_step_input(seqs, i);
+    test::DecodeStepInput in;
+    if (chunks.empty()) {
+      if (i == longest) break;
+      in = test::decode_step_input(seqs, i);
+    } else {
+      for (index_t j = 0;; ++j) {  // the j-th row of every slot that has one left, in turn
+        bool any = false;
+        for (std::size_t s = 0; s < seqs.size(); ++s) {
+          if (j >= chunks[s] || fed[s] == static_cast<index_t>(seqs[s].size())) continue;
+          in.rows.slot.push_back(static_cast<index_t>(s));
+          in.rows.pos.push_back(fed[s]);
+          in.ids.push_back(seqs[s][static_cast<std::size_t>(fed[s]++)]);
+          any = true;
+        }
+        if (!any) break;
+      }
+      if (in.ids.empty()) break;
+    }
+    const DecodeRows& rows = in.rows;
+    const std::vector<std::int32_t>& ids = in.ids;
     const Shape shape{rows.size()};
     host.decode(ids_on<cpu>(ids, shape), rows, hcache, hlogits, &hweights);
     dev.decode(ids_on<graphmoe::cuda>(ids, shape), rows, dcache, dlogits, &dweights);
@@ -361,7 +383,8 @@ void compare_decode(index_t longest) {
     // the same rows of the CUDA full forward
     Tensor<T, cpu> want(Shape{rows.size(), v});
     for (index_t r = 0; r < rows.size(); ++r)
-      std::copy_n(full[static_cast<std::size_t>(rows.slot[static_cast<std::size_t>(r)])].data() + i * v,
+      std::copy_n(full[static_cast<std::size_t>(rows.slot[static_cast<std::size_t>(r)])].data() +
+                      rows.pos[static_cast<std::size_t>(r)] * v,
                   v, want.data() + r * v);
     check_close("decoded logits vs the CUDA forward", want, dlogits, tol);
     for (index_t l = 0; l < cfg.num_layers; ++l) {
@@ -383,6 +406,24 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM::decode over three slots equals t
   SKIP_WITHOUT_CUDA_DEVICE();
   SUBCASE("double, 210 tokens") { compare_decode<Policy, double>(210); }
   SUBCASE("float") { compare_decode<Policy, float>(30); }
+}
+
+// A prompt in chunks (Decoder::prefill's steps): several rows of a slot at consecutive positions
+// in one step, the slots' chunks interleaved, in double. Every op appends all rows in one kernel
+// before any row reads in the next (backend/cuda/decode.cuh), so each row equals the CPU's
+// whatever order the blocks run in.
+TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM::decode of chunks of several tokens per slot and step",
+                   Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+#if defined(GRAPHMOE_CUDA_EMULATION)
+  // a GPU runs a launch's blocks in any order: the emulation runs them last first, so that a row
+  // reading a cache entry that a later row's block writes in the same kernel would read it stale
+  graphmoe_cuda_emulation::set_blocks_descending(true);
+  struct Ascending {
+    ~Ascending() { graphmoe_cuda_emulation::set_blocks_descending(false); }
+  } ascending;
+#endif
+  compare_decode<Policy, double>(40, {16, 5, 7});
 }
 
 // The other causal routers differ from the three above in their scorer (X-MoE's cosine) or

@@ -168,6 +168,9 @@ TEST_CASE("generate: bad input is refused before any forward (empty prompt, too 
   GenerateOptions top_p = o;
   top_p.sampling.top_p = 0.0;
   refused({1}, top_p, "top_p must be in (0, 1]");
+  GenerateOptions no_chunk = o;
+  no_chunk.prefill_chunk = 0;
+  refused({1}, no_chunk, "prefill_chunk must be >= 1, got 0");
   // a prompt of exactly max_seq_len tokens is accepted
   CHECK(generate(lm, std::vector<std::int32_t>(8, 1), o).tokens.size() == 4);
 }
@@ -213,6 +216,16 @@ TEST_CASE_TEMPLATE("generate_batch: prompts of different lengths decoded togethe
     CHECK(streamed[b] == batch[b].tokens);
   }
   CHECK(batch[0].tokens != batch[1].tokens);
+  // the prompts fed in chunks of 1 (one token per step, as before Decoder::prefill) or 2 tokens
+  // per sequence and step (prompt 1's 6 tokens in 3 steps beside prompt 2's 2 and 1) draw the
+  // same tokens as in one chunk each (the default 256)
+  for (index_t chunk : {1, 2}) {
+    CAPTURE(chunk);
+    GenerateOptions chunked = o;
+    chunked.prefill_chunk = chunk;
+    const auto again = generate_batch(lm, prompts, chunked);
+    for (std::size_t b = 0; b < 3; ++b) CHECK(again[b].tokens == batch[b].tokens);
+  }
 }
 
 TEST_CASE("generate: explain reports how each generated token was routed") {

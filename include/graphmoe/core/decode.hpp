@@ -2,14 +2,18 @@
 // which sequence and position each row of a decode step is, the KV cache of an attention layer,
 // and what that layer hands the Attention graph for the rows it just decoded.
 //
-// A decoder holds S sequence slots of at most max_len tokens each. A decode step takes one new
-// token for each of some slots (at most one per slot): row i of the step's tensors is the token
-// at position rows.pos[i] of slot rows.slot[i], and positions [0, pos[i]) of that slot are
-// already cached. Every layer writes its row into its caches at that position and reads the
-// slot's earlier positions, so a step costs O(pos) per row instead of a forward over the whole
-// prefix. Every cache is addressed by position and a step at position t reads positions < t only,
-// so a slot continues from any position t by stepping there (Decoder::rewind): what was cached at
-// t and after is overwritten, never read.
+// A decoder holds S sequence slots of at most max_len tokens each. A decode step takes new tokens
+// for some slots: row i of the step's tensors is the token at position rows.pos[i] of slot
+// rows.slot[i]. A slot has one row in a step of generation, or a *chunk* of rows at consecutive
+// positions p, p+1, ... (in row order, not necessarily adjacent rows) when a prompt is fed
+// (Decoder::prefill); positions [0, p) of that slot are already cached. Every op first writes all
+// the step's rows into its caches at their positions and only then lets any row read, so the row
+// at position t reads positions 0..t of its slot, the ones its own step wrote included: a chunk
+// of L rows equals L steps of one row, with the per-token work done as GEMMs of L rows, and a
+// step costs O(pos) per row instead of a forward over the whole prefix. Every cache is addressed
+// by position and a step at position t reads positions <= t only, so a slot continues from any
+// position t by stepping there (Decoder::rewind): what was cached at t and after is overwritten,
+// never read.
 #pragma once
 
 #include <limits>
@@ -23,26 +27,35 @@ namespace graphmoe {
 
 // The rows of one decode step, on the host.
 struct DecodeRows {
-  std::vector<index_t> slot;  // the sequence slot of each row (distinct within a step)
-  std::vector<index_t> pos;   // its position: the number of that slot's tokens already cached
+  std::vector<index_t> slot;  // the sequence slot of each row
+  std::vector<index_t> pos;   // its position (a slot's rows: consecutive positions in row order)
   index_t size() const { return static_cast<index_t>(slot.size()); }
 
-  // Checks the rows against a cache of `slots` slots of `max_len` positions: one position per
-  // slot, both vectors of one length, every slot in [0, slots) once, every position in
-  // [0, max_len).
+  // Checks the rows against a cache of `slots` slots of `max_len` positions: both vectors of one
+  // length, every slot in [0, slots), every position in [0, max_len), and the rows of a slot
+  // that appears more than once at consecutive increasing positions in row order (p, p+1, ...):
+  // the ops append every row before any row reads, and a row reads its slot's positions up to
+  // its own, so a gap would read an entry no step wrote and a repeat would write one twice.
   void validate(const char* op, index_t slots, index_t max_len) const {
     GRAPHMOE_CHECK(slot.size() == pos.size() && !slot.empty(), op,
                    "a decode step needs one slot and one position per row, got ", slot.size(),
                    " slots and ", pos.size(), " positions");
-    std::vector<char> seen(static_cast<std::size_t>(slots > 0 ? slots : 0), 0);
+    // per slot: its last row so far (-1: none yet)
+    std::vector<index_t> last(static_cast<std::size_t>(slots > 0 ? slots : 0), -1);
     for (std::size_t i = 0; i < slot.size(); ++i) {
       GRAPHMOE_CHECK(slot[i] >= 0 && slot[i] < slots, op, "row ", i, " names slot ", slot[i],
                      ", outside the cache's [0, ", slots, ")");
-      GRAPHMOE_CHECK(!seen[static_cast<std::size_t>(slot[i])], op, "slot ", slot[i],
-                     " appears twice in one decode step (one token per sequence and step)");
-      seen[static_cast<std::size_t>(slot[i])] = 1;
       GRAPHMOE_CHECK(pos[i] >= 0 && pos[i] < max_len, op, "row ", i, " is at position ", pos[i],
                      ", outside the cache's [0, ", max_len, ")");
+      index_t& prev = last[static_cast<std::size_t>(slot[i])];
+      if (prev >= 0) {
+        const index_t want = pos[static_cast<std::size_t>(prev)] + 1;
+        GRAPHMOE_CHECK(pos[i] == want, op, "slot ", slot[i], " has row ", prev, " at position ",
+                       pos[static_cast<std::size_t>(prev)], " and then row ", i, " at position ",
+                       pos[i], ": a slot's rows in one step must be at consecutive increasing "
+                       "positions in row order (expected ", want, ")");
+      }
+      prev = static_cast<index_t>(i);
     }
   }
 };
@@ -100,7 +113,8 @@ struct AttentionDecodeCache {
 
 // h* of the token at position t of slot s, on the host (every backend's attention_graph_decode):
 // adds its attention-row entropies ent[0..H) to the slot's prefix sums, in double (entry (s, t)
-// = entry (s, t - 1) + ent; entry (s, t) alone at t = 0), and returns the head whose mean
+// = entry (s, t - 1) + ent; entry (s, t) alone at t = 0; so the rows of a chunk are taken in
+// row order, which is position order, each after the one before it), and returns the head whose mean
 // entropy over positions 0..t is the smallest (the first on ties), as the forward's
 // PerSequenceCausal choice does. prefix is AttentionDecodeCache::entropy_prefix (S max_len H).
 template <class T>

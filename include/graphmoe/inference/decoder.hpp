@@ -1,15 +1,22 @@
-// graphmoe/inference/decoder.hpp: incremental decoding of a TransformerLM, one token per sequence
-// and step, with a KV cache per attention layer and a routing cache per MoE layer.
+// graphmoe/inference/decoder.hpp: incremental decoding of a TransformerLM, with a KV cache per
+// attention layer and a routing cache per MoE layer: one token per sequence and step while
+// generating, a prompt in chunks of many tokens per step (prefill).
 //
 //   Decoder<SimilarityRouter, float> dec(lm, /*slots=*/2);   // caches for 2 sequences
-//   dec.step({0, 1}, {id_a, id_b});   // token 0 of each sequence -> logits (2, V) on the host
-//   dec.step({1}, {id_c});            // token 1 of sequence 1 only
+//   dec.prefill(0, prompt);           // the prompt into slot 0 -> the last token's logits (V)
+//   dec.step({0, 1}, {id_a, id_b});   // a token for each sequence -> logits (2, V) on the host
+//   dec.step({1, 1, 0}, {c, d, e});   // two tokens for slot 1 (in order), one for slot 0
 //   dec.reset(0);                     // slot 0 starts a new sequence
 //
-// A step appends one token to each listed slot (at most once per step) at that slot's next
-// position and returns the logits of those tokens: row i equals the full forward's logits at that
-// position of the slot's sequence (TransformerLM::forward over (1, t)) up to rounding, with the
-// same experts chosen (tests/inference/test_decode.cpp: every causal router, double to 1e-12).
+// A step appends each listed token to its slot at that slot's next position (a slot listed k
+// times gets k consecutive positions, in the order listed) and returns the logits of those
+// tokens: row i equals the full forward's logits at that position of the slot's sequence
+// (TransformerLM::forward over (1, t)) up to rounding, with the same experts chosen
+// (tests/inference/test_decode.cpp: every causal router, double to 1e-12, one token per step or
+// in chunks). Several tokens of a slot in one step (core/decode.hpp: every op appends all rows
+// before any row reads) make the projections and experts GEMMs of many rows: prefill feeds a
+// prompt of L tokens in ceil(L / chunk) steps instead of L one-row steps, with the LM head on
+// each step's last row only (logit_rows).
 // What the caches hold (TransformerLM::DecodeCache): per layer the keys and values (2 D values per
 // token) and what the layer's token graph declared (routing/concepts.hpp, GraphDecodes): nothing
 // for the softmax router's Independent graph, u and softmax(r) (D + E) for the Similarity graph,
@@ -63,34 +70,38 @@ class Decoder {
   }
   void reset_all() { std::fill(len_.begin(), len_.end(), 0); }
 
-  // Appends ids[i] to slot slots[i] for every i and returns their logits (n, V), on the host (the
-  // reference stays valid until the next step). With explain, weights() and experts() describe
-  // the step's routing afterwards. Throws graphmoe::Error, with the caches unchanged, for a slot
-  // out of range or listed twice, a full slot, or an id outside the vocabulary.
+  // Appends ids[i] to slot slots[i] for every i, in order (a slot listed several times gets
+  // consecutive positions), and returns their logits (n, V), on the host (the reference stays
+  // valid until the next step); with logit_rows, only those rows' logits, (m, V) in that order
+  // (e.g. each slot's last row of a step of chunks). With explain, weights() and experts()
+  // describe the step's routing afterwards (every row). Throws graphmoe::Error, with the caches
+  // unchanged, for a slot out of range, a slot that the step would overfill, an id outside the
+  // vocabulary, or a logit row outside [0, n).
   const Tensor<T, cpu>& step(std::span<const index_t> slots, std::span<const std::int32_t> ids,
-                             bool explain = false) {
+                             bool explain = false, std::span<const index_t> logit_rows = {}) {
     GRAPHMOE_CHECK(slots.size() == ids.size() && !ids.empty(), "Decoder::step",
                    "a step needs one id per slot, got ", ids.size(), " ids for ", slots.size(),
                    " slots");
     const index_t n = static_cast<index_t>(ids.size()), vocab = lm_.config().vocab_size;
     rows_.slot.assign(slots.begin(), slots.end());
     rows_.pos.resize(slots.size());
+    next_ = len_;  // each slot's next position within this step
     for (index_t i = 0; i < n; ++i) {
-      const index_t s = checked(slots[static_cast<std::size_t>(i)], "step");
-      GRAPHMOE_CHECK(len_[static_cast<std::size_t>(s)] < cache_.max_len, "Decoder::step", "slot ",
-                     s, " is full (", cache_.max_len,
-                     " tokens, the decoder's max_len): reset it to start a new sequence");
+      const std::size_t s = checked(slots[static_cast<std::size_t>(i)], "step");
+      GRAPHMOE_CHECK(next_[s] < cache_.max_len, "Decoder::step", "slot ", s, " is full (",
+                     cache_.max_len, " tokens, the decoder's max_len) at row ", i,
+                     ": reset it to start a new sequence");
       const std::int32_t id = ids[static_cast<std::size_t>(i)];
       GRAPHMOE_CHECK(id >= 0 && id < vocab, "Decoder::step", "id ", id, " (row ", i,
                      ") is not in the model's vocabulary [0, ", vocab, ")");
-      rows_.pos[static_cast<std::size_t>(i)] = len_[static_cast<std::size_t>(s)];
+      rows_.pos[static_cast<std::size_t>(i)] = next_[s]++;
     }
-    rows_.validate("Decoder::step", cache_.slots, cache_.max_len);  // a slot listed twice
+    rows_.validate("Decoder::step", cache_.slots, cache_.max_len);
     Tensor<std::int32_t, cpu> host_ids(Shape{n});
     std::copy(ids.begin(), ids.end(), host_ids.data());
     Tensor<std::int32_t, B> dev_ids(Shape{n});
     copy_from_host(dev_ids, host_ids);
-    lm_.decode(dev_ids, rows_, cache_, logits_, explain ? &weights_ : nullptr);
+    lm_.decode(dev_ids, rows_, cache_, logits_, explain ? &weights_ : nullptr, logit_rows);
     for (index_t i = 0; i < n; ++i) ++len_[static_cast<std::size_t>(rows_.slot[static_cast<std::size_t>(i)])];
     host_logits_ = detail::host_values(logits_);
     host_weights_.clear();
@@ -100,8 +111,44 @@ class Decoder {
     return host_logits_;
   }
   const Tensor<T, cpu>& step(const std::vector<index_t>& slots, const std::vector<std::int32_t>& ids,
-                             bool explain = false) {
-    return step(std::span<const index_t>(slots), std::span<const std::int32_t>(ids), explain);
+                             bool explain = false, const std::vector<index_t>& logit_rows = {}) {
+    return step(std::span<const index_t>(slots), std::span<const std::int32_t>(ids), explain,
+                std::span<const index_t>(logit_rows));
+  }
+
+  // Appends a prompt (or any run of tokens) to slot s, in steps of at most `chunk` tokens, and
+  // returns the logits of its last token (V) on the host (valid until the next step or prefill):
+  // what ids.size() steps of one token would give, up to the rounding of the longer GEMMs (the
+  // LM head runs on each chunk's last row only: the others' logits are not needed). Throws
+  // graphmoe::Error, with the caches unchanged, for an empty ids, chunk < 1, an id outside the
+  // vocabulary, or more tokens than the slot has room for. weights() and experts() then describe
+  // the last chunk (without explain).
+  const Tensor<T, cpu>& prefill(index_t s, std::span<const std::int32_t> ids, index_t chunk = 256) {
+    const std::size_t u = checked(s, "prefill");
+    const index_t len = static_cast<index_t>(ids.size()), vocab = lm_.config().vocab_size;
+    GRAPHMOE_CHECK(len > 0, "Decoder::prefill", "no tokens to prefill slot ", s, " with");
+    GRAPHMOE_CHECK(chunk >= 1, "Decoder::prefill", "chunk must be >= 1 tokens per step, got ", chunk);
+    GRAPHMOE_CHECK(len <= cache_.max_len - len_[u], "Decoder::prefill", "slot ", s, " holds ",
+                   len_[u], " tokens and has room for ", cache_.max_len - len_[u],
+                   " more (the decoder's max_len is ", cache_.max_len, "), not ", len);
+    for (index_t i = 0; i < len; ++i) {
+      const std::int32_t id = ids[static_cast<std::size_t>(i)];
+      GRAPHMOE_CHECK(id >= 0 && id < vocab, "Decoder::prefill", "token ", i, " is id ", id,
+                     ", not in the model's vocabulary [0, ", vocab, ")");
+    }
+    std::vector<index_t> slots;
+    for (index_t at = 0; at < len; at += chunk) {
+      const index_t m = std::min(chunk, len - at), last = m - 1;
+      slots.assign(static_cast<std::size_t>(m), s);
+      (void)step(std::span<const index_t>(slots),
+                 ids.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(m)), false,
+                 std::span<const index_t>(&last, 1));
+    }
+    host_logits_ = host_logits_.view(Shape{vocab});  // (1, V) -> (V)
+    return host_logits_;
+  }
+  const Tensor<T, cpu>& prefill(index_t s, const std::vector<std::int32_t>& ids, index_t chunk = 256) {
+    return prefill(s, std::span<const std::int32_t>(ids), chunk);
   }
 
   // The rows of the last step (slot and position of each).
@@ -139,6 +186,7 @@ class Decoder {
   Model& lm_;
   typename Model::DecodeCache cache_;
   std::vector<index_t> len_;
+  std::vector<index_t> next_;  // step's scratch: each slot's next position
   DecodeRows rows_;
   Tensor<T, B> logits_;
   Tensor<T, cpu> host_logits_;

@@ -2,8 +2,9 @@
 //
 // Two decoders, chosen by GenerateOptions::decoding, that give the same tokens:
 //   Decoding::Incremental (the default)  inference/decoder.hpp: a KV cache per attention layer and
-//       a routing cache per MoE layer; each token costs O(t) (the prompt is fed one token per step
-//       through the same caches).
+//       a routing cache per MoE layer; each token costs O(t). The prompt is fed through the same
+//       caches in chunks of up to opt.prefill_chunk tokens per step (Decoder::prefill: GEMMs of
+//       many rows instead of one step per token); the chunks of several prompts share a step.
 //   Decoding::FullForward  the O(t^2) reference: every new token runs TransformerLM::forward over
 //       the whole context and samples from the last position's logits.
 // Both read exactly the logits of a training forward over the context (up to rounding), so greedy
@@ -16,7 +17,8 @@
 //   opt.sampling.seed = 1;
 //   opt.stop_ids = {eos};
 //   GenerateResult r = generate(lm, prompt_ids, opt, [](std::int32_t id) { print(id); });
-//   // several prompts of different lengths, decoded together (one row per sequence and step):
+//   // several prompts of different lengths, decoded together (one row per sequence and step once
+//   // the prompts are in):
 //   std::vector<GenerateResult> rs = generate_batch(lm, {p0, p1, p2}, opt);
 //
 // The context: each prompt must hold 1 to max_seq_len ids. Once prompt + generated tokens exceed
@@ -69,6 +71,7 @@ struct GenerateOptions {
   Decoding decoding = Decoding::Incremental;
   bool explain = false;                 // report each generated token's routing (on_routed)
   index_t explain_sources = 3;          // earlier positions reported per graph row (>= 1)
+  index_t prefill_chunk = 256;          // prompt tokens per sequence and step (>= 1), incremental
 };
 
 enum class StopReason {
@@ -127,6 +130,8 @@ inline void check_generate_input(const TransformerLMConfig& cfg,
                  "explain needs the incremental decoder (its routing caches hold the graph weights)");
   GRAPHMOE_CHECK(opt.explain_sources >= 1, op, "explain_sources must be >= 1, got ",
                  opt.explain_sources);
+  GRAPHMOE_CHECK(opt.prefill_chunk >= 1, op, "prefill_chunk must be >= 1, got ",
+                 opt.prefill_chunk);
   for (std::size_t b = 0; b < prompts.size(); ++b) {
     const auto& prompt = prompts[b];
     std::string which;
@@ -253,31 +258,43 @@ std::vector<GenerateResult> generate_batch(
   };
   std::vector<index_t> slots;
   std::vector<std::int32_t> ids;
+  // per step: the sequences in it and the row of each one's last token
+  std::vector<index_t> stepped, last_row;
   for (;;) {
     slots.clear();
     ids.clear();
+    stepped.clear();
+    last_row.clear();
     bool any = false;
     for (index_t b = 0; b < nseq; ++b) {
       const auto ub = static_cast<std::size_t>(b);
       if (done[ub]) continue;
       any = true;
-      if (static_cast<index_t>(context[ub].size()) > window) {
+      const index_t have = static_cast<index_t>(context[ub].size());
+      if (have > window) {
         // past the context: the window slides, a full forward per token (the header comment)
         emit(b, detail::last_logits_full_forward(lm, context[ub]).data());
         continue;
       }
-      slots.push_back(b);
-      ids.push_back(context[ub][static_cast<std::size_t>(fed[ub])]);
+      // what is not fed yet: the prompt (in chunks, as Decoder::prefill feeds it), then one token
+      const index_t m = std::min(have - fed[ub], opt.prefill_chunk);
+      for (index_t j = 0; j < m; ++j) {
+        slots.push_back(b);
+        ids.push_back(context[ub][static_cast<std::size_t>(fed[ub] + j)]);
+      }
+      stepped.push_back(b);
+      last_row.push_back(static_cast<index_t>(slots.size()) - 1);
     }
     if (!any) break;
     if (slots.empty()) continue;
-    const Tensor<T, cpu>& logits = dec.step(slots, ids, opt.explain);
+    // the logits of each sequence's last row only (row j: sequence stepped[j])
+    const Tensor<T, cpu>& logits = dec.step(slots, ids, opt.explain, last_row);
     report(dec.rows());
-    for (std::size_t r = 0; r < slots.size(); ++r) {
-      const auto ub = static_cast<std::size_t>(slots[r]);
-      ++fed[ub];
+    for (std::size_t j = 0; j < stepped.size(); ++j) {
+      const auto ub = static_cast<std::size_t>(stepped[j]);
+      fed[ub] = dec.length(stepped[j]);
       if (fed[ub] == static_cast<index_t>(context[ub].size()))
-        emit(slots[r], logits.data() + static_cast<index_t>(r) * vocab);
+        emit(stepped[j], logits.data() + static_cast<index_t>(j) * vocab);
     }
   }
   // explain: the last generated token of each sequence has not been fed; feed it to report it

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -361,9 +362,12 @@ class TransformerLM {
   // (earlier positions of that slot cached by previous steps; position 0 starts a new sequence)
   // -> logits (n, V) (reallocated when its shape differs), equal to forward's logits at those positions up to rounding. weights
   // (optional): per block, each row's graph weights over its slot's positions (n, max_len), empty
-  // for a block without a graph. Overwrites the forward caches (run forward before a backward).
+  // for a block without a graph. logit_rows (optional): only those rows' logits, (m, V) in that
+  // order: a prefill chunk needs its last row's alone, and the LM head (V x D per row) is the
+  // largest product of a row. Overwrites the forward caches (run forward before a backward).
   void decode(const Tensor<std::int32_t, B>& ids, const DecodeRows& rows, DecodeCache& cache,
-              Tensor<T, B>& logits, std::vector<Tensor<T, B>>* weights = nullptr) {
+              Tensor<T, B>& logits, std::vector<Tensor<T, B>>* weights = nullptr,
+              std::span<const index_t> logit_rows = {}) {
     check_bound("decode");
     GRAPHMOE_CHECK(cache.blocks.size() == blocks_.size(), "TransformerLM::decode",
                    "the decode cache was not made by this model's decode_cache()");
@@ -373,6 +377,10 @@ class TransformerLM {
     class_log_probs_ = Tensor<T, B>();      // backward() needs a new forward
     GRAPHMOE_CHECK(ids.rank() == 1 && ids.dim(0) == n, "TransformerLM::decode", "ids must be (",
                    n, ") for this step's rows, got ", ids.shape());
+    for (std::size_t j = 0; j < logit_rows.size(); ++j)
+      GRAPHMOE_CHECK(logit_rows[j] >= 0 && logit_rows[j] < n, "TransformerLM::decode",
+                     "logit row ", logit_rows[j], " (entry ", j, ") is outside the step's ", n,
+                     " rows");
     Tensor<std::int32_t, cpu> pos_host(Shape{n});
     for (index_t i = 0; i < n; ++i)
       pos_host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
@@ -390,7 +398,19 @@ class TransformerLM {
     }
     Tensor<T, B> xf;
     ln_f_.forward(h, xf);
-    if (logits.shape() != Shape{n, cfg_.vocab_size}) logits = Tensor<T, B>(Shape{n, cfg_.vocab_size});
+    if (!logit_rows.empty()) {  // the listed rows of xf (a gather of rows: embedding_forward)
+      const index_t m = static_cast<index_t>(logit_rows.size());
+      Tensor<std::int32_t, cpu> pick_host(Shape{m});
+      for (index_t j = 0; j < m; ++j)
+        pick_host.data()[j] = static_cast<std::int32_t>(logit_rows[static_cast<std::size_t>(j)]);
+      Tensor<std::int32_t, B> pick(Shape{m});
+      copy_from_host(pick, pick_host);
+      Tensor<T, B> picked;
+      embedding_forward(pick, xf, picked);
+      xf = picked;
+    }
+    const index_t m = xf.rows();
+    if (logits.shape() != Shape{m, cfg_.vocab_size}) logits = Tensor<T, B>(Shape{m, cfg_.vocab_size});
     gemm(Trans::N, Trans::T, T(1), xf, head_weight(), T(0), logits);
   }
 

@@ -1,5 +1,8 @@
-// graphmoe/ops/decode.hpp: the incremental-decoding ops, one new token per sequence slot and step
-// (core/decode.hpp: DecodeRows, KVCache, AttentionStep and the graphs' routing caches).
+// graphmoe/ops/decode.hpp: the incremental-decoding ops, one new token per row of a step, one row
+// per sequence slot or a chunk of a slot's rows at consecutive positions (core/decode.hpp:
+// DecodeRows, KVCache, AttentionStep and the graphs' routing caches). Every op appends all the
+// rows' cache entries (below: the assignments to K, V, U, R, msq) before any row reads the cache,
+// so the row at t of a chunk reads what the chunk's earlier rows wrote.
 //
 //   attention_decode        row i (slot s, position t): K_h[s, t] = k_ih, V_h[s, t] = v_ih, then
 //                           for every head  A = softmax_j(q_ih . K_h[s, j] / sqrt(dh)), j <= t,

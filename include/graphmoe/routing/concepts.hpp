@@ -173,9 +173,11 @@ concept TokenGraphPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> &&
 //                                                  dims.max_len tokens
 //   decode(u, r, const GraphDecodeContext<T, B>&, C&, p)
 //                             ctx.rows: one new token per row (its slot and position t, earlier
-//                             positions cached); writes what later tokens need at position t
-//                             (reading only positions < t, so that a slot can be rewound to any
-//                             position, core/decode.hpp), assigns p (n, E)
+//                             positions cached or in the same step: a slot may have a chunk of
+//                             rows at consecutive positions); writes what later tokens need at
+//                             position t for every row before any row reads (reading only
+//                             positions <= t, so that a slot can be rewound to any position,
+//                             core/decode.hpp), assigns p (n, E)
 //                             equal to the forward's p of that token in a causal sequence; fills
 //                             *ctx.weights (n, max_len) with the row's graph weights if asked
 // (routing/graphs/*.hpp: Independent keeps nothing, Similarity u and r, Attention r and one value

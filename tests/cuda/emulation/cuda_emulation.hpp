@@ -66,6 +66,13 @@ namespace graphmoe_cuda_emulation {
 // launch configuration, a barrier some threads cannot reach, or an exception escaping a thread.
 void launch(const char* signature, dim3 grid, dim3 block, const std::function<void()>& body);
 
+// Runs the blocks of every later launch in descending order (the last block of the grid first)
+// while on, ascending (the default) otherwise. A GPU runs a grid's blocks in any order, and
+// concurrently: a kernel whose block reads what another block of the same launch writes is wrong
+// there, but may pass here when the writer happens to run first; a test turns this on to run
+// such a kernel the other way round (tests/cuda/test_cuda_decode.cu: the chunks of a decode step).
+void set_blocks_descending(bool on);
+
 // The current thread waits until every thread of its block has called it.
 void block_barrier();
 

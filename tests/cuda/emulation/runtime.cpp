@@ -71,9 +71,12 @@ graphmoe_emu_switch:
 namespace {
 std::string& pending_corruption();  // below, with the memory checks
 graphmoe_cuda_emulation::Counters counted;
+bool blocks_descending = false;  // set_blocks_descending
 }  // namespace
 
 graphmoe_cuda_emulation::Counters graphmoe_cuda_emulation::counters() { return counted; }
+
+void graphmoe_cuda_emulation::set_blocks_descending(bool on) { blocks_descending = on; }
 
 namespace graphmoe_cuda_emulation {
 namespace {
@@ -324,7 +327,9 @@ void launch(const char* signature, dim3 grid, dim3 block, const std::function<vo
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = uint3{x, y, z};
+        blockIdx = blocks_descending
+                       ? uint3{grid.x - 1 - x, grid.y - 1 - y, grid.z - 1 - z}
+                       : uint3{x, y, z};
         run_block(s);
         if (s.error) {
           try {

@@ -1,12 +1,14 @@
 // graphmoe/backend/cpu/decode.hpp: the CPU system's incremental decoding ops (contract and
 // argument checks: ops/decode.hpp, which calls these through the backend tag).
 //
-// Each row of a step is one token of one slot at position t (core/decode.hpp); it first appends
-// what later tokens read to its slot's caches, then reads positions [0, t]. The arithmetic is the
-// forward's (backend/cpu/attention.hpp, backend/cpu/token_graph.hpp) for one row: the same
-// softmax, entropy and floor formulas, so a decoded row equals the forward's row up to the
-// rounding of the products' summation order. Rows (and, for attention, heads) run in parallel;
-// every item writes only its own row and its own slot's cache entries.
+// Each row of a step is one token of one slot at position t (core/decode.hpp); a slot may have a
+// chunk of rows at consecutive positions, and the row at t reads positions [0, t], which other
+// rows of the same step may write. So every op runs an append pass (every row writes what later
+// tokens read into its slot's caches at its position) before the passes that read. The
+// arithmetic is the forward's (backend/cpu/attention.hpp, backend/cpu/token_graph.hpp) for one
+// row: the same softmax, entropy and floor formulas, so a decoded row equals the forward's row up
+// to the rounding of the products' summation order. Within a pass rows (and, for attention,
+// heads) run in parallel; every item writes only its own row and its own position's cache entries.
 #pragma once
 
 #include <algorithm>
@@ -40,16 +42,23 @@ void attention_decode(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
   const index_t n = rows.size(), nh = kv.heads(), len_max = kv.max_len(), dh = kv.head_dim();
   const index_t width = nh * dh;
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
+  auto base_of = [&](index_t i, index_t h) {
+    return (rows.slot[static_cast<std::size_t>(i)] * nh + h) * len_max * dh;
+  };
+  // (1) every row's k and v into the cache (a chunk's later rows read its earlier rows' entries)
+  parallel_items(n, [&](index_t i) {
+    const index_t t = rows.pos[static_cast<std::size_t>(i)];
+    for (index_t h = 0; h < nh; ++h) {
+      std::copy_n(k.data() + i * width + h * dh, dh, kv.k.data() + base_of(i, h) + t * dh);
+      std::copy_n(v.data() + i * width + h * dh, dh, kv.v.data() + base_of(i, h) + t * dh);
+    }
+  });
+  // (2) per (row, head): the scores over positions 0..t, the softmax and o = A V
   parallel_items(n * nh, [&](index_t item) {
     const index_t i = item / nh, h = item % nh;
-    const index_t s = rows.slot[static_cast<std::size_t>(i)];
-    const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
-    const index_t base = (s * nh + h) * len_max * dh;
-    T* kc = kv.k.data() + base;
-    T* vc = kv.v.data() + base;
-    std::copy_n(k.data() + i * width + h * dh, dh, kc + t * dh);
-    std::copy_n(v.data() + i * width + h * dh, dh, vc + t * dh);
-    const MatrixMap<T> K(kc, len, dh), V(vc, len, dh);
+    const index_t len = rows.pos[static_cast<std::size_t>(i)] + 1;
+    const MatrixMap<T> K(kv.k.data() + base_of(i, h), len, dh),
+        V(kv.v.data() + base_of(i, h), len, dh);
     const detail::ConstRowVectorMap<T> qh(q.data() + i * width + h * dh, dh);
     detail::RowVectorMap<T> p(probs.data() + (i * nh + h) * len_max, len);
     p.noalias() = qh * K.transpose();  // raw scores; the scale is applied inside the softmax
@@ -62,7 +71,8 @@ void attention_decode(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
 // u (n, D), r (n, E); cache.u (S, L, D), cache.r (S, L, E); p (n, E) and weights (null or (n, L),
 // zeroed) prepared by ops/decode.hpp; w_s is (D, D) under projection. inv_tau = 1 / tau.
 //
-// Three passes: (1) append u_i and r_i, q_i = u_i (or u_i W_s); (2) the scores q_i . u_j / tau in
+// Three passes: (1) append u_i and r_i of every row (a chunk's later rows read them), q_i = u_i
+// (or u_i W_s); (2) the scores q_i . u_j / tau in
 // blocks of kSimilarityDecodeBlock positions, every (row, block) an item, so that a single row of
 // a batch-1 step reads its slot's cache (L x D values, the step's largest read) on every thread;
 // (3) per row, the forward's softmax_block and p_i = S_i R. Only the order in which pass 2's items
@@ -140,10 +150,11 @@ index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& r
   const MatrixMap<T> Wo = as_matrix(step.w_o);
   heads.assign(static_cast<std::size_t>(n), 0);
   std::vector<index_t> bad(static_cast<std::size_t>(n), 0);
+  // (1) every row's slot caches: r_t and |m_ht|^2 - |b_o|^2 of every head (the rows of a chunk
+  // read each other's entries below)
   parallel_items(n, [&](index_t i) {
     const index_t s = rows.slot[static_cast<std::size_t>(i)];
-    const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
-    // the slot's caches: r_t, |m_ht|^2 - |b_o|^2 of every head, the entropy sums; h* of the prefix
+    const index_t t = rows.pos[static_cast<std::size_t>(i)];
     std::copy_n(r.data() + i * e, e, cache.r.data() + (s * len_max + t) * e);
     Eigen::Matrix<T, Eigen::Dynamic, 1> y(d);
     for (index_t h = 0; h < nh; ++h) {
@@ -153,10 +164,18 @@ index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& r
       if (!step.b_o.empty()) msq += T(2) * fh * y.dot(as_vector(step.b_o));
       cache.msq.data()[(s * nh + h) * len_max + t] = msq;
     }
-    const int best = decode_choose_head(cache.entropy_prefix, s, t, len_max, nh,
-                                        step.row_entropy.data() + i * nh);
-    heads[static_cast<std::size_t>(i)] = best;
-    const index_t h = best;
+  });
+  // (2) the entropy prefix sums and h*, in row order (entry t adds to entry t - 1, which an
+  // earlier row of the same chunk may have written)
+  for (index_t i = 0; i < n; ++i)
+    heads[static_cast<std::size_t>(i)] = decode_choose_head(
+        cache.entropy_prefix, rows.slot[static_cast<std::size_t>(i)],
+        rows.pos[static_cast<std::size_t>(i)], len_max, nh, step.row_entropy.data() + i * nh);
+  // (3) per row, the posterior over positions 0..t and p_i
+  parallel_items(n, [&](index_t i) {
+    const index_t s = rows.slot[static_cast<std::size_t>(i)];
+    const index_t t = rows.pos[static_cast<std::size_t>(i)], len = t + 1;
+    const index_t h = heads[static_cast<std::size_t>(i)];
     // q = H a W_o,h (dh); logits log A + (q . v_j - msq_j / 2) / sigma^2, -inf at or below the floor
     const detail::ConstRowVectorMap<T> a(step.out.data() + i * d, d);
     const Eigen::Matrix<T, 1, Eigen::Dynamic> q = fh * a * Wo.middleCols(h * dh, dh);

@@ -2,20 +2,25 @@
 // argument checks: ops/decode.hpp, which calls these through the backend tag), on Tensor<T, cuda>
 // with T = float or double.
 //
-// A decode step has n rows (one new token per sequence slot, at position t of its slot), and each
-// row costs O(t): one thread block per row (and, for attention, per head) does the row's work in
-// global memory, with block reductions for the maxima and sums:
+// A decode step has n rows (a new token at position t of its slot; a slot may have a chunk of
+// rows at consecutive positions, core/decode.hpp), and each row costs O(t): one thread block per
+// row (and, for attention, per head) does the row's work in global memory, with block reductions
+// for the maxima and sums. The row at t reads its slot's positions 0..t, which other rows (other
+// blocks) of the same step may write, so each op appends in one kernel launch and reads in the
+// next (a launch boundary orders every block's writes before the next kernel's reads):
 //
-//   attention_decode         one block per (row, head): appends k and v at position t of the
-//                            slot's cache, scores q . K_j for j <= t into the probs row, the
-//                            softmax and its entropy (the forward's formulas,
+//   attention_decode         an append kernel (k and v of every row at position t of its slot),
+//                            then one block per (row, head): scores q . K_j for j <= t into the
+//                            probs row, the softmax and its entropy (the forward's formulas,
 //                            backend/cuda/attention.cuh), then o = A V
-//   similarity_graph_decode  one block per row: appends u and r, q = u (or u W_s), the row of S
-//                            over j <= t (exclude_self as the CPU masks it), then p = S R
+//   similarity_graph_decode  an append kernel (u and r of every row, q = u or u W_s), then one
+//                            block per row: the row of S over j <= t (exclude_self as the CPU
+//                            masks it), then p = S R
 //   attention_graph_decode   the row entropies (n H values) are read back to the host, where the
-//                            prefix sums and h* are computed in double (decode_choose_head,
-//                            core/decode.hpp, the CPU's code); then one block per (row, head)
-//                            appends r and |m_ht|^2, and one block per row computes
+//                            prefix sums and h* are computed in double in row order
+//                            (decode_choose_head, core/decode.hpp, the CPU's code); then one
+//                            block per (row, head) appends r and |m_ht|^2, and one block per row
+//                            computes
 //                            q = H a W_o,h*, the posterior logits over j <= t (the prior floor,
 //                            core/attention_cache.hpp, as the CPU applies it), their softmax
 //                            (summed in double, as the CPU sums it) and p = A^p R. A row whose
@@ -23,8 +28,8 @@
 //
 // The step's slots and positions (and h*) go to the device in one small copy per op; the
 // Attention graph synchronises twice more (the entropies, the flag). Every block writes only its
-// own rows of the outputs and its own slot's cache entries (the slots of a step are distinct), so
-// no atomics are needed beyond the flag. The rows' products are plain loops in T, in another
+// own rows of the outputs and its own row's cache entries (the rows of a step are at distinct
+// (slot, position) pairs), so no atomics are needed beyond the flag. The rows' products are plain loops in T, in another
 // order than the CPU's Eigen products: double agrees with the CPU to about 1e-15 relative, float
 // to about 1e-6. args.precision is not read (the CPU decodes in T too).
 #pragma once
@@ -88,25 +93,37 @@ __device__ T decode_dot(const T* x, const T* y, index_t n) {
   return acc;
 }
 
-// Block (row i, head h), item = i H + h. kc, vc (S, H, L, dh); probs (n, H, L); entropy (n, H);
-// q, k, v, out (n, H dh); rows (2, n).
+// Block row i: k_i and v_i (every head) at position t of the slot's cache. kc, vc (S, H, L, dh);
+// k, v (n, H dh); rows (2, n).
 template <class T>
-__global__ void attention_decode_kernel(const T* q, const T* k, const T* v, const index_t* rows,
-                                        T* kc, T* vc, T* probs, T* entropy, T* out, index_t n,
-                                        index_t nh, index_t len_max, index_t dh, T scale) {
+__global__ void attention_decode_append_kernel(const T* k, const T* v, const index_t* rows, T* kc,
+                                               T* vc, index_t n, index_t nh, index_t len_max,
+                                               index_t dh) {
+  const index_t width = nh * dh;
+  for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const index_t s = rows[i], t = rows[n + i];
+    for (index_t c = threadIdx.x; c < width; c += blockDim.x) {
+      const index_t h = c / dh, at = ((s * nh + h) * len_max + t) * dh + c % dh;
+      kc[at] = k[i * width + c];
+      vc[at] = v[i * width + c];
+    }
+  }
+}
+
+// Block (row i, head h), item = i H + h, after the append kernel. kc, vc (S, H, L, dh); probs
+// (n, H, L); entropy (n, H); q, out (n, H dh); rows (2, n).
+template <class T>
+__global__ void attention_decode_kernel(const T* q, const index_t* rows, const T* kc, const T* vc,
+                                        T* probs, T* entropy, T* out, index_t n, index_t nh,
+                                        index_t len_max, index_t dh, T scale) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   const index_t width = nh * dh;
   for (index_t item = blockIdx.x; item < n * nh; item += gridDim.x) {
     const index_t i = item / nh, h = item % nh;
     const index_t s = rows[i], t = rows[n + i], len = t + 1;
-    const index_t at = i * width + h * dh;  // row i, head h of q, k, v and out
-    T* kh = kc + (s * nh + h) * len_max * dh;
-    T* vh = vc + (s * nh + h) * len_max * dh;
-    for (index_t c = threadIdx.x; c < dh; c += blockDim.x) {
-      kh[t * dh + c] = k[at + c];
-      vh[t * dh + c] = v[at + c];
-    }
-    __syncthreads();  // k_t is read by every thread below
+    const index_t at = i * width + h * dh;  // row i, head h of q and out
+    const T* kh = kc + (s * nh + h) * len_max * dh;
+    const T* vh = vc + (s * nh + h) * len_max * dh;
     T* row = probs + item * len_max;
     T m = ninf;
     for (index_t j = threadIdx.x; j < len; j += blockDim.x) {
@@ -137,27 +154,33 @@ __global__ void attention_decode_kernel(const T* q, const T* k, const T* v, cons
   }
 }
 
-// Block row i. uc (S, L, D), rc (S, L, E); u, q (n, D); r, p (n, E); w (n, L) the rows of S;
-// w_s (D, D) or null; rows (2, n).
+// Block row i: u_i and r_i at position t of the slot's caches, q_i = u_i W_s when w_s is given.
+// uc (S, L, D), rc (S, L, E); u, q (n, D); r (n, E); rows (2, n).
 template <class T>
-__global__ void similarity_decode_kernel(const T* u, const T* r, const index_t* rows,
-                                         const T* w_s, T* q, T* uc, T* rc, T* w, T* p, index_t n,
-                                         index_t d, index_t e, index_t len_max, T inv_tau,
-                                         bool exclude_self) {
+__global__ void similarity_decode_append_kernel(const T* u, const T* r, const index_t* rows,
+                                                const T* w_s, T* q, T* uc, T* rc, index_t n,
+                                                index_t d, index_t e, index_t len_max) {
+  for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const index_t s = rows[i], t = rows[n + i];
+    for (index_t c = threadIdx.x; c < d; c += blockDim.x) uc[(s * len_max + t) * d + c] = u[i * d + c];
+    for (index_t c = threadIdx.x; c < e; c += blockDim.x) rc[(s * len_max + t) * e + c] = r[i * e + c];
+    if (w_s != nullptr) decode_row_times_matrix(u + i * d, w_s, d, d, d, T(1), q + i * d);
+  }
+}
+
+// Block row i, after the append kernel. uc (S, L, D), rc (S, L, E); qs (n, D) the queries (u, or
+// u W_s); p (n, E); w (n, L) the rows of S; rows (2, n).
+template <class T>
+__global__ void similarity_decode_kernel(const T* qs, const index_t* rows, const T* uc,
+                                         const T* rc, T* w, T* p, index_t n, index_t d, index_t e,
+                                         index_t len_max, T inv_tau, bool exclude_self) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   constexpr T lowest = std::numeric_limits<T>::lowest();
   for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
     const index_t s = rows[i], t = rows[n + i], len = t + 1;
-    T* us = uc + s * len_max * d;
+    const T* us = uc + s * len_max * d;
     const T* rs = rc + s * len_max * e;
-    for (index_t c = threadIdx.x; c < d; c += blockDim.x) us[t * d + c] = u[i * d + c];
-    for (index_t c = threadIdx.x; c < e; c += blockDim.x) rc[(s * len_max + t) * e + c] = r[i * e + c];
-    const T* qi = u + i * d;
-    if (w_s != nullptr) {
-      decode_row_times_matrix(u + i * d, w_s, d, d, d, T(1), q + i * d);
-      qi = q + i * d;
-    }
-    __syncthreads();  // u_t, r_t and q complete
+    const T* qi = qs + i * d;
     // the forward's row softmax; exclude_self leaves the own entry out when the row has another
     const bool mask = exclude_self && len > 1;
     T* row = w + i * len_max;
@@ -288,10 +311,15 @@ void attention_decode(cuda, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
   const index_t n = rows.size(), nh = kv.heads(), dh = kv.head_dim();
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
   const Tensor<index_t, cuda> dev_rows = detail::decode_rows_to_device(rows);
+  // every row's k and v first: a chunk's rows read each other's (the header comment)
+  detail::launch_kernel<detail::attention_decode_append_kernel<T>>(
+      detail::grid_for_rows(n), detail::threads_for_row(nh * dh), k.data(), v.data(),
+      dev_rows.data(), kv.k.data(), kv.v.data(), n, nh, kv.max_len(), dh);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::launch_kernel<detail::attention_decode_kernel<T>>(
-      detail::grid_for_rows(n * nh), detail::decode_threads(rows, dh), q.data(), k.data(),
-      v.data(), dev_rows.data(), kv.k.data(), kv.v.data(), probs.data(), row_entropy.data(),
-      out.data(), n, nh, kv.max_len(), dh, scale);
+      detail::grid_for_rows(n * nh), detail::decode_threads(rows, dh), q.data(), dev_rows.data(),
+      kv.k.data(), kv.v.data(), probs.data(), row_entropy.data(), out.data(), n, nh, kv.max_len(),
+      dh, scale);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -311,11 +339,16 @@ void similarity_graph_decode(cuda, const Tensor<T, cuda>& u, const Tensor<T, cud
   Tensor<T, cuda> scratch = weights == nullptr ? Tensor<T, cuda>(Shape{n, len_max})
                                                : Tensor<T, cuda>();
   T* w = weights != nullptr ? weights->data() : scratch.data();
-  detail::launch_kernel<detail::similarity_decode_kernel<T>>(
-      detail::grid_for_rows(n), detail::decode_threads(rows, std::max(d, e)), u.data(), r.data(),
+  // every row's u, r (and query) first: a chunk's rows read each other's (the header comment)
+  detail::launch_kernel<detail::similarity_decode_append_kernel<T>>(
+      detail::grid_for_rows(n), detail::threads_for_row(std::max(d, e)), u.data(), r.data(),
       dev_rows.data(), args.projection ? w_s.data() : nullptr,
-      args.projection ? q.data() : nullptr, cache.u.data(), cache.r.data(), w, p.data(), n, d, e,
-      len_max, static_cast<T>(1.0 / tau), args.exclude_self);
+      args.projection ? q.data() : nullptr, cache.u.data(), cache.r.data(), n, d, e, len_max);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  detail::launch_kernel<detail::similarity_decode_kernel<T>>(
+      detail::grid_for_rows(n), detail::decode_threads(rows, std::max(d, e)),
+      args.projection ? q.data() : u.data(), dev_rows.data(), cache.u.data(), cache.r.data(), w,
+      p.data(), n, d, e, len_max, static_cast<T>(1.0 / tau), args.exclude_self);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -334,7 +367,8 @@ index_t attention_graph_decode(cuda, const Tensor<T, cuda>& r, const DecodeRows&
   const index_t len_max = kv.max_len(), dh = kv.head_dim(), d = nh * dh;
   const T fh = static_cast<T>(nh);
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
-  // h* on the host, from the step's row entropies (one read-back), in the CPU's arithmetic
+  // h* on the host, from the step's row entropies (one read-back), in the CPU's arithmetic, in row
+  // order (a chunk's row at t adds to the prefix sum of the row at t - 1)
   const Tensor<T, cpu> ent = to_host(step.row_entropy);  // (n, H)
   heads.assign(static_cast<std::size_t>(n), 0);
   for (index_t i = 0; i < n; ++i)
