@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds a subset of the CPU tests with AddressSanitizer + UndefinedBehaviorSanitizer
-# (-DGRAPHMOE_SANITIZE=ON: -fsanitize=address,undefined -fno-sanitize-recover=all -O1 -g, no
+# (-DGRAPHMOE_SANITIZE=ON: -fsanitize=address,undefined -fno-sanitize-recover=all -O0 -g1, no
 # -march=native, CUDA off) in its own build folder and runs them with ctest.
 #
 #   bash scripts/sanitize.sh            from the repository root (CI runs it after the main tests)
@@ -35,7 +35,7 @@
 #   test_extension_api       testing/router_gradcheck.hpp (the public gradient checker; its
 #                            testing/gradcheck.hpp runs in every test's gradient check), core/mode.hpp,
 #                            the router's lifecycle and shape checks on user policies
-#   test_inference           inference/ (the Sampler, generate on a tiny LM)
+#   test_inference           inference/ (the Sampler, generate on a tiny LM; not test_decode)
 #   test_sanitize_umbrella   graphmoe.hpp, train/datasets.hpp (include-only headers),
 #                            routing/registry, train/progress (no other test includes them)
 #   test_data                the readers on the real data sets, when ../shared/data is there
