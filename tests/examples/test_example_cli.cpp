@@ -223,7 +223,7 @@ TEST_CASE("examples: every numeric option refuses out-of-range and malformed num
   check_refused(run(s, kTrainVision, {"--severity", "6"}), {"--severity: value 6 is out of range; expected an integer in [1, 5]"});
 }
 
-TEST_CASE("examples: train_lm --precision bf16 is refused on the CPU, naming the option; a checkpoint records the precision") {
+TEST_CASE("examples: train_lm --precision bf16 is refused on the CPU naming the option, and checkpoints record the precision") {
   Scratch s("precision");
   const std::string corpus = s / "corpus.txt";
   test::write_word_corpus(corpus);
