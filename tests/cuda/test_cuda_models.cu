@@ -6,6 +6,9 @@
 //
 //   tolerance   float 1e-4, double 1e-10 (normwise per tensor; losses relative)
 //
+// The mixed-precision LM (compute type __nv_bfloat16, train_lm --precision bf16) is compared with
+// the fp32 CUDA LM instead, with tolerances derived from bf16's unit roundoff (MixedTolerance).
+//
 // Without a CUDA device every case passes with "skipped: no CUDA device" (compiled by nvcc in CI,
 // run in full by scripts/gpu-check.sh).
 #include <doctest/doctest.h>
