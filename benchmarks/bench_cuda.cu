@@ -41,6 +41,9 @@
 //     (forward with the loss, zero_grad, backward, clip_grad_norm(1.0), AdamW) at
 //     TransformerLMConfig::paper_medium (6 layers, D = 352, 8 heads, E = 16, top-2) with a
 //     vocabulary of 1024, batch 4 x 512 tokens. Counter tokens/s.
+//   lm_train/bf16/<router>   the same step with TransformerLM<Router, float, graphmoe::cuda,
+//     __nv_bfloat16> (train_lm --precision bf16): every GEMM on bf16 operands with fp32
+//     accumulation, fp32 master weights and AdamW state.
 //   decode/float/<router>/b<batch>/p<prompt>   incremental decoding (inference/decoder.hpp) on the
 //     GPU: TransformerLM<Router, float, graphmoe::cuda> at paper_medium with a vocabulary of 10000
 //     and max_seq_len 1088, `batch` slots prefilled with `prompt` tokens (untimed), then one step
@@ -439,12 +442,12 @@ void BM_graph(benchmark::State& state, bool backward, MoeShape shape, GraphPreci
 }
 
 // ---- LM training step -------------------------------------------------------------------------
-template <class Policy>
+template <class Policy, class C = float>
 void BM_lm_train(benchmark::State& state) {
   guarded(state, [&] {
     using T = float;
-    TransformerLM<Policy, T, graphmoe::cuda> lm(TransformerLMConfig::paper_medium(kVocab),
-                                                /*seed=*/1);
+    TransformerLM<Policy, T, graphmoe::cuda, C> lm(TransformerLMConfig::paper_medium(kVocab),
+                                                   /*seed=*/1);
     AdamWConfig acfg;
     acfg.lr = 1e-3;
     acfg.weight_decay = 0.01;
@@ -665,6 +668,13 @@ void register_all() {
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("lm_train/float/similarity", BM_lm_train<SimilarityRouter>)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("lm_train/bf16/softmax", BM_lm_train<SoftmaxRouter, __nv_bfloat16>)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("lm_train/bf16/similarity",
+                               BM_lm_train<SimilarityRouter, __nv_bfloat16>)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
   register_decode<SoftmaxRouter>("softmax");

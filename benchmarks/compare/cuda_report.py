@@ -49,6 +49,7 @@ TARGET_LARGE_RATIOS = {"similarity": 1.05, "attention": 1.07}
 TARGET_TC_RATIOS = {"float": ("similarity-tf32", 1.10), "bf16": ("similarity-bf16", 1.10)}
 TARGET_TC_ATTENTION = 1.15
 TARGET_GRAPH_TFLOPS = 150.0
+TARGET_LM_TOKENS = 500_000  # (f): paper_medium LM training, bf16 (train_lm --precision bf16)
 SQUARE = "square_NN"
 SLOTS = "all_slots_NT"
 
@@ -284,17 +285,21 @@ def main():
 
     rows = []
     lm = {}
-    for router in ("softmax", "similarity"):
-        r = get(f"lm_train/float/{router}")
-        lm[router] = r.seconds() if r else None
-        tok = r.counters.get("tokens/s") if r else None
-        rows.append([router, fmt(r.seconds() * 1e3 if r else None, ".2f"),
-                     fmt(tok, ",.0f"), fmt(r.counters.get("loss") if r else None, ".3f")])
-    print("## LM training step (paper_medium, vocabulary 1024, batch 4 x 512, float)")
+    for precision in ("float", "bf16"):
+        for router in ("softmax", "similarity"):
+            r = get(f"lm_train/{precision}/{router}")
+            lm[precision, router] = r.seconds() if r else None
+            tok = r.counters.get("tokens/s") if r else None
+            rows.append([router, precision, fmt(r.seconds() * 1e3 if r else None, ".2f"),
+                         fmt(tok, ",.0f"), fmt(r.counters.get("loss") if r else None, ".3f")])
+    print("## LM training step (paper_medium, vocabulary 1024, batch 4 x 512; float, and bf16 "
+          "GEMMs with fp32 master weights)")
     print()
-    table(["router", "ms/step", "tokens/s", "loss"], rows)
-    lm_ratio = ratio(lm["similarity"], lm["softmax"])
-    print(f"similarity / softmax step time: {fmt(lm_ratio, '.3f')}")
+    table(["router", "precision", "ms/step", "tokens/s", "loss"], rows)
+    lm_ratio = ratio(lm["float", "similarity"], lm["float", "softmax"])
+    print(f"similarity / softmax step time (float): {fmt(lm_ratio, '.3f')}")
+    print(f"bf16 / float step time (softmax): "
+          f"{fmt(ratio(lm['bf16', 'softmax'], lm['float', 'softmax']), '.3f')}")
     print()
 
     rows = []
@@ -386,6 +391,11 @@ def main():
                                  ("met" if rate / 1e12 >= TARGET_GRAPH_TFLOPS else "missed") + ")")
     print(f"(e) Similarity graph alone, bf16 products, large shape, fwd+bwd: "
           f"{fmt(rate / 1e12 if rate else None, '.1f')} TFLOP/s of causal products{v}")
+    r = get("lm_train/bf16/softmax")
+    tok = r.counters.get("tokens/s") if r else None
+    v = "" if tok is None else (f" (target >= {TARGET_LM_TOKENS:,}: " +
+                                ("met" if tok >= TARGET_LM_TOKENS else "missed") + ")")
+    print(f"(f) medium LM training, bf16 (lm_train/bf16/softmax): {fmt(tok, ',.0f')} tokens/s{v}")
     return 0
 
 

@@ -27,4 +27,12 @@ using graphmoe::detail::host_values;
 template <class B>
 void require_device(const char*) {}
 
+// The GEMM compute type of --precision bf16 on backend B (the models' mixed precision, C in
+// TransformerLM<Policy, float, B, C>): void where B has none (the CPU); __nv_bfloat16 for CUDA,
+// specialised in common/device_cuda.cuh.
+template <class B>
+struct Bf16Compute {
+  using type = void;
+};
+
 }  // namespace examples

@@ -14,4 +14,9 @@ inline void require_device<graphmoe::cuda>(const char* program) {
   std::fprintf(stderr, "%s: device %s\n", program, graphmoe::cuda_device_name().c_str());
 }
 
+template <>
+struct Bf16Compute<graphmoe::cuda> {
+  using type = __nv_bfloat16;
+};
+
 }  // namespace examples

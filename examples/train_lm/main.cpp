@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
   app.add_option("--dp", opt.dp.ranks, "data parallel over N MPI processes (mpirun -n N ... --dp N; docs/distributed.md)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--ep", opt.dp.experts, "expert parallel: split every MoE layer's experts over the --dp ranks (1, or the --dp N; --experts a multiple of N)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--precision", opt.precision, "fp32, or bf16 with --device cuda: every GEMM (projections, experts, LM head) on bf16 operands with fp32 accumulation; fp32 master weights, optimizer state, LayerNorm, softmax and routers")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
   app.add_option("--sample-tokens", opt.sample_tokens, "tokens of the sample printed at the end (0: none)")->check(examples::integer<index_t>(0, 100000));
@@ -133,6 +134,10 @@ int main(int argc, char** argv) {
         examples::throw_same_on_every_rank("train_lm", "--dp ", opt.dp.ranks,
                                            " needs --device cpu (the MPI communicator moves host memory)");
     }
+    if (opt.precision == "bf16" && opt.device != "cuda")
+      examples::throw_same_on_every_rank(
+          "train_lm", "--precision bf16 needs --device cuda (mixed precision runs the GEMMs on "
+          "the GPU's bf16 tensor cores; --device ", opt.device, " computes in fp32)");
     examples::require_cpu_router("train_lm", opt.router, opt.device);
     train_lm::Data data;
     std::vector<std::int32_t> stream;

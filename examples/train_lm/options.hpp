@@ -34,6 +34,9 @@ struct Options {
   int threads = 2;
   examples::DataParallel dp;  // --dp N (ranks; the communicator main() set up when N > 1)
   std::string device = "cpu";  // cpu, or cuda when built with GRAPHMOE_ENABLE_CUDA
+  // fp32, or bf16 (--device cuda only): every GEMM of the model on bf16 operands with fp32
+  // accumulation, fp32 master weights and optimizer state (TransformerLM's compute type C)
+  std::string precision = "fp32";
   std::string out_dir = "runs/lm";
   bool resume = false;
   examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss

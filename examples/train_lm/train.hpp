@@ -21,6 +21,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -101,8 +102,10 @@ void print_sample(Model& lm, const Options& opt, const Data& data) {
               one_line(data.detokenize(r.tokens)).c_str());
 }
 
-template <class Policy, class B>
-int run(const Options& opt, const Data& data) {
+// The loop for one model type: C is the GEMM compute type (Scalar, or bf16 with --precision bf16
+// on CUDA); parameters, optimizer state and checkpoints are Scalar either way.
+template <class Policy, class B, class C>
+int run_model(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
   set_num_threads(opt.threads);
   examples::require_device<B>("train_lm");
@@ -110,9 +113,8 @@ int run(const Options& opt, const Data& data) {
   mc.vocab_size = static_cast<index_t>(data.vocab_size);
   // --ep: the experts of every MoE layer split over the ranks (the same seed everywhere gives
   // one process's model); the rest is data parallel as with --dp alone
-  TransformerLM<Policy, Scalar, B> lm = opt.dp.expert_parallel()
-                                            ? TransformerLM<Policy, Scalar, B>(mc, opt.seed, *opt.dp.comm)
-                                            : TransformerLM<Policy, Scalar, B>(mc, opt.seed);
+  using Model = TransformerLM<Policy, Scalar, B, C>;
+  Model lm = opt.dp.expert_parallel() ? Model(mc, opt.seed, *opt.dp.comm) : Model(mc, opt.seed);
   const index_t seq = mc.max_seq_len;
   LMBatcher train(data.train, opt.batch, seq);
   LMBatcher valid(data.valid, opt.batch, seq);
@@ -144,6 +146,13 @@ int run(const Options& opt, const Data& data) {
     load_training_state(f, lm.arena(), adam);
     if (root)
       std::fprintf(stderr, "resumed from %s at step %lld\n", ckpt.c_str(), static_cast<long long>(step));
+    // the master weights and the optimizer state are fp32 at either precision, so a checkpoint
+    // resumes at either; a change is worth a line (checkpoints before the field: fp32)
+    const auto saved_precision = f.metadata.find("precision");
+    const std::string was = saved_precision == f.metadata.end() ? "fp32" : saved_precision->second;
+    if (root && was != opt.precision)
+      std::fprintf(stderr, "train_lm: the checkpoint was trained with --precision %s, this run "
+                   "continues with --precision %s\n", was.c_str(), opt.precision.c_str());
   }
   if (dp.active()) {
     // every rank read the checkpoint (the output directory must be visible to all of them);
@@ -159,7 +168,7 @@ int run(const Options& opt, const Data& data) {
   auto save = [&](std::int64_t at_step) {
     const std::map<std::string, std::string> meta = {
         {"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
-        {"format", "graphmoe-lm-1"}};
+        {"format", "graphmoe-lm-1"}, {"precision", opt.precision}};
     // rank 0 writes (with --ep every rank takes part: the experts are gathered to rank 0)
     if (opt.keep_checkpoints)
       examples::save_training_state(dp, (fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +
@@ -302,6 +311,23 @@ int run(const Options& opt, const Data& data) {
   if (root) std::printf("\n");
   if (root && opt.sample_tokens > 0 && data.detokenize) print_sample(lm, opt, data);
   return 0;
+}
+
+// --precision: fp32 (the default, every backend) or bf16 (a backend with a bf16 compute type,
+// examples::Bf16Compute: CUDA). Both models are instantiated in the backend's one translation
+// unit; main() refuses bf16 on the CPU before any data is read, and this check repeats it.
+template <class Policy, class B>
+int run(const Options& opt, const Data& data) {
+  using Bf16 = typename examples::Bf16Compute<B>::type;
+  if (opt.precision == "bf16") {
+    if constexpr (!std::is_void_v<Bf16>) {
+      return run_model<Policy, B, Bf16>(opt, data);
+    } else {
+      GRAPHMOE_USER_CHECK(false, "train_lm", "--precision bf16 needs --device cuda (the ",
+                          B::name, " backend computes in fp32)");
+    }
+  }
+  return run_model<Policy, B, Scalar>(opt, data);
 }
 
 }  // namespace train_lm

@@ -223,6 +223,24 @@ TEST_CASE("examples: every numeric option refuses out-of-range and malformed num
   check_refused(run(s, kTrainVision, {"--severity", "6"}), {"--severity: value 6 is out of range; expected an integer in [1, 5]"});
 }
 
+TEST_CASE("examples: train_lm --precision bf16 is refused on the CPU naming the option, and checkpoints record the precision") {
+  Scratch s("precision");
+  const std::string corpus = s / "corpus.txt";
+  test::write_word_corpus(corpus);
+  const std::string dir = s / "bf16";
+  std::vector<std::string> args = lm_args(corpus, dir, 2);
+  args.insert(args.end(), {"--precision", "bf16"});
+  check_refused(run(s, kTrainLM, args), {"--precision bf16 needs --device cuda"});
+  CHECK(!fs::exists(dir + "/metrics.csv"));  // refused before any work
+  args.back() = "fp16";
+  check_refused(run(s, kTrainLM, args), {"--precision: fp16 not in {fp32,bf16}"});
+  const std::string fp32 = s / "fp32";
+  const Result r = run(s, kTrainLM, lm_args(corpus, fp32, 2));
+  CAPTURE(r.err);
+  REQUIRE(r.status == 0);
+  CHECK(load_safetensors(fp32 + "/checkpoint.safetensors").metadata.at("precision") == "fp32");
+}
+
 TEST_CASE("examples: train_lm --resume refuses broken and malformed checkpoints, naming the file and field") {
   Scratch s("resume");
   const std::string corpus = s / "corpus.txt";

@@ -42,10 +42,11 @@
 
 namespace graphmoe {
 
-template <class Policy, class T, class B = cpu>
+// C: the model's compute type (TransformerLM's; T unless mixed precision).
+template <class Policy, class T, class B = cpu, class C = T>
 class Decoder {
  public:
-  using Model = TransformerLM<Policy, T, B>;
+  using Model = TransformerLM<Policy, T, B, C>;
 
   // Caches for `slots` sequences of at most max_len tokens (0: the model's max_seq_len). The model
   // must outlive the decoder; changing its parameters invalidates what the caches hold.

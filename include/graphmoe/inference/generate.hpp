@@ -150,8 +150,8 @@ inline void check_generate_input(const TransformerLMConfig& cfg,
 }
 
 // The logits of the last position of a forward over the last max_seq_len tokens of context.
-template <class Policy, class T, class B>
-Tensor<T, cpu> last_logits_full_forward(TransformerLM<Policy, T, B>& lm,
+template <class Policy, class T, class B, class C>
+Tensor<T, cpu> last_logits_full_forward(TransformerLM<Policy, T, B, C>& lm,
                                         const std::vector<std::int32_t>& context) {
   const index_t window = lm.config().max_seq_len, vocab = lm.config().vocab_size;
   const index_t t = std::min(static_cast<index_t>(context.size()), window);
@@ -184,9 +184,9 @@ std::vector<RoutedToken::Source> top_sources(const T* row, index_t len, index_t 
 // Generates up to opt.max_new_tokens tokens after each prompt (see the header comment), decoding
 // the prompts together. on_token (optional) is called with (sequence, id) as soon as each id is
 // drawn, for streaming; on_routed (optional, with opt.explain) with each generated token's routing.
-template <class Policy, class T, class B>
+template <class Policy, class T, class B, class C>
 std::vector<GenerateResult> generate_batch(
-    TransformerLM<Policy, T, B>& lm, const std::vector<std::vector<std::int32_t>>& prompts,
+    TransformerLM<Policy, T, B, C>& lm, const std::vector<std::vector<std::int32_t>>& prompts,
     const GenerateOptions& opt,
     const std::function<void(index_t, std::int32_t)>& on_token = {},
     const std::function<void(const RoutedToken&)>& on_routed = {}) {
@@ -199,7 +199,7 @@ std::vector<GenerateResult> generate_batch(
     so.seed = opt.sampling.seed + static_cast<std::uint64_t>(b);
     samplers.emplace_back(so);
   }
-  detail::ModeScope<TransformerLM<Policy, T, B>> eval(lm, Mode::Eval);
+  detail::ModeScope<TransformerLM<Policy, T, B, C>> eval(lm, Mode::Eval);
   std::vector<std::vector<std::int32_t>> context(prompts.begin(), prompts.end());
   std::vector<GenerateResult> results(static_cast<std::size_t>(nseq));
   std::vector<char> done(static_cast<std::size_t>(nseq), opt.max_new_tokens == 0);
@@ -224,7 +224,7 @@ std::vector<GenerateResult> generate_batch(
         emit(b, detail::last_logits_full_forward(lm, context[static_cast<std::size_t>(b)]).data());
     return results;
   }
-  Decoder<Policy, T, B> dec(lm, nseq, window);
+  Decoder<Policy, T, B, C> dec(lm, nseq, window);
   // fed[b]: the tokens of context[b] in the cache; the logits of the last one predict the next
   std::vector<index_t> fed(static_cast<std::size_t>(nseq), 0);
   auto report = [&](const DecodeRows& rows) {
@@ -319,8 +319,8 @@ std::vector<GenerateResult> generate_batch(
 
 // One prompt (see generate_batch). on_token (optional) is called with each generated id as soon
 // as it is drawn, for streaming.
-template <class Policy, class T, class B>
-GenerateResult generate(TransformerLM<Policy, T, B>& lm, std::span<const std::int32_t> prompt,
+template <class Policy, class T, class B, class C>
+GenerateResult generate(TransformerLM<Policy, T, B, C>& lm, std::span<const std::int32_t> prompt,
                         const GenerateOptions& opt,
                         const std::function<void(std::int32_t)>& on_token = {},
                         const std::function<void(const RoutedToken&)>& on_routed = {}) {
@@ -331,8 +331,8 @@ GenerateResult generate(TransformerLM<Policy, T, B>& lm, std::span<const std::in
 }
 
 // The same with the prompt as a vector (a braced list or a tokenizer's output).
-template <class Policy, class T, class B>
-GenerateResult generate(TransformerLM<Policy, T, B>& lm, const std::vector<std::int32_t>& prompt,
+template <class Policy, class T, class B, class C>
+GenerateResult generate(TransformerLM<Policy, T, B, C>& lm, const std::vector<std::int32_t>& prompt,
                         const GenerateOptions& opt,
                         const std::function<void(std::int32_t)>& on_token = {},
                         const std::function<void(const RoutedToken&)>& on_routed = {}) {

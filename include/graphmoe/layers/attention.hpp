@@ -9,6 +9,10 @@
 // cache() is the AttentionCache an Attention-graph router of the same block reads (probs, v, Wo,
 // bo, a); its gradient sinks (dprobs, dv, dout) are zeroed by forward and folded into backward,
 // and its dw_o / db_o are views of this layer's own parameter gradients.
+//
+// Compute type C (default T): the four projections' GEMM operand type (Linear<T, B, C>: fp32
+// parameters, outputs and gradients, C operands with fp32 accumulation on graphmoe::cuda). The
+// attention products themselves (q k^T, probs v) and the softmax stay in T.
 #pragma once
 
 #include <cmath>
@@ -23,7 +27,7 @@
 
 namespace graphmoe {
 
-template <class T, class B = cpu>
+template <class T, class B = cpu, class C = T>
 class MultiHeadAttention {
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
@@ -163,7 +167,7 @@ class MultiHeadAttention {
   void check_bound(const char* op) const { detail::require_bound(bound_, "MultiHeadAttention", op); }
   index_t d_ = 0, heads_ = 1;
   bool causal_ = true;
-  Linear<T, B> q_, k_, v_, o_;
+  Linear<T, B, C> q_, k_, v_, o_;
   Tensor<T, B> qt_, kt_, o_att_;
   AttentionCache<T, B> cache_;
   bool sinks_ready_ = false;

@@ -6,9 +6,16 @@
 // values, output map and output) and its backward sends gradients into them, which the attention
 // backward folds in. Layer contract in linear.hpp; the residual stream's gradient is the sum of
 // the skip path and the branch.
+//
+// Compute type C (default T): the GEMM operand type of the block's projections (attention q, k,
+// v, out; the dense FFN) and of its experts (MoELayer's C). With T = float and C =
+// __nv_bfloat16 on graphmoe::cuda every product reads bf16 operands and accumulates in fp32
+// (mixed precision: fp32 master weights, gradients, LayerNorm, softmax, router and residual
+// stream); C = T is the plain block.
 #pragma once
 
 #include <string>
+#include <type_traits>
 
 #include "graphmoe/layers/attention.hpp"
 #include "graphmoe/layers/ffn.hpp"
@@ -29,8 +36,11 @@ struct BlockConfig {
   double out_scale = 1.0;  // output projections' init scale (GPT-2: 1 / sqrt(2 layers))
 };
 
-template <class RouterPolicy, class T, class B = cpu>
+template <class RouterPolicy, class T, class B = cpu, class C = T>
 class TransformerBlock {
+  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
+                "graphmoe::TransformerBlock: a compute type other than T needs the cuda backend");
+
  public:
   // experts: the expert-parallel communicator of the MoE layer (MoELayer::declare), or nullptr
   // for all experts in this process.
@@ -173,9 +183,9 @@ class TransformerBlock {
   }
 
   bool is_moe() const { return cfg_.moe; }
-  MoELayer<RouterPolicy, T, B>& moe() { return moe_; }
-  const MoELayer<RouterPolicy, T, B>& moe() const { return moe_; }
-  MultiHeadAttention<T, B>& attention() { return attn_; }
+  MoELayer<RouterPolicy, T, B, C>& moe() { return moe_; }
+  const MoELayer<RouterPolicy, T, B, C>& moe() const { return moe_; }
+  MultiHeadAttention<T, B, C>& attention() { return attn_; }
 
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
@@ -183,9 +193,9 @@ class TransformerBlock {
   void check_bound(const char* op) const { detail::require_bound(bound_, "TransformerBlock", op); }
   BlockConfig cfg_;
   LayerNorm<T, B> ln1_, ln2_;
-  MultiHeadAttention<T, B> attn_;
-  FeedForward<T, B> ffn_;
-  MoELayer<RouterPolicy, T, B> moe_;
+  MultiHeadAttention<T, B, C> attn_;
+  FeedForward<T, B, C> ffn_;
+  MoELayer<RouterPolicy, T, B, C> moe_;
   Tensor<T, B> h1_, u_;
 };
 

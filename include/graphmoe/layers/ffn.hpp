@@ -1,5 +1,5 @@
 // graphmoe/layers/ffn.hpp: the dense feed-forward block, D -> d_ff -> D with GELU (layer contract
-// in linear.hpp).
+// in linear.hpp). C (default T): the two Linear layers' GEMM compute type (linear.hpp).
 #pragma once
 
 #include <string>
@@ -9,7 +9,7 @@
 
 namespace graphmoe {
 
-template <class T, class B = cpu>
+template <class T, class B = cpu, class C = T>
 class FeedForward {
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
@@ -50,7 +50,7 @@ class FeedForward {
   bool bound_ = false;
   void check_bound(const char* op) const { detail::require_bound(bound_, "FeedForward", op); }
   GeluForm gelu_ = GeluForm::Tanh;
-  Linear<T, B> fc1_, fc2_;
+  Linear<T, B, C> fc1_, fc2_;
   Tensor<T, B> h_, a_;
 };
 

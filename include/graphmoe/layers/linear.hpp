@@ -9,9 +9,17 @@
 // add_row_vector, ...), which checks the arguments and runs the tensors' backend (backend/cpu/,
 // backend/cuda/, or a user's). A .cu translation unit that instantiates a layer with
 // graphmoe::cuda includes graphmoe/cuda.cuh.
+//
+// Compute type C (default T), as in ExpertBank (layers/expert_bank.hpp): with T = float and C =
+// __nv_bfloat16 (or __half) on graphmoe::cuda, W, b, their gradients, y and dx stay fp32; forward
+// converts x and W to C once (kept for backward), and the three products (y = x W^T, dx = dy W,
+// dW += dy^T x, dy converted to C once) read C operands, accumulate in fp32 and write fp32
+// (backend/cuda/gemm.cuh's mixed gemm). The bias and its gradient stay fp32. With C = T the layer
+// is exactly the plain one (the same calls, no conversion).
 #pragma once
 
 #include <string>
+#include <type_traits>
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
@@ -20,8 +28,11 @@
 
 namespace graphmoe {
 
-template <class T, class B = cpu>
+template <class T, class B = cpu, class C = T>
 class Linear {
+  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
+                "graphmoe::Linear: a compute type other than T needs the cuda backend");
+
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t in, index_t out,
                bool bias = true) {
@@ -55,13 +66,34 @@ class Linear {
     std::vector<index_t> dims(x.shape().begin(), x.shape().end());
     dims.back() = out_;
     prepare_output("Linear", "y", y, Shape::from_range(dims.begin(), dims.end()));
-    gemm(Trans::N, Trans::T, T(1), x, w_, T(0), y);
+    if constexpr (std::is_same_v<C, T>) {
+      gemm(Trans::N, Trans::T, T(1), x, w_, T(0), y);
+    } else {
+      to_compute(x, xc_);
+      to_compute(w_, wc_);
+      gemm(Trans::N, Trans::T, T(1), xc_, wc_, T(0), y);
+    }
     if (bias_) add_row_vector(b_, y);
   }
   void backward(const Tensor<T, B>& dy, Tensor<T, B>* dx) {
     check_bound("backward");
     Tensor<T, B> none;
-    gemm_backward(Trans::N, Trans::T, T(1), x_, w_, dy, T(0), dx ? *dx : none, T(1), dw_);
+    if constexpr (std::is_same_v<C, T>) {
+      gemm_backward(Trans::N, Trans::T, T(1), x_, w_, dy, T(0), dx ? *dx : none, T(1), dw_);
+    } else {
+      // gemm_backward's two products with C operands: dx = dy W (skipped for an empty dx, as
+      // there), dW += dy^T x
+      const index_t rows = x_.rows();
+      GRAPHMOE_CHECK(dy.rows() == rows && dy.cols() == out_, "gemm_backward", "dC has shape ",
+                     dy.shape(), ", expected (", rows, ", ", out_, ") for A ", x_.shape(),
+                     " and B ", w_.shape());
+      to_compute(dy, dyc_);
+      if (dx != nullptr && !dx->empty()) {
+        check_shape("gemm_backward", "dA", *dx, x_.shape());
+        gemm(Trans::N, Trans::N, T(1), dyc_, wc_, T(0), *dx);
+      }
+      gemm(Trans::T, Trans::N, T(1), dyc_, xc_, T(1), dw_);
+    }
     if (bias_) accumulate_column_sums(dy, db_);
   }
   const Tensor<T, B>& weight() const { return w_; }
@@ -75,11 +107,18 @@ class Linear {
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
   void check_bound(const char* op) const { detail::require_bound(bound_, "Linear", op); }
+  // dst = src in the compute type C (dst reallocated when its shape differs); C != T only.
+  static void to_compute(const Tensor<T, B>& src, Tensor<C, B>& dst) {
+    if (dst.empty() || dst.shape() != src.shape()) dst = Tensor<C, B>(src.shape());
+    convert(src, dst);
+  }
   index_t in_ = 0, out_ = 0;
   bool bias_ = true;
   index_t id_w_ = -1, id_b_ = -1;
   Tensor<T, B> w_, dw_, b_, db_;
   Tensor<T, B> x_;
+  // C != T: x and W of the last forward and dy of the last backward in C (empty when C = T)
+  Tensor<C, B> xc_, wc_, dyc_;
 };
 
 }  // namespace graphmoe

@@ -14,12 +14,22 @@
 // logit at position i depends on a token after i. causal is TransformerLMConfig::router's
 // default, and validate() rejects a config that turns it off (the model never overrides what it
 // was given).
+//
+// Compute type C (default T): mixed precision. With T = float and C = __nv_bfloat16 (or __half)
+// on graphmoe::cuda every GEMM of the model reads C operands and accumulates in fp32 into fp32
+// outputs: the blocks' projections and experts (TransformerBlock's C) and the LM head (xf and the
+// head weight converted once per forward, dlogits once per backward). Parameters (master
+// weights), gradients, optimizer state, embeddings, LayerNorm, attention softmax, routers, the
+// residual stream, logits and the loss stay fp32; no loss scaling (bf16 has fp32's exponent
+// range). The classification head (num_classes > 0) stays in T. C = T is the plain model (the
+// same calls, bit for bit); any other C on the CPU backend is a compile-time error.
 #pragma once
 
 #include <cmath>
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -105,10 +115,14 @@ struct TransformerLMConfig {
 
 // One implementation for every backend: ids, targets and labels live on B; the classifier's
 // lengths (metadata) stay on the host.
-template <class RouterPolicy, class T, class B = cpu>
+template <class RouterPolicy, class T, class B = cpu, class C = T>
 class TransformerLM {
  public:
   using router_policy = RouterPolicy;
+  using compute_type = C;
+  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
+                "graphmoe::TransformerLM: a compute type other than T (mixed precision) needs the "
+                "cuda backend");
   static_assert(!selector_chooses_across_tokens<typename RouterPolicy::selector>(),
                 "graphmoe::TransformerLM: this selector (e.g. ExpertChoice) chooses a token's "
                 "experts from its whole sequence, later tokens included, which a causal LM must not "
@@ -247,7 +261,7 @@ class TransformerLM {
       dlogits_ = Tensor<T, B>(lshape);
     }
     Tensor<T, B> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
-    gemm(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), T(0), lflat);
+    head_forward(xf_.view(Shape{b * t, d}), lflat);
     has_loss_ = !targets.empty();
     Loss loss = moe_losses(blocks_);
     if (!targets.empty())
@@ -264,8 +278,14 @@ class TransformerLM {
     Tensor<T, B> dlf = dlogits_.view(Shape{b * t, cfg_.vocab_size});
     Tensor<T, B> dxf(Shape{b * t, d});
     Tensor<T, B> dhead = head_grad();
-    gemm_backward(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), dlf, T(0),
-                  dxf, T(1), dhead);
+    if constexpr (std::is_same_v<C, T>) {
+      gemm_backward(Trans::N, Trans::T, T(1), xf_.view(Shape{b * t, d}), head_weight(), dlf, T(0),
+                    dxf, T(1), dhead);
+    } else {  // the same two products on the C copies head_forward kept
+      to_compute(dlf, dlc_);
+      gemm(Trans::N, Trans::N, T(1), dlc_, headc_, T(0), dxf);
+      gemm(Trans::T, Trans::N, T(1), dlc_, xfc_, T(1), dhead);
+    }
     trunk_backward(dxf.view(Shape{b, t, d}));
   }
 
@@ -329,7 +349,7 @@ class TransformerLM {
   // What a decoder keeps between steps: one KV cache per block and one routing cache per MoE
   // block, for `slots` sequences of at most max_len tokens each.
   struct DecodeCache {
-    std::vector<typename TransformerBlock<RouterPolicy, T, B>::DecodeCache> blocks;
+    std::vector<typename TransformerBlock<RouterPolicy, T, B, C>::DecodeCache> blocks;
     index_t slots = 0, max_len = 0;
     // Values kept per cached token, summed over the layers: the KV caches' (2 D per layer) and the
     // routing caches' (what each MoE layer's graph declares).
@@ -411,13 +431,13 @@ class TransformerLM {
     }
     const index_t m = xf.rows();
     if (logits.shape() != Shape{m, cfg_.vocab_size}) logits = Tensor<T, B>(Shape{m, cfg_.vocab_size});
-    gemm(Trans::N, Trans::T, T(1), xf, head_weight(), T(0), logits);
+    head_forward(xf, logits);
   }
 
   const TransformerLMConfig& config() const { return cfg_; }
   const Tensor<T, B>& logits() const { return logits_; }  // (B, T, V) of the last forward
   index_t num_layers() const { return cfg_.num_layers; }
-  TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
+  TransformerBlock<RouterPolicy, T, B, C>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   // Sets the training step of every router (ScheduledTopK's k schedule).
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
   // Train (the default) or eval: passed to every router policy that takes a mode (core/mode.hpp),
@@ -462,6 +482,22 @@ class TransformerLM {
   }
 
   void check_bound(const char* op) const { detail::require_bound(arena_ != nullptr, "TransformerLM", op); }
+  // logits (n, V) = x (n, D) W^T with the head weight W: in T, or (C != T) on C copies of x and W,
+  // kept for backward (overwritten by decode, which needs no backward)
+  void head_forward(const Tensor<T, B>& x, Tensor<T, B>& logits) {
+    if constexpr (std::is_same_v<C, T>) {
+      gemm(Trans::N, Trans::T, T(1), x, head_weight(), T(0), logits);
+    } else {
+      to_compute(x, xfc_);
+      to_compute(head_weight(), headc_);
+      gemm(Trans::N, Trans::T, T(1), xfc_, headc_, T(0), logits);
+    }
+  }
+  // dst = src in C (dst reallocated when its shape differs); C != T only.
+  static void to_compute(const Tensor<T, B>& src, Tensor<C, B>& dst) {
+    if (dst.empty() || dst.shape() != src.shape()) dst = Tensor<C, B>(src.shape());
+    convert(src, dst);
+  }
   Tensor<T, B> head_weight() const { return id_head_ >= 0 ? arena_->value(id_head_) : tok_; }
   Tensor<T, B> head_grad() const { return id_head_ >= 0 ? arena_->grad(id_head_) : dtok_; }
 
@@ -473,7 +509,7 @@ class TransformerLM {
   TransformerLMConfig cfg_;
   index_t id_tok_ = -1, id_pos_ = -1, id_head_ = -1;
   Tensor<T, B> tok_, dtok_, pos_, dpos_;
-  std::vector<TransformerBlock<RouterPolicy, T, B>> blocks_;
+  std::vector<TransformerBlock<RouterPolicy, T, B, C>> blocks_;
   Mode mode_ = Mode::Train;
   LayerNorm<T, B> ln_f_;
   Linear<T, B> cls_head_;
@@ -482,6 +518,7 @@ class TransformerLM {
   Tensor<std::int32_t, cpu> lengths_;
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
+  Tensor<C, B> xfc_, headc_, dlc_;  // C != T: the LM head's operands in C (empty when C = T)
   bool has_loss_ = false;
 };
 
