@@ -495,6 +495,9 @@ TEST_CASE("checkpoint: bad input refuses malformed entries") {
   has(err(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
           R"( "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})"),
       "duplicate tensor name 'a'");
+  // An empty key is refused as save_safetensors refuses it (found by fuzz_safetensors in CI).
+  has(err(R"({"": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})"),
+      "a tensor has an empty name");
 }
 
 TEST_CASE("checkpoint: bad input refuses bad offsets, overlaps and size mismatches") {

@@ -267,6 +267,9 @@ class SafetensorsHeaderSax : public nlohmann::json_sax<nlohmann::json> {
   bool key(string_t& k) override {
     switch (state_) {
       case State::Root:
+        // save_safetensors refuses an empty name; so does the reader (an empty key would be a
+        // tensor that no parameter or message can name).
+        if (k.empty()) return fail("a tensor has an empty name");
         if (!root_keys_.insert(k).second)
           return fail(k == "__metadata__" ? std::string("duplicate '__metadata__'")
                                           : "duplicate tensor name '" + k + "'");
