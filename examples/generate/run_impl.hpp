@@ -24,6 +24,7 @@ int run(const Input& in) {
     ParameterArena<float, cpu> host = detail::host_mirror(lm.arena());
     load_arena(*in.file, host, "model.");
     copy_from_host(lm.arena().values(), host.values());
+    lm.arena().mark_values_written();
   }
   lm.set_step(in.step);  // the router as trained up to its checkpoint (SMoE-Dropout's k)
   std::fprintf(stderr, "generate: %s model (step %lld), %lld prompt tokens, up to %lld new tokens\n",

@@ -14,6 +14,9 @@
 //                        element functor, rounded intrinsics on the device)
 //   clip_grad_norm       the norm and the clipped gradients: bitwise equal (the same summation
 //                        order), over an arena of many chunks
+//   AdamW + mirror       the fused step (w and bf16(w) in one pass) against the step followed by
+//                        a conversion: bitwise equal weights, state and mirror; a stale mirror
+//                        (a frozen parameter written behind it) refreshed in full by the step
 //   bad inputs           the CPU ops' messages, compared as strings
 //
 // Without a CUDA device every case prints "skipped: no CUDA device" and passes.
@@ -28,6 +31,7 @@
 #include "cuda/cuda_test_support.cuh"
 #include "graphmoe/ops/attention.hpp"
 #include "graphmoe/backend/cuda/attention.cuh"
+#include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/optim.cuh"
 #include "graphmoe/ops/optim.hpp"
@@ -266,6 +270,60 @@ TEST_CASE_TEMPLATE("cuda vs cpu: AdamW steps are bitwise the CPU's", T, float, d
     od.step(d);
     check_equal("AdamW values, step(arena)", h.values(), d.values());
   }
+}
+
+TEST_CASE("cuda: AdamW's fused step writes the bf16 mirror, bitwise the step then a conversion") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  using M = __nv_bfloat16;
+  Rng rng(25);
+  auto h = declare_arena<float, cpu>(0);
+  auto fused = declare_arena<float, cuda>(0);
+  auto plain = declare_arena<float, cuda>(0);
+  auto copy_to = [&](ParameterArena<float, cuda>& d, bool values) {
+    Tensor<float, cuda> dv = d.values(), dg = d.grads();
+    if (values) to_device(h.values(), dv);
+    to_device(h.grads(), dg);
+  };
+  fill_both(h, fused, rng, true);
+  copy_to(plain, true);
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.1;
+  AdamW<float, cuda> of(fused, cfg), op(plain, cfg);
+  ComputeMirror<float, M, cuda> mirror(fused);
+  CHECK(!mirror.current());  // never copied
+  mirror.refresh();
+  CHECK(mirror.current());
+  CHECK_THROWS(of.step(plain, 1e-3, &mirror));  // another arena's mirror
+  auto check_all = [&](const char* what) {
+    CAPTURE(what);
+    CHECK(mirror.current());
+    check_equal("values", to_host(plain.values()), fused.values());
+    const auto sp = op.state(plain), sf = of.state(fused);
+    REQUIRE(sp.size() == sf.size());
+    for (std::size_t i = 0; i < sp.size(); ++i) check_equal(sp[i].first, to_host(sp[i].second), sf[i].second);
+    check_equal("mirror", to_host(converted<float>(converted<M>(plain.values()))),
+                converted<float>(mirror.values()));
+  };
+  for (const double lr : {1e-3, 3e-2, 0.0, 5e-3}) {
+    CAPTURE(lr);
+    fill_both(h, fused, rng, false);
+    copy_to(plain, false);
+    of.step(fused, lr, &mirror);
+    op.step(plain, lr);
+    check_all("fused step");
+  }
+  // a frozen parameter (which no step writes) written behind the mirror, marked as the contract
+  // says: the mirror is stale, and the next fused step refreshes all of it
+  const Tensor<float, cpu> frozen = random_tensor<float>(Shape{5}, rng);
+  for (ParameterArena<float, cuda>* a : {&fused, &plain}) {
+    Tensor<float, cuda> v = a->value("frozen");
+    to_device(frozen, v);
+    a->mark_values_written();
+  }
+  CHECK(!mirror.current());
+  of.step(fused, 1e-3, &mirror);
+  op.step(plain, 1e-3);
+  check_all("after a write behind the mirror");
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: SGD steps are bitwise the CPU's", T, float, double) {

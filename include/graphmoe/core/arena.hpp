@@ -5,8 +5,15 @@
 // grad(name) return named views into them. One flat buffer makes the optimizer step, gradient
 // clipping, zero_grad and checkpointing single loops over contiguous memory (llm.c's layout).
 // Every parameter starts at a multiple of kAlign elements, so each view is SIMD-aligned.
+//
+// values_version() counts the writes of the values: every writer the library has (the
+// optimizers' steps, a model's init, checkpoint loads, broadcast_parameters) calls
+// mark_values_written(), and so must code that writes through value() / values() itself. A copy
+// of the values in another type (ComputeMirror, layers/compute_mirror.hpp: the bf16 weights of a
+// mixed-precision model) compares it with the version it copied, and copies again when they differ.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -117,6 +124,11 @@ class ParameterArena {
   const Tensor<T, B>& grads() const { return grads_; }
   void zero_grad() { grads_.zero(); }
 
+  // The number of writes of values() so far (see the header comment): a copy taken at version n
+  // is current while values_version() == n.
+  std::uint64_t values_version() const { return version_; }
+  void mark_values_written() { ++version_; }
+
  private:
   Tensor<T, B> view_of(const Tensor<T, B>& buffer, index_t id, const char* what) const {
     GRAPHMOE_CHECK(allocated(), "ParameterArena", "call allocate() before taking a ", what);
@@ -130,6 +142,7 @@ class ParameterArena {
   std::unordered_map<std::string, index_t> index_;
   index_t size_ = 0;
   Tensor<T, B> values_, grads_;
+  std::uint64_t version_ = 0;
 };
 
 namespace detail {

@@ -70,6 +70,7 @@ class SequenceClassifier {
                      ", the model expects ", info.shape);
       copy_from_host(arena.value(id), t);
     }
+    arena.mark_values_written();
   }
 
   // The loss broken down (layers/loss.hpp); backward differentiates its total().

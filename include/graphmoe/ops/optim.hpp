@@ -3,6 +3,10 @@
 //
 //   upload_optim_chunks(chunks)                    chunks.host -> chunks.table (B's memory)
 //   adamw_update(chunks, u, p, g, m, v)            AdamWUpdate u on every element of every chunk
+//   adamw_update(chunks, u, p, g, m, v, pc)        the same, and pc[j] = p[j] in pc's type (the
+//                                                  compute mirror, layers/compute_mirror.hpp) in
+//                                                  the same pass: bitwise the update followed by
+//                                                  a conversion (backends with 16-bit types: cuda)
 //   sgd_update(chunks, u, p, g, buf)               SGDUpdate u likewise (buf unused without momentum)
 //   clip_grad_norm(arena, max_norm)                the L2 norm of the trainable gradients, and the
 //                                                  gradients scaled to max_norm when above it
@@ -80,6 +84,18 @@ void adamw_update(const detail::OptimChunks<B>& chunks, const detail::AdamWUpdat
     GRAPHMOE_CHECK(p != nullptr && g != nullptr && m != nullptr && v != nullptr, "adamw_update",
                    "a buffer is missing (p, g, m and v must all be allocated)");
   adamw_update(B{}, chunks, u, p, g, m, v);
+}
+
+// adamw_update, and pc[j] = the updated p[j] converted to M (as convert() rounds it), for every
+// element of every chunk, in one pass.
+template <class T, class M, Backend B>
+void adamw_update(const detail::OptimChunks<B>& chunks, const detail::AdamWUpdate<T>& u, T* p,
+                  const T* g, T* m, T* v, M* pc) {
+  if (chunks.size() > 0)
+    GRAPHMOE_CHECK(p != nullptr && g != nullptr && m != nullptr && v != nullptr && pc != nullptr,
+                   "adamw_update", "a buffer is missing (p, g, m, v and the mirror must all be "
+                   "allocated)");
+  adamw_update(B{}, chunks, u, p, g, m, v, pc);
 }
 
 // One SGD update of every element of every chunk of p (buf: the momentum buffer, with momentum).

@@ -782,6 +782,7 @@ void load_arena(const SafetensorsFile& f, ParameterArena<T, cpu>& arena,
         p.sharded() ? bytes / static_cast<std::size_t>(p.shape[0]) * static_cast<std::size_t>(p.shard_begin) : 0;
     std::memcpy(arena.value(i).data(), t->bytes.data() + skip, bytes);
   }
+  arena.mark_values_written();
 }
 
 // Checks the values of the file's tensors of dtype T whose names start with `prefix`, before any

@@ -75,6 +75,7 @@ void broadcast_parameters(Communicator& comm, ParameterArena<T, B>& arena, int r
   for (const auto& [begin, end] : detail::replicated_ranges(arena)) {
     comm.broadcast(v.data() + begin, end - begin, element_type_of<T>, root);
   }
+  arena.mark_values_written();
 }
 
 // grads := the mean over ranks of grads (sum, then times 1 / W). Collective: call it on every

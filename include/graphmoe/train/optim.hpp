@@ -33,6 +33,14 @@
 // and the update is elementwise, so the result is bitwise the same for any number of threads. The
 // gradient norm sums per-chunk partial sums (in double) in chunk order: also thread-independent.
 //
+// Compute mirror (layers/compute_mirror.hpp): step(arena, lr, &mirror) writes the mirror's C copy
+// of each updated parameter in the same pass as the parameter (AdamW: one kernel reading g, m, v,
+// w and writing m, v, w, C(w)), bitwise the step followed by a conversion, so a mixed-precision
+// model's layers read current C weights without converting them. Every step marks the arena's
+// values written; a mirror that was stale before the step is refreshed in full after it (the
+// frozen parameters are not written by the step). SGD has no fused form: its step leaves a mirror
+// stale, and the next forward refreshes it.
+//
 // Non-trainable parameters (ParameterInfo::trainable == false) are skipped: their values, state
 // and gradients are never touched, and they are not part of state() or of the gradient norm.
 #pragma once
@@ -51,6 +59,7 @@
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/optim_math.hpp"
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/layers/compute_mirror.hpp"
 #include "graphmoe/ops/optim.hpp"
 
 namespace graphmoe {
@@ -198,6 +207,33 @@ class AdamW {
     const auto u = detail::AdamWUpdate<T>::make(cfg_.beta1, cfg_.beta2, cfg_.eps,
                                                 cfg_.weight_decay, lr, t_);
     adamw_update(chunks_, u, arena.values().data(), arena.grads().data(), m_.data(), v_.data());
+    arena.mark_values_written();
+  }
+
+  // The step, and mirror's C copy of every updated parameter written in the same pass (see the
+  // header comment). mirror == nullptr, or C = T: step(arena, lr).
+  template <class C>
+  void step(ParameterArena<T, B>& arena, double lr, ComputeMirror<T, C, B>* mirror) {
+    if constexpr (std::is_same_v<C, T>) {
+      step(arena, lr);
+    } else {
+      if (mirror == nullptr) return step(arena, lr);
+      GRAPHMOE_CHECK(&mirror->arena() == &arena, "AdamW::step",
+                     "the mirror is another arena's (take the mirror of the arena that is stepped)");
+      detail::check_lr("AdamW::step", lr);
+      layout_.check(arena, "AdamW::step");
+      const bool was_current = mirror->current();
+      ++t_;
+      const auto u = detail::AdamWUpdate<T>::make(cfg_.beta1, cfg_.beta2, cfg_.eps,
+                                                  cfg_.weight_decay, lr, t_);
+      adamw_update(chunks_, u, arena.values().data(), arena.grads().data(), m_.data(), v_.data(),
+                   mirror->values().data());
+      arena.mark_values_written();
+      if (was_current)
+        mirror->mark_synced();
+      else
+        mirror->refresh();
+    }
   }
 
   // Steps taken so far (the bias-correction step of the next update is steps() + 1).
@@ -268,6 +304,7 @@ class SGD {
     const auto u =
         detail::SGDUpdate<T>::make(lr, cfg_.momentum, cfg_.weight_decay, cfg_.nesterov);
     sgd_update(chunks_, u, arena.values().data(), arena.grads().data(), buf_.data());
+    arena.mark_values_written();
   }
 
   std::int64_t steps() const { return t_; }

@@ -165,6 +165,7 @@ const std::map<std::string, std::string>& load_training_state(const SafetensorsF
     ParameterArena<T, cpu> mirror = detail::host_mirror(arena);
     load_arena(f, mirror, "model.");
     copy_from_host(arena.values(), mirror.values());
+    arena.mark_values_written();
   }
   for (std::size_t i = 0; i < state.size(); ++i)
     copy_from_host(state[i].second, loaded[i].view(state[i].second.shape()));

@@ -57,6 +57,29 @@ __global__ void adamw_kernel(const OptimChunk* chunks, index_t num_chunks, AdamW
   }
 }
 
+// adamw_kernel, and pc[j] = p[j] as M (value_cast: convert's rounding) from the updated value.
+template <class T, class M>
+__global__ void adamw_mirror_kernel(const OptimChunk* chunks, index_t num_chunks,
+                                    AdamWUpdate<T> u, T* p, const T* g, T* m, T* v, M* pc) {
+  for (index_t ci = blockIdx.x; ci < num_chunks; ci += gridDim.x) {
+    const OptimChunk c = chunks[ci];
+    const bool decay = u.decays(c.decay != 0);
+    for (index_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+      T pj = p[j];
+      T mj = m[j];
+      T vj = v[j];
+      if (decay)
+        u.template apply<true>(pj, g[j], mj, vj);
+      else
+        u.template apply<false>(pj, g[j], mj, vj);
+      p[j] = pj;
+      m[j] = mj;
+      v[j] = vj;
+      pc[j] = value_cast<M>(pj);
+    }
+  }
+}
+
 template <class T, bool Momentum, bool Nesterov>
 __global__ void sgd_kernel(const OptimChunk* chunks, index_t num_chunks, SGDUpdate<T> u, T* p,
                            const T* g, T* buf) {
@@ -145,6 +168,18 @@ void adamw_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::A
   if (n == 0) return;
   launch_kernel<adamw_kernel<T>>(grid_for_chunks(n), kThreads, chunks.table.data(), n, u, p, g, m,
                                  v);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// The same, and the mirror pc written from the updated values in the same pass.
+template <class T, class M>
+void adamw_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::AdamWUpdate<T>& u,
+                  T* p, const T* g, T* m, T* v, M* pc) {
+  using namespace detail;
+  const index_t n = chunks.size();
+  if (n == 0) return;
+  launch_kernel<adamw_mirror_kernel<T, M>>(grid_for_chunks(n), kThreads, chunks.table.data(), n,
+                                           u, p, g, m, v, pc);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
