@@ -7,7 +7,9 @@
 //   tolerance   float 1e-4, double 1e-10 (normwise per tensor; losses relative)
 //
 // The mixed-precision LM (compute type __nv_bfloat16, train_lm --precision bf16) is compared with
-// the fp32 CUDA LM instead, with tolerances derived from bf16's unit roundoff (MixedTolerance).
+// the fp32 CUDA LM instead, with tolerances derived from bf16's unit roundoff (MixedTolerance);
+// and with its compute mirror (layers/compute_mirror.hpp) against itself without one: bit for bit,
+// over AdamW steps and across a checkpoint load that leaves the mirror stale.
 //
 // Without a CUDA device every case passes with "skipped: no CUDA device" (compiled by nvcc in CI,
 // run in full by scripts/gpu-check.sh).
@@ -16,11 +18,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "graphmoe/cuda.cuh"
+#include "graphmoe/train/training_state.hpp"
 #include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
 
@@ -295,6 +299,63 @@ TEST_CASE("cuda bf16: TransformerLM training steps decrease the loss, as in fp32
   }
   const double decrease = (ml.front() - ml.back()) / (rl.front() - rl.back());
   CHECK(decrease == doctest::Approx(1.0).epsilon(0.05));
+}
+
+// The mirror holds exactly convert(w) of the current weights, so reading it instead of converting
+// changes no bit: losses, gradients and weights over AdamW steps (the fused step writing the
+// mirror) equal the converting model's. GLaM: a dense FFN and an expert bank; tied embeddings:
+// the head reads the token embedding's slice. Then a checkpoint load writes the weights behind the
+// mirror's back (load_training_state marks the arena written): the next forward refreshes it, and
+// the model computes what the loaded weights give.
+TEST_CASE("cuda bf16: TransformerLM with its compute mirror is bit for bit the converting one") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  using Mixed = TransformerLM<SoftmaxRouter, float, graphmoe::cuda, __nv_bfloat16>;
+  const TransformerLMConfig cfg = tiny_lm(MoELayout::GLaM);
+  Mixed with(cfg, 21), without(cfg, 21);
+  REQUIRE(with.compute_mirror() != nullptr);
+  without.set_compute_mirror(false);
+  CHECK(without.compute_mirror() == nullptr);
+  AdamWConfig oc;
+  oc.lr = 1e-2;
+  AdamW<float, graphmoe::cuda> with_opt(with.arena(), oc), without_opt(without.arena(), oc);
+  Rng data(8);
+  const Tensor<std::int32_t, graphmoe::cuda> ids = to_device(random_ids(Shape{2, 12}, cfg.vocab_size, data));
+  const Tensor<std::int32_t, graphmoe::cuda> targets =
+      to_device(random_ids(Shape{2, 12}, cfg.vocab_size, data));
+  auto train_step = [&](Mixed& lm, AdamW<float, graphmoe::cuda>& opt) {
+    const double loss = lm.forward(ids, targets).total();
+    lm.arena().zero_grad();
+    lm.backward();
+    clip_grad_norm(lm.arena(), 1.0);
+    opt.step(lm.arena(), oc.lr, lm.compute_mirror());  // nullptr: the plain step
+    return loss;
+  };
+  for (int step = 0; step < 4; ++step) {
+    CAPTURE(step);
+    CHECK(train_step(with, with_opt) == train_step(without, without_opt));
+    CHECK(with.compute_mirror()->current());
+    test::check_equal("gradients", to_host(without.arena().grads()), with.arena().grads());
+    test::check_equal("weights", to_host(without.arena().values()), with.arena().values());
+    test::check_equal("logits", to_host(without.logits()), with.logits());
+  }
+  // the mirror is exactly the conversion of the current weights
+  test::check_equal("mirror", to_host(converted<float>(converted<__nv_bfloat16>(with.arena().values()))),
+                    converted<float>(with.compute_mirror()->values()));
+
+  // one more step of `without` only, saved and loaded into `with`: its mirror is stale until the
+  // next forward, which must see the loaded weights
+  train_step(without, without_opt);
+  const std::string path =
+      (std::filesystem::temp_directory_path() / "graphmoe_test_compute_mirror.safetensors").string();
+  save_training_state(path, without.arena(), without_opt, {});
+  load_training_state(load_safetensors(path), with.arena(), with_opt);
+  std::filesystem::remove(path);
+  CHECK(!with.compute_mirror()->current());
+  CHECK(with.forward(ids, targets).total() == without.forward(ids, targets).total());
+  CHECK(with.compute_mirror()->current());
+  test::check_equal("logits after the load", to_host(without.logits()), with.logits());
+  CHECK(train_step(with, with_opt) == train_step(without, without_opt));
+  test::check_equal("weights after the load", to_host(without.arena().values()), with.arena().values());
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, double) {

@@ -49,6 +49,10 @@ class MultiHeadAttention {
     o_.bind(arena);
     bound_ = true;
   }
+  // The four projections read their C weights from mirror (Linear::attach_mirror). C != T only.
+  void attach_mirror(ComputeMirror<T, C, B>* mirror) {
+    for (Linear<T, B, C>* l : {&q_, &k_, &v_, &o_}) l->attach_mirror(mirror);
+  }
   // Projections ~ N(0, std^2); the output projection scaled by out_scale (GPT-2's 1/sqrt(2 L)).
   void init(Rng& rng, double stddev, double out_scale = 1.0) {
     q_.init(rng, stddev);

@@ -66,6 +66,12 @@ class TransformerBlock {
     if (cfg_.moe) moe_.bind(arena); else ffn_.bind(arena);
     bound_ = true;
   }
+  // Every GEMM weight of the block in C read from mirror (layers/compute_mirror.hpp), nullptr:
+  // converted per forward. C != T only.
+  void attach_mirror(ComputeMirror<T, C, B>* mirror) {
+    attn_.attach_mirror(mirror);
+    if (cfg_.moe) moe_.attach_mirror(mirror); else ffn_.attach_mirror(mirror);
+  }
   void init(Rng& rng) {
     ln1_.init();
     ln2_.init();

@@ -17,7 +17,9 @@
 // stay fp32 (master weights, as mixed-precision training keeps them) and each forward converts
 // xs, w1, w2 and the activations A to C once; the GEMMs read C, accumulate in fp32 and write fp32
 // (backend/cuda/gemm.cuh's mixed gemm), so bias, GELU and every reduction stay fp32. The router
-// is not affected (it runs in T): the "fp32 router logits and softmax".
+// is not affected (it runs in T): the "fp32 router logits and softmax". With a compute
+// mirror attached (attach_mirror, layers/compute_mirror.hpp) w1 and w2 in C are views of the
+// mirror (refreshed first if stale) instead of per-forward conversions: the same values.
 #pragma once
 
 #include <string>
@@ -26,6 +28,7 @@
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/expert_ffn.hpp"
 #include "graphmoe/core/rng.hpp"
+#include "graphmoe/layers/compute_mirror.hpp"
 #include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/experts.hpp"
@@ -117,8 +120,17 @@ class ExpertBank {
       a_ = Tensor<T, B>(Shape{s, f_});
     }
     xc_ = to_compute(xs, xc_);
-    w1c_ = to_compute(w1_, w1c_);
-    w2c_ = to_compute(w2_, w2c_);
+    if constexpr (!std::is_same_v<C, T>) {
+      if (mirror_ != nullptr) {
+        mirror_->ensure_current();
+        w1c_ = mirror_->value(id_w1_);
+        w2c_ = mirror_->value(id_w2_);
+      }
+    }
+    if (mirror_ == nullptr) {
+      w1c_ = to_compute(w1_, w1c_);
+      w2c_ = to_compute(w2_, w2c_);
+    }
     if constexpr (!std::is_same_v<C, T>) {
       if (ac_.empty() || ac_.rows() != s) ac_ = Tensor<C, B>(Shape{s, f_});
     }
@@ -146,6 +158,16 @@ class ExpertBank {
     }
     dyc_ = to_compute(dys, dyc_);
     expert_ffn_backward(plan, tensors(), gelu_, par_, dys, dyc_, dxs, dh_, dhc_);
+  }
+
+  // w1, w2 in C read from mirror (of the arena this bank is bound to) from the next forward on;
+  // nullptr: converted per forward again. C != T only.
+  void attach_mirror(ComputeMirror<T, C, B>* mirror) {
+    static_assert(!std::is_same_v<C, T>,
+                  "graphmoe::ExpertBank::attach_mirror: C = T has no mirror");
+    mirror_ = mirror;
+    w1c_ = Tensor<C, B>();  // never convert into the mirror's storage
+    w2c_ = Tensor<C, B>();
   }
 
   index_t total_experts() const { return total_; }
@@ -200,6 +222,7 @@ class ExpertBank {
   Tensor<T, B> h_, a_;  // forward cache (S, F)
   // The GEMM operands in the compute type C (with C = T, handles of the tensors themselves).
   Tensor<C, B> xc_, w1c_, w2c_, ac_;
+  ComputeMirror<T, C, B>* mirror_ = nullptr;  // C != T: w1, w2 in C from here when set
   // Backward scratch (S, F): dh, its compute-type copy and dy's (C = T: dhc_ stays empty)
   Tensor<T, B> dh_;
   Tensor<C, B> dhc_, dyc_;

@@ -23,6 +23,11 @@ class FeedForward {
     fc2_.bind(arena);
     bound_ = true;
   }
+  // fc1 and fc2 read their C weights from mirror (Linear::attach_mirror). C != T only.
+  void attach_mirror(ComputeMirror<T, C, B>* mirror) {
+    fc1_.attach_mirror(mirror);
+    fc2_.attach_mirror(mirror);
+  }
   void init(Rng& rng, double stddev, double out_scale = 1.0) {
     fc1_.init(rng, stddev);
     fc2_.init(rng, stddev * out_scale);

@@ -15,7 +15,9 @@
 // converts x and W to C once (kept for backward), and the three products (y = x W^T, dx = dy W,
 // dW += dy^T x, dy converted to C once) read C operands, accumulate in fp32 and write fp32
 // (backend/cuda/gemm.cuh's mixed gemm). The bias and its gradient stay fp32. With C = T the layer
-// is exactly the plain one (the same calls, no conversion).
+// is exactly the plain one (the same calls, no conversion). With a compute mirror attached
+// (attach_mirror, layers/compute_mirror.hpp; TransformerLM attaches its own) forward reads W in C
+// from the mirror (refreshed first if stale) instead of converting it: the same values.
 #pragma once
 
 #include <string>
@@ -23,6 +25,7 @@
 
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/rng.hpp"
+#include "graphmoe/layers/compute_mirror.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/gemm.hpp"
 
@@ -70,7 +73,12 @@ class Linear {
       gemm(Trans::N, Trans::T, T(1), x, w_, T(0), y);
     } else {
       to_compute(x, xc_);
-      to_compute(w_, wc_);
+      if (mirror_ != nullptr) {
+        mirror_->ensure_current();
+        wc_ = mirror_->value(id_w_);
+      } else {
+        to_compute(w_, wc_);
+      }
       gemm(Trans::N, Trans::T, T(1), xc_, wc_, T(0), y);
     }
     if (bias_) add_row_vector(b_, y);
@@ -96,6 +104,13 @@ class Linear {
     }
     if (bias_) accumulate_column_sums(dy, db_);
   }
+  // W in C read from mirror (of the arena this layer is bound to) from the next forward on;
+  // nullptr: converted per forward again. C != T only.
+  void attach_mirror(ComputeMirror<T, C, B>* mirror) {
+    static_assert(!std::is_same_v<C, T>, "graphmoe::Linear::attach_mirror: C = T has no mirror");
+    mirror_ = mirror;
+    wc_ = Tensor<C, B>();  // never convert into the mirror's storage
+  }
   const Tensor<T, B>& weight() const { return w_; }
   const Tensor<T, B>& bias() const { return b_; }
   const Tensor<T, B>& dweight() const { return dw_; }
@@ -119,6 +134,7 @@ class Linear {
   Tensor<T, B> x_;
   // C != T: x and W of the last forward and dy of the last backward in C (empty when C = T)
   Tensor<C, B> xc_, wc_, dyc_;
+  ComputeMirror<T, C, B>* mirror_ = nullptr;  // C != T: W's C view from here when set
 };
 
 }  // namespace graphmoe

@@ -79,6 +79,9 @@ class MoELayer {
     experts_.bind(arena);
     bound_ = true;
   }
+  // The experts read w1, w2 in C from mirror (ExpertBank::attach_mirror); the router runs in T.
+  // C != T only.
+  void attach_mirror(ComputeMirror<T, C, B>* mirror) { experts_.attach_mirror(mirror); }
   void init(Rng& rng) {
     router_.init(rng);
     experts_.init(rng, cfg_.init_std);

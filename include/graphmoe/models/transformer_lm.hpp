@@ -17,12 +17,20 @@
 //
 // Compute type C (default T): mixed precision. With T = float and C = __nv_bfloat16 (or __half)
 // on graphmoe::cuda every GEMM of the model reads C operands and accumulates in fp32 into fp32
-// outputs: the blocks' projections and experts (TransformerBlock's C) and the LM head (xf and the
-// head weight converted once per forward, dlogits once per backward). Parameters (master
-// weights), gradients, optimizer state, embeddings, LayerNorm, attention softmax, routers, the
-// residual stream, logits and the loss stay fp32; no loss scaling (bf16 has fp32's exponent
-// range). The classification head (num_classes > 0) stays in T. C = T is the plain model (the
+// outputs: the blocks' projections and experts (TransformerBlock's C) and the LM head (xf
+// converted once per forward, the head weight read from the compute mirror below, dlogits
+// converted once per backward). Parameters (master weights), gradients, optimizer state,
+// embeddings, LayerNorm, attention softmax, routers, the residual stream, logits and the loss
+// stay fp32; no loss scaling (bf16 has fp32's exponent range). The classification head (num_classes > 0) stays in T. C = T is the plain model (the
 // same calls, bit for bit); any other C on the CPU backend is a compile-time error.
+//
+// Compute mirror (C != T): bind() creates a ComputeMirror of the arena (layers/compute_mirror.hpp,
+// compute_mirror()) and every GEMM weight of the model (projections, dense FFNs, experts, the head:
+// with tied embeddings the token embedding's slice) is read from it instead of converted per
+// forward; a stale mirror is refreshed at the next forward. Pass it to the optimizer
+// (opt.step(arena, lr, lm.compute_mirror())) so that the step writes it in the same pass as the
+// fp32 weights. set_compute_mirror(false) converts per forward again (the same values). With C = T
+// compute_mirror() is nullptr.
 #pragma once
 
 #include <cmath>
@@ -36,6 +44,7 @@
 #include "graphmoe/ops/cross_entropy.hpp"
 #include "graphmoe/ops/embedding.hpp"
 #include "graphmoe/layers/block.hpp"
+#include "graphmoe/layers/compute_mirror.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/gemm.hpp"
 
@@ -213,6 +222,23 @@ class TransformerLM {
     ln_f_.bind(arena);
     if (cfg_.num_classes > 0) cls_head_.bind(arena);
     arena_ = &arena;
+    if constexpr (!std::is_same_v<C, T>) set_compute_mirror(true);
+  }
+
+  // C != T: the mirror every GEMM weight is read from (created by bind(); nullptr after
+  // set_compute_mirror(false), and always with C = T). Give it to the optimizer's step.
+  ComputeMirror<T, C, B>* compute_mirror() const { return mirror_.get(); }
+  // C != T: on (bind's default) reads the weights from a mirror of the arena, off converts them
+  // per forward (the same values; for comparisons). Needs bind().
+  void set_compute_mirror(bool on) {
+    static_assert(!std::is_same_v<C, T>, "TransformerLM::set_compute_mirror: C = T has no mirror");
+    check_bound("set_compute_mirror");
+    if (on == (mirror_ != nullptr)) return;
+    std::unique_ptr<ComputeMirror<T, C, B>> next;
+    if (on) next = std::make_unique<ComputeMirror<T, C, B>>(*arena_);
+    for (auto& b : blocks_) b.attach_mirror(next.get());
+    headc_ = Tensor<C, B>();  // never convert into the mirror's storage
+    mirror_ = std::move(next);
   }
 
   // Draws every parameter from rng, in the order the owning constructor always has (so a seed
@@ -225,6 +251,7 @@ class TransformerLM {
     ln_f_.init();
     if (id_head_ >= 0) fill_normal(arena_->value(id_head_), rng, cfg_.init_std);
     if (cfg_.num_classes > 0) cls_head_.init(rng, cfg_.init_std);
+    arena_->mark_values_written();
   }
 
   // The arena the model is bound to (its own, for the owning constructor).
@@ -489,7 +516,12 @@ class TransformerLM {
       gemm(Trans::N, Trans::T, T(1), x, head_weight(), T(0), logits);
     } else {
       to_compute(x, xfc_);
-      to_compute(head_weight(), headc_);
+      if (mirror_ != nullptr) {  // the head weight's (or the tied token embedding's) C view
+        mirror_->ensure_current();
+        headc_ = mirror_->value(id_head_ >= 0 ? id_head_ : id_tok_);
+      } else {
+        to_compute(head_weight(), headc_);
+      }
       gemm(Trans::N, Trans::T, T(1), xfc_, headc_, T(0), logits);
     }
   }
@@ -519,6 +551,8 @@ class TransformerLM {
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
   Tensor<C, B> xfc_, headc_, dlc_;  // C != T: the LM head's operands in C (empty when C = T)
+  // C != T: the arena's weights in C (compute_mirror()); declared last, so destroyed first
+  std::unique_ptr<ComputeMirror<T, C, B>> mirror_;
   bool has_loss_ = false;
 };
 
