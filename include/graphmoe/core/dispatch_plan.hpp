@@ -50,7 +50,7 @@ namespace detail {
 // Keeps t's storage when it already has the shape (plans are rebuilt every step).
 template <class B>
 void plan_tensor(Tensor<std::int32_t, B>& t, const Shape& shape) {
-  if (t.empty() || t.shape() != shape) t = Tensor<std::int32_t, B>(shape);
+  if (t.empty() || t.shape() != shape) t = new_output<std::int32_t, B>(shape);  // written in full
 }
 }  // namespace detail
 

@@ -50,13 +50,13 @@ class Tensor {
 
   Tensor() = default;
   // Allocates and zero-fills.
-  explicit Tensor(const Shape& shape) : shape_(shape) {
-    const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * sizeof(T);
-    T* p = static_cast<T*>(Alloc::allocate(bytes));
-    storage_ = std::shared_ptr<T>(p, [](T* q) { Alloc::deallocate(q); });
-    data_ = p;
-    Alloc::zero(p, bytes);
+  explicit Tensor(const Shape& shape) : Tensor(shape, Uninitialized{}) {
+    Alloc::zero(data_, bytes());
   }
+  // Allocates without filling: for a tensor that is written in full before it is read (an op's
+  // output). On a GPU the fill is a launch of its own; the CUDA emulation fills new device
+  // tensors with NaN bytes, so that a test reading an element nobody wrote fails.
+  static Tensor uninitialized(const Shape& shape) { return Tensor(shape, Uninitialized{}); }
   // A non-owning view onto memory that the caller keeps alive (e.g. an Eigen matrix).
   static Tensor borrow(T* data, const Shape& shape) {
     Tensor t;
@@ -125,7 +125,7 @@ class Tensor {
 
   Tensor clone() const {
     if (empty()) return Tensor();
-    Tensor t(shape_);
+    Tensor t = uninitialized(shape_);
     Alloc::copy(t.data_, data_, bytes());
     return t;
   }
@@ -170,6 +170,13 @@ class Tensor {
   }
 
  private:
+  struct Uninitialized {};
+  Tensor(const Shape& shape, Uninitialized) : shape_(shape) {
+    T* p = static_cast<T*>(Alloc::allocate(static_cast<std::size_t>(shape.numel()) * sizeof(T)));
+    storage_ = std::shared_ptr<T>(p, [](T* q) { Alloc::deallocate(q); });
+    data_ = p;
+  }
+
   template <class... I>
   index_t flat_index(I... idx) const {
     const index_t ii[] = {static_cast<index_t>(idx)...};
@@ -209,11 +216,20 @@ void check_finite(const char* op, const char* what, const Tensor<T, cpu>& t) {
 
 // Output convention of every op: an empty output tensor is allocated with the expected shape; a
 // non-empty one must already have exactly that shape (it may be a view into an arena) and is
-// overwritten.
+// overwritten. Since every element is overwritten either way, a new output in device memory is
+// not zero-filled first (a memset launch per op, hundreds per training step: the launch census in
+// docs/benchmarks.md); in host memory it is (cheap, and uninitialised host memory would turn a
+// broken op into a nondeterministic one instead of a wrong one that the tests see). new_output:
+// such a tensor, for outputs that are not prepared through prepare_output.
+template <class T, class B>
+Tensor<T, B> new_output(const Shape& shape) {
+  return B::host_memory ? Tensor<T, B>(shape) : Tensor<T, B>::uninitialized(shape);
+}
+
 template <class T, class B>
 void prepare_output(const char* op, const char* what, Tensor<T, B>& out, const Shape& expected) {
   if (out.empty()) {
-    out = Tensor<T, B>(expected);
+    out = new_output<T, B>(expected);
     return;
   }
   GRAPHMOE_CHECK(out.shape() == expected, op, "output ", what, " has shape ", out.shape(),

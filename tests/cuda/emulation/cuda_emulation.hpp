@@ -55,6 +55,8 @@
 #include <cstddef>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <string>
 #include <type_traits>
 
 #undef __STORAGE__
@@ -81,13 +83,24 @@ void block_barrier();
 void warp_exchange(unsigned mask, const void* value, std::size_t size, int src_lane, void* out);
 
 // What the program has asked of the "device" so far: kernel launches and cuBLAS GEMM calls (a
-// grouped GEMM counts once). Tests use them as a proxy for launch overhead, which the emulation
-// cannot time.
+// grouped GEMM counts once), copies by direction (a copy to the host waits for the device: a
+// synchronisation point on a GPU, and what a CUDA graph cannot hold), memsets, device allocations
+// (cudaMalloc: the caching allocator's misses) and explicit synchronisations. Tests use them as a
+// proxy for launch overhead, which the emulation cannot time. Thrust's algorithms run on the
+// host's backends here, so their kernels (the dispatch plan's sort) are not counted.
 struct Counters {
   unsigned long long kernel_launches = 0;
   unsigned long long cublas_calls = 0;
+  unsigned long long copies_to_host = 0;
+  unsigned long long copies_to_device = 0;
+  unsigned long long copies_on_device = 0;
+  unsigned long long memsets = 0;
+  unsigned long long device_allocations = 0;
+  unsigned long long synchronizations = 0;
 };
 Counters counters();
+// Kernel launches so far by kernel ("graphmoe::detail::softmax_forward_kernel<float, false>").
+std::map<std::string, unsigned long long> launches_by_kernel();
 
 // Called by the caching allocator (backend/cuda/allocator.cuh) when it hands out `block` bytes at
 // p for a tensor of `requested` bytes, and when it takes them back. Allocation fills the whole

@@ -76,6 +76,17 @@ bool blocks_descending = false;  // set_blocks_descending
 
 graphmoe_cuda_emulation::Counters graphmoe_cuda_emulation::counters() { return counted; }
 
+namespace {
+std::map<std::string, unsigned long long>& launch_histogram() {
+  static std::map<std::string, unsigned long long> h;
+  return h;
+}
+}  // namespace
+
+std::map<std::string, unsigned long long> graphmoe_cuda_emulation::launches_by_kernel() {
+  return launch_histogram();
+}
+
 void graphmoe_cuda_emulation::set_blocks_descending(bool on) { blocks_descending = on; }
 
 namespace graphmoe_cuda_emulation {
@@ -297,6 +308,7 @@ void launch(const char* signature, dim3 grid, dim3 block, const std::function<vo
   Scheduler& s = scheduler();
   ++counted.kernel_launches;
   current_kernel = kernel_name(signature);
+  ++launch_histogram()[current_kernel];
   if (const std::string& bad = pending_corruption(); !bad.empty()) {
     const std::string message = bad;
     pending_corruption().clear();
@@ -478,6 +490,7 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
   void* p = std::aligned_alloc(256, bytes == 0 ? 256 : bytes);
   if (p == nullptr) return record(cudaErrorMemoryAllocation);
   std::memset(p, 0xA5, bytes == 0 ? 256 : bytes);  // device memory is not zeroed
+  ++counted.device_allocations;
   {
     std::lock_guard<std::mutex> lock(allocations_mutex);
     allocations()[reinterpret_cast<std::uintptr_t>(p)] = Allocation{size};
@@ -500,6 +513,17 @@ cudaError_t cudaFree(void* ptr) {
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   if (const cudaError_t e = check_copy(dst, src, count, kind); e != cudaSuccess) return e;
   if (count != 0) std::memmove(dst, src, count);
+  if (kind == cudaMemcpyDefault)
+    kind = is_device_range(src, count == 0 ? 1 : count)
+               ? (is_device_range(dst, count == 0 ? 1 : count) ? cudaMemcpyDeviceToDevice
+                                                              : cudaMemcpyDeviceToHost)
+               : cudaMemcpyHostToDevice;
+  switch (kind) {
+    case cudaMemcpyDeviceToHost: ++counted.copies_to_host; break;
+    case cudaMemcpyHostToDevice: ++counted.copies_to_device; break;
+    case cudaMemcpyDeviceToDevice: ++counted.copies_on_device; break;
+    default: break;
+  }
   return cudaSuccess;
 }
 
@@ -511,6 +535,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
 cudaError_t cudaMemset(void* dst, int value, size_t count) {
   if (count != 0 && !is_device_range(dst, count)) return record(cudaErrorInvalidValue);
   std::memset(dst, value, count);
+  ++counted.memsets;
   return cudaSuccess;
 }
 
@@ -540,8 +565,14 @@ cudaError_t cudaSetDevice(int device) {
   return device == 0 ? cudaSuccess : record(cudaErrorInvalidDevice);
 }
 
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+  ++counted.synchronizations;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  ++counted.synchronizations;
+  return cudaSuccess;
+}
 // Every operation has completed when its call returns (NcclCommunicator polls its stream).
 cudaError_t cudaStreamQuery(cudaStream_t) { return cudaSuccess; }
 

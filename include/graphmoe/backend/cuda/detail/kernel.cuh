@@ -190,7 +190,7 @@ class FirstIndexFlag {
  public:
   static constexpr unsigned long long kNone = ~0ull;
 
-  FirstIndexFlag() : value_(Shape{1}) {
+  FirstIndexFlag() : value_(Tensor<unsigned long long, cuda>::uninitialized(Shape{1})) {
     GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(value_.data(), 0xFF, sizeof(unsigned long long), cuda_stream()));
   }
   unsigned long long* get() const { return value_.data(); }
