@@ -463,7 +463,8 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
     return lm_step_census<SoftmaxRouter, __nv_bfloat16>(l, e);
   });
   // the graph adds launches, and today one host round trip per block (measured: 43 against 37
-  // copies to the host at 6 blocks; found by this census, not removed yet: docs/benchmarks.md)
+  // copies to the host at 6 blocks: the router's mean graph entropy, read at every forward;
+  // docs/benchmarks.md, "Launch census")
   CHECK(sim.c.kernel_launches > soft.c.kernel_launches);
   CHECK(sim.c.copies_to_host <= soft.c.copies_to_host + 6);
   // every GEMM weight of the bf16 model is read from its compute mirror: the conversions left
