@@ -236,6 +236,20 @@ void prepare_output(const char* op, const char* what, Tensor<T, B>& out, const S
                  ", expected ", expected);
 }
 
+// For an output that an op adds to (a parameter gradient such as LayerNorm's dgamma): an empty
+// one is allocated zero-filled on every backend (prepare_output's does not fill on a GPU); a
+// non-empty one must have exactly the expected shape and is added to.
+template <class T, class B>
+void prepare_accumulator(const char* op, const char* what, Tensor<T, B>& out,
+                         const Shape& expected) {
+  if (out.empty()) {
+    out = Tensor<T, B>(expected);
+    return;
+  }
+  GRAPHMOE_CHECK(out.shape() == expected, op, "output ", what, " has shape ", out.shape(),
+                 ", expected ", expected);
+}
+
 namespace detail {
 // A host tensor with t's values: t itself on the CPU; a copy (to_host, found by argument-dependent
 // lookup in graphmoe/backend/cuda/copy.cuh) for a device tensor.

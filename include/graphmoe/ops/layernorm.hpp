@@ -91,8 +91,8 @@ void layernorm_backward(const Tensor<T, B>& x, const Tensor<T, B>& gamma, const 
   check_shape(op, "rstd", rstd, Shape{s.n});
   check_shape(op, "dy", dy, x.shape());
   prepare_output(op, "dx", dx, x.shape());
-  prepare_output(op, "dgamma", dgamma, Shape{s.d});
-  prepare_output(op, "dbeta", dbeta, Shape{s.d});
+  prepare_accumulator(op, "dgamma", dgamma, Shape{s.d});
+  prepare_accumulator(op, "dbeta", dbeta, Shape{s.d});
   layernorm_backward(B{}, x, gamma, mean, rstd, dy, dx, dgamma, dbeta);
 }
 
