@@ -242,12 +242,10 @@ void prepare_output(const char* op, const char* what, Tensor<T, B>& out, const S
 template <class T, class B>
 void prepare_accumulator(const char* op, const char* what, Tensor<T, B>& out,
                          const Shape& expected) {
-  if (out.empty()) {
+  if (out.empty())
     out = Tensor<T, B>(expected);
-    return;
-  }
-  GRAPHMOE_CHECK(out.shape() == expected, op, "output ", what, " has shape ", out.shape(),
-                 ", expected ", expected);
+  else
+    prepare_output(op, what, out, expected);  // the shape check
 }
 
 namespace detail {

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
@@ -42,41 +43,27 @@ namespace graphmoe {
 
 namespace detail {
 
-template <class T>
-__global__ void adamw_kernel(const OptimChunk* chunks, index_t num_chunks, AdamWUpdate<T> u, T* p,
-                             const T* g, T* m, T* v) {
-  for (index_t ci = blockIdx.x; ci < num_chunks; ci += gridDim.x) {
-    const OptimChunk c = chunks[ci];
-    if (u.decays(c.decay != 0)) {
-      for (index_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x)
-        u.template apply<true>(p[j], g[j], m[j], v[j]);
-    } else {
-      for (index_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x)
-        u.template apply<false>(p[j], g[j], m[j], v[j]);
-    }
+// One chunk's AdamW update; with a mirror (M not void) also pc[j] = the updated p[j] as M
+// (value_cast: convert's rounding), in the same pass.
+template <bool Decay, class T, class M>
+__device__ void adamw_chunk(const AdamWUpdate<T>& u, const OptimChunk& c, T* p, const T* g, T* m,
+                            T* v, M* pc) {
+  for (index_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+    u.template apply<Decay>(p[j], g[j], m[j], v[j]);
+    if constexpr (!std::is_void_v<M>) pc[j] = value_cast<M>(p[j]);
   }
 }
 
-// adamw_kernel, and pc[j] = p[j] as M (value_cast: convert's rounding) from the updated value.
+// M = void: no mirror (pc unused).
 template <class T, class M>
-__global__ void adamw_mirror_kernel(const OptimChunk* chunks, index_t num_chunks,
-                                    AdamWUpdate<T> u, T* p, const T* g, T* m, T* v, M* pc) {
+__global__ void adamw_kernel(const OptimChunk* chunks, index_t num_chunks, AdamWUpdate<T> u, T* p,
+                             const T* g, T* m, T* v, M* pc) {
   for (index_t ci = blockIdx.x; ci < num_chunks; ci += gridDim.x) {
     const OptimChunk c = chunks[ci];
-    const bool decay = u.decays(c.decay != 0);
-    for (index_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
-      T pj = p[j];
-      T mj = m[j];
-      T vj = v[j];
-      if (decay)
-        u.template apply<true>(pj, g[j], mj, vj);
-      else
-        u.template apply<false>(pj, g[j], mj, vj);
-      p[j] = pj;
-      m[j] = mj;
-      v[j] = vj;
-      pc[j] = value_cast<M>(pj);
-    }
+    if (u.decays(c.decay != 0))
+      adamw_chunk<true>(u, c, p, g, m, v, pc);
+    else
+      adamw_chunk<false>(u, c, p, g, m, v, pc);
   }
 }
 
@@ -159,28 +146,23 @@ inline void upload_optim_chunks(cuda, detail::OptimChunks<cuda>& chunks) {
   chunks.table = detail::chunk_table(chunks.host);
 }
 
-// One thread block per chunk (the table uploaded by upload_optim_chunks).
-template <class T>
-void adamw_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::AdamWUpdate<T>& u,
-                  T* p, const T* g, T* m, T* v) {
-  using namespace detail;
-  const index_t n = chunks.size();
-  if (n == 0) return;
-  launch_kernel<adamw_kernel<T>>(grid_for_chunks(n), kThreads, chunks.table.data(), n, u, p, g, m,
-                                 v);
-  GRAPHMOE_CUDA_CHECK_LAUNCH();
-}
-
-// The same, and the mirror pc written from the updated values in the same pass.
+// One thread block per chunk (the table uploaded by upload_optim_chunks); with a mirror pc, the
+// mirror written from the updated values in the same pass.
 template <class T, class M>
 void adamw_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::AdamWUpdate<T>& u,
                   T* p, const T* g, T* m, T* v, M* pc) {
   using namespace detail;
   const index_t n = chunks.size();
   if (n == 0) return;
-  launch_kernel<adamw_mirror_kernel<T, M>>(grid_for_chunks(n), kThreads, chunks.table.data(), n,
-                                           u, p, g, m, v, pc);
+  launch_kernel<adamw_kernel<T, M>>(grid_for_chunks(n), kThreads, chunks.table.data(), n, u, p, g,
+                                    m, v, pc);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void adamw_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::AdamWUpdate<T>& u,
+                  T* p, const T* g, T* m, T* v) {
+  adamw_update(cuda{}, chunks, u, p, g, m, v, static_cast<void*>(nullptr));
 }
 
 template <class T>
