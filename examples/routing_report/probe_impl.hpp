@@ -21,7 +21,7 @@ graphmoe::RoutingProbe probe(const ProbeInput& in) {
       auto& block = lm.block(l);
       if (!block.is_moe()) continue;
       const auto& r = block.moe().routing();
-      out.record(slot++, l, r.r, r.p, r.selection.indices, r.graph_entropy,
+      out.record(slot++, l, r.r, r.p, r.selection.indices, block.moe().router().graph_entropy(),
                  block.moe().router().graph().mean_self_weight());
     }
   }

@@ -253,7 +253,8 @@ int run_model(const Options& opt, const Data& data) {
         last_fluctuation[i] = fl;
         prev_probe[i] = indices.clone();
         row.insert(row.end(), {mean_entropy(examples::host_values(r.r)),
-                               mean_entropy(examples::host_values(r.p)), r.graph_entropy, fl,
+                               mean_entropy(examples::host_values(r.p)),
+                               lm.block(moe_layers[i]).moe().router().graph_entropy(), fl,
                                tot > 0 ? static_cast<double>(mx) / static_cast<double>(tot) : 0.0});
       }
       if (root) {
@@ -284,7 +285,7 @@ int run_model(const Options& opt, const Data& data) {
   // degenerate identity graph)
   lm.forward(probe_inputs, probe_targets);
   double graph_entropy = 0;
-  for (index_t l : moe_layers) graph_entropy += lm.block(l).moe().routing().graph_entropy;
+  for (index_t l : moe_layers) graph_entropy += lm.block(l).moe().router().graph_entropy();
   if (!moe_layers.empty()) graph_entropy /= static_cast<double>(moe_layers.size());
   // mean over MoE layers of the probe batch's fluctuation between the last two evaluations: NaN,
   // printed "n/a", when there were fewer than two (or no MoE layer)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -248,4 +249,49 @@ TEST_CASE("threads: counts above 4 x the hardware threads are refused, naming th
   CHECK_THROWS_WITH_AS(set_num_threads(-3), doctest::Contains("must be >= 1, got -3"), Error);
   set_num_threads(1);
   CHECK(num_threads() == 1);
+}
+
+// The host half of the deferred content checks (core/deferred_check.hpp; the CUDA backend's half
+// is tested in tests/cuda/test_cuda_layers.cu).
+TEST_CASE("deferred checks: report_check reports now, or through the open batch") {
+  using graphmoe::BadRow;
+  using graphmoe::Offender;
+  using graphmoe::detail::DeferredChecks;
+  auto report = [](const Offender& o) {
+    graphmoe::detail::throw_error("op", "bad value ", o.value, " at ", o.index);
+  };
+  // immediate results: nothing found, nothing thrown; found: thrown at once
+  CHECK_NOTHROW(graphmoe::report_check(Offender{}, report));
+  CHECK_THROWS_WITH_AS(graphmoe::report_check(Offender{3, 2.5}, report),
+                       "graphmoe::op: bad value 2.5 at 3", graphmoe::Error);
+  // a pending result without an open batch is a backend's bug, named
+  Offender pending;
+  pending.deferred = 0;
+  CHECK_THROWS_WITH_AS(graphmoe::report_check(pending, report),
+                       doctest::Contains("outside with_deferred_checks"), graphmoe::Error);
+  // with a batch: the report is kept and fires with the resolved result
+  DeferredChecks batch;
+  graphmoe::detail::active_deferred_checks() = &batch;
+  const graphmoe::index_t e0 = batch.add<Offender>(
+      "first", [](graphmoe::index_t i) { return Offender{i, 0.5 * static_cast<double>(i)}; });
+  const graphmoe::index_t e1 =
+      batch.add<BadRow>("second", [](graphmoe::index_t i) { return BadRow{i, 1, 0}; });
+  pending.deferred = e0;
+  graphmoe::report_check(pending, report);
+  CHECK(batch.size() == 2);
+  graphmoe::detail::active_deferred_checks() = nullptr;
+  CHECK_THROWS_WITH_AS(batch.fire(e0, 7), "graphmoe::op: bad value 3.5 at 7", graphmoe::Error);
+  // an entry whose op attached no report still throws, naming the op and the index
+  CHECK_THROWS_WITH_AS(batch.fire(e1, 4), doctest::Contains("graphmoe::second: bad input at flat index 4"),
+                       graphmoe::Error);
+  // the report must take the entry's result type
+  CHECK_THROWS_WITH_AS(batch.set_report<Offender>(e1, report),
+                       doctest::Contains("registered with another result type"), graphmoe::Error);
+  CHECK_THROWS_WITH_AS(batch.set_report<Offender>(5, report), doctest::Contains("no entry 5"),
+                       graphmoe::Error);
+  // the CPU backend checks at once: with_deferred_checks(cpu{}, f) is f()
+  int calls = 0;
+  graphmoe::with_deferred_checks(graphmoe::cpu{}, [&] { ++calls; });
+  CHECK(calls == 1);
+  CHECK(graphmoe::detail::active_deferred_checks() == nullptr);
 }

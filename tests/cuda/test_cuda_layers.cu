@@ -12,8 +12,11 @@
 // run in full by scripts/gpu-check.sh).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <utility>
 
 #include "graphmoe/cuda.cuh"
 #include "cuda/cuda_test_support.cuh"
@@ -179,7 +182,8 @@ void compare_moe(const RouterConfig& rc, index_t batch, index_t len,
   check_equal("router keep", hr.selection.keep, dr.selection.keep);
   CHECK(hr.selection.dropped == dr.selection.dropped);
   check_close("router gates", hr.selection.gates, dr.selection.gates, layer_tolerance<T>());
-  CHECK(dr.graph_entropy == doctest::Approx(hr.graph_entropy).epsilon(1e-4));
+  CHECK(p.dev.router().graph_entropy() ==
+        doctest::Approx(p.host.router().graph_entropy()).epsilon(1e-4));
   CHECK(dr.load_balance_loss == doctest::Approx(hr.load_balance_loss).epsilon(1e-4));
   CHECK(dr.z_loss == doctest::Approx(hr.z_loss).epsilon(1e-4));
   check_close("MoE y", hy, yd, tol);
@@ -264,6 +268,159 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the SMoE-Dropout router (frozen,
   rc.options<graphmoe::ScheduledTopK>().schedule_steps = 10;
   compare_moe<SMoEDropoutRouter, T>(rc, 2, 8);
   compare_moe<SimilaritySMoEDropoutRouter, T>(rc, 2, 8);
+}
+
+namespace {
+
+// The message of the graphmoe::Error that f throws; "" when it throws none.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+// with_deferred_checks on the GPU (core/deferred_check.hpp): the checks inside report the same
+// errors as outside, the first one in program order wins, also over a later exception, and the
+// scope leaves nothing open behind it.
+TEST_CASE("cuda: with_deferred_checks reports the first failed check, word for word") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  using D = graphmoe::cuda;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const Tensor<double, D> good = to_device(Tensor<double, cpu>::from({2, 3}, {1, 2, 3, 4, 5, 6}));
+  const Tensor<double, D> bad = to_device(Tensor<double, cpu>::from({2, 3}, {1, 2, 3, 4, nan, 6}));
+  const std::string finite_error = error_of([&] { check_finite("A", "x", bad); });
+  const std::string softmax_error = error_of([&] {
+    Tensor<double, D> y;
+    softmax_forward(bad, y);
+  });
+  REQUIRE(finite_error.find("graphmoe::A: x of shape (2, 3) holds nan at flat index 4") == 0);
+  REQUIRE(softmax_error.find("row 1 of x") != std::string::npos);
+  // clean checks: nothing thrown, the results are written
+  Tensor<double, D> y;
+  CHECK(error_of([&] {
+          with_deferred_checks(D{}, [&] {
+            check_finite("A", "x", good);
+            softmax_forward(good, y);
+          });
+        }) == "");
+  CHECK(to_host(y)(1, 2) == doctest::Approx(std::exp(2.0) / (1 + std::exp(1.0) + std::exp(2.0))));
+  // a failed check: its own message, at the end of the scope
+  bool body_finished = false;
+  CHECK(error_of([&] {
+          with_deferred_checks(D{}, [&] {
+            check_finite("A", "x", good);
+            Tensor<double, D> z;
+            softmax_forward(bad, z);
+            body_finished = true;
+          });
+        }) == softmax_error);
+  CHECK(body_finished);  // deferred: the check did not stop the body
+  // two failed checks: the first in program order
+  CHECK(error_of([&] {
+          with_deferred_checks(D{}, [&] {
+            check_finite("A", "x", bad);
+            Tensor<double, D> z;
+            softmax_forward(bad, z);
+          });
+        }) == finite_error);
+  // a later exception gives way to the earlier failed check, and passes when none failed
+  CHECK(error_of([&] {
+          with_deferred_checks(D{}, [&] {
+            check_finite("A", "x", bad);
+            throw Error("graphmoe::later: an op tripping over the bad values");
+          });
+        }) == finite_error);
+  CHECK(error_of([&] {
+          with_deferred_checks(D{}, [&] {
+            check_finite("A", "x", good);
+            throw Error("graphmoe::later: its own error");
+          });
+        }) == "graphmoe::later: its own error");
+  // a nested scope joins the outer one; a read inside brings the flags, which still wait for the
+  // end of the scope
+  CHECK(error_of([&] {
+          with_deferred_checks(D{}, [&] {
+            with_deferred_checks(D{}, [&] { check_finite("A", "x", bad); });
+            (void)to_host(good);
+          });
+        }) == finite_error);
+  // nothing is left open: checks outside a scope throw at once again
+  CHECK(detail::active_deferred_checks() == nullptr);
+  CHECK(error_of([&] { check_finite("A", "x", bad); }) == finite_error);
+}
+
+// Bad input reaching the MoE layer on the GPU gives the CPU layer's error word for word, although
+// there the router's four content checks are read with the dispatch plan's expert offsets (one
+// synchronisation per forward instead of five).
+TEST_CASE_TEMPLATE("cuda vs cpu: the MoE layer's bad-input errors with deferred router checks", T,
+                   float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  MoEConfig cfg;
+  cfg.d_model = 24;
+  cfg.d_ff = 20;
+  cfg.router = small_router();
+  Pair<MoELayer<SoftmaxRouter, T, cpu>, MoELayer<SoftmaxRouter, T, graphmoe::cuda>, T> p(
+      [&](auto& arena, auto& l) { l.declare(arena, "moe.", cfg); },
+      [](auto& l) { Rng r(7); l.init(r); });
+  Rng data(11);
+  const index_t len = 9, n = 2 * len;
+  Tensor<T, cpu> u = random_tensor<T>(Shape{n, cfg.d_model}, data);
+  GraphContext<T, cpu> hctx{len, nullptr};
+  GraphContext<T, graphmoe::cuda> dctx{len, nullptr};
+  Tensor<T, cpu> hy;
+  Tensor<T, graphmoe::cuda> yd;
+  auto errors = [&](const Tensor<T, cpu>& x) {
+    return std::pair{error_of([&] { p.host.forward(x, hctx, hy); }),
+                     error_of([&] { p.dev.forward(to_device(x), dctx, yd); })};
+  };
+  auto check_clean_forward = [&] {
+    hy = Tensor<T, cpu>();
+    yd = Tensor<T, graphmoe::cuda>();
+#if defined(GRAPHMOE_CUDA_EMULATION)
+    const auto before = graphmoe_cuda_emulation::counters();
+    p.dev.forward(to_device(u), dctx, yd);
+    const auto after = graphmoe_cuda_emulation::counters();
+    // the plan's expert offsets (one wait), the four flags queued asynchronously before it
+    CHECK(after.copies_to_host - before.copies_to_host == 1);
+    CHECK(after.async_copies_to_host - before.async_copies_to_host == 1);
+#else
+    p.dev.forward(to_device(u), dctx, yd);
+#endif
+    p.host.forward(u, hctx, hy);
+    check_close("MoE y", hy, yd, layer_tolerance<T>());
+  };
+  check_clean_forward();
+  SUBCASE("a NaN in the router's input: check_finite's error") {
+    Tensor<T, cpu> bad = u.clone();
+    bad(5, 3) = std::numeric_limits<T>::quiet_NaN();
+    const auto [host, dev] = errors(bad);
+    CHECK(host.find("graphmoe::Router: u of shape (18, 24) holds nan at flat index 123") == 0);
+    CHECK(dev == host);
+  }
+  SUBCASE("a NaN router weight: the softmax's error, not the top-k's or the plan's after it") {
+    index_t id = -1;
+    for (index_t i = 0; i < p.host_arena.size() && id < 0; ++i)
+      if (p.host_arena.params()[static_cast<std::size_t>(i)].name.rfind("moe.router.", 0) == 0)
+        id = i;
+    REQUIRE(id >= 0);
+    Tensor<T, cpu> w = p.host_arena.value(id);
+    w.data()[0] = std::numeric_limits<T>::quiet_NaN();
+    copy_parameters(p.host_arena, p.dev_arena);
+    const auto [host, dev] = errors(u);
+    CHECK(host.find("graphmoe::softmax_forward: row 0 of x") == 0);
+    CHECK(dev == host);
+    Rng r(7);
+    p.host.init(r);  // the same weights as before the NaN
+    copy_parameters(p.host_arena, p.dev_arena);
+  }
+  // the failed forward left nothing behind: the next one runs and agrees
+  check_clean_forward();
 }
 
 namespace {

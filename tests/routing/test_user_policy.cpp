@@ -124,7 +124,7 @@ TEST_CASE("user token graph: forward through Router matches the prefix mean") {
     }
   }
   CHECK(worst < 1e-14);
-  CHECK(out.graph_entropy == doctest::Approx(entropy));
+  CHECK(router.graph_entropy() == doctest::Approx(entropy));
   // the selection is top-k of p, not of r (the graph changed something)
   CHECK(out.selection.indices.shape() == (Shape{nb * len, 2}));
   CHECK(PrefixMeanRouter::name() == "linear/prefix-mean/topk");

@@ -16,7 +16,12 @@ struct BadRow {
   index_t nan = 0;      // its NaN entries
   index_t pos_inf = 0;  // its +inf entries (none of either: the row is entirely -inf)
 
+  // >= 0: not known yet; the check's entry in the thread's deferred checks
+  // (core/deferred_check.hpp), row is then -1
+  index_t deferred = -1;
+
   bool found() const { return row >= 0; }
+  bool pending() const { return deferred >= 0; }
 };
 
 }  // namespace graphmoe

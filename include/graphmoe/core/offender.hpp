@@ -15,7 +15,12 @@ struct Offender {
   index_t index = -1;  // flat (row-major) index of the first offending entry; -1: none
   double value = 0;    // its value, widened to double (indices are exact up to 2^53)
 
+  // >= 0: not known yet; the check's entry in the thread's deferred checks
+  // (core/deferred_check.hpp), index is then -1
+  index_t deferred = -1;
+
   bool found() const { return index >= 0; }
+  bool pending() const { return deferred >= 0; }
 };
 
 }  // namespace graphmoe

@@ -12,6 +12,7 @@
 
 #include <string>
 
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/dist/expert_parallel.hpp"
 #include "graphmoe/layers/expert_bank.hpp"
 #include "graphmoe/layers/loss.hpp"
@@ -94,7 +95,12 @@ class MoELayer {
                    u.shape(), ", expected (N, ", cfg_.d_model, ")");
     u_ = u;
     ctx_ = ctx;
-    router_.forward(u, ctx, route_);
+    // The router's content checks are read with the plan's expert offsets (one synchronisation
+    // on the GPU instead of five; core/deferred_check.hpp).
+    with_deferred_checks(B{}, [&] {
+      router_.forward(u, ctx, route_);
+      make_plan();
+    });
     run_experts(u, y);
   }
 
@@ -113,15 +119,18 @@ class MoELayer {
                    u.shape(), ", expected (n, ", cfg_.d_model, ")");
     u_ = u;
     ctx_ = GraphContext<T, B>{};
-    router_.decode(u, ctx, cache, route_);
+    with_deferred_checks(B{}, [&] {
+      router_.decode(u, ctx, cache, route_);
+      make_plan();
+    });
     run_experts(u, y);
   }
 
  private:
-  // dispatch -> experts -> combine for the routing in route_
-  void run_experts(const Tensor<T, B>& u, Tensor<T, B>& y) {
+  // The dispatch plan of the routing in route_. Capacity-dropped assignments go to a bucket
+  // expert E that the bank skips.
+  void make_plan() {
     const Selection<T, B>& sel = route_.selection;
-    // Capacity-dropped assignments go to a bucket expert E that the bank skips.
     const index_t e = cfg_.router.num_experts;
     Tensor<std::int32_t, B> ids = sel.indices;
     if (sel.dropped > 0) {
@@ -129,6 +138,12 @@ class MoELayer {
       route_dropped_to(sel.indices, sel.keep, static_cast<std::int32_t>(e), ids);
     }
     make_dispatch_plan(ids, sel.dropped > 0 ? e + 1 : e, plan_);
+  }
+
+  // dispatch -> experts -> combine for the routing in route_ and plan_
+  void run_experts(const Tensor<T, B>& u, Tensor<T, B>& y) {
+    const Selection<T, B>& sel = route_.selection;
+    const index_t e = cfg_.router.num_experts;
     if (xs_.empty() || xs_.rows() != plan_.num_slots()) {
       xs_ = Tensor<T, B>(Shape{plan_.num_slots(), cfg_.d_model});
       ys_ = Tensor<T, B>(Shape{plan_.num_slots(), cfg_.d_model});
@@ -180,6 +195,7 @@ class MoELayer {
     return l;
   }
   RouterImpl<RouterPolicy, T, B>& router() { return router_; }
+  const RouterImpl<RouterPolicy, T, B>& router() const { return router_; }
   ExpertBank<T, B, C>& experts() { return experts_; }
   const DispatchPlan<B>& plan() const { return plan_; }
   const MoEConfig& config() const { return cfg_; }

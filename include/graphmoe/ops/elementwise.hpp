@@ -32,8 +32,11 @@
 // or a user backend's overload found by argument-dependent lookup).
 #pragma once
 
+#include <string>
+
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/tensor.hpp"
@@ -141,10 +144,12 @@ void patchify(const Tensor<T, B>& images, index_t patch, index_t height, index_t
 // core/tensor.hpp's check_finite (the more specialised overload), with the same message.
 template <class T, Backend B>
 void check_finite(const char* op, const char* what, const Tensor<T, B>& t) {
-  const Offender bad = check_finite(B{}, t);
-  if (bad.found())
-    GRAPHMOE_CHECK(false, op, what, " of shape ", t.shape(), " holds ", bad.value,
-                   " at flat index ", bad.index);
+  report_check(check_finite(B{}, t),
+               [where = std::string(op), name = std::string(what),
+                shape = t.shape()](const Offender& bad) {
+                 detail::throw_error(where.c_str(), name, " of shape ", shape, " holds ", bad.value,
+                                     " at flat index ", bad.index);
+               });
 }
 
 }  // namespace graphmoe

@@ -27,6 +27,7 @@
 
 #include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -59,9 +60,10 @@ void renormalized_gates(const Tensor<T, B>& values, const Tensor<std::uint8_t, B
                         Tensor<T, B>& gates) {
   detail::check_gate_inputs("renormalized_gates", values, keep);
   prepare_output("renormalized_gates", "gates", gates, values.shape());
-  const Offender bad = renormalized_gates(B{}, values, keep, gates);
-  GRAPHMOE_CHECK(!bad.found(), "TopK", "the selected scores of token ", bad.index, " sum to ",
-                 bad.value, " (p must be a probability vector)");
+  report_check(renormalized_gates(B{}, values, keep, gates), [](const Offender& bad) {
+    detail::throw_error("TopK", "the selected scores of token ", bad.index, " sum to ", bad.value,
+                        " (p must be a probability vector)");
+  });
 }
 
 template <class T, Backend B>

@@ -21,12 +21,14 @@
 // softmax_forward(B{}, ...) etc. run the backend's system (backend/cpu/softmax.hpp,
 // backend/cuda/softmax.cuh, or a user backend's overload found by argument-dependent lookup). The
 // forward functions of a backend return the first row without a finite maximum
-// (core/bad_row.hpp), which is thrown here.
+// (core/bad_row.hpp), which is thrown here (or, inside with_deferred_checks on a backend that
+// defers, when the backend has read its flag: core/deferred_check.hpp).
 #pragma once
 
 #include "graphmoe/backend/cpu/softmax.hpp"
 #include "graphmoe/core/backend.hpp"
 #include "graphmoe/core/bad_row.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -68,8 +70,9 @@ template <class T, Backend B>
 void softmax_forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
   constexpr const char* op = "softmax_forward";
   detail::softmax_check_forward(op, x, y);
-  const BadRow bad = softmax_forward(B{}, x, y);
-  if (bad.found()) detail::throw_softmax_bad_row(op, "x", x.shape(), bad);
+  report_check(softmax_forward(B{}, x, y), [shape = x.shape()](const BadRow& bad) {
+    detail::throw_softmax_bad_row(op, "x", shape, bad);
+  });
 }
 
 // dx = y * (dy - sum(dy * y)) per row, from the forward output y. dx is assigned.
@@ -84,8 +87,9 @@ template <class T, Backend B>
 void log_softmax_forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
   constexpr const char* op = "log_softmax_forward";
   detail::softmax_check_forward(op, x, y);
-  const BadRow bad = log_softmax_forward(B{}, x, y);
-  if (bad.found()) detail::throw_softmax_bad_row(op, "x", x.shape(), bad);
+  report_check(log_softmax_forward(B{}, x, y), [shape = x.shape()](const BadRow& bad) {
+    detail::throw_softmax_bad_row(op, "x", shape, bad);
+  });
 }
 
 // dx = dy - exp(y) * sum(dy) per row, from the forward output y. dx is assigned.

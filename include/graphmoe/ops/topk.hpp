@@ -20,6 +20,7 @@
 
 #include "graphmoe/backend/cpu/topk.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -39,9 +40,11 @@ void topk_forward(const Tensor<T, B>& x, index_t k, Tensor<T, B>& values,
                  x.shape());
   prepare_output(op, "values", values, Shape{n, k});
   prepare_output(op, "indices", indices, Shape{n, k});
-  const Offender nan = topk_forward(B{}, x, k, values, indices);
-  GRAPHMOE_CHECK(!nan.found(), op, "x ", x.shape(), " holds NaN at row ", nan.index / e,
-                 ", column ", nan.index % e);
+  report_check(topk_forward(B{}, x, k, values, indices),
+               [shape = x.shape(), e](const Offender& nan) {
+                 detail::throw_error(op, "x ", shape, " holds NaN at row ", nan.index / e,
+                                     ", column ", nan.index % e);
+               });
 }
 
 // dx = 0 except dx[r, indices[r, j]] = dvalues[r, j] (summed if an index repeats in a row).

@@ -68,7 +68,8 @@ struct RouterOutput {
   Selection<T, B> selection;  // indices, values, gates, keep (N, m)
   double load_balance_loss = 0;  // unscaled values (computed when their coefficient is > 0)
   double z_loss = 0;
-  double graph_entropy = 0;  // mean row entropy of the token graph (0 for Independent)
+  // The token graph's mean row entropy is not here: it costs a reduction and a read back on the
+  // GPU, so RouterImpl::graph_entropy() computes it on request.
 };
 
 template <class Policy, class T, class B = cpu>
@@ -127,6 +128,11 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   graph_impl& graph() { return graph_; }
   selector_impl& selector() { return selector_; }
   index_t current_k() const { return selector_.current_k(); }
+  // The mean row entropy of the token graph in the last forward (the graph's mean_entropy(); 0
+  // for Independent, before any forward and after a decode step, which builds no graph over the
+  // tokens). Computed when asked, not at every forward: on the GPU it is a reduction and a read
+  // back, i.e. a synchronisation.
+  double graph_entropy() const { return graph_forwarded_ ? graph_.mean_entropy() : 0.0; }
   void set_step(std::int64_t step) { selector_.set_step(step); }
 
   // u: (N, D) tokens, N a multiple of ctx.seq_len.
@@ -140,7 +146,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     else
       selector_.select(out.p, selector_.current_k(), out.selection);
     check_selection(out.selection, n);
-    out.graph_entropy = graph_.mean_entropy();
+    graph_forwarded_ = true;
     out.load_balance_loss = cfg_.load_balance_coef > 0
                                 ? load_balance_loss<T>(out.p, out.selection.indices, 0.0, nullptr)
                                 : 0.0;
@@ -172,7 +178,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
                      "select_dropless(p, k, selection))");
     }
     check_selection(out.selection, n);
-    out.graph_entropy = 0;
+    graph_forwarded_ = false;
     out.load_balance_loss = 0;
     out.z_loss = 0;
   }
@@ -238,6 +244,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   }
 
   RouterConfig cfg_;
+  bool graph_forwarded_ = false;  // the graph's state is a forward's (not a decode's)
   Mode mode_ = Mode::Train;
   index_t d_model_ = 0;
   scorer_impl scorer_;

@@ -83,15 +83,18 @@ void block_barrier();
 void warp_exchange(unsigned mask, const void* value, std::size_t size, int src_lane, void* out);
 
 // What the program has asked of the "device" so far: kernel launches and cuBLAS GEMM calls (a
-// grouped GEMM counts once), copies by direction (a copy to the host waits for the device: a
-// synchronisation point on a GPU, and what a CUDA graph cannot hold), memsets, device allocations
+// grouped GEMM counts once), copies by direction (a copy to pageable host memory waits for the
+// device: a synchronisation point on a GPU, and what a CUDA graph cannot hold; an asynchronous
+// copy to page-locked memory does not, and is counted apart), memsets, device allocations
 // (cudaMalloc: the caching allocator's misses) and explicit synchronisations. Tests use them as a
 // proxy for launch overhead, which the emulation cannot time. Thrust's algorithms run on the
 // host's backends here, so their kernels (the dispatch plan's sort) are not counted.
 struct Counters {
   unsigned long long kernel_launches = 0;
   unsigned long long cublas_calls = 0;
-  unsigned long long copies_to_host = 0;
+  unsigned long long copies_to_host = 0;        // cudaMemcpy(Async) to pageable host memory
+  unsigned long long async_copies_to_host = 0;  // cudaMemcpyAsync to page-locked host memory
+                                                // (cudaMallocHost): no wait on a GPU
   unsigned long long copies_to_device = 0;
   unsigned long long copies_on_device = 0;
   unsigned long long memsets = 0;

@@ -482,6 +482,49 @@ cudaError_t check_copy(void* dst, const void* src, std::size_t n, cudaMemcpyKind
 
 }  // namespace
 
+namespace {
+
+// Page-locked host memory (cudaMallocHost): plain host memory here, remembered so that an
+// asynchronous copy into it is counted as one that does not wait.
+std::map<std::uintptr_t, std::size_t>& pinned_blocks() {
+  static std::map<std::uintptr_t, std::size_t> blocks;
+  return blocks;
+}
+std::mutex pinned_mutex;
+
+bool is_pinned_range(const void* p, std::size_t count) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  auto it = pinned_blocks().upper_bound(a);
+  if (it == pinned_blocks().begin()) return false;
+  --it;
+  return a >= it->first && a + count <= it->first + it->second;
+}
+
+cudaError_t copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, bool async) {
+  if (const cudaError_t e = check_copy(dst, src, count, kind); e != cudaSuccess) return e;
+  if (count != 0) std::memmove(dst, src, count);
+  if (kind == cudaMemcpyDefault)
+    kind = is_device_range(src, count == 0 ? 1 : count)
+               ? (is_device_range(dst, count == 0 ? 1 : count) ? cudaMemcpyDeviceToDevice
+                                                              : cudaMemcpyDeviceToHost)
+               : cudaMemcpyHostToDevice;
+  switch (kind) {
+    case cudaMemcpyDeviceToHost:
+      if (async && is_pinned_range(dst, count))
+        ++counted.async_copies_to_host;
+      else
+        ++counted.copies_to_host;
+      break;
+    case cudaMemcpyHostToDevice: ++counted.copies_to_device; break;
+    case cudaMemcpyDeviceToDevice: ++counted.copies_on_device; break;
+    default: break;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
 extern "C" {
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
@@ -511,25 +554,35 @@ cudaError_t cudaFree(void* ptr) {
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
-  if (const cudaError_t e = check_copy(dst, src, count, kind); e != cudaSuccess) return e;
-  if (count != 0) std::memmove(dst, src, count);
-  if (kind == cudaMemcpyDefault)
-    kind = is_device_range(src, count == 0 ? 1 : count)
-               ? (is_device_range(dst, count == 0 ? 1 : count) ? cudaMemcpyDeviceToDevice
-                                                              : cudaMemcpyDeviceToHost)
-               : cudaMemcpyHostToDevice;
-  switch (kind) {
-    case cudaMemcpyDeviceToHost: ++counted.copies_to_host; break;
-    case cudaMemcpyHostToDevice: ++counted.copies_to_device; break;
-    case cudaMemcpyDeviceToDevice: ++counted.copies_on_device; break;
-    default: break;
-  }
-  return cudaSuccess;
+  return copy(dst, src, count, kind, false);
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
                             cudaStream_t) {
-  return cudaMemcpy(dst, src, count, kind);
+  return copy(dst, src, count, kind, true);
+}
+
+cudaError_t cudaMallocHost(void** ptr, size_t size) {
+  if (ptr == nullptr) return record(cudaErrorInvalidValue);
+  void* p = std::malloc(size == 0 ? 1 : size);
+  if (p == nullptr) return record(cudaErrorMemoryAllocation);
+  {
+    std::lock_guard<std::mutex> lock(pinned_mutex);
+    pinned_blocks()[reinterpret_cast<std::uintptr_t>(p)] = size;
+  }
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* ptr) {
+  if (ptr == nullptr) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(pinned_mutex);
+    if (pinned_blocks().erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0)
+      return record(cudaErrorInvalidValue);
+  }
+  std::free(ptr);
+  return cudaSuccess;
 }
 
 cudaError_t cudaMemset(void* dst, int value, size_t count) {

@@ -7,12 +7,15 @@
 //
 // Both directions wait for the copy: to_host returns when the values are on the host, after every
 // kernel queued before it (so it also reports errors of those kernels), and to_device returns
-// when the host memory may be changed again. An empty tensor copies to an empty tensor.
+// when the host memory may be changed again. An empty tensor copies to an empty tensor. Inside
+// with_deferred_checks, a read to the host also brings the pending check flags
+// (deferred_check.cuh).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
+#include "graphmoe/backend/cuda/deferred_check.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
 #include "graphmoe/core/tensor.hpp"
 
@@ -50,9 +53,11 @@ void to_host(const Tensor<T, cuda>& d, Tensor<T, cpu>& h) {
   }
   prepare_output("to_host", "h", h, d.shape());
   if (d.bytes() == 0) return;
+  detail::deferred_checks_before_host_read();  // pending check flags travel with this read
   GRAPHMOE_CUDA_CHECK(
       cudaMemcpyAsync(h.data(), d.data(), d.bytes(), cudaMemcpyDeviceToHost, cuda_stream()));
   cuda_stream_synchronize();
+  detail::deferred_checks_after_synchronize();
 }
 
 template <class T>
@@ -67,8 +72,10 @@ namespace detail {
 template <class T>
 T read_device_value(const T* p) {
   T v{};
+  deferred_checks_before_host_read();
   GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(&v, p, sizeof(T), cudaMemcpyDeviceToHost, cuda_stream()));
   cuda_stream_synchronize();
+  deferred_checks_after_synchronize();
   return v;
 }
 }  // namespace detail

@@ -184,13 +184,13 @@ Offender check_finite(cuda, const Tensor<T, cuda>& t) {
                 "check_finite on cuda: T must be float, double, __nv_bfloat16 or __half");
   const index_t n = t.numel();
   if (n == 0) return {};
-  detail::FirstIndexFlag first;
+  detail::FirstIndexFlag first{detail::FirstIndexFlag::Deferrable{}};
   detail::launch_kernel<detail::first_non_finite_kernel<T>>(detail::grid_for(n), detail::kThreads,
                                                             t.data(), n, first.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const index_t i = first.read();
-  if (i < 0) return {};
-  return {i, static_cast<double>(detail::to_acc(detail::read_device_value(t.data() + i)))};
+  return first.result<Offender>("check_finite", [t](index_t i) {
+    return Offender{i, static_cast<double>(detail::to_acc(detail::read_device_value(t.data() + i)))};
+  });
 }
 
 // Drawn on the host in flat order (the CPU system's loop), then copied.

@@ -101,17 +101,17 @@ template <class T>
 Offender renormalized_gates(cuda, const Tensor<T, cuda>& values,
                             const Tensor<std::uint8_t, cuda>& keep, Tensor<T, cuda>& gates) {
   const index_t n = values.rows(), k = values.cols();
-  detail::FirstIndexFlag bad;
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
   detail::launch_kernel<detail::renormalized_gates_kernel<T>>(detail::grid_for(n), detail::kThreads,
                                                               values.data(), keep.data(),
                                                               gates.data(), n, k, bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const index_t i = bad.read();
-  if (i < 0) return {};
-  const Tensor<T, cpu> row = to_host(values[i]);
-  T s = 0;
-  for (index_t j = 0; j < k; ++j) s += row.data()[j];
-  return {i, static_cast<double>(detail::to_acc(s))};
+  return bad.result<Offender>("renormalized_gates", [values, k](index_t i) {
+    const Tensor<T, cpu> row = to_host(values[i]);
+    T s = 0;
+    for (index_t j = 0; j < k; ++j) s += row.data()[j];
+    return Offender{i, static_cast<double>(detail::to_acc(s))};
+  });
 }
 
 // dp (N, E) prepared by ops/gates.hpp; assigned.

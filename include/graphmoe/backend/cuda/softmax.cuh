@@ -120,12 +120,12 @@ BadRow softmax_forward_impl(const Tensor<T, cuda>& x, Tensor<T, cuda>& y) {
                 "graphmoe::softmax: T must be float, double, __nv_bfloat16 or __half");
   const index_t rows = x.rows(), cols = x.cols();
   if (x.numel() == 0) return {};
-  FirstIndexFlag bad;
+  FirstIndexFlag bad{FirstIndexFlag::Deferrable{}};
   launch_kernel<softmax_forward_kernel<T, Log>>(grid_for_rows(rows), threads_for_row(cols),
                                                 x.data(), y.data(), rows, cols, bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const index_t r = bad.read();
-  return r >= 0 ? softmax_bad_row(x, r) : BadRow{};
+  return bad.result<BadRow>(Log ? "log_softmax_forward" : "softmax_forward",
+                            [x](index_t r) { return softmax_bad_row(x, r); });
 }
 
 template <class T, bool Log>

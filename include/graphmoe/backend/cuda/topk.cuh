@@ -81,20 +81,20 @@ Offender topk_forward(cuda, const Tensor<T, cuda>& x, index_t k, Tensor<T, cuda>
                       Tensor<std::int32_t, cuda>& indices) {
   const index_t n = x.dim(0), e = x.dim(1);
   if (n == 0) return {};
-  detail::FirstIndexFlag bad;
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
   detail::launch_kernel<detail::topk_forward_kernel<T>>(detail::grid_for(n), detail::kThreads,
                                                         x.data(), n, e, k, values.data(),
                                                         indices.data(), bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const index_t r = bad.read();
-  if (r < 0) return {};
-  std::vector<T> row(static_cast<std::size_t>(e));
-  GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(row.data(), x.data() + r * e, sizeof(T) * row.size(),
-                                      cudaMemcpyDeviceToHost, cuda_stream()));
-  cuda_stream_synchronize();
-  index_t c = 0;
-  while (!std::isnan(detail::to_acc(row[static_cast<std::size_t>(c)]))) ++c;
-  return {r * e + c, static_cast<double>(detail::to_acc(row[static_cast<std::size_t>(c)]))};
+  return bad.result<Offender>("topk_forward", [x, e](index_t r) {
+    std::vector<T> row(static_cast<std::size_t>(e));
+    GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(row.data(), x.data() + r * e, sizeof(T) * row.size(),
+                                        cudaMemcpyDeviceToHost, cuda_stream()));
+    cuda_stream_synchronize();
+    index_t c = 0;
+    while (!std::isnan(detail::to_acc(row[static_cast<std::size_t>(c)]))) ++c;
+    return Offender{r * e + c, static_cast<double>(detail::to_acc(row[static_cast<std::size_t>(c)]))};
+  });
 }
 
 // dx (N, E) checked by ops/topk.hpp; returns the first index out of [0, E).

@@ -20,11 +20,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <type_traits>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/deferred_check.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
 #include "graphmoe/core/tensor.hpp"
 
@@ -186,22 +188,59 @@ __device__ T block_reduce(T v, Op op, T identity) {
 // A device-side "first bad index" for kernels that must report bad input (NaN, out-of-range ids)
 // the way the CPU ops throw: a kernel records the smallest offending index with flag(), the host
 // reads it back after the launch (one 8-byte copy, which synchronises the stream).
+//
+// A check whose op reports through report_check (core/deferred_check.hpp) constructs its flag
+// with Deferrable{} and asks for result<R>(op, resolve) instead of read(): inside
+// with_deferred_checks the flag is then a slot of the open batch (deferred_check.cuh) and the
+// result comes back pending, to be read with the next synchronising read; outside, or with the
+// batch full, it reads at once. resolve(i) turns a flagged index into the op's result (it may
+// read the offending data back; it runs later when deferred, so it must hold the tensors it
+// reads by value).
 class FirstIndexFlag {
  public:
   static constexpr unsigned long long kNone = ~0ull;
+  struct Deferrable {};
 
-  FirstIndexFlag() : value_(Tensor<unsigned long long, cuda>::uninitialized(Shape{1})) {
-    GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(value_.data(), 0xFF, sizeof(unsigned long long), cuda_stream()));
+  FirstIndexFlag() { allocate(); }
+  explicit FirstIndexFlag(Deferrable) {
+    if (DeviceCheckBatch* b = active_device_checks(); b != nullptr) {
+      ptr_ = b->take_slot(slot_);
+      if (ptr_ != nullptr) {
+        batch_ = b;
+        return;
+      }
+    }
+    allocate();
   }
-  unsigned long long* get() const { return value_.data(); }
-  // The smallest flagged index, or -1 when no thread flagged one.
+  unsigned long long* get() const { return ptr_; }
+  // The smallest flagged index, or -1 when no thread flagged one (synchronises).
   index_t read() const {
-    const unsigned long long v = read_device_value(value_.data());
+    const unsigned long long v = read_device_value(ptr_);
     return v == kNone ? index_t(-1) : static_cast<index_t>(v);
+  }
+  // The op's result: pending in a batch, else resolve(read()) when an index was flagged.
+  template <class R, class Resolve>
+  R result(const char* op, Resolve&& resolve) {
+    if (batch_ != nullptr) {
+      R r{};
+      r.deferred = batch_->add<R>(op, slot_, std::function<R(index_t)>(std::forward<Resolve>(resolve)));
+      return r;
+    }
+    const index_t i = read();
+    return i < 0 ? R{} : resolve(i);
   }
 
  private:
+  void allocate() {
+    value_ = Tensor<unsigned long long, cuda>::uninitialized(Shape{1});
+    ptr_ = value_.data();
+    GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(ptr_, 0xFF, sizeof(unsigned long long), cuda_stream()));
+  }
+
   Tensor<unsigned long long, cuda> value_;
+  unsigned long long* ptr_ = nullptr;
+  DeviceCheckBatch* batch_ = nullptr;
+  index_t slot_ = -1;
 };
 
 __device__ inline void flag_index(unsigned long long* flag, index_t i) {
