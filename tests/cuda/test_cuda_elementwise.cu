@@ -21,8 +21,8 @@ using test::error_of;
 using test::random_tensor;
 using test::tolerance;
 
-TEST_CASE_TEMPLATE("cuda vs cpu: add_row_vector, column sums, axpy, scale, fill, dot", T, float,
-                   double) {
+TEST_CASE_TEMPLATE("cuda vs cpu: add_row_vector, column sums, add, axpy, scale, fill, dot", T,
+                   float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();
   Rng rng(1);
   for (index_t rows : {1, 7, 300}) {
@@ -39,6 +39,14 @@ TEST_CASE_TEMPLATE("cuda vs cpu: add_row_vector, column sums, axpy, scale, fill,
     accumulate_column_sums(y0, hdb);
     accumulate_column_sums(to_device(y0), ddb);
     check_close("accumulate_column_sums", hdb, ddb);
+    Tensor<T, cpu> hs;
+    Tensor<T, graphmoe::cuda> ds;
+    add(y0, hy, hs);
+    add(to_device(y0), dy, ds);
+    check_close("add", hs, ds);
+    add(hs, hs, hs);  // in place
+    add(ds, ds, ds);
+    check_close("add in place", hs, ds);
     axpy(T(-0.5), y0, hy);
     axpy(T(-0.5), to_device(y0), dy);
     check_close("axpy", hy, dy);

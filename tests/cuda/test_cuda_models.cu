@@ -465,6 +465,12 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
     // deferred content checks with them (core/deferred_check.hpp); none in the backward
     CHECK(l4.c.copies_to_host - l2.c.copies_to_host == 2);
     CHECK(l4.c.async_copies_to_host - l2.c.async_copies_to_host == 2);
+    // memsets per block: the deferred checks' flags and the selection's keep mask, nothing else
+    // (outputs on the GPU are not zero-filled: every op writes its output in full)
+    CHECK(l4.c.memsets - l2.c.memsets == 2 * 2);
+    // no device-to-device copies: the residuals are written in one pass (add), and the
+    // Independent graph's p is r itself
+    CHECK(l6e.c.copies_on_device == 0);
     return l6e;
   };
   const StepCensus soft = check_scaling(

@@ -33,6 +33,19 @@ TEST_CASE("elementwise: add_row_vector, accumulate_column_sums, axpy, scale, fil
     CHECK(db.data()[j] == doctest::Approx(s).epsilon(1e-14));
   }
 
+  // add: a new output with a's shape, a given one of any shape with as many elements, aliases
+  Tensor<double> sum;
+  add(y0, y, sum);
+  CHECK(sum.shape() == y0.shape());
+  for (index_t i = 0; i < sum.numel(); ++i) CHECK(sum.data()[i] == y0.data()[i] + y.data()[i]);
+  Tensor<double> twice = y.clone();
+  add(twice, twice, twice);
+  for (index_t i = 0; i < y.numel(); ++i) CHECK(twice.data()[i] == 2 * y.data()[i]);
+  CHECK_THROWS_WITH_AS(add(y0, Tensor<double>({3}), sum), doctest::Contains("same number"), Error);
+  Tensor<double> wrong({12, 5});
+  CHECK_THROWS_WITH_AS(add(y0, y, wrong), doctest::Contains("output out has shape (12, 5)"),
+                       Error);
+
   Tensor<double> z = y0.clone();
   axpy(-0.5, y, z);
   for (index_t i = 0; i < z.numel(); ++i)

@@ -110,7 +110,7 @@ class MultiHeadAttention {
       daf = daf.clone();
       axpy(T(1), cache_.dout, daf);
     }
-    Tensor<T, B> do_att(flat);
+    Tensor<T, B> do_att = new_output<T, B>(flat);  // assigned by o_.backward
     o_.backward(daf, &do_att);
     Tensor<T, B> dq, dk, dv;
     attention_backward(qt_.view(s), kt_.view(s), cache_.v.view(s), heads_, causal_, cache_.probs,
@@ -118,12 +118,10 @@ class MultiHeadAttention {
     Tensor<T, B> dvf = dv.view(flat);
     if (sinks_ready_) axpy(T(1), cache_.dv, dvf);
     prepare_output("MultiHeadAttention::backward", "dx", dx, s);
-    Tensor<T, B> dxf = dx.view(flat), tmp(flat);
+    Tensor<T, B> dxf = dx.view(flat);
     q_.backward(dq.view(flat), &dxf);
-    k_.backward(dk.view(flat), &tmp);
-    axpy(T(1), tmp, dxf);
-    v_.backward(dvf, &tmp);
-    axpy(T(1), tmp, dxf);
+    k_.backward(dk.view(flat), &dxf, true);  // dx += dk W_k
+    v_.backward(dvf, &dxf, true);            // dx += dv W_v
   }
 
   // Incremental decoding (core/decode.hpp): x (n, D), one new token per row of `rows`; appends

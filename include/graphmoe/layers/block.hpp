@@ -92,11 +92,11 @@ class TransformerBlock {
     Tensor<T, B> x, a;
     ln1_.forward(h, x);
     attn_.forward(x, a);
-    h1_ = h.clone();
-    axpy(T(1), a, h1_);
+    h1_ = Tensor<T, B>();
+    add(h, a, h1_);  // the residual, in one pass (not a copy and an axpy)
     u_ = Tensor<T, B>();
     ln2_.forward(h1_, u_);
-    Tensor<T, B> f(Shape{n, cfg_.d_model});
+    Tensor<T, B> f = new_output<T, B>(Shape{n, cfg_.d_model});  // assigned by the MoE or FFN
     if (cfg_.moe) {
       GraphContext<T, B> ctx{s[1], nullptr};
       // the Attention graph reads the attention layer's cache; its gradient sinks ((B, H, T, T)
@@ -108,8 +108,7 @@ class TransformerBlock {
       ffn_.forward(u_.view(Shape{n, cfg_.d_model}), f);
     }
     prepare_output("TransformerBlock", "out", out, s);
-    out.copy_from(h1_);
-    axpy(T(1), f, out);
+    add(h1_, f.view(s), out);
   }
 
   // What a decoder keeps of this block between steps: the attention layer's KV cache and, in an
@@ -148,11 +147,11 @@ class TransformerBlock {
     Tensor<T, B> x, a;
     ln1_.forward(h, x);
     attn_.decode(x, rows, c.kv, c.step, a);
-    Tensor<T, B> h1 = h.clone();
-    axpy(T(1), a, h1);
+    Tensor<T, B> h1;
+    add(h, a, h1);
     Tensor<T, B> u;
     ln2_.forward(h1, u);
-    Tensor<T, B> f(Shape{n, cfg_.d_model});
+    Tensor<T, B> f = new_output<T, B>(Shape{n, cfg_.d_model});  // assigned by the MoE or FFN
     if (cfg_.moe) {
       GraphDecodeContext<T, B> ctx;
       ctx.rows = &rows;
@@ -164,8 +163,7 @@ class TransformerBlock {
       if (weights != nullptr) *weights = Tensor<T, B>();
     }
     prepare_output("TransformerBlock", "out", out, h.shape());
-    out.copy_from(h1);
-    axpy(T(1), f, out);
+    add(h1, f, out);
   }
 
   // dout (B, T, D) -> dh (B, T, D) assigned.

@@ -83,11 +83,14 @@ class Linear {
     }
     if (bias_) add_row_vector(b_, y);
   }
-  void backward(const Tensor<T, B>& dy, Tensor<T, B>* dx) {
+  // accumulate_dx: dx += dy W instead of dx = dy W (one GEMM with beta = 1 where a caller would
+  // otherwise add a temporary: the attention layer's three input projections).
+  void backward(const Tensor<T, B>& dy, Tensor<T, B>* dx, bool accumulate_dx = false) {
     check_bound("backward");
     Tensor<T, B> none;
+    const T beta_dx = accumulate_dx ? T(1) : T(0);
     if constexpr (std::is_same_v<C, T>) {
-      gemm_backward(Trans::N, Trans::T, T(1), x_, w_, dy, T(0), dx ? *dx : none, T(1), dw_);
+      gemm_backward(Trans::N, Trans::T, T(1), x_, w_, dy, beta_dx, dx ? *dx : none, T(1), dw_);
     } else {
       // gemm_backward's two products with C operands: dx = dy W (skipped for an empty dx, as
       // there), dW += dy^T x
@@ -98,7 +101,7 @@ class Linear {
       to_compute(dy, dyc_);
       if (dx != nullptr && !dx->empty()) {
         check_shape("gemm_backward", "dA", *dx, x_.shape());
-        gemm(Trans::N, Trans::N, T(1), dyc_, wc_, T(0), *dx);
+        gemm(Trans::N, Trans::N, T(1), dyc_, wc_, beta_dx, *dx);
       }
       gemm(Trans::T, Trans::N, T(1), dyc_, xc_, T(1), dw_);
     }

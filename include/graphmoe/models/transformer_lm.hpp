@@ -485,8 +485,9 @@ class TransformerLM {
     ids_ = ids;
     Tensor<T, B> h;
     embedding_forward(ids, tok_, h);  // (B, T, D)
-    const Tensor<T, B> pos = pos_.slice(0, t);
-    for (index_t i = 0; i < b; ++i) axpy(T(1), pos, h[i]);
+    // every sequence += the positions: one broadcast over the (B, T D) view
+    add_row_vector(pos_.slice(0, t).view(Shape{t * cfg_.d_model}),
+                   h.view(Shape{b, t * cfg_.d_model}));
     acts_.assign(blocks_.size() + 1, Tensor<T, B>());
     acts_[0] = h;
     for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
@@ -504,8 +505,9 @@ class TransformerLM {
       dh = dprev;
     }
     embedding_backward(ids_, dh, dtok_);
-    const Tensor<T, B> dpos = dpos_.slice(0, t);
-    for (index_t i = 0; i < b; ++i) axpy(T(1), dh[i], dpos);
+    // dpos += the sum over sequences, as one column sum over the (B, T D) view
+    accumulate_column_sums(dh.view(Shape{b, t * cfg_.d_model}),
+                           dpos_.slice(0, t).view(Shape{t * cfg_.d_model}));
   }
 
   void check_bound(const char* op) const { detail::require_bound(arena_ != nullptr, "TransformerLM", op); }

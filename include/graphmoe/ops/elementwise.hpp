@@ -3,6 +3,9 @@
 //
 //   add_row_vector(b, y)           y[i, :] += b            y (..., C) read as (rows, C), b (C)
 //   accumulate_column_sums(dy, db) db += sum_i dy[i, :]    dy (..., C) read as (rows, C), db (C)
+//   add(a, b, out)                 out = a + b             same number of elements; out
+//                                                          prepared with a's shape (may alias
+//                                                          a or b): a residual in one pass
 //   axpy(alpha, x, y)              y += alpha x            same number of elements
 //   scale(t, alpha)                t *= alpha
 //   fill(t, value)                 t[:] = value
@@ -75,6 +78,13 @@ template <class T, Backend B>
 void accumulate_column_sums(const Tensor<T, B>& dy, const Tensor<T, B>& db) {
   detail::check_row_vector("accumulate_column_sums", "db", dy, db);
   accumulate_column_sums(B{}, dy, db);
+}
+
+template <class T, Backend B>
+void add(const Tensor<T, B>& a, const Tensor<T, B>& b, Tensor<T, B>& out) {
+  detail::check_same_size("add", a, b);
+  prepare_output("add", "out", out, a.shape());
+  add(B{}, a, b, out);
 }
 
 template <class T, Backend B>

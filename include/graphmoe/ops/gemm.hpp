@@ -42,7 +42,7 @@ void gemm_prepare(Trans ta, Trans tb, const Tensor<TA, Bk>& A, const Tensor<TA, 
                  ") from A ", A.shape(), (ta == Trans::T ? " transposed" : ""), ", op(B) is (", kb,
                  ", ", n, ") from B ", B.shape(), (tb == Trans::T ? " transposed" : ""));
   if (C.empty()) {
-    C = Tensor<TC, Bk>(Shape{m, n});
+    C = new_output<TC, Bk>(Shape{m, n});  // beta = 0: C is not read
     beta = TC{};  // +0 (value-initialised, for the 16-bit types too)
   }
   GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),

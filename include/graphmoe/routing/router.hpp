@@ -64,7 +64,7 @@ template <class T, class B = cpu>
 struct RouterOutput {
   Tensor<T, B> gamma;        // (N, E) scorer logits
   Tensor<T, B> r;            // (N, E) softmax(gamma)
-  Tensor<T, B> p;            // (N, E) after the token graph
+  Tensor<T, B> p;            // (N, E) after the token graph (with Independent: r itself)
   Selection<T, B> selection;  // indices, values, gates, keep (N, m)
   double load_balance_loss = 0;  // unscaled values (computed when their coefficient is > 0)
   double z_loss = 0;

@@ -26,6 +26,11 @@ void accumulate_column_sums(cpu, const Tensor<T, cpu>& dy, const Tensor<T, cpu>&
 }
 
 template <class T>
+void add(cpu, const Tensor<T, cpu>& a, const Tensor<T, cpu>& b, const Tensor<T, cpu>& out) {
+  as_vector(out) = as_vector(a) + as_vector(b);  // element-wise: out may alias a or b
+}
+
+template <class T>
 void axpy(cpu, T alpha, const Tensor<T, cpu>& x, const Tensor<T, cpu>& y) {
   as_vector(y) += alpha * as_vector(x);
 }

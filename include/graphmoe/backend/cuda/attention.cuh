@@ -219,7 +219,7 @@ void attention_backward(cuda, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
   const detail::HeadBatches batches(dims);
   constexpr bool kHead = false, kPair = true;
-  Tensor<T, cuda> ds(dims.probs_shape());  // (B, H, T, T)
+  auto ds = Tensor<T, cuda>::uninitialized(dims.probs_shape());  // (B, H, T, T), a GEMM's output
   // dS^T = V dO^T: dP = dO V^T, row-major
   batches.gemm(CUBLAS_OP_T, CUBLAS_OP_N, n, n, dh, v.data(), kHead, w, dout.data(), kHead, w,
                ds.data(), kPair, n);

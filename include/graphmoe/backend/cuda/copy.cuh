@@ -14,6 +14,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <cstddef>
+
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/deferred_check.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
@@ -74,6 +77,18 @@ T read_device_value(const T* p) {
   T v{};
   deferred_checks_before_host_read();
   GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(&v, p, sizeof(T), cudaMemcpyDeviceToHost, cuda_stream()));
+  cuda_stream_synchronize();
+  deferred_checks_after_synchronize();
+  return v;
+}
+
+// N consecutive elements of device memory in one copy (one synchronisation for several flags or
+// counters that a kernel wrote side by side).
+template <class T, std::size_t N>
+std::array<T, N> read_device_values(const T* p) {
+  std::array<T, N> v{};
+  deferred_checks_before_host_read();
+  GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(v.data(), p, sizeof(T) * N, cudaMemcpyDeviceToHost, cuda_stream()));
   cuda_stream_synchronize();
   deferred_checks_after_synchronize();
   return v;

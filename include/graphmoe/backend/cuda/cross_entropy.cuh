@@ -7,10 +7,11 @@
 //   loss      = -(1 / n) * sum_{i : t_i != ignore} log_probs[i, t_i],   n = #{i : t_i != ignore}
 //   dlogits   = dloss / n * (softmax(logits) - onehot(t))  on rows with t_i != ignore, 0 elsewhere
 //
-// The targets are scanned by a kernel that flags the first row whose target is out of range
-// (detail::FirstIndexFlag) and counts the rows not ignored; the host reads both back
-// (cross_entropy_scan_targets synchronises the stream). A row of logits without a finite maximum
-// is returned (CrossEntropyValue) for the op layer to throw the softmax's message, as on the CPU.
+// The targets are scanned by a kernel that flags the first row whose target is out of range and
+// counts the rows not ignored; the host reads both back in one copy (cross_entropy_scan_targets
+// synchronises the stream once). The forward reads its log-softmax flag and the loss in one copy
+// too. A row of logits without a finite maximum is returned (CrossEntropyValue) for the op layer
+// to throw the softmax's message, as on the CPU.
 //
 // The log-softmax is backend/cuda/softmax.cuh's kernel (one block per row, row sums in T). The
 // loss is summed in double by one block of a fixed size, in a fixed order, so it is
@@ -19,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/detail/nn_functors.hpp"
@@ -64,20 +66,27 @@ __global__ void cross_entropy_loss_kernel(CrossEntropyNllOp<T> nll, index_t rows
 }  // namespace detail
 
 // The number of rows of targets (rows) not ignored, and the first row whose target is neither
-// ignore_index nor in [0, classes). Synchronises the stream.
+// ignore_index nor in [0, classes). Synchronises the stream once: the flag and the count sit side
+// by side and come back in one copy.
 inline TargetScan cross_entropy_scan_targets(cuda, const Tensor<std::int32_t, cuda>& targets,
                                              index_t classes, std::int32_t ignore_index) {
   const index_t rows = targets.numel();
   if (rows == 0) return {};
-  detail::FirstIndexFlag bad;
-  Tensor<unsigned long long, cuda> count(Shape{1});
+  auto words = Tensor<unsigned long long, cuda>::uninitialized(Shape{2});  // {first bad row, count}
+  unsigned long long* bad = words.data();
+  unsigned long long* count = words.data() + 1;
+  GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(bad, 0xFF, sizeof(unsigned long long), cuda_stream()));
+  GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(unsigned long long), cuda_stream()));
   detail::launch_kernel<detail::cross_entropy_targets_kernel<std::int32_t>>(
-      detail::grid_for(rows), detail::kThreads, targets.data(), rows, classes, ignore_index,
-      bad.get(), count.data());
+      detail::grid_for(rows), detail::kThreads, targets.data(), rows, classes, ignore_index, bad,
+      count);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const index_t r = bad.read();
-  if (r >= 0) return {0, {r, static_cast<double>(detail::read_device_value(targets.data() + r))}};
-  return {static_cast<index_t>(detail::read_device_value(count.data())), {}};
+  const auto got = detail::read_device_values<unsigned long long, 2>(words.data());
+  if (got[0] != detail::FirstIndexFlag::kNone) {
+    const auto r = static_cast<index_t>(got[0]);
+    return {0, {r, static_cast<double>(detail::read_device_value(targets.data() + r))}};
+  }
+  return {static_cast<index_t>(got[1]), {}};
 }
 
 // log_probs (prepared by ops/cross_entropy.hpp) = log_softmax(logits); returns the mean negative
@@ -88,23 +97,31 @@ CrossEntropyValue<T> cross_entropy_forward(cuda, const Tensor<T, cuda>& logits,
                                            Tensor<T, cuda>& log_probs, index_t count,
                                            std::int32_t ignore_index) {
   const index_t rows = logits.rows(), classes = logits.cols();
-  if (rows > 0) {
-    detail::FirstIndexFlag bad;
-    detail::launch_kernel<detail::softmax_forward_kernel<T, true>>(
-        detail::grid_for_rows(rows), detail::threads_for_row(classes), logits.data(),
-        log_probs.data(), rows, classes, bad.get());
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
-    const index_t r = bad.read();
-    if (r >= 0) return {T(0), detail::softmax_bad_row(logits, r)};
-  }
-  if (count == 0) return {};
-  Tensor<double, cuda> loss(Shape{1});
-  detail::launch_kernel<detail::cross_entropy_loss_kernel<T>>(
-      1, detail::kCrossEntropyLossThreads,
-      detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index}, rows,
-      loss.data());
+  if (rows == 0) return {};
+  // {first row without a finite maximum, the loss sum (a double's bits)}: one copy back for both;
+  // the loss kernel runs before the flag is known (on a flagged row it sums a non-finite value,
+  // which is then not returned)
+  static_assert(sizeof(double) == sizeof(unsigned long long));
+  auto words = Tensor<unsigned long long, cuda>::uninitialized(Shape{2});
+  GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(words.data(), 0xFF, sizeof(unsigned long long), cuda_stream()));
+  detail::launch_kernel<detail::softmax_forward_kernel<T, true>>(
+      detail::grid_for_rows(rows), detail::threads_for_row(classes), logits.data(),
+      log_probs.data(), rows, classes, words.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  return {static_cast<T>(detail::read_device_value(loss.data()) / static_cast<double>(count)), {}};
+  if (count > 0) {
+    detail::launch_kernel<detail::cross_entropy_loss_kernel<T>>(
+        1, detail::kCrossEntropyLossThreads,
+        detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index},
+        rows, reinterpret_cast<double*>(words.data() + 1));
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  const auto got = detail::read_device_values<unsigned long long, 2>(words.data());
+  if (got[0] != detail::FirstIndexFlag::kNone)
+    return {T(0), detail::softmax_bad_row(logits, static_cast<index_t>(got[0]))};
+  if (count == 0) return {};
+  double sum = 0;
+  std::memcpy(&sum, &got[1], sizeof(double));
+  return {static_cast<T>(sum / static_cast<double>(count)), {}};
 }
 
 // dlogits (prepared by ops/cross_entropy.hpp) = dloss / count * (exp(log_probs) - onehot), zero

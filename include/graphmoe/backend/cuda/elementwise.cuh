@@ -6,6 +6,7 @@
 //   accumulate_column_sums(dy, db) db += sum_i dy[i, :]    one thread per column, rows in order
 //                                                          (coalesced: neighbouring threads read
 //                                                          neighbouring columns), the CPU's order
+//   add(a, b, out)                 out = a + b             one thread per element
 //   axpy(alpha, x, y)              y += alpha x            one thread per element
 //   scale(t, alpha)                t *= alpha              one thread per element
 //   fill(t, value)                 t[:] = value
@@ -20,7 +21,7 @@
 //   normalize_rows(_backward)      one block per row, block reductions in acc_t<T>
 //   patchify(...)                  one thread per patch entry
 //
-// T = __nv_bfloat16 or __half (add_row_vector, accumulate_column_sums, axpy, scale, fill,
+// T = __nv_bfloat16 or __half (add_row_vector, accumulate_column_sums, add, axpy, scale, fill,
 // check_finite): each element is widened to fp32 (detail::to_acc), computed in fp32 and rounded
 // once when stored; accumulate_column_sums sums the whole column and db's old value in fp32 and
 // rounds once at the end. alpha and value are given as T.
@@ -48,6 +49,11 @@ __global__ void column_sums_kernel(const T* dy, T* db, index_t rows, index_t col
     for (index_t r = 0; r < rows; ++r) s += to_acc(dy[r * cols + c]);
     db[c] = from_acc<T>(to_acc(db[c]) + s);
   }
+}
+
+template <class T>
+__global__ void add_kernel(const T* a, const T* b, T* out, index_t n) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) { out[i] = from_acc<T>(to_acc(a[i]) + to_acc(b[i])); }
 }
 
 template <class T>
@@ -148,6 +154,15 @@ void accumulate_column_sums(cuda, const Tensor<T, cuda>& dy, const Tensor<T, cud
   if (cols == 0) return;
   detail::launch_kernel<detail::column_sums_kernel<T>>(detail::grid_for(cols), detail::kThreads,
                                                        dy.data(), db.data(), dy.rows(), cols);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void add(cuda, const Tensor<T, cuda>& a, const Tensor<T, cuda>& b, const Tensor<T, cuda>& out) {
+  const index_t n = out.numel();
+  if (n == 0) return;
+  detail::launch_kernel<detail::add_kernel<T>>(detail::grid_for(n), detail::kThreads, a.data(),
+                                               b.data(), out.data(), n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -151,7 +151,7 @@ void cublas_gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A,
                  ") from A ", A.shape(), (ta == Trans::T ? " transposed" : ""), ", op(B) is (", kb,
                  ", ", n, ") from B ", B.shape(), (tb == Trans::T ? " transposed" : ""));
   if (C.empty()) {
-    C = Tensor<TC, cuda>(Shape{m, n});
+    C = Tensor<TC, cuda>::uninitialized(Shape{m, n});  // beta = 0: C is not read
     beta = S{};  // +0 (value-initialised, for the 16-bit types too)
   }
   GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),

@@ -175,7 +175,8 @@ void grouped_gemm(Trans ta, Trans tb, TC alpha, const std::vector<Tensor<TA, cud
     pointers[p + i] = a[live[i]].data();
     pointers[2 * p + i] = c[live[i]].data();
   }
-  Tensor<std::uint64_t, cuda> device_pointers(Shape{static_cast<index_t>(3 * p)});
+  auto device_pointers =
+      Tensor<std::uint64_t, cuda>::uninitialized(Shape{static_cast<index_t>(3 * p)});  // copied in full
   static_assert(sizeof(const void*) == sizeof(std::uint64_t));
   GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(device_pointers.data(), pointers.data(),
                                       3 * p * sizeof(const void*), cudaMemcpyHostToDevice,

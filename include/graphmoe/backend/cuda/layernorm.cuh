@@ -173,7 +173,7 @@ void layernorm_backward(cuda, const Tensor<T, cuda>& x, const Tensor<T, cuda>& g
   using A = detail::acc_t<T>;
   const index_t n = x.rows(), d = x.cols();
   const index_t chunks = detail::layernorm_chunks(n);
-  Tensor<A, cuda> partial(Shape{chunks, 2 * d});  // (chunks, 2 D)
+  auto partial = Tensor<A, cuda>::uninitialized(Shape{chunks, 2 * d});  // (chunks, 2 D), written in full
   // 1. the parameter gradients' partials, reading x and dy before dx (which may alias them)
   // 2. dgamma, dbeta += the partials, in chunk order
   if constexpr (detail::is_half_precision_v<T>) {

@@ -186,8 +186,8 @@ void sgd_update(cuda, const detail::OptimChunks<cuda>& chunks, const detail::SGD
 template <class T>
 double grad_sumsq(cuda, const detail::OptimChunks<cuda>& chunks, const T* gv) {
   const index_t n = chunks.size();
-  Tensor<double, cuda> partial(Shape{n});
-  Tensor<double, cuda> sumsq(Shape{1});
+  auto partial = Tensor<double, cuda>::uninitialized(Shape{n});  // one per chunk
+  auto sumsq = Tensor<double, cuda>::uninitialized(Shape{1});
   constexpr index_t per_block = detail::kThreads / detail::kSumsqLanes;
   const unsigned grid = detail::grid_for_chunks((n + per_block - 1) / per_block);
   detail::launch_kernel<detail::chunk_sumsq_kernel<T>>(grid, detail::kThreads, chunks.table.data(),

@@ -478,7 +478,7 @@ void similarity_backward_cuda(const Tensor<T, cuda>& u, const Tensor<T, cuda>& r
   const unsigned blocks = graph_tile_blocks(nseq, len);
   Tensor<T, cuda> c;
   if (du != nullptr) {
-    c = Tensor<T, cuda>(Shape{n});
+    c = Tensor<T, cuda>::uninitialized(Shape{n});  // one per row
     launch_kernel<graph_row_dot_kernel<T>>(graph_warp_rows_blocks(n), kThreads, dp.data(), p.data(),
                                            c.data(), n, e);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
@@ -581,8 +581,9 @@ void similarity_graph_forward(cuda, const Tensor<T, cuda>& u, const Tensor<T, cu
   state.s = Tensor<T, cuda>();
   state.self = Tensor<T, cuda>();
   state.q = Tensor<T, cuda>();
-  if (state.lse.empty() || state.lse.shape() != Shape{n}) state.lse = Tensor<T, cuda>(Shape{n});
-  state.entropy = Tensor<T, cuda>(Shape{n});
+  if (state.lse.empty() || state.lse.shape() != Shape{n})
+    state.lse = Tensor<T, cuda>::uninitialized(Shape{n});
+  state.entropy = Tensor<T, cuda>::uninitialized(Shape{n});  // lse and entropy: one per row
   detail::similarity_forward_cuda(u, r, p, state.lse, state.entropy, args.seq_len,
                                   static_cast<T>(1.0 / state.tau), args.causal);
 }

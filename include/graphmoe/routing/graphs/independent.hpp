@@ -10,7 +10,8 @@
 
 namespace graphmoe {
 
-// p = r (every backend: two copies).
+// p = r. An empty output shares r's storage (no copy: the router's p and r are then one tensor,
+// as is the backward's dr with dp); a given output receives a copy.
 template <class T, class B>
 class GraphImpl<Independent, T, B> {
  public:
@@ -18,14 +19,13 @@ class GraphImpl<Independent, T, B> {
   void forward(const Tensor<T, B>& u, const Tensor<T, B>& r, const GraphContext<T, B>& ctx,
                Tensor<T, B>& p) {
     detail::check_graph_inputs("Independent", u, r, ctx.seq_len);
-    prepare_output("Independent", "p", p, r.shape());
-    p.copy_from(r);
+    share_or_copy("p", r, p);
   }
   void backward(const Tensor<T, B>&, const Tensor<T, B>& r, const Tensor<T, B>&,
                 const Tensor<T, B>& dp, const GraphContext<T, B>&, Tensor<T, B>& dr,
                 Tensor<T, B>&) {
-    prepare_output("Independent", "dr", dr, r.shape());
-    dr.copy_from(dp);
+    check_shape("Independent::backward", "dp", dp, r.shape());
+    share_or_copy("dr", dp, dr);
   }
   // The incremental form: p = r needs nothing from earlier tokens.
   struct decode_cache {
@@ -34,12 +34,21 @@ class GraphImpl<Independent, T, B> {
   void decode_init(decode_cache&, const GraphDecodeDims&) const {}
   void decode(const Tensor<T, B>&, const Tensor<T, B>& r, const GraphDecodeContext<T, B>& ctx,
               decode_cache&, Tensor<T, B>& p) {
-    prepare_output("Independent", "p", p, r.shape());
-    p.copy_from(r);
+    share_or_copy("p", r, p);
     if (ctx.weights != nullptr) *ctx.weights = Tensor<T, B>();  // no graph weights to show
   }
   double mean_entropy() const { return 0.0; }
   double mean_self_weight() const { return 1.0; }  // G = I
+
+ private:
+  static void share_or_copy(const char* what, const Tensor<T, B>& src, Tensor<T, B>& dst) {
+    if (dst.empty()) {
+      dst = src;
+      return;
+    }
+    prepare_output("Independent", what, dst, src.shape());
+    dst.copy_from(src);
+  }
 };
 
 }  // namespace graphmoe
