@@ -26,6 +26,7 @@ namespace graphmoe {
 using test::check_arenas;
 using test::check_close;
 using test::check_equal;
+using test::error_of;
 using test::random_tensor;
 
 namespace {
@@ -270,24 +271,56 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the SMoE-Dropout router (frozen,
   compare_moe<SimilaritySMoEDropoutRouter, T>(rc, 2, 8);
 }
 
-namespace {
-
-// The message of the graphmoe::Error that f throws; "" when it throws none.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-}  // namespace
-
 // with_deferred_checks on the GPU (core/deferred_check.hpp): the checks inside report the same
 // errors as outside, the first one in program order wins, also over a later exception, and the
 // scope leaves nothing open behind it.
+// A bf16 Linear fed an input its caller converted (the attention layer converts x once for q, k
+// and v): the same output and gradients, bit for bit, as converting it itself; a converted input
+// of another shape is refused; a later plain forward converts into its own buffer, not the
+// caller's.
+TEST_CASE("cuda: Linear with a caller-converted bf16 input") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  using D = graphmoe::cuda;
+  using L = Linear<float, D, __nv_bfloat16>;
+  ParameterArena<float, D> arena;
+  L a, b;
+  a.declare(arena, "a.", 12, 5);
+  b.declare(arena, "b.", 12, 5);
+  arena.allocate();
+  a.bind(arena);
+  b.bind(arena);
+  Rng r(3);
+  a.init(r, 0.5);
+  arena.value("b.weight").copy_from(arena.value("a.weight"));
+  arena.value("b.bias").copy_from(arena.value("a.bias"));
+  Rng data(4);
+  const auto x = to_device(random_tensor<float>(Shape{7, 12}, data));
+  const auto dy = to_device(random_tensor<float>(Shape{7, 5}, data));
+  Tensor<__nv_bfloat16, D> xc = Tensor<__nv_bfloat16, D>::uninitialized(x.shape());
+  convert(x, xc);
+  Tensor<float, D> ya, yb, dxa(x.shape()), dxb(x.shape());
+  a.forward(x, ya);
+  b.forward(x, xc, yb);
+  check_equal("y", to_host(ya), yb);
+  a.backward(dy, &dxa);
+  b.backward(dy, &dxb);
+  check_equal("dx", to_host(dxa), dxb);
+  check_equal("dW", to_host(arena.grad("a.weight")), arena.grad("b.weight"));
+  Tensor<float, D> y2;
+  CHECK(error_of([&] { b.forward(x, Tensor<__nv_bfloat16, D>::uninitialized(Shape{7, 11}), y2); })
+            .find("the converted input has shape (7, 11), expected the input's (7, 12)") !=
+        std::string::npos);
+  auto widened = [](const Tensor<__nv_bfloat16, D>& t) {
+    Tensor<float, D> f = Tensor<float, D>::uninitialized(t.shape());
+    convert(t, f);
+    return f;
+  };
+  const Tensor<float, cpu> kept = to_host(widened(xc));
+  const auto other = to_device(random_tensor<float>(Shape{7, 12}, data));
+  b.forward(other, y2);  // its own conversion
+  check_equal("the caller's converted input", kept, widened(xc));
+}
+
 TEST_CASE("cuda: with_deferred_checks reports the first failed check, word for word") {
   SKIP_WITHOUT_CUDA_DEVICE();
   using D = graphmoe::cuda;

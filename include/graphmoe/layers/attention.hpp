@@ -70,10 +70,18 @@ class MultiHeadAttention {
     qt_ = Tensor<T, B>();
     kt_ = Tensor<T, B>();
     Tensor<T, B> xf = x.view(flat);
-    q_.forward(xf, qt_);
-    k_.forward(xf, kt_);
     cache_.v = Tensor<T, B>();
-    v_.forward(xf, cache_.v);
+    if constexpr (std::is_same_v<C, T>) {
+      q_.forward(xf, qt_);
+      k_.forward(xf, kt_);
+      v_.forward(xf, cache_.v);
+    } else {  // one conversion of x for the three projections, kept for their backward
+      if (xc_.shape() != flat) xc_ = new_output<C, B>(flat);
+      convert(xf, xc_);
+      q_.forward(xf, xc_, qt_);
+      k_.forward(xf, xc_, kt_);
+      v_.forward(xf, xc_, cache_.v);
+    }
     o_att_ = Tensor<T, B>();
     cache_.probs = Tensor<T, B>();
     cache_.row_entropy = Tensor<T, B>();
@@ -171,6 +179,7 @@ class MultiHeadAttention {
   bool causal_ = true;
   Linear<T, B, C> q_, k_, v_, o_;
   Tensor<T, B> qt_, kt_, o_att_;
+  Tensor<C, B> xc_;  // C != T: the input in C, shared by the q, k, v projections
   AttentionCache<T, B> cache_;
   bool sinks_ready_ = false;
 };

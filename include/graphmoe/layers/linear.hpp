@@ -61,7 +61,20 @@ class Linear {
     if (bias_) b_.zero();
   }
   // x (..., in) -> y (..., out)
-  void forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
+  void forward(const Tensor<T, B>& x, Tensor<T, B>& y) { forward_impl(x, nullptr, y); }
+  // The same, C != T, with x already converted to C by the caller (xc = convert(x), x's shape):
+  // layers that feed one input to several projections (attention's q, k, v) convert it once.
+  // The layer keeps xc for its backward, so the caller must not overwrite it before then.
+  void forward(const Tensor<T, B>& x, const Tensor<C, B>& xc, Tensor<T, B>& y)
+    requires(!std::is_same_v<C, T>)
+  {
+    GRAPHMOE_CHECK(xc.shape() == x.shape(), "Linear", "the converted input has shape ",
+                   xc.shape(), ", expected the input's ", x.shape());
+    forward_impl(x, &xc, y);
+  }
+
+ private:
+  void forward_impl(const Tensor<T, B>& x, const Tensor<C, B>* xc, Tensor<T, B>& y) {
     check_bound("forward");
     GRAPHMOE_CHECK(x.cols() == in_, "Linear", "input has shape ", x.shape(), ", expected last dim ",
                    in_);
@@ -72,7 +85,14 @@ class Linear {
     if constexpr (std::is_same_v<C, T>) {
       gemm(Trans::N, Trans::T, T(1), x, w_, T(0), y);
     } else {
-      to_compute(x, xc_);
+      if (xc != nullptr) {
+        xc_ = *xc;
+        xc_shared_ = true;
+      } else {
+        if (xc_shared_) xc_ = Tensor<C, B>();  // never convert into the caller's buffer
+        xc_shared_ = false;
+        to_compute(x, xc_);
+      }
       if (mirror_ != nullptr) {
         mirror_->ensure_current();
         wc_ = mirror_->value(id_w_);
@@ -83,6 +103,8 @@ class Linear {
     }
     if (bias_) add_row_vector(b_, y);
   }
+
+ public:
   // accumulate_dx: dx += dy W instead of dx = dy W (one GEMM with beta = 1 where a caller would
   // otherwise add a temporary: the attention layer's three input projections).
   void backward(const Tensor<T, B>& dy, Tensor<T, B>* dx, bool accumulate_dx = false) {
@@ -137,6 +159,7 @@ class Linear {
   Tensor<T, B> x_;
   // C != T: x and W of the last forward and dy of the last backward in C (empty when C = T)
   Tensor<C, B> xc_, wc_, dyc_;
+  bool xc_shared_ = false;  // xc_ is a caller's converted input (forward(x, xc, y))
   ComputeMirror<T, C, B>* mirror_ = nullptr;  // C != T: W's C view from here when set
 };
 
