@@ -203,6 +203,37 @@ TEST_CASE("layers used before bind() raise graphmoe::Error naming the step") {
   }
 }
 
+// Linear::backward(dy, &dx, true) adds dy W to dx (the attention layer's q, k, v projections
+// share one dx this way) and accumulates dW as the plain backward does.
+TEST_CASE("Linear: backward with accumulate_dx adds to dx") {
+  Rng rng(5);
+  ParameterArena<double> arena;
+  Linear<double> lin;
+  lin.declare(arena, "lin.", 4, 3);
+  arena.allocate();
+  lin.bind(arena);
+  lin.init(rng, 0.5);
+  const auto x = random_normal<double>({6, 4}, rng);
+  const auto dy = random_normal<double>({6, 3}, rng);
+  Tensor<double> y, plain({6, 4});
+  lin.forward(x, y);
+  lin.backward(dy, &plain);
+  const Tensor<double> dw_once = arena.grad("lin.weight").clone();
+  const auto base = random_normal<double>({6, 4}, rng);
+  Tensor<double> acc = base.clone();
+  lin.backward(dy, &acc, true);
+  for (index_t i = 0; i < acc.numel(); ++i)
+    CHECK(acc.data()[i] == doctest::Approx(base.data()[i] + plain.data()[i]).epsilon(1e-14));
+  const Tensor<double> dw = arena.grad("lin.weight");
+  for (index_t i = 0; i < dw.numel(); ++i)
+    CHECK(dw.data()[i] == doctest::Approx(2 * dw_once.data()[i]).epsilon(1e-14));
+  Tensor<double> empty;
+  CHECK_THROWS_WITH_AS(lin.backward(dy, &empty, true), doctest::Contains("accumulate_dx needs"),
+                       Error);
+  CHECK_THROWS_WITH_AS(lin.backward(dy, nullptr, true), doctest::Contains("accumulate_dx needs"),
+                       Error);
+}
+
 TEST_CASE_TEMPLATE("MoE layer: 2 threads (both parallelisations) agree with 1 thread, forward and backward",
                    Policy, SimilarityRouter, AttentionRouter) {
   Rng rng(81);

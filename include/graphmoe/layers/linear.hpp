@@ -109,6 +109,8 @@ class Linear {
   // otherwise add a temporary: the attention layer's three input projections).
   void backward(const Tensor<T, B>& dy, Tensor<T, B>* dx, bool accumulate_dx = false) {
     check_bound("backward");
+    GRAPHMOE_CHECK(!accumulate_dx || (dx != nullptr && !dx->empty()), "Linear",
+                   "backward with accumulate_dx needs an allocated dx to add to");
     Tensor<T, B> none;
     const T beta_dx = accumulate_dx ? T(1) : T(0);
     if constexpr (std::is_same_v<C, T>) {
