@@ -71,17 +71,6 @@ Tensor<T, cpu> to_host(const Tensor<T, cuda>& d) {
 }
 
 namespace detail {
-// One element of device memory, read on the host (synchronises). For error messages and flags.
-template <class T>
-T read_device_value(const T* p) {
-  T v{};
-  deferred_checks_before_host_read();
-  GRAPHMOE_CUDA_CHECK(cudaMemcpyAsync(&v, p, sizeof(T), cudaMemcpyDeviceToHost, cuda_stream()));
-  cuda_stream_synchronize();
-  deferred_checks_after_synchronize();
-  return v;
-}
-
 // N consecutive elements of device memory in one copy (one synchronisation for several flags or
 // counters that a kernel wrote side by side).
 template <class T, std::size_t N>
@@ -92,6 +81,12 @@ std::array<T, N> read_device_values(const T* p) {
   cuda_stream_synchronize();
   deferred_checks_after_synchronize();
   return v;
+}
+
+// One element of device memory, read on the host (synchronises). For error messages and flags.
+template <class T>
+T read_device_value(const T* p) {
+  return read_device_values<T, 1>(p)[0];
 }
 }  // namespace detail
 
