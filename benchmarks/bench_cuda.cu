@@ -46,6 +46,10 @@
 //   lm_train/bf16/<router>   the same step with TransformerLM<Router, float, graphmoe::cuda,
 //     __nv_bfloat16> (train_lm --precision bf16): every GEMM on bf16 operands with fp32
 //     accumulation, fp32 master weights and AdamW state.
+//   lm_train/{float,bf16}/softmax-cap1.25/{compact,padded}   the softmax step with capacity factor
+//     1.25, in the compact expert layout (one wait per MoE layer for the expert sizes) and the
+//     padded one (no wait in the forward before the loss; E C rows of expert work: 25% more at
+//     a uniform load).
 //   decode/float/<router>/b<batch>/p<prompt>   incremental decoding (inference/decoder.hpp) on the
 //     GPU: TransformerLM<Router, float, graphmoe::cuda> at paper_medium with a vocabulary of 10000
 //     and max_seq_len 1088, `batch` slots prefilled with `prompt` tokens (untimed), then one step
@@ -378,7 +382,7 @@ void BM_moe(benchmark::State& state, bool backward, MoeShape shape, GraphPrecisi
     for (int i = 0; i < kWarmup; ++i) step();
     cuda_stream_synchronize();
     // Routed slots of the last forward (dropless by default, so N k).
-    const double slots = static_cast<double>(n * kK - layer.routing().selection.dropped);
+    const double slots = static_cast<double>(n * kK - dropped_count(layer.routing().selection));
     EventTimer timer;
     for (auto _ : state) {
       timer.start();
@@ -452,11 +456,13 @@ void BM_graph(benchmark::State& state, bool backward, MoeShape shape, GraphPreci
 
 // ---- LM training step -------------------------------------------------------------------------
 template <class Policy, class C = float>
-void BM_lm_train(benchmark::State& state) {
+void BM_lm_train_capacity(benchmark::State& state, double capacity_factor, ExpertLayout layout) {
   guarded(state, [&] {
     using T = float;
-    TransformerLM<Policy, T, graphmoe::cuda, C> lm(TransformerLMConfig::paper_medium(kVocab),
-                                                   /*seed=*/1);
+    TransformerLMConfig cfg = TransformerLMConfig::paper_medium(kVocab);
+    cfg.router.capacity_factor = capacity_factor;
+    cfg.expert_layout = layout;
+    TransformerLM<Policy, T, graphmoe::cuda, C> lm(cfg, /*seed=*/1);
     AdamWConfig acfg;
     acfg.lr = 1e-3;
     acfg.weight_decay = 0.01;
@@ -500,6 +506,11 @@ void BM_lm_train(benchmark::State& state) {
                                                     benchmark::Counter::kIsIterationInvariantRate);
     state.counters["loss"] = static_cast<double>(loss);
   });
+}
+
+template <class Policy, class C = float>
+void BM_lm_train(benchmark::State& state) {
+  BM_lm_train_capacity<Policy, C>(state, 0.0, ExpertLayout::Compact);
 }
 
 // ---- decoding ---------------------------------------------------------------------------------
@@ -686,6 +697,18 @@ void register_all() {
                                BM_lm_train<SimilarityRouter, __nv_bfloat16>)
       ->UseManualTime()
       ->Unit(benchmark::kMillisecond);
+  for (const ExpertLayout layout : {ExpertLayout::Compact, ExpertLayout::Padded}) {
+    const std::string suffix = std::string("/softmax-cap1.25/") + expert_layout_name(layout);
+    benchmark::RegisterBenchmark(("lm_train/float" + suffix).c_str(), BM_lm_train_capacity<SoftmaxRouter>,
+                                 1.25, layout)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("lm_train/bf16" + suffix).c_str(),
+                                 BM_lm_train_capacity<SoftmaxRouter, __nv_bfloat16>, 1.25,
+                                 layout)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
   register_decode<SoftmaxRouter>("softmax");
   register_decode<SimilarityRouter>("similarity");
   register_decode<AttentionRouter>("attention");

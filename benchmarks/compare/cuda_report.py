@@ -286,8 +286,11 @@ def main():
     rows = []
     lm = {}
     for precision in ("float", "bf16"):
-        for router in ("softmax", "similarity"):
+        for router in ("softmax", "similarity", "softmax-cap1.25/compact",
+                       "softmax-cap1.25/padded"):
             r = get(f"lm_train/{precision}/{router}")
+            if r is None and "/" in router:
+                continue  # rows of later sessions' benchmarks
             lm[precision, router] = r.seconds() if r else None
             tok = r.counters.get("tokens/s") if r else None
             rows.append([router, precision, fmt(r.seconds() * 1e3 if r else None, ".2f"),
@@ -300,6 +303,12 @@ def main():
     print(f"similarity / softmax step time (float): {fmt(lm_ratio, '.3f')}")
     print(f"bf16 / float step time (softmax): "
           f"{fmt(ratio(lm['bf16', 'softmax'], lm['float', 'softmax']), '.3f')}")
+    for precision in ("float", "bf16"):
+        padded = lm.get((precision, "softmax-cap1.25/padded"))
+        compact = lm.get((precision, "softmax-cap1.25/compact"))
+        if padded and compact:
+            print(f"padded / compact expert layout step time (softmax, capacity 1.25, "
+                  f"{precision}): {fmt(ratio(padded, compact), '.3f')}")
     print()
 
     rows = []

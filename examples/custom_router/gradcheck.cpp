@@ -294,7 +294,7 @@ void check_selector() {
       worst = std::max(worst, std::abs(sel.gates(i, l) - (l < m ? -negp / sum : 0.0)));
     }
   }
-  report("selector forward vs loop", same && worst < 1e-14 && sel.dropped == dropped,
+  report("selector forward vs loop", same && worst < 1e-14 && graphmoe::dropped_count(sel) == dropped,
          fmt("gates max |diff| %.2e; %.0f dropped assignments, ", worst,
              static_cast<double>(dropped)) +
              fmt("%.0f tokens on 1 expert, %.0f on all k", static_cast<double>(kept_one),
@@ -346,7 +346,7 @@ void check_moe_layer() {
   };
   Tensor<double> du;
   layer.forward(u, ctx, y);
-  const index_t dropped = layer.routing().selection.dropped;
+  const index_t dropped = graphmoe::dropped_count(layer.routing().selection);
   report("moe layer: router name", CustomRouter::name() == "noisy/knn/top-p",
          CustomRouter::name() + fmt(", %.0f of %.0f assignments dropped by top-p",
                                     static_cast<double>(dropped),
@@ -387,7 +387,7 @@ void check_lm() {
   auto loss = [&] { return lm.forward(ids, targets).total(); };
   const double l0 = loss();
   index_t dropped = 0;
-  for (index_t l = 0; l < lm.num_layers(); ++l) dropped += lm.block(l).moe().routing().selection.dropped;
+  for (index_t l = 0; l < lm.num_layers(); ++l) dropped += graphmoe::dropped_count(lm.block(l).moe().routing().selection);
   report("lm: loss", std::isfinite(l0),
          fmt("loss %.6f, %.0f assignments dropped by top-p", l0, static_cast<double>(dropped)));
   lm.arena().zero_grad();

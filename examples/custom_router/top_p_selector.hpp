@@ -8,8 +8,8 @@
 //               (at least one expert; all k when even their sum stays below it), 0 for the rest
 //   gates_i   = keep o values / s,   s = sum_l keep_l values_l
 // so a confident token uses one expert and an uncertain one up to k. An assignment with keep = 0
-// is "dropped" in graphmoe's sense: Selection::dropped counts them, and MoELayer routes them to
-// no expert (they cost nothing and contribute nothing).
+// is "dropped" in graphmoe's sense: dropped_count(selection) counts them, and MoELayer routes
+// them to no expert (they cost nothing and contribute nothing; Selection::may_drop stays true).
 //
 // Backward (the kept set is piecewise constant in p): for the selected experts,
 //   dp_l = keep_l (dg_l - sum_j g_j dg_j) / s
@@ -56,7 +56,7 @@ class TopPSelectorImpl {
     sel.values = graphmoe::Tensor<T, B>(shape);
     sel.gates = graphmoe::Tensor<T, B>(shape);
     sel.keep = graphmoe::Tensor<std::uint8_t, B>(shape);
-    sel.dropped = 0;
+    sel.may_drop = true;
     std::vector<index_t> order(static_cast<std::size_t>(e));
     for (index_t i = 0; i < n; ++i) {
       std::iota(order.begin(), order.end(), index_t(0));
@@ -71,9 +71,7 @@ class TopPSelectorImpl {
         sel.indices(i, l) = static_cast<std::int32_t>(c);
         sel.values(i, l) = p(i, c);
         sel.keep(i, l) = reached ? 0 : 1;
-        if (reached) {
-          ++sel.dropped;
-        } else {
+        if (!reached) {
           s += p(i, c);
           cum += static_cast<double>(p(i, c));
           reached = cum >= threshold_;

@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
   m.router.allow_unused_options = true;
   auto& sim = m.router.options<Similarity>();
   auto& sched = m.router.options<ScheduledTopK>();
-  std::string layout = "switch", tau_mode = "fixed", graph_precision = "exact";
+  std::string layout = "switch", tau_mode = "fixed", graph_precision = "exact",
+              expert_layout = "compact";
   app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
   app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
   app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
@@ -66,6 +67,8 @@ int main(int argc, char** argv) {
   app.add_flag("--graph-projection", sim.projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity");
   app.add_option("--graph-precision", graph_precision, "token graphs' (T, T) products: exact; tf32 or bf16 on CUDA tensor cores (bf16: the Similarity graph; the Attention graph then uses tf32)")->check(CLI::IsMember({"exact", "tf32", "bf16"}));
   app.add_option("--sigma", m.router.options<Attention>().sigma, "Attention graph sigma (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_option("--capacity-factor", m.router.capacity_factor, "expert capacity: each MoE layer's expert takes at most ceil(f N k / E) of a batch's N k assignments, the rest dropped in token order (0: dropless, the default)")->check(examples::real(0, examples::kMaxCoef));
+  app.add_option("--expert-layout", expert_layout, "the experts' rows: compact (sorted by expert, N k rows), or padded (E blocks of the capacity: needs --capacity-factor > 0; on a GPU no read back to the host per layer, E C rows of expert work)")->check(CLI::IsMember({"compact", "padded"}));
   app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--k-min", sched.k_min, "SMoE-Dropout: first k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
@@ -98,6 +101,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
+  m.expert_layout = expert_layout == "padded" ? ExpertLayout::Padded : ExpertLayout::Compact;
   sim.precision = graph_precision == "tf32"   ? GraphPrecision::TF32
                   : graph_precision == "bf16" ? GraphPrecision::BF16
                                               : GraphPrecision::Exact;
@@ -139,6 +143,10 @@ int main(int argc, char** argv) {
           "train_lm", "--precision bf16 needs --device cuda (mixed precision runs the GEMMs on "
           "the GPU's bf16 tensor cores; --device ", opt.device, " computes in fp32)");
     examples::require_cpu_router("train_lm", opt.router, opt.device);
+    if (m.expert_layout == ExpertLayout::Padded && !(m.router.capacity_factor > 0))
+      examples::throw_same_on_every_rank(
+          "train_lm", "--expert-layout padded needs --capacity-factor > 0 (each expert's block is "
+          "its capacity; without one an expert can receive every assignment)");
     train_lm::Data data;
     std::vector<std::int32_t> stream;
     auto split_valid = [&] {

@@ -118,12 +118,15 @@ TEST_CASE_TEMPLATE("cuda vs cpu: gates, capacity mask and the drop bucket", T, f
       idx(i, 1) = 1;
       idx(i, 2) = 2;
     }
-  for (index_t cap : {0, 40, 100}) {
+  for (index_t cap : {0, 1, 40, 100, 1000}) {
     CAPTURE(cap);
     Tensor<std::uint8_t, cpu> hk;
     Tensor<std::uint8_t, graphmoe::cuda> dk;
-    CHECK(capacity_mask(idx, e, cap, hk) == capacity_mask(to_device(idx), e, cap, dk));
+    capacity_mask(idx, e, cap, hk);
+    capacity_mask(to_device(idx), e, cap, dk);
     check_equal("keep", hk, dk);
+    CHECK(count_dropped(hk) == count_dropped(dk));
+    if (cap == 1) CHECK(count_dropped(hk) == n * k - e);
     Tensor<std::int32_t, cpu> hids;
     Tensor<std::int32_t, graphmoe::cuda> dids;
     route_dropped_to(idx, hk, static_cast<std::int32_t>(e), hids);
@@ -164,6 +167,30 @@ TEST_CASE_TEMPLATE("cuda vs cpu: gates, capacity mask and the drop bucket", T, f
           Tensor<std::uint8_t, graphmoe::cuda> keep;
           capacity_mask(to_device(bad_ids), 4, 1, keep);
         }) == cpu_error);
+  // deferred (no copy to the host until the scope ends): the same message
+  CHECK(error_of([&] {
+          with_deferred_checks(graphmoe::cuda{}, [&] {
+            Tensor<std::uint8_t, graphmoe::cuda> keep;
+            capacity_mask(to_device(bad_ids), 4, 1, keep);
+          });
+        }) == cpu_error);
+}
+
+TEST_CASE("cuda vs cpu: the capacity mask over many assignments, several per thread") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(11);
+  const index_t n = 3001, k = 2, e = 5;  // 6002 ids: 24 per thread of an expert's block
+  Tensor<std::int32_t, cpu> idx(Shape{n, k});
+  for (index_t a = 0; a < n * k; ++a)
+    idx.data()[a] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(e)));
+  for (index_t cap : {1, 600, 1200, 1300}) {
+    CAPTURE(cap);
+    Tensor<std::uint8_t, cpu> hk;
+    Tensor<std::uint8_t, graphmoe::cuda> dk;
+    capacity_mask(idx, e, cap, hk);
+    capacity_mask(to_device(idx), e, cap, dk);
+    check_equal("keep", hk, dk);
+  }
 }
 
 }  // namespace graphmoe

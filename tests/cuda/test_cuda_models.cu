@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -74,9 +75,12 @@ Tensor<std::int32_t, cpu> random_ids(const Shape& shape, index_t vocab, Rng& rng
   return t;
 }
 
+// experts_layout Padded: with a capacity (factor 0.75, so that some assignments are dropped).
 template <class Policy, class T>
-void compare_lm(MoELayout layout) {
-  const TransformerLMConfig cfg = tiny_lm(layout);
+void compare_lm(MoELayout layout, ExpertLayout experts_layout = ExpertLayout::Compact) {
+  TransformerLMConfig cfg = tiny_lm(layout);
+  cfg.expert_layout = experts_layout;
+  if (experts_layout == ExpertLayout::Padded) cfg.router.capacity_factor = 0.75;
   TransformerLM<Policy, T, cpu> host(cfg, 21);
   TransformerLM<Policy, T, graphmoe::cuda> dev(cfg, 21);
   check_arena("initial", host.arena(), dev.arena(), false);
@@ -129,6 +133,46 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM, GLaM and dense layouts", T, floa
   SKIP_WITHOUT_CUDA_DEVICE();
   compare_lm<SimilarityRouter, T>(MoELayout::GLaM);
   compare_lm<SoftmaxRouter, T>(MoELayout::Dense);
+}
+
+TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM with the padded expert layout and a capacity", T,
+                   float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  compare_lm<SoftmaxRouter, T>(MoELayout::Switch, ExpertLayout::Padded);
+  compare_lm<SimilarityRouter, T>(MoELayout::Switch, ExpertLayout::Padded);
+}
+
+// TransformerLM::forward defers the content checks of the whole forward (a GPU reads them with
+// the loss); the error is still the first the CPU meets, word for word, and the model trains on
+// once the bad value is gone.
+TEST_CASE("cuda vs cpu: TransformerLM's deferred checks throw the CPU's first error") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (const ExpertLayout el : {ExpertLayout::Compact, ExpertLayout::Padded}) {
+    CAPTURE(expert_layout_name(el));
+    TransformerLMConfig cfg = tiny_lm(MoELayout::Switch);
+    cfg.expert_layout = el;
+    cfg.router.capacity_factor = 1.0;
+    TransformerLM<SimilarityRouter, float, cpu> host(cfg, 21);
+    TransformerLM<SimilarityRouter, float, graphmoe::cuda> dev(cfg, 21);
+    Rng data(6);
+    const Tensor<std::int32_t, cpu> ids = random_ids(Shape{2, 12}, cfg.vocab_size, data);
+    const Tensor<std::int32_t, cpu> targets = random_ids(Shape{2, 12}, cfg.vocab_size, data);
+    const auto d_ids = to_device(ids), d_targets = to_device(targets);
+    // a NaN in block 1's router weight: block 0 runs clean, block 1's router meets it
+    const std::string name = "blocks.1.moe.router.weight";
+    Tensor<float, cpu> w = host.arena().value(name);
+    const Tensor<float, cpu> saved = w.clone();
+    w.data()[3] = std::numeric_limits<float>::quiet_NaN();
+    copy_from_host(dev.arena().value(name), w);
+    const std::string cpu_error = test::error_of([&] { (void)host.forward(ids, targets); });
+    CHECK(!cpu_error.empty());
+    CHECK(test::error_of([&] { (void)dev.forward(d_ids, d_targets); }) == cpu_error);
+    copy_from_host(host.arena().value(name), saved);
+    copy_from_host(dev.arena().value(name), saved);
+    const double hl = host.forward(ids, targets).total();
+    const double dl = dev.forward(d_ids, d_targets).total();
+    CHECK(dl == doctest::Approx(hl).epsilon(model_tolerance<float>()));
+  }
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM classification head", T, float, double) {
@@ -254,6 +298,36 @@ TEST_CASE("cuda bf16 vs cuda fp32: TransformerLM loss, logits and gradients (mix
   };
   check("softmax, Switch", compare_mixed_lm<SoftmaxRouter>(MoELayout::Switch));
   check("similarity, GLaM", compare_mixed_lm<SimilarityRouter>(MoELayout::GLaM));
+}
+
+// The padded layout's expert GEMMs are one strided-batched bf16 call per product (no pointer
+// arrays): the same bf16 operands as the compact layout's grouped GEMMs, summed in fp32, so loss,
+// logits and gradients agree to fp32 rounding, far below bf16's unit.
+TEST_CASE("cuda bf16: the padded expert layout computes what the compact one does") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  TransformerLMConfig cfg = tiny_lm(MoELayout::Switch);
+  cfg.router.capacity_factor = 0.75;
+  TransformerLMConfig pcfg = cfg;
+  pcfg.expert_layout = ExpertLayout::Padded;
+  TransformerLM<SoftmaxRouter, float, graphmoe::cuda, __nv_bfloat16> compact(cfg, 21), padded(pcfg, 21);
+  Rng data(7);
+  const auto ids = to_device(random_ids(Shape{2, 12}, cfg.vocab_size, data));
+  const auto targets = to_device(random_ids(Shape{2, 12}, cfg.vocab_size, data));
+  compact.arena().zero_grad();
+  padded.arena().zero_grad();
+  const double lc = compact.forward(ids, targets).total();
+  const double lp = padded.forward(ids, targets).total();
+  CHECK(lp == doctest::Approx(lc).epsilon(1e-5));
+  REQUIRE(dropped_count(padded.block(0).moe().routing().selection) > 0);
+  compact.backward();
+  padded.backward();
+  const auto gc = to_host(compact.arena().grads()), gp = to_host(padded.arena().grads());
+  double worst = 0, scale = 0;
+  for (index_t i = 0; i < gc.numel(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(gc.data()[i] - gp.data()[i])));
+    scale = std::max(scale, std::abs(static_cast<double>(gc.data()[i])));
+  }
+  CHECK(worst <= 1e-4 * scale);
 }
 
 TEST_CASE("cuda bf16: TransformerLM training steps decrease the loss, as in fp32") {
@@ -386,11 +460,15 @@ graphmoe_cuda_emulation::Counters operator-(const graphmoe_cuda_emulation::Count
   return d;
 }
 
+// With ExpertLayout::Padded the routers get a capacity (factor 1.25) to pad to.
 template <class Policy, class C = float>
-StepCensus lm_step_census(index_t layers, index_t experts, MoELayout layout = MoELayout::Switch) {
+StepCensus lm_step_census(index_t layers, index_t experts, MoELayout layout = MoELayout::Switch,
+                          ExpertLayout experts_layout = ExpertLayout::Compact) {
   TransformerLMConfig cfg = tiny_lm(layout);
   cfg.num_layers = layers;
   cfg.router.num_experts = experts;
+  cfg.expert_layout = experts_layout;
+  if (experts_layout == ExpertLayout::Padded) cfg.router.capacity_factor = 1.25;
   TransformerLM<Policy, float, graphmoe::cuda, C> lm(cfg, 3);
   AdamWConfig oc;
   AdamW<float, graphmoe::cuda> opt(lm.arena(), oc);
@@ -462,12 +540,14 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
     CHECK(linear(l2.c.cublas_calls, l4.c.cublas_calls, l6.c.cublas_calls));
     CHECK(linear(l2.c.copies_to_host, l4.c.copies_to_host, l6.c.copies_to_host));
     // one wait per MoE block: the dispatch plan's expert offsets, which bring the router's
-    // deferred content checks with them (core/deferred_check.hpp); none in the backward
+    // deferred content checks with them (core/deferred_check.hpp); none in the backward (the
+    // cross-entropy's backward takes the forward's count of targets)
     CHECK(l4.c.copies_to_host - l2.c.copies_to_host == 2);
     CHECK(l4.c.async_copies_to_host - l2.c.async_copies_to_host == 2);
-    // memsets per block: the deferred checks' flags and the selection's keep mask, nothing else
-    // (outputs on the GPU are not zero-filled: every op writes its output in full)
-    CHECK(l4.c.memsets - l2.c.memsets == 2 * 2);
+    // memsets per block: the selection's keep mask, nothing else (outputs on the GPU are not
+    // zero-filled: every op writes its output in full; the deferred checks' flags are one memset
+    // for the whole forward, TransformerLM::forward's scope)
+    CHECK(l4.c.memsets - l2.c.memsets == 2 * 1);
     // no device-to-device copies: the residuals are written in one pass (add), and the
     // Independent graph's p is r itself
     CHECK(l6e.c.copies_on_device == 0);
@@ -484,6 +564,29 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   // RouterImpl::graph_entropy)
   CHECK(sim.c.kernel_launches > soft.c.kernel_launches);
   CHECK(sim.c.copies_to_host == soft.c.copies_to_host);
+  // The padded expert layout: no wait inside the blocks at all (the plan's offsets are known on
+  // the host, the capacity mask runs on the device, the routers' checks are read with the loss:
+  // TransformerLM::forward's deferred scope); the same launches per block as compact + 1 (the
+  // capacity mask), not growing with E either.
+  auto padded = [](index_t l, index_t e) {
+    return lm_step_census<SoftmaxRouter>(l, e, MoELayout::Switch, ExpertLayout::Padded);
+  };
+  const StepCensus p2 = padded(2, 4), p4 = padded(4, 4), p6 = padded(6, 4), p6e = padded(6, 16);
+  print_census("softmax, padded experts (capacity factor 1.25), 6 blocks, E = 16", p6e);
+  for (const StepCensus* s : {&p2, &p4, &p6, &p6e}) CHECK(s->c.device_allocations == 0);
+  CHECK(same(p6.c, p6e.c));
+  CHECK(p4.c.copies_to_host == p2.c.copies_to_host);
+  CHECK(p4.c.async_copies_to_host == p2.c.async_copies_to_host);
+  CHECK(p6e.c.copies_to_host + 6 == soft.c.copies_to_host);
+  CHECK(p6e.c.async_copies_to_host == 1);  // the forward's checks, with the loss
+  // two waits a step: the loss (with the target scan and the forward's checks: the backward
+  // takes the forward's count) and the gradient norm
+  CHECK(p6e.c.copies_to_host == 2);
+  CHECK(p6e.c.copies_on_device == 0);
+  // no memset per block either (the capacity mask writes keep in full), and no pointer arrays to
+  // upload (the expert GEMMs are strided-batched over E equal problems)
+  CHECK(p4.c.memsets == p2.c.memsets);
+  CHECK(p4.c.copies_to_device == p2.c.copies_to_device);
   // every GEMM weight of the bf16 model is read from its compute mirror: the conversions left
   // are activations' (8 per block: the attention input once for q, k and v, the output
   // projection's input, four output gradients, the experts' input and output gradient; 2 for the

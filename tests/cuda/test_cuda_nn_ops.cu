@@ -245,8 +245,10 @@ TEST_CASE_TEMPLATE("cuda vs cpu: cross-entropy forward and backward, with ignore
         const auto td = to_device(targets);
         Tensor<T> lp;
         Tensor<T, cuda> lpd;
-        const T loss = cross_entropy_forward(logits, targets, lp, ignore);
-        const T lossd = cross_entropy_forward(ld, td, lpd, ignore);
+        index_t count = -1, countd = -1;
+        const T loss = cross_entropy_forward(logits, targets, lp, ignore, &count);
+        const T lossd = cross_entropy_forward(ld, td, lpd, ignore, &countd);
+        CHECK(count == countd);
         CHECK_MESSAGE(scalar_close(loss, lossd, tolerance<T>()), "loss ", loss, " (cpu) vs ",
                       lossd, " (cuda)");
         check_close("cross_entropy_forward log_probs", lp, lpd);
@@ -261,6 +263,10 @@ TEST_CASE_TEMPLATE("cuda vs cpu: cross-entropy forward and backward, with ignore
         auto a = lpd.clone();
         cross_entropy_backward(a, td, dloss, a, ignore);
         check_close("cross_entropy_backward in place", dlogits, a);
+        // with the forward's count: no scan, the same gradient
+        Tensor<T, cuda> given;
+        cross_entropy_backward(lpd, td, dloss, given, ignore, countd);
+        check_close("cross_entropy_backward with the count", dlogits, given);
       }
     }
   }
@@ -307,6 +313,25 @@ TEST_CASE("cuda vs cpu: cross-entropy bad input throws the CPU message") {
           Tensor<float, cuda> lp3;
           cross_entropy_forward(to_device(nan_logits), to_device(targets), lp3);
         }) == cpu_msg3);
+  // a bad target and a bad row of logits: the target's error first, as the CPU checks
+  auto both = Tensor<std::int32_t>::from({5}, {0, 1, 2, 3, 9});
+  const auto cpu_msg4 = error_of([&] {
+    Tensor<float> lp4;
+    cross_entropy_forward(nan_logits, both, lp4);
+  });
+  CHECK(cpu_msg4.find("target of row 4 is 9") != std::string::npos);
+  CHECK(error_of([&] {
+          Tensor<float, cuda> lp4;
+          cross_entropy_forward(to_device(nan_logits), to_device(both), lp4);
+        }) == cpu_msg4);
+#if defined(GRAPHMOE_CUDA_EMULATION)
+  // one read back to the host per forward (flags, count and loss together)
+  Tensor<float, cuda> lp5;
+  const auto d_targets = to_device(targets);
+  const auto before = graphmoe_cuda_emulation::counters();
+  (void)cross_entropy_forward(ld, d_targets, lp5);
+  CHECK(graphmoe_cuda_emulation::counters().copies_to_host - before.copies_to_host == 1);
+#endif
 }
 
 // ---- embedding ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 // (scripts/gpu-check.sh).
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -24,13 +25,17 @@
 
 #include "graphmoe/ops/dispatch.hpp"
 #include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/gates.hpp"
 #include "graphmoe/ops/gemm.hpp"
 #include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/ops/topk.hpp"
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/deferred_check.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
 #include "graphmoe/backend/cuda/dispatch.cuh"
+#include "graphmoe/backend/cuda/elementwise.cuh"
+#include "graphmoe/backend/cuda/gates.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
 #include "graphmoe/backend/cuda/grouped.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
@@ -521,6 +526,110 @@ TEST_CASE("cuda vs cpu: dispatch plan reuse and bad expert ids") {
     CHECK(error_of([&] { dispatch_forward(dplan, Tensor<float, cuda>(Shape{3, 4}), xs); })
               .find("not built by make_dispatch_plan") != std::string::npos);
   }
+}
+
+TEST_CASE_TEMPLATE("cuda vs cpu: the padded dispatch plan, dispatch and combine", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(8);
+  const index_t d = 7;
+  // (n, k, E, C): one thread's share of several ids, experts over and under C, empty experts
+  for (const auto& [n, k, e, cap] : std::vector<std::array<index_t, 4>>{
+           {5, 2, 4, 1}, {300, 2, 5, 100}, {1200, 1, 3, 500}, {97, 3, 8, 20}}) {
+    CAPTURE(n);
+    CAPTURE(e);
+    CAPTURE(cap);
+    auto idx = random_ids(n, k, e > 3 ? e - 1 : e, rng);  // with E > 3 the last expert is empty
+    // the capacity mask decides keep (as the selector does), then a few more drops
+    Tensor<std::uint8_t> keep;
+    capacity_mask(idx, e, cap, keep);
+    for (index_t a = 0; a < n * k; a += 7) keep.data()[a] = 0;
+    DispatchPlan plan;
+    CudaDispatchPlan dplan;
+    for (int rebuild = 0; rebuild < 2; ++rebuild) {
+      make_padded_dispatch_plan(idx, keep, e, cap, plan);
+      make_padded_dispatch_plan(to_device(idx), to_device(keep), e, cap, dplan);
+    }
+    CHECK(dplan.capacity == cap);
+    CHECK(dplan.k == k);
+    check_equal("expert_offsets", plan.expert_offsets, dplan.expert_offsets);
+    check_equal("slot_token", plan.slot_token, dplan.slot_token);
+    check_equal("slot_source", plan.slot_source, dplan.slot_source);
+    check_equal("source_slot", plan.source_slot, dplan.source_slot);
+    CHECK(dplan.host_offsets.to_vector() == plan.expert_offsets.to_vector());
+    const auto slot_expert = to_host(dplan.slot_expert);
+    for (index_t s = 0; s < e * cap; ++s) CHECK(slot_expert.data()[s] == s / cap);
+
+    const index_t slots = e * cap;
+    auto x = random_tensor<T>({n, d}, rng);
+    Tensor<T> xs;
+    Tensor<T, cuda> dxs(Shape{slots, d});
+    fill(dxs, T(7));  // every row is written, zero rows included
+    dispatch_forward(plan, x, xs);
+    dispatch_forward(dplan, to_device(x), dxs);
+    check_equal("dispatch_forward", xs, dxs);
+    auto gxs = random_tensor<T>({slots, d}, rng);
+    Tensor<T> gx;
+    Tensor<T, cuda> dgx;
+    dispatch_backward(plan, gxs, gx);
+    dispatch_backward(dplan, to_device(gxs), dgx);
+    check_close("dispatch_backward", gx, dgx);
+    auto ys = random_tensor<T>({slots, d}, rng);
+    auto gates = random_tensor<T>({n, k}, rng, 0.0, 1.0);
+    Tensor<T> y;
+    Tensor<T, cuda> dyv;
+    combine_forward(plan, ys, gates, y);
+    combine_forward(dplan, to_device(ys), to_device(gates), dyv);
+    check_close("combine_forward", y, dyv);
+    auto gy = random_tensor<T>({n, d}, rng);
+    Tensor<T> gys, ggates;
+    Tensor<T, cuda> dgys(Shape{slots, d}), dggates(Shape{n, k});
+    fill(dgys, T(7));
+    fill(dggates, T(7));
+    combine_backward(plan, ys, gates, gy, gys, ggates);
+    combine_backward(dplan, to_device(ys), to_device(gates), to_device(gy), dgys, dggates);
+    check_close("combine_backward dys", gys, dgys);
+    check_close("combine_backward dgates", ggates, dggates);
+  }
+}
+
+TEST_CASE("cuda vs cpu: the padded plan's errors, at once and deferred, and no read to the host") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const auto idx = Tensor<std::int32_t>::from({3, 2}, {0, 1, 0, 7, 0, 1});
+  const auto all = Tensor<std::uint8_t>::from({3, 2}, {1, 1, 1, 1, 1, 1});
+  const auto drop = Tensor<std::uint8_t>::from({3, 2}, {1, 1, 1, 0, 1, 1});
+  for (const index_t cap : {1, 2}) {  // cap 1: over capacity first (token 1, choice 0); 2: id 7
+    CAPTURE(cap);
+    DispatchPlan plan;
+    const auto cpu_msg = error_of([&] { make_padded_dispatch_plan(idx, all, 3, cap, plan); });
+    CHECK(!cpu_msg.empty());
+    CudaDispatchPlan dplan;
+    CHECK(error_of([&] {
+            make_padded_dispatch_plan(to_device(idx), to_device(all), 3, cap, dplan);
+          }) == cpu_msg);
+    CHECK(error_of([&] {
+            with_deferred_checks(cuda{}, [&] {
+              make_padded_dispatch_plan(to_device(idx), to_device(all), 3, cap, dplan);
+            });
+          }) == cpu_msg);
+  }
+  // a valid plan in a deferred scope: no copy to the host until the scope's end
+  const auto d_idx = to_device(idx);
+  const auto d_drop = to_device(drop);
+  CudaDispatchPlan dplan;
+  with_deferred_checks(cuda{}, [&] {
+#if defined(GRAPHMOE_CUDA_EMULATION)
+    const auto before = graphmoe_cuda_emulation::counters();
+    make_padded_dispatch_plan(d_idx, d_drop, 3, 3, dplan);
+    const auto after = graphmoe_cuda_emulation::counters();
+    CHECK(after.copies_to_host == before.copies_to_host);
+    CHECK(after.async_copies_to_host == before.async_copies_to_host);
+    CHECK(after.kernel_launches - before.kernel_launches == 1);
+#else
+    make_padded_dispatch_plan(d_idx, d_drop, 3, 3, dplan);
+#endif
+  });
+  CHECK(dplan.host_offsets.to_vector() == std::vector<std::int32_t>{0, 3, 6, 9});
+  CHECK(to_host(dplan.source_slot).to_vector() == std::vector<std::int32_t>{0, 3, 1, -1, 2, 4});
 }
 
 }  // namespace graphmoe

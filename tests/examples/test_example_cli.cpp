@@ -150,7 +150,7 @@ TEST_CASE("examples: every numeric option refuses out-of-range and malformed num
   const std::vector<std::string> lm_reals = {"--valid-fraction", "--tau", "--sigma",
                                              "--load-balance", "--z-loss", "--lr", "--min-lr",
                                              "--weight-decay", "--clip", "--attack-rate",
-                                             "--divergence-factor"};
+                                             "--divergence-factor", "--capacity-factor"};
   const std::vector<std::string> vision_ints = {
       "--moe-last", "--patch", "--layers", "--d-model", "--heads", "--d-ff", "--experts",
       "--top-k", "--epochs", "--batch", "--train-limit", "--warmup", "--eval-every", "--seed",
@@ -239,6 +239,24 @@ TEST_CASE("examples: train_lm --precision bf16 is refused on the CPU naming the 
   CAPTURE(r.err);
   REQUIRE(r.status == 0);
   CHECK(load_safetensors(fp32 + "/checkpoint.safetensors").metadata.at("precision") == "fp32");
+}
+
+TEST_CASE("examples: train_lm --expert-layout padded needs --capacity-factor, and trains with one") {
+  Scratch s("padded");
+  const std::string corpus = s / "corpus.txt";
+  test::write_word_corpus(corpus);
+  const std::string dir = s / "padded";
+  std::vector<std::string> args = lm_args(corpus, dir, 2);
+  args.insert(args.end(), {"--expert-layout", "padded"});
+  check_refused(run(s, kTrainLM, args), {"--expert-layout padded needs --capacity-factor > 0"});
+  CHECK(!fs::exists(dir + "/metrics.csv"));
+  args.insert(args.end(), {"--capacity-factor", "1.25"});
+  const Result r = run(s, kTrainLM, args);
+  CAPTURE(r.err);
+  CHECK(r.status == 0);
+  CHECK(fs::exists(dir + "/checkpoint.safetensors"));
+  args.insert(args.end(), {"--expert-layout", "sparse"});
+  check_refused(run(s, kTrainLM, args), {"--expert-layout: sparse not in {compact,padded}"});
 }
 
 TEST_CASE("examples: train_lm --resume refuses broken and malformed checkpoints, naming the file and field") {

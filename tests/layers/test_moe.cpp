@@ -148,7 +148,7 @@ TEST_CASE("MoE layer: capacity factor drops overflow assignments, which then con
   Tensor<double> y;
   fx.layer.forward(u, {n, nullptr}, y);
   const auto& sel = fx.layer.routing().selection;
-  REQUIRE(sel.dropped > 0);
+  REQUIRE(dropped_count(sel) > 0);
   // A token whose every assignment was dropped gets zero output.
   for (index_t i = 0; i < n; ++i) {
     if (!sel.keep(i, 0) && !sel.keep(i, 1))
@@ -156,6 +156,70 @@ TEST_CASE("MoE layer: capacity factor drops overflow assignments, which then con
   }
   // Capacity holds per expert.
   for (index_t e = 0; e < 4; ++e) CHECK(fx.layer.plan().count(e) <= 4);  // ceil(0.5 * 32 / 4)
+}
+
+TEST_CASE_TEMPLATE("MoE layer: the padded layout computes the compact layout's outputs and gradients",
+                   Policy, SoftmaxRouter, SimilarityRouter, SMoEDropoutRouter) {
+  for (double cf : {0.5, 1.0, 2.0}) {
+    CAPTURE(cf);
+    Fixture<Policy> compact(4, 3, 4, 2), padded(4, 3, 4, 2);
+    compact.cfg.router.capacity_factor = padded.cfg.router.capacity_factor = cf;
+    compact.cfg.router.load_balance_coef = padded.cfg.router.load_balance_coef = 0.05;
+    padded.cfg.layout = ExpertLayout::Padded;
+    compact.build(81);
+    padded.build(81);
+    Rng rng(82);
+    const index_t n = 16, d = 4;
+    auto u = random_normal<double>({n, d}, rng);
+    auto w = random_normal<double>({n, d}, rng);
+    Tensor<double> yc, yp, duc, dup;
+    compact.layer.forward(u, {8, nullptr}, yc);
+    padded.layer.forward(u, {8, nullptr}, yp);
+    CHECK(padded.layer.plan().capacity == token_capacity(cf, n, 2, 4));
+    CHECK(padded.layer.plan().num_slots() == 4 * token_capacity(cf, n, 2, 4));
+    CHECK(compact.layer.plan().capacity == 0);
+    CHECK(max_rel_diff(yc, yp) < 1e-13);
+    compact.arena.zero_grad();
+    padded.arena.zero_grad();
+    compact.layer.backward(w, duc);
+    padded.layer.backward(w, dup);
+    CHECK(max_rel_diff(duc, dup) < 1e-13);
+    for (const auto& info : compact.arena.params()) {
+      CAPTURE(info.name);
+      CHECK(max_rel_diff(compact.arena.grad(info.name), padded.arena.grad(info.name)) < 1e-13);
+    }
+  }
+}
+
+TEST_CASE("MoE layer: gradient check of the padded layout, and what it refuses") {
+  Fixture<SimilarityRouter> fx(4, 3, 4, 2);
+  fx.cfg.router.capacity_factor = 0.75;  // drops some assignments
+  fx.cfg.layout = ExpertLayout::Padded;
+  fx.build(91);
+  Rng rng(92);
+  const index_t n = 8, d = 4;
+  auto u = random_normal<double>({n, d}, rng);
+  auto w = random_normal<double>({n, d}, rng);
+  auto loss = [&] {
+    Tensor<double> y;
+    fx.layer.forward(u, {4, nullptr}, y);
+    return weighted_sum(y, w);
+  };
+  Tensor<double> y, du;
+  fx.layer.forward(u, {4, nullptr}, y);
+  REQUIRE(dropped_count(fx.layer.routing().selection) > 0);
+  fx.arena.zero_grad();
+  fx.layer.backward(w, du);
+  fx.check_gradients(u, du, loss);
+
+  Fixture<SoftmaxRouter> dropless;
+  dropless.cfg.layout = ExpertLayout::Padded;  // capacity_factor 0: no capacity to pad to
+  CHECK_THROWS_WITH_AS(dropless.build(93), doctest::Contains("padded expert layout needs a capacity"),
+                       Error);
+  Fixture<ExpertChoiceRouter> ec;
+  ec.cfg.router.capacity_factor = 1.0;
+  ec.cfg.layout = ExpertLayout::Padded;
+  CHECK_THROWS_WITH_AS(ec.build(94), doctest::Contains("needs a token-choice selector"), Error);
 }
 
 TEST_CASE("MoE layer: bad input") {

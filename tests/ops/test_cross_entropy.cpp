@@ -87,6 +87,30 @@ TEST_CASE("cross_entropy: backward matches (softmax - onehot) * dloss / n, zero 
   }
 }
 
+TEST_CASE("cross_entropy: the forward reports the count, the backward takes it without a scan") {
+  Rng rng(23);
+  auto logits = random_tensor<double>({5, 4}, rng, -2.0, 2.0);
+  auto t = Targets::from({5}, {3, -100, 0, 2, -100});
+  Tensor<double> lp;
+  index_t count = -7;
+  cross_entropy_forward(logits, t, lp, -100, &count);
+  CHECK(count == 3);
+  Tensor<double> scanned, given;
+  cross_entropy_backward(lp, t, 2.5, scanned);
+  cross_entropy_backward(lp, t, 2.5, given, -100, count);
+  CHECK(scanned.to_vector() == given.to_vector());
+  // given: the targets are not scanned again; a bad one (changed since the forward) is no
+  // out-of-range write, its row holds the softmax part only
+  auto changed = Targets::from({5}, {3, -100, 9, 2, -100});
+  Tensor<double> d2;
+  cross_entropy_backward(lp, changed, 2.5, d2, -100, count);
+  CHECK(d2(2, 0) == doctest::Approx(std::exp(lp(2, 0)) * 2.5 / 3.0));
+  CHECK_THROWS_WITH_AS(cross_entropy_backward(lp, changed, 2.5, d2),  // scanned: refused
+                       doctest::Contains("target of row 2 is 9"), Error);
+  CHECK_THROWS_WITH_AS(cross_entropy_backward(lp, t, 2.5, d2, -100, 6),
+                       doctest::Contains("count = 6 exceeds the 5 rows of targets"), Error);
+}
+
 TEST_CASE("cross_entropy: gradient check (double)") {
   Rng rng(23);
   auto logits = random_tensor<double>({2, 3, 6}, rng, -2.0, 2.0);  // (B, T, V) with (B, T) targets

@@ -252,3 +252,179 @@ TEST_CASE("dispatch: a plan whose rebuild failed is invalid until rebuilt") {
   dispatch_forward(plan, x, xs);
   CHECK(xs.rows() == 6);
 }
+
+// ---- the padded layout (make_padded_dispatch_plan) ------------------------------------------
+
+namespace {
+// keep: drop about a quarter of the assignments at random
+Tensor<std::uint8_t> random_keep(index_t n, index_t k, Rng& rng) {
+  Tensor<std::uint8_t> keep({n, k});
+  for (index_t i = 0; i < keep.numel(); ++i) keep.data()[i] = rng.uniform_int(4) == 0 ? 0 : 1;
+  return keep;
+}
+}  // namespace
+
+TEST_CASE("dispatch: the padded plan against a naive placement, worked example") {
+  // token: 0      1      2      3;  keep drops (1, 1) and (3, 0)
+  auto idx = Tensor<std::int32_t>::from({4, 2}, {2, 0, 0, 2, 1, 2, 0, 3});
+  auto keep = Tensor<std::uint8_t>::from({4, 2}, {1, 1, 1, 0, 1, 1, 0, 1});
+  DispatchPlan plan;
+  make_padded_dispatch_plan(idx, keep, 4, 3, plan);
+  CHECK(plan.capacity == 3);
+  CHECK(plan.num_slots() == 12);
+  CHECK(plan.num_assignments() == 8);
+  CHECK(plan.expert_offsets.to_vector() == std::vector<std::int32_t>{0, 3, 6, 9, 12});
+  // expert 0: (0,1) (1,0); expert 1: (2,0); expert 2: (0,0) (2,1); expert 3: (3,1)
+  CHECK(plan.slot_source.to_vector() ==
+        std::vector<std::int32_t>{1, 2, -1, 4, -1, -1, 0, 5, -1, 7, -1, -1});
+  CHECK(plan.slot_token.to_vector() ==
+        std::vector<std::int32_t>{0, 1, -1, 2, -1, -1, 0, 2, -1, 3, -1, -1});
+  CHECK(plan.source_slot.to_vector() == std::vector<std::int32_t>{6, 0, 1, -1, 3, 7, -1, 9});
+  for (index_t e = 0; e < 4; ++e) {
+    CHECK(plan.count(e) == 3);  // every expert's block is C rows
+    CHECK(plan.offset(e) == 3 * e);
+  }
+}
+
+TEST_CASE("dispatch: the padded plan's gathers equal the compact plan's with the drop bucket") {
+  Rng rng(34);
+  const index_t n = 19, k = 2, e = 4, d = 5, cap = 9;
+  for (int round = 0; round < 3; ++round) {
+    auto idx = random_experts(n, k, e, rng);
+    auto keep = random_keep(n, k, rng);
+    // a capacity mask on top: at most cap kept per expert, in token order
+    std::vector<index_t> load(static_cast<std::size_t>(e), 0);
+    for (index_t a = 0; a < n * k; ++a)
+      if (keep.data()[a] && load[static_cast<std::size_t>(idx.data()[a])]++ >= cap)
+        keep.data()[a] = 0;
+    DispatchPlan padded, compact;
+    make_padded_dispatch_plan(idx, keep, e, cap, padded);
+    Tensor<std::int32_t> ids(idx.shape());
+    for (index_t a = 0; a < n * k; ++a)
+      ids.data()[a] = keep.data()[a] ? idx.data()[a] : static_cast<std::int32_t>(e);
+    make_dispatch_plan(ids, e + 1, compact);
+    // the same assignments in the same order within each expert
+    for (index_t x = 0; x < e; ++x) {
+      const index_t c = compact.count(x);
+      for (index_t r = 0; r < cap; ++r) {
+        const index_t s = x * cap + r;
+        if (r < c) {
+          CHECK(padded.slot_source(s) == compact.slot_source(compact.offset(x) + r));
+          CHECK(padded.slot_token(s) == compact.slot_token(compact.offset(x) + r));
+        } else {
+          CHECK(padded.slot_source(s) == -1);
+          CHECK(padded.slot_token(s) == -1);
+        }
+      }
+    }
+    auto x = random_tensor<double>({n, d}, rng);
+    Tensor<double> xs;
+    dispatch_forward(padded, x, xs);
+    for (index_t s = 0; s < padded.num_slots(); ++s)
+      for (index_t c = 0; c < d; ++c)
+        CHECK(xs(s, c) == (padded.slot_token(s) < 0 ? 0.0 : x(padded.slot_token(s), c)));
+    // experts' outputs: a function of the slot's content, so both layouts see the same rows;
+    // the compact bucket's rows are zero as the expert bank leaves them
+    auto per_token = random_tensor<double>({n * k, d}, rng);  // the output of assignment a
+    auto gates = random_tensor<double>({n, k}, rng);
+    for (index_t a = 0; a < n * k; ++a)
+      if (!keep.data()[a]) gates.data()[a] = 0;  // as the selector's gates
+    Tensor<double> ysp({padded.num_slots(), d}), ysc({compact.num_slots(), d});
+    for (index_t s = 0; s < padded.num_slots(); ++s)
+      for (index_t c = 0; c < d; ++c)
+        ysp(s, c) = padded.slot_source(s) < 0 ? 1e6 : per_token(padded.slot_source(s), c);
+    for (index_t s = 0; s < compact.num_slots(); ++s)
+      for (index_t c = 0; c < d; ++c)
+        ysc(s, c) = s >= compact.offset(e) ? 0.0 : per_token(compact.slot_source(s), c);
+    Tensor<double> yp, yc;
+    combine_forward(padded, ysp, gates, yp);  // empty slots (1e6) are never read
+    combine_forward(compact, ysc, gates, yc);
+    for (index_t i = 0; i < yp.numel(); ++i)
+      CHECK(yp.data()[i] == doctest::Approx(yc.data()[i]).epsilon(1e-15));
+    auto dy = random_tensor<double>({n, d}, rng);
+    auto dysp = Tensor<double>::full({padded.num_slots(), d}, 5.0);  // assigned
+    auto dgp = Tensor<double>::full({n, k}, 5.0);
+    Tensor<double> dysc, dgc;
+    combine_backward(padded, ysp, gates, dy, dysp, dgp);
+    combine_backward(compact, ysc, gates, dy, dysc, dgc);
+    for (index_t a = 0; a < n * k; ++a) {
+      CHECK(dgp.data()[a] == doctest::Approx(dgc.data()[a]).epsilon(1e-15));
+      if (!keep.data()[a]) CHECK(dgp.data()[a] == 0.0);
+    }
+    for (index_t s = 0; s < padded.num_slots(); ++s)
+      for (index_t c = 0; c < d; ++c) {
+        const std::int32_t a = padded.slot_source(s);
+        CHECK(dysp(s, c) == (a < 0 ? 0.0 : dysc(compact.source_slot(a), c)));
+      }
+    Tensor<double> dxp, dxc;
+    dispatch_backward(padded, dysp, dxp);
+    dispatch_backward(compact, dysc, dxc);
+    for (index_t i = 0; i < dxp.numel(); ++i)
+      CHECK(dxp.data()[i] == doctest::Approx(dxc.data()[i]).epsilon(1e-15));
+  }
+}
+
+TEST_CASE("dispatch: gradient check of dispatch and combine on a padded plan (double)") {
+  Rng rng(35);
+  const index_t n = 7, k = 2, e = 3, d = 4, cap = 4;
+  auto idx = random_experts(n, k, e, rng);
+  auto keep = random_keep(n, k, rng);
+  std::vector<index_t> load(static_cast<std::size_t>(e), 0);
+  for (index_t a = 0; a < n * k; ++a)
+    if (keep.data()[a] && load[static_cast<std::size_t>(idx.data()[a])]++ >= cap) keep.data()[a] = 0;
+  DispatchPlan plan;
+  make_padded_dispatch_plan(idx, keep, e, cap, plan);
+  const index_t s = plan.num_slots();
+  auto x = random_tensor<double>({n, d}, rng);
+  auto wxs = random_tensor<double>({s, d}, rng);
+  for (index_t r = 0; r < s; ++r)  // an empty slot's row is a constant 0: no gradient to check
+    if (plan.slot_token(r) < 0)
+      for (index_t c = 0; c < d; ++c) wxs(r, c) = 0;
+  auto dispatch_loss = [&] {
+    Tensor<double> xs;
+    dispatch_forward(plan, x, xs);
+    return weighted_sum(xs, wxs);
+  };
+  auto dx = Tensor<double>::full({n, d}, 5.0);
+  dispatch_backward(plan, wxs, dx);
+  check_gradient("dx", x, dx, dispatch_loss);
+
+  auto ys = random_tensor<double>({s, d}, rng);
+  auto gates = random_tensor<double>({n, k}, rng);
+  auto wy = random_tensor<double>({n, d}, rng);
+  auto combine_loss = [&] {
+    Tensor<double> y;
+    combine_forward(plan, ys, gates, y);
+    return weighted_sum(y, wy);
+  };
+  auto dys = Tensor<double>::full({s, d}, 5.0);
+  auto dgates = Tensor<double>::full({n, k}, 5.0);
+  combine_backward(plan, ys, gates, wy, dys, dgates);
+  check_gradient("dys", ys, dys, combine_loss);
+  check_gradient("dgates", gates, dgates, combine_loss);
+}
+
+TEST_CASE("dispatch: the padded plan refuses an expert over capacity, a bad id and bad shapes") {
+  auto idx = Tensor<std::int32_t>::from({3, 2}, {0, 1, 0, 2, 0, 1});
+  auto all = Tensor<std::uint8_t>::from({3, 2}, {1, 1, 1, 1, 1, 1});
+  DispatchPlan plan;
+  CHECK_THROWS_WITH_AS(make_padded_dispatch_plan(idx, all, 3, 2, plan),
+                       doctest::Contains("expert 0 received more than 2 kept assignments (the "
+                                         "first beyond them: token 2, choice 0)"),
+                       Error);
+  Tensor<double> xs;
+  CHECK_THROWS_WITH_AS(dispatch_forward(plan, Tensor<double>({3, 2}), xs),
+                       doctest::Contains("not built by make_dispatch_plan"), Error);
+  // dropped (keep = 0): any id, even out of range, is left out
+  auto bad = Tensor<std::int32_t>::from({3, 2}, {0, 1, 0, 7, -1, 1});
+  auto keep = Tensor<std::uint8_t>::from({3, 2}, {1, 1, 1, 0, 0, 1});
+  make_padded_dispatch_plan(bad, keep, 3, 2, plan);
+  CHECK(plan.source_slot.to_vector() == std::vector<std::int32_t>{0, 2, 1, -1, -1, 3});
+  CHECK_THROWS_WITH_AS(make_padded_dispatch_plan(bad, all, 3, 2, plan),
+                       doctest::Contains("expert id 7 of token 1, choice 1 is out of range [0, 3)"),
+                       Error);
+  CHECK_THROWS_WITH_AS(make_padded_dispatch_plan(idx, all, 3, 0, plan),
+                       doctest::Contains("capacity = 0 must be >= 1"), Error);
+  CHECK_THROWS_WITH_AS(make_padded_dispatch_plan(idx, Tensor<std::uint8_t>({2, 3}), 3, 2, plan),
+                       doctest::Contains("keep"), Error);
+}

@@ -504,7 +504,8 @@ TEST_CASE("selector: gates sum to 1 over k distinct experts; capacity drops over
   sel.configure(cfg);
   Selection<double> s;
   sel.select(p, k, s);
-  CHECK(s.dropped == 0);
+  CHECK(dropped_count(s) == 0);
+  CHECK(!s.may_drop);
   for (index_t i = 0; i < n; ++i) {
     CHECK(s.indices(i, 0) != s.indices(i, 1));
     CHECK(s.gates(i, 0) + s.gates(i, 1) == doctest::Approx(1.0));
@@ -526,7 +527,8 @@ TEST_CASE("selector: gates sum to 1 over k distinct experts; capacity drops over
       CHECK(s.gates.data()[i] == 0.0);
     }
   }
-  CHECK(dropped == s.dropped);
+  CHECK(dropped == dropped_count(s));
+  CHECK(s.may_drop);
   index_t kept = 0;
   for (int l : load) kept += l;
   CHECK(dropped == n * k - kept);

@@ -37,4 +37,14 @@ struct CrossEntropyValue {
   BadRow bad;
 };
 
+// A backend's forward with the target scan in the same pass (optional: a backend that provides
+// cross_entropy_forward_scanned(B, logits, targets, log_probs, ignore_index) returns both at once,
+// e.g. a GPU reading its flags, count and loss back in one copy). The op layer checks scan first,
+// then value, so the error is the one the two-step form throws.
+template <class T>
+struct CrossEntropyScanned {
+  TargetScan scan;
+  CrossEntropyValue<T> value;
+};
+
 }  // namespace graphmoe

@@ -23,7 +23,9 @@
 // must be safe on any values (the CUDA ones are: NaN stays arithmetic, and expert ids are
 // range-checked by the dispatch plan before anything indexes with them). So a scope ends before
 // anything indexes memory with the checked results from the host, or keeps state the error
-// should have prevented: in MoELayer it spans the router's forward and the dispatch plan.
+// should have prevented: in MoELayer it spans the router's forward and the dispatch plan, and
+// TransformerLM::forward opens one over the whole forward and its loss (the layers' scopes join
+// it), so that with the padded expert layout the first read is the loss's.
 //
 // The CPU backend checks at once (its checks cost nothing extra): with_deferred_checks(cpu{}, f)
 // is f(). A user's backend does the same unless it provides its own with_deferred_checks(B, F).

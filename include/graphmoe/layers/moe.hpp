@@ -12,6 +12,7 @@
 
 #include <string>
 
+#include "graphmoe/core/capacity.hpp"
 #include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/dist/expert_parallel.hpp"
 #include "graphmoe/layers/expert_bank.hpp"
@@ -22,6 +23,22 @@
 
 namespace graphmoe {
 
+// How the dispatched rows are laid out for the experts (core/dispatch_plan.hpp):
+//   Compact: the kept assignments sorted by expert, N k rows (dropped ones in a skipped bucket);
+//            the expert sizes are data, so a GPU reads them back once per layer (the expert GEMMs
+//            are launched from the host).
+//   Padded:  E blocks of C = ceil(capacity_factor N k / E) rows, each expert's kept assignments
+//            first, the rest zero rows. Shapes and offsets depend on N, k, E and C only: nothing
+//            is read back (the layout a CUDA graph can capture), at the price of E C - kept rows
+//            of expert work. Needs RouterConfig::capacity_factor > 0 and a token-choice selector;
+//            training-time routing only (incremental decoding routes dropless, Compact).
+// The same model either way: outputs and gradients agree to rounding.
+enum class ExpertLayout { Compact, Padded };
+
+inline const char* expert_layout_name(ExpertLayout l) {
+  return l == ExpertLayout::Padded ? "padded" : "compact";
+}
+
 struct MoEConfig {
   index_t d_model = 352;
   index_t d_ff = 352;
@@ -29,6 +46,7 @@ struct MoEConfig {
   GeluForm gelu = GeluForm::Tanh;
   double init_std = 0.02;  // expert weights ~ N(0, init_std^2)
   ExpertParallelism parallelism = ExpertParallelism::AcrossExperts;  // measured: docs/benchmarks.md
+  ExpertLayout layout = ExpertLayout::Compact;
 };
 
 // One implementation for every backend (the ops resolve by the tensors' backend). C is the
@@ -40,6 +58,7 @@ class MoELayer {
   using router_policy = RouterPolicy;
 
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, const MoEConfig& cfg) {
+    check_layout(cfg);
     cfg_ = cfg;
     router_.declare(arena, prefix + "router.", cfg.d_model, cfg.router);
     experts_.declare(arena, prefix + "experts.", cfg.router.num_experts, cfg.d_model, cfg.d_ff);
@@ -60,6 +79,10 @@ class MoELayer {
                    "dist::NcclCommunicator exists but no device exchange uses it yet)");
     GRAPHMOE_CHECK(comm.memory_space() == dist::MemorySpace::Host, "MoELayer",
                    "an expert-parallel CPU layer needs a host-memory communicator");
+    GRAPHMOE_CHECK(cfg.layout == ExpertLayout::Compact, "MoELayer",
+                   "expert parallelism exchanges the compact layout's rows; the padded layout is "
+                   "not built for it (MoEConfig::layout = ExpertLayout::Compact)");
+    check_layout(cfg);
     const dist::ExpertShard shard =
         dist::expert_shard(cfg.router.num_experts, comm.rank(), comm.size());
     cfg_ = cfg;
@@ -99,7 +122,7 @@ class MoELayer {
     // on the GPU instead of five; core/deferred_check.hpp).
     with_deferred_checks(B{}, [&] {
       router_.forward(u, ctx, route_);
-      make_plan();
+      make_plan(cfg_.layout);
     });
     run_experts(u, y);
   }
@@ -121,23 +144,40 @@ class MoELayer {
     ctx_ = GraphContext<T, B>{};
     with_deferred_checks(B{}, [&] {
       router_.decode(u, ctx, cache, route_);
-      make_plan();
+      make_plan(ExpertLayout::Compact);  // dropless: no capacity to pad to
     });
     run_experts(u, y);
   }
 
  private:
-  // The dispatch plan of the routing in route_. Capacity-dropped assignments go to a bucket
-  // expert E that the bank skips.
-  void make_plan() {
+  static void check_layout(const MoEConfig& cfg) {
+    if (cfg.layout != ExpertLayout::Padded) return;
+    GRAPHMOE_CHECK(cfg.router.capacity_factor > 0, "MoELayer",
+                   "the padded expert layout needs a capacity (RouterConfig::capacity_factor > 0, "
+                   "got ", cfg.router.capacity_factor,
+                   "): without one an expert can receive all N k assignments");
+    GRAPHMOE_CHECK(!selector_chooses_across_tokens<typename RouterPolicy::selector>(), "MoELayer",
+                   "the padded expert layout needs a token-choice selector (its capacity is "
+                   "ceil(capacity_factor N k / E) per expert)");
+  }
+
+  // The dispatch plan of the routing in route_. Compact: capacity-dropped assignments go to a
+  // bucket expert E that the bank skips. Padded: C slots per expert (core/dispatch_plan.hpp).
+  void make_plan(ExpertLayout layout) {
     const Selection<T, B>& sel = route_.selection;
     const index_t e = cfg_.router.num_experts;
+    if (layout == ExpertLayout::Padded) {
+      const index_t c = token_capacity(cfg_.router.capacity_factor, sel.indices.rows(),
+                                       sel.indices.cols(), e);
+      make_padded_dispatch_plan(sel.indices, sel.keep, e, c, plan_);
+      return;
+    }
     Tensor<std::int32_t, B> ids = sel.indices;
-    if (sel.dropped > 0) {
+    if (sel.may_drop) {
       ids = Tensor<std::int32_t, B>();
       route_dropped_to(sel.indices, sel.keep, static_cast<std::int32_t>(e), ids);
     }
-    make_dispatch_plan(ids, sel.dropped > 0 ? e + 1 : e, plan_);
+    make_dispatch_plan(ids, sel.may_drop ? e + 1 : e, plan_);
   }
 
   // dispatch -> experts -> combine for the routing in route_ and plan_

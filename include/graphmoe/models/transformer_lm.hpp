@@ -67,6 +67,9 @@ struct TransformerLMConfig {
   bool tie_embeddings = true;
   // num_experts, k, policies' options; causal (required, see validate)
   RouterConfig router = causal_router();
+  // The MoE layers' row layout (MoEConfig::layout, layers/moe.hpp): Padded needs
+  // router.capacity_factor > 0 and takes no read back to the host per layer on a GPU.
+  ExpertLayout expert_layout = ExpertLayout::Compact;
   GeluForm gelu = GeluForm::Tanh;
   double init_std = 0.02;
   // > 0: add a sequence-classification head ("cls_head", mean pooling over each sequence's
@@ -196,6 +199,7 @@ class TransformerLM {
       bc.causal = true;
       bc.moe = cfg_.is_moe_layer(i);
       bc.moe_config.router = cfg_.router;
+      bc.moe_config.layout = cfg_.expert_layout;
       bc.moe_config.gelu = cfg_.gelu;
       bc.init_std = cfg_.init_std;
       bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
@@ -271,9 +275,21 @@ class TransformerLM {
   // ids, targets: (B, T) with T <= max_seq_len; targets may be empty (logits only, task = 0).
   // Returns the loss broken down (layers/loss.hpp): task = the mean cross-entropy over targets !=
   // kIgnoreIndex, plus the routers' weighted auxiliary losses; backward differentiates total().
+  //
+  // The content checks of the whole forward are deferred (core/deferred_check.hpp): on a GPU the
+  // routers' checks are read with the loss, so that a forward with the padded expert layout
+  // (expert_layout) runs without a read back to the host until its loss; the first failed check
+  // throws its own error as before.
   Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     check_bound("forward");
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
+    Loss loss;
+    with_deferred_checks(B{}, [&] { loss = forward_checked(ids, targets); });
+    return loss;
+  }
+
+ private:
+  Loss forward_checked(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     trunk_forward(ids);
     const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
     targets_ = targets;
@@ -290,18 +306,23 @@ class TransformerLM {
     Tensor<T, B> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
     head_forward(xf_.view(Shape{b * t, d}), lflat);
     has_loss_ = !targets.empty();
+    ce_count_ = -1;  // a forward that throws leaves the backward to scan (and throw) itself
     Loss loss = moe_losses(blocks_);
     if (!targets.empty())
-      loss.task = static_cast<double>(cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex));
+      loss.task = static_cast<double>(
+          cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex, &ce_count_));
     return loss;
   }
+
+ public:
 
   // Gradients of the last forward's loss.total() (mean cross-entropy + the routers' weighted
   // auxiliary losses) into arena.grads(), accumulated: call arena.zero_grad() first.
   void backward() {
     GRAPHMOE_CHECK(has_loss_, "TransformerLM::backward", "call forward with targets first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
-    cross_entropy_backward(log_probs_, targets_, T(1), dlogits_, kIgnoreIndex);
+    // the forward's count of targets: no second scan (on a GPU, no read back to the host)
+    cross_entropy_backward(log_probs_, targets_, T(1), dlogits_, kIgnoreIndex, ce_count_);
     Tensor<T, B> dlf = dlogits_.view(Shape{b * t, cfg_.vocab_size});
     Tensor<T, B> dxf(Shape{b * t, d});
     Tensor<T, B> dhead = head_grad();
@@ -348,9 +369,11 @@ class TransformerLM {
     class_logits_ = Tensor<T, B>();
     cls_head_.forward(pooled, class_logits_);
     class_log_probs_ = Tensor<T, B>();
+    class_count_ = -1;
     Loss loss = moe_losses(blocks_);
     if (!labels.empty())
-      loss.task = static_cast<double>(cross_entropy_forward(class_logits_, labels, class_log_probs_));
+      loss.task = static_cast<double>(
+          cross_entropy_forward(class_logits_, labels, class_log_probs_, -100, &class_count_));
     return loss;
   }
   void backward_classify() {
@@ -358,7 +381,7 @@ class TransformerLM {
                    "call forward_classify with labels first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
     Tensor<T, B> dlogits, dpooled(Shape{b, d});
-    cross_entropy_backward(class_log_probs_, labels_, T(1), dlogits);
+    cross_entropy_backward(class_log_probs_, labels_, T(1), dlogits, -100, class_count_);
     cls_head_.backward(dlogits, &dpooled);
     Tensor<T, B> dxf(Shape{b, t, d});
     for (index_t i = 0; i < b; ++i) {
@@ -552,6 +575,7 @@ class TransformerLM {
   Tensor<std::int32_t, cpu> lengths_;
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
+  index_t ce_count_ = -1, class_count_ = -1;  // the forwards' counts of targets (cross-entropy)
   Tensor<C, B> xfc_, headc_, dlc_;  // C != T: the LM head's operands in C (empty when C = T)
   // C != T: the arena's weights in C (compute_mirror()); declared last, so destroyed first
   std::unique_ptr<ComputeMirror<T, C, B>> mirror_;

@@ -186,7 +186,8 @@ class VisionMoE {
     Loss loss = moe_losses(blocks_);
     if (labels.empty()) return loss;
     log_probs_ = Tensor<T, B>();
-    loss.task = static_cast<double>(cross_entropy_forward(logits_, labels, log_probs_));
+    count_ = -1;
+    loss.task = static_cast<double>(cross_entropy_forward(logits_, labels, log_probs_, -100, &count_));
     return loss;
   }
 
@@ -196,7 +197,7 @@ class VisionMoE {
     GRAPHMOE_CHECK(!log_probs_.empty(), "VisionMoE::backward", "call forward with labels first");
     const index_t b = logits_.dim(0), np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model;
     Tensor<T, B> dlogits, dcls(Shape{b, d});
-    cross_entropy_backward(log_probs_, labels_, T(1), dlogits);
+    cross_entropy_backward(log_probs_, labels_, T(1), dlogits, -100, count_);  // no second scan
     head_.backward(dlogits, &dcls);
     Tensor<T, B> dxf(Shape{b, t, d});
     for (index_t i = 0; i < b; ++i) dxf[i].slice(0, 1).copy_from(dcls.slice(i, i + 1));
@@ -243,6 +244,7 @@ class VisionMoE {
   LayerNorm<T, B> ln_f_;
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_;
+  index_t count_ = -1;  // the forward's count of labels (cross-entropy)
   Tensor<std::int32_t, B> labels_;
 };
 

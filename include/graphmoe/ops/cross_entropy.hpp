@@ -15,10 +15,15 @@
 // log_probs (the cache for backward) follows prepare_output under the log-softmax's name "y";
 // dlogits is assigned and may alias log_probs.
 //
+// The forward can report n (count), and the backward can take it instead of scanning the targets
+// again (the forward checked them): a model keeps it between the two, which on a GPU saves the
+// backward's read back to the host.
+//
 // Op layer: the arguments are checked and the outputs prepared here, once for every backend; the
 // backend's cross_entropy_scan_targets(B{}, ...) returns the number of rows not ignored and the
 // first bad target (core/cross_entropy.hpp), which throws here; then cross_entropy_forward(B{},
-// ...) / cross_entropy_backward(B{}, ...) run the backend's system (backend/cpu/cross_entropy.hpp,
+// ...) / cross_entropy_backward(B{}, ...) run the backend's system (a backend with
+// cross_entropy_forward_scanned(B{}, ...) scans and runs the forward in one call) (backend/cpu/cross_entropy.hpp,
 // backend/cuda/cross_entropy.cuh, or a user backend's overloads found by argument-dependent
 // lookup).
 #pragma once
@@ -49,6 +54,13 @@ void cross_entropy_check_shapes(const char* op, const char* what, const Tensor<T
                  ", expected ", expected, " for logits of shape ", logits.shape());
 }
 
+inline void cross_entropy_check_scan(const char* op, const TargetScan& scan, index_t classes,
+                                     std::int32_t ignore_index) {
+  GRAPHMOE_CHECK(!scan.bad.found(), op, "target of row ", scan.bad.index, " is ",
+                 static_cast<std::int32_t>(scan.bad.value), ", outside the class range [0, ",
+                 classes, ") and not ignore_index (", ignore_index, ")");
+}
+
 // Checks the shapes of `logits` (named `what`) and targets, then the targets (by the backend's
 // scan); returns the number of rows not ignored.
 template <class T, class B>
@@ -58,37 +70,58 @@ index_t cross_entropy_count_targets(const char* op, const char* what, const Tens
   cross_entropy_check_shapes(op, what, logits, targets);
   const index_t classes = logits.cols();
   const TargetScan scan = cross_entropy_scan_targets(B{}, targets, classes, ignore_index);
-  GRAPHMOE_CHECK(!scan.bad.found(), op, "target of row ", scan.bad.index, " is ",
-                 static_cast<std::int32_t>(scan.bad.value), ", outside the class range [0, ",
-                 classes, ") and not ignore_index (", ignore_index, ")");
+  cross_entropy_check_scan(op, scan, classes, ignore_index);
   return scan.count;
 }
 
 }  // namespace detail
 
 // Fills log_probs (the logits' shape; the cache for backward) with log_softmax(logits) and
-// returns the mean negative log-likelihood of the targets over the rows not ignored.
+// returns the mean negative log-likelihood of the targets over the rows not ignored; *count (if
+// given) = the number of those rows.
 template <class T, Backend B>
 T cross_entropy_forward(const Tensor<T, B>& logits, const Tensor<std::int32_t, B>& targets,
-                        Tensor<T, B>& log_probs, std::int32_t ignore_index = -100) {
+                        Tensor<T, B>& log_probs, std::int32_t ignore_index = -100,
+                        index_t* count = nullptr) {
   constexpr const char* op = "cross_entropy_forward";
-  const index_t count =
-      detail::cross_entropy_count_targets(op, "logits", logits, targets, ignore_index);
-  prepare_output(op, "y", log_probs, logits.shape());  // the log-softmax's name for it
-  const CrossEntropyValue<T> v = cross_entropy_forward(B{}, logits, targets, log_probs, count,
-                                                       ignore_index);
-  if (v.bad.found()) detail::throw_softmax_bad_row(op, "logits", logits.shape(), v.bad);
-  return v.loss;
+  if constexpr (requires {
+                  cross_entropy_forward_scanned(B{}, logits, targets, log_probs, ignore_index);
+                }) {
+    detail::cross_entropy_check_shapes(op, "logits", logits, targets);
+    prepare_output(op, "y", log_probs, logits.shape());
+    const CrossEntropyScanned<T> r =
+        cross_entropy_forward_scanned(B{}, logits, targets, log_probs, ignore_index);
+    detail::cross_entropy_check_scan(op, r.scan, logits.cols(), ignore_index);
+    if (r.value.bad.found()) detail::throw_softmax_bad_row(op, "logits", logits.shape(), r.value.bad);
+    if (count != nullptr) *count = r.scan.count;
+    return r.value.loss;
+  } else {
+    const index_t n =
+        detail::cross_entropy_count_targets(op, "logits", logits, targets, ignore_index);
+    prepare_output(op, "y", log_probs, logits.shape());  // the log-softmax's name for it
+    const CrossEntropyValue<T> v =
+        cross_entropy_forward(B{}, logits, targets, log_probs, n, ignore_index);
+    if (v.bad.found()) detail::throw_softmax_bad_row(op, "logits", logits.shape(), v.bad);
+    if (count != nullptr) *count = n;
+    return v.loss;
+  }
 }
 
 // dlogits = dloss / n * (exp(log_probs) - onehot(targets)), zero rows where the target is
-// ignore_index. dlogits is assigned (it may alias log_probs).
+// ignore_index. dlogits is assigned (it may alias log_probs). count >= 0: n as the forward of
+// these targets reported it (the targets are then not scanned again); -1: scanned here.
 template <class T, Backend B>
 void cross_entropy_backward(const Tensor<T, B>& log_probs, const Tensor<std::int32_t, B>& targets,
-                            T dloss, Tensor<T, B>& dlogits, std::int32_t ignore_index = -100) {
+                            T dloss, Tensor<T, B>& dlogits, std::int32_t ignore_index = -100,
+                            index_t count = -1) {
   constexpr const char* op = "cross_entropy_backward";
-  const index_t count =
-      detail::cross_entropy_count_targets(op, "log_probs", log_probs, targets, ignore_index);
+  if (count < 0) {
+    count = detail::cross_entropy_count_targets(op, "log_probs", log_probs, targets, ignore_index);
+  } else {
+    detail::cross_entropy_check_shapes(op, "log_probs", log_probs, targets);
+    GRAPHMOE_CHECK(count <= targets.numel(), op, "count = ", count, " exceeds the ",
+                   targets.numel(), " rows of targets");
+  }
   prepare_output(op, "dlogits", dlogits, log_probs.shape());
   cross_entropy_backward(B{}, log_probs, targets, dloss, count, dlogits, ignore_index);
 }

@@ -15,6 +15,13 @@
 //   combine:   dys[source_slot[t k + j]] = gates[t, j] * dy[t]
 //              dgates[t, j] = <dy[t], ys[source_slot[t k + j]]>
 //
+// make_padded_dispatch_plan(indices, keep, E, C, plan) builds the padded layout instead
+// (core/dispatch_plan.hpp): S = E C slots, expert e's kept assignments in [e C, e C + count_e),
+// empty slots (slot_token = -1) dispatched as zero rows, dropped assignments (keep = 0, or an
+// ExpertChoice pad) with source_slot = -1, skipped by combine and dispatch's backward (dgates 0,
+// no dx). An expert with more than C kept assignments, or a kept id outside [0, E), throws (a
+// deferrable content check, core/deferred_check.hpp: the GPU builds the plan without a read).
+//
 // This is the seam where expert parallelism (dist/expert_parallel.hpp) sends the rows to other
 // ranks.
 //
@@ -30,6 +37,7 @@
 
 #include "graphmoe/backend/cpu/dispatch.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/dispatch_plan.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
@@ -41,11 +49,13 @@ namespace detail {
 template <class B>
 void check_plan(const char* op, const DispatchPlan<B>& plan) {
   const index_t slots = plan.num_slots();
-  GRAPHMOE_CHECK(plan.k >= 1 && plan.num_experts >= 1 && !plan.expert_offsets.empty() &&
+  GRAPHMOE_CHECK(plan.k >= 1 && plan.num_experts >= 1 && plan.capacity >= 0 &&
+                     !plan.expert_offsets.empty() &&
                      plan.expert_offsets.numel() == plan.num_experts + 1 &&
                      !plan.slot_token.empty() && plan.slot_token.numel() == slots &&
                      !plan.slot_source.empty() && plan.slot_source.numel() == slots &&
-                     !plan.source_slot.empty() && plan.source_slot.numel() == slots,
+                     !plan.source_slot.empty() &&
+                     plan.source_slot.numel() == plan.num_assignments(),
                  op, "the plan was not built by make_dispatch_plan (N = ", plan.num_tokens,
                  ", k = ", plan.k, ", E = ", plan.num_experts, ")");
 }
@@ -83,6 +93,42 @@ void make_dispatch_plan(const Tensor<std::int32_t, B>& indices, index_t num_expe
                    bad.index / k, ", choice ", bad.index % k, " is out of range [0, ",
                    num_experts, ")");
   }
+}
+
+// The padded plan (core/dispatch_plan.hpp) of indices (N, k) and keep (N, k): expert e's kept
+// assignments in slots [e C, e C + count_e), in (token, j) order. Keeps the arrays' storage when
+// their shapes do not change.
+template <Backend B>
+void make_padded_dispatch_plan(const Tensor<std::int32_t, B>& indices,
+                               const Tensor<std::uint8_t, B>& keep, index_t num_experts,
+                               index_t capacity, DispatchPlan<B>& plan) {
+  constexpr const char* op = "make_padded_dispatch_plan";
+  GRAPHMOE_CHECK(!indices.empty() && indices.rank() == 2 && indices.dim(1) >= 1, op,
+                 "indices must be an (N, k) matrix of expert ids with k >= 1, got ",
+                 (indices.empty() ? "an empty tensor" : indices.shape().str()));
+  check_shape(op, "keep", keep, indices.shape());
+  GRAPHMOE_CHECK(num_experts >= 1 && capacity >= 1, op, "num_experts = ", num_experts,
+                 " and capacity = ", capacity, " must be >= 1");
+  GRAPHMOE_CHECK(indices.numel() <= std::numeric_limits<std::int32_t>::max() &&
+                     num_experts <= std::numeric_limits<std::int32_t>::max() / capacity,
+                 op, "N * k = ", indices.numel(), " or E * C = ", num_experts, " * ", capacity,
+                 " exceeds the int32 range");
+  const index_t k = indices.dim(1);
+  plan.k = 0;  // invalid until built
+  const Offender bad = make_padded_dispatch_plan(B{}, indices, keep, num_experts, capacity, plan);
+  // Found now: the plan is invalid (check_plan rejects it). Found later (deferred): the plan left
+  // the offending assignment out (source_slot -1), and the scope's end throws.
+  plan.k = bad.found() ? 0 : k;
+  report_check(bad, [k, num_experts, capacity](const Offender& o) {
+    const auto id = static_cast<std::int64_t>(o.value);
+    if (id >= 0 && id < num_experts)
+      detail::throw_error("make_padded_dispatch_plan", "expert ", id, " received more than ",
+                          capacity, " kept assignments (the first beyond them: token ",
+                          o.index / k, ", choice ", o.index % k,
+                          "); the padded layout holds `capacity` per expert");
+    detail::throw_error("make_padded_dispatch_plan", "expert id ", id, " of token ", o.index / k,
+                        ", choice ", o.index % k, " is out of range [0, ", num_experts, ")");
+  });
 }
 
 // xs[s] = x[slot_token[s]]: x (N, D) -> xs (N k, D). An empty xs is allocated.

@@ -1,9 +1,12 @@
 // graphmoe/ops/gates.hpp: the selector's ops after top-k (routing/selectors.hpp, layers/moe.hpp).
 //
-//   capacity_mask(indices, E, capacity, keep) -> dropped
+//   capacity_mask(indices, E, capacity, keep)
 //       keep[a] = 0 for every assignment a = t k + j (token order, then choice order) beyond the
 //       first `capacity` assignments of its expert; 1 otherwise. capacity <= 0: keep everything.
-//       With a capacity, an expert id outside [0, E) throws.
+//       With a capacity, an expert id outside [0, E) throws (a deferrable content check,
+//       core/deferred_check.hpp). The number of drops is not returned: count_dropped asks for it
+//       (on a GPU that is a read back to the host, which a training step does not need).
+//   count_dropped(keep) -> the number of entries of keep that are 0
 //   renormalized_gates(values, keep, gates)
 //       gates[t, j] = keep[t, j] values[t, j] / s_t,   s_t = sum_j values[t, j]
 //       (Renormalize(TopK^0(p)) of the paper's Appendix C.3; s_t counts dropped choices too).
@@ -43,16 +46,23 @@ void check_gate_inputs(const char* op, const Tensor<T, B>& values,
 }
 }  // namespace detail
 
-// Returns the number of dropped assignments.
 template <Backend B>
-index_t capacity_mask(const Tensor<std::int32_t, B>& indices, index_t num_experts,
-                      index_t capacity, Tensor<std::uint8_t, B>& keep) {
+void capacity_mask(const Tensor<std::int32_t, B>& indices, index_t num_experts, index_t capacity,
+                   Tensor<std::uint8_t, B>& keep) {
+  GRAPHMOE_CHECK(num_experts >= 1, "capacity_mask", "num_experts = ", num_experts,
+                 " must be >= 1");
   prepare_output("capacity_mask", "keep", keep, indices.shape());
-  index_t dropped = 0;
-  const Offender bad = capacity_mask(B{}, indices, num_experts, capacity, keep, dropped);
-  GRAPHMOE_CHECK(!bad.found(), "capacity_mask", "expert id ", static_cast<std::int32_t>(bad.value),
-                 " at assignment ", bad.index, " is outside [0, ", num_experts, ")");
-  return dropped;
+  report_check(capacity_mask(B{}, indices, num_experts, capacity, keep),
+               [num_experts](const Offender& bad) {
+                 detail::throw_error("capacity_mask", "expert id ",
+                                     static_cast<std::int32_t>(bad.value), " at assignment ",
+                                     bad.index, " is outside [0, ", num_experts, ")");
+               });
+}
+
+template <Backend B>
+index_t count_dropped(const Tensor<std::uint8_t, B>& keep) {
+  return count_dropped(B{}, keep);
 }
 
 template <class T, Backend B>

@@ -172,8 +172,9 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
       selector_.select_dropless(out.p, selector_.current_k(), out.selection);
     } else {
       selector_.select(out.p, selector_.current_k(), out.selection);
-      GRAPHMOE_CHECK(out.selection.dropped == 0, "Router", "the selector '", Selector::name,
-                     "' dropped ", out.selection.dropped,
+      const index_t dropped = out.selection.may_drop ? dropped_count(out.selection) : 0;
+      GRAPHMOE_CHECK(dropped == 0, "Router", "the selector '", Selector::name, "' dropped ",
+                     dropped,
                      " assignments in a decode step; decoding routes dropless (give the selector "
                      "select_dropless(p, k, selection))");
     }
@@ -241,6 +242,11 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     check("values", sel.values.shape(), sel.values.empty());
     check("gates", sel.gates.shape(), sel.gates.empty());
     check("keep", sel.keep.shape(), sel.keep.empty());
+    if constexpr (B::host_memory) {  // free where keep is host memory
+      GRAPHMOE_CHECK(sel.may_drop || dropped_count(sel) == 0, "Router", "the selector '",
+                     Selector::name, "' set may_drop = false but dropped ", dropped_count(sel),
+                     " slots (keep = 0); set may_drop = true");
+    }
   }
 
   RouterConfig cfg_;

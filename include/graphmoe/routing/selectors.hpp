@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "graphmoe/core/capacity.hpp"
 #include "graphmoe/core/threads.hpp"
 #include "graphmoe/ops/gates.hpp"
 #include "graphmoe/ops/topk.hpp"
@@ -37,8 +38,18 @@ struct Selection {
   Tensor<T, B> values;              // (N, m)  p at those experts
   Tensor<T, B> gates;               // (N, m)  the gates (0 where dropped)
   Tensor<std::uint8_t, B> keep;     // (N, m)  0 where the slot is dropped (capacity) or padding
-  index_t dropped = 0;              // number of slots with keep = 0
+  // Whether keep may hold a 0 (false: every entry is 1, which the selector guarantees). The MoE
+  // layer sends the slots with keep = 0 to no expert only when this is set; a selector that is
+  // unsure leaves it true. The number of zeros is dropped_count(selection), computed on request
+  // (on a GPU a read back to the host, which a training step does not need).
+  bool may_drop = true;
 };
+
+// The number of slots with keep = 0 (capacity drops and padding).
+template <class T, class B>
+index_t dropped_count(const Selection<T, B>& sel) {
+  return sel.keep.empty() ? 0 : count_dropped(sel.keep);
+}
 
 template <class T, class B>
 class TopKSelectorBase {
@@ -71,12 +82,9 @@ class TopKSelectorBase {
     sel.keep = Tensor<std::uint8_t, B>();
     sel.gates = Tensor<T, B>();
     topk_forward(p, k, sel.values, sel.indices);
-    const index_t cap =
-        capacity_factor > 0
-            ? static_cast<index_t>(std::ceil(capacity_factor * static_cast<double>(n * k) /
-                                             static_cast<double>(e)))
-            : 0;
-    sel.dropped = capacity_mask(sel.indices, e, cap, sel.keep);
+    const index_t cap = token_capacity(capacity_factor, n, k, e);
+    capacity_mask(sel.indices, e, cap, sel.keep);
+    sel.may_drop = cap > 0;
     renormalized_gates(sel.values, sel.keep, sel.gates);
   }
 
@@ -191,7 +199,7 @@ class SelectorImpl<ExpertChoice, T, B> {
     sel.values = Tensor<T, B>(Shape{n, m});
     sel.gates = Tensor<T, B>(Shape{n, m});
     sel.keep = Tensor<std::uint8_t, B>(Shape{n, m});
-    sel.dropped = n * m - total;
+    sel.may_drop = total < n * m;
     parallel_for(0, n, [&](index_t t) {
       std::int32_t* idx = sel.indices.data() + t * m;
       index_t cnt = 0;

@@ -81,7 +81,7 @@ void cross_entropy_backward(cpu, const Tensor<T, cpu>& log_probs,
         detail::for_exp_blocks(lpr, T(0), classes, [&](index_t j0, const T* e, index_t m) {
           for (index_t j = 0; j < m; ++j) dr[j0 + j] = e[j] * scale;
         });
-        dr[t[i]] -= scale;
+        if (t[i] >= 0 && t[i] < classes) dr[t[i]] -= scale;  // checked, unless count was given
       },
       detail::softmax_row_grain(classes));
 }

@@ -1,8 +1,10 @@
 // graphmoe/backend/cpu/dispatch.hpp: the CPU system's dispatch plan, dispatch and combine
 // (contract and argument checks: ops/dispatch.hpp, which calls these through the backend tag).
 //
-// make_dispatch_plan sorts the N * k assignments by expert id with a STABLE counting sort.
-// Every loop is a gather or a scatter to distinct rows, so each parallelises without races.
+// make_dispatch_plan sorts the N * k assignments by expert id with a STABLE counting sort;
+// make_padded_dispatch_plan places them in one pass in token order. Every loop is a gather or a
+// scatter to distinct rows, so each parallelises without races. Slot -1 (the padded layout's
+// empty slots and dropped assignments) reads as a zero row and is never written.
 #pragma once
 
 #include <algorithm>
@@ -35,6 +37,7 @@ inline Offender make_dispatch_plan(cpu, const Tensor<std::int32_t, cpu>& indices
   plan.num_tokens = n;
   plan.k = k;
   plan.num_experts = num_experts;
+  plan.capacity = 0;
   detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
   detail::plan_tensor(plan.slot_token, Shape{slots});
   detail::plan_tensor(plan.slot_source, Shape{slots});
@@ -57,7 +60,45 @@ inline Offender make_dispatch_plan(cpu, const Tensor<std::int32_t, cpu>& indices
   return {};
 }
 
-// xs[s] = x[slot_token[s]] (xs prepared by ops/dispatch.hpp).
+// The padded plan of indices and keep (checked by ops/dispatch.hpp); returns the first kept
+// assignment with an id outside [0, num_experts) or beyond its expert's capacity, with its id.
+inline Offender make_padded_dispatch_plan(cpu, const Tensor<std::int32_t, cpu>& indices,
+                                          const Tensor<std::uint8_t, cpu>& keep,
+                                          index_t num_experts, index_t capacity,
+                                          DispatchPlan<cpu>& plan) {
+  const index_t n = indices.dim(0), k = indices.dim(1), slots = num_experts * capacity;
+  plan.num_tokens = n;
+  plan.num_experts = num_experts;
+  plan.capacity = capacity;
+  detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
+  detail::plan_tensor(plan.slot_token, Shape{slots});
+  detail::plan_tensor(plan.slot_source, Shape{slots});
+  detail::plan_tensor(plan.source_slot, Shape{n * k});
+  plan.host_offsets = plan.expert_offsets;
+  for (index_t e = 0; e <= num_experts; ++e)
+    plan.expert_offsets.data()[e] = static_cast<std::int32_t>(e * capacity);
+  std::fill_n(plan.slot_token.data(), slots, std::int32_t{-1});
+  std::fill_n(plan.slot_source.data(), slots, std::int32_t{-1});
+  std::vector<index_t> count(static_cast<std::size_t>(num_experts), 0);
+  const std::int32_t* ids = indices.data();
+  Offender bad;
+  for (index_t a = 0; a < n * k; ++a) {
+    plan.source_slot.data()[a] = -1;
+    if (keep.data()[a] == 0) continue;
+    const std::int32_t e = ids[a];
+    if (e < 0 || e >= num_experts || count[static_cast<std::size_t>(e)] >= capacity) {
+      if (!bad.found()) bad = {a, static_cast<double>(e)};
+      continue;
+    }
+    const index_t s = e * capacity + count[static_cast<std::size_t>(e)]++;
+    plan.slot_token.data()[s] = static_cast<std::int32_t>(a / k);
+    plan.slot_source.data()[s] = static_cast<std::int32_t>(a);
+    plan.source_slot.data()[a] = static_cast<std::int32_t>(s);
+  }
+  return bad;
+}
+
+// xs[s] = x[slot_token[s]], zero for an empty slot (xs prepared by ops/dispatch.hpp).
 template <class T>
 void dispatch_forward(cpu, const DispatchPlan<cpu>& plan, const Tensor<T, cpu>& x,
                       Tensor<T, cpu>& xs) {
@@ -67,7 +108,12 @@ void dispatch_forward(cpu, const DispatchPlan<cpu>& plan, const Tensor<T, cpu>& 
   T* dst = xs.data();
   parallel_for(
       0, plan.num_slots(),
-      [&](index_t s) { std::copy_n(src + static_cast<index_t>(tok[s]) * d, d, dst + s * d); },
+      [&](index_t s) {
+        if (tok[s] < 0)
+          std::fill_n(dst + s * d, d, T(0));
+        else
+          std::copy_n(src + static_cast<index_t>(tok[s]) * d, d, dst + s * d);
+      },
       detail::row_grain(d));
 }
 
@@ -83,11 +129,18 @@ void dispatch_backward(cpu, const DispatchPlan<cpu>& plan, const Tensor<T, cpu>&
       0, plan.num_tokens,
       [&](index_t t) {
         T* out = dst + t * d;
-        std::copy_n(src + static_cast<index_t>(slot[t * k]) * d, d, out);
-        for (index_t j = 1; j < k; ++j) {
+        bool first = true;
+        for (index_t j = 0; j < k; ++j) {
+          if (slot[t * k + j] < 0) continue;
           const T* in = src + static_cast<index_t>(slot[t * k + j]) * d;
-          for (index_t c = 0; c < d; ++c) out[c] += in[c];
+          if (first) {
+            std::copy_n(in, d, out);
+            first = false;
+          } else {
+            for (index_t c = 0; c < d; ++c) out[c] += in[c];
+          }
         }
+        if (first) std::fill_n(out, d, T(0));
       },
       detail::row_grain(d * k));
 }
@@ -105,14 +158,19 @@ void combine_forward(cpu, const DispatchPlan<cpu>& plan, const Tensor<T, cpu>& y
       0, plan.num_tokens,
       [&](index_t t) {
         T* out = dst + t * d;
-        const T g0 = g[t * k];
-        const T* in0 = src + static_cast<index_t>(slot[t * k]) * d;
-        for (index_t c = 0; c < d; ++c) out[c] = g0 * in0[c];
-        for (index_t j = 1; j < k; ++j) {
+        bool first = true;
+        for (index_t j = 0; j < k; ++j) {
+          if (slot[t * k + j] < 0) continue;
           const T gj = g[t * k + j];
           const T* in = src + static_cast<index_t>(slot[t * k + j]) * d;
-          for (index_t c = 0; c < d; ++c) out[c] += gj * in[c];
+          if (first) {
+            for (index_t c = 0; c < d; ++c) out[c] = gj * in[c];
+            first = false;
+          } else {
+            for (index_t c = 0; c < d; ++c) out[c] += gj * in[c];
+          }
         }
+        if (first) std::fill_n(out, d, T(0));
       },
       detail::row_grain(d * k));
 }
@@ -129,12 +187,25 @@ void combine_backward(cpu, const DispatchPlan<cpu>& plan, const Tensor<T, cpu>& 
   const T* dyp = dy.data();
   T* dysp = dys.data();
   T* dg = dgates.data();
+  if (plan.capacity > 0) {  // the padded layout's empty slots
+    const std::int32_t* source = plan.slot_source.data();
+    parallel_for(
+        0, plan.num_slots(),
+        [&](index_t s) {
+          if (source[s] < 0) std::fill_n(dysp + s * d, d, T(0));
+        },
+        detail::row_grain(d));
+  }
   parallel_for(
       0, plan.num_tokens,
       [&](index_t t) {
         const T* grad = dyp + t * d;
         for (index_t j = 0; j < k; ++j) {
           const index_t s = slot[t * k + j];
+          if (s < 0) {
+            dg[t * k + j] = T(0);
+            continue;
+          }
           const T gj = g[t * k + j];
           const T* in = yp + s * d;
           T* out = dysp + s * d;

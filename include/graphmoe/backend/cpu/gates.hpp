@@ -14,16 +14,19 @@
 
 namespace graphmoe {
 
-// keep (indices' shape) prepared by ops/gates.hpp; sets `dropped` and returns the first expert id
-// outside [0, num_experts) (checked only with a capacity; keep is then partly written).
+// keep (indices' shape) prepared by ops/gates.hpp; returns the first expert id outside
+// [0, num_experts) (checked only with a capacity; keep is then partly written).
 inline Offender capacity_mask(cpu, const Tensor<std::int32_t, cpu>& indices, index_t num_experts,
-                              index_t capacity, Tensor<std::uint8_t, cpu>& keep,
-                              index_t& dropped) {
-  dropped = 0;
+                              index_t capacity, Tensor<std::uint8_t, cpu>& keep) {
   std::fill(keep.data(), keep.data() + keep.numel(), std::uint8_t{1});
   if (capacity <= 0) return {};
   return detail::capacity_mask_host(indices.data(), indices.numel(), num_experts, capacity,
-                                    keep.data(), dropped);
+                                    keep.data());
+}
+
+inline index_t count_dropped(cpu, const Tensor<std::uint8_t, cpu>& keep) {
+  return static_cast<index_t>(
+      std::count(keep.data(), keep.data() + keep.numel(), std::uint8_t{0}));
 }
 
 // gates (values' shape) prepared by ops/gates.hpp; returns the first token whose selected scores

@@ -8,10 +8,13 @@
 //   dlogits   = dloss / n * (softmax(logits) - onehot(t))  on rows with t_i != ignore, 0 elsewhere
 //
 // The targets are scanned by a kernel that flags the first row whose target is out of range and
-// counts the rows not ignored; the host reads both back in one copy (cross_entropy_scan_targets
-// synchronises the stream once). The forward reads its log-softmax flag and the loss in one copy
-// too. A row of logits without a finite maximum is returned (CrossEntropyValue) for the op layer
-// to throw the softmax's message, as on the CPU.
+// counts the rows not ignored. The forward (cross_entropy_forward_scanned) queues that scan, the
+// log-softmax and the loss sum, and reads the four words {bad target, bad logits row, count, loss}
+// back in one copy: one synchronisation per forward (the loss kernel adds nothing for a bad
+// target, so it is safe to run before the scan is known). A model hands the count to the
+// backward, which then reads nothing; cross_entropy_scan_targets (one copy) serves a backward
+// without it. A row of logits without a finite maximum is returned (CrossEntropyValue) for the
+// op layer to throw the softmax's message, as on the CPU.
 //
 // The log-softmax is backend/cuda/softmax.cuh's kernel (one block per row, row sums in T). The
 // loss is summed in double by one block of a fixed size, in a fixed order, so it is
@@ -89,39 +92,53 @@ inline TargetScan cross_entropy_scan_targets(cuda, const Tensor<std::int32_t, cu
   return {static_cast<index_t>(got[1]), {}};
 }
 
-// log_probs (prepared by ops/cross_entropy.hpp) = log_softmax(logits); returns the mean negative
-// log-likelihood over the `count` rows not ignored (targets checked).
+// The scan and the forward in one pass (core/cross_entropy.hpp): log_probs (prepared by
+// ops/cross_entropy.hpp) = log_softmax(logits); one copy back to the host.
 template <class T>
-CrossEntropyValue<T> cross_entropy_forward(cuda, const Tensor<T, cuda>& logits,
-                                           const Tensor<std::int32_t, cuda>& targets,
-                                           Tensor<T, cuda>& log_probs, index_t count,
-                                           std::int32_t ignore_index) {
+CrossEntropyScanned<T> cross_entropy_forward_scanned(cuda, const Tensor<T, cuda>& logits,
+                                                     const Tensor<std::int32_t, cuda>& targets,
+                                                     Tensor<T, cuda>& log_probs,
+                                                     std::int32_t ignore_index) {
   const index_t rows = logits.rows(), classes = logits.cols();
   if (rows == 0) return {};
-  // {first row without a finite maximum, the loss sum (a double's bits)}: one copy back for both;
-  // the loss kernel runs before the flag is known (on a flagged row it sums a non-finite value,
-  // which is then not returned)
+  // {first bad target row, first row without a finite maximum, count, the loss sum (a double's
+  // bits)}: the flags start at ~0, the count at 0; the loss kernel writes its word
   static_assert(sizeof(double) == sizeof(unsigned long long));
-  auto words = Tensor<unsigned long long, cuda>::uninitialized(Shape{2});
-  GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(words.data(), 0xFF, sizeof(unsigned long long), cuda_stream()));
+  auto words = Tensor<unsigned long long, cuda>::uninitialized(Shape{4});
+  unsigned long long* w = words.data();
+  GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(w, 0xFF, 2 * sizeof(unsigned long long), cuda_stream()));
+  GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(w + 2, 0, sizeof(unsigned long long), cuda_stream()));
+  detail::launch_kernel<detail::cross_entropy_targets_kernel<std::int32_t>>(
+      detail::grid_for(rows), detail::kThreads, targets.data(), rows, classes, ignore_index, w,
+      w + 2);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::launch_kernel<detail::softmax_forward_kernel<T, true>>(
       detail::grid_for_rows(rows), detail::threads_for_row(classes), logits.data(),
-      log_probs.data(), rows, classes, words.data());
+      log_probs.data(), rows, classes, w + 1);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  if (count > 0) {
-    detail::launch_kernel<detail::cross_entropy_loss_kernel<T>>(
-        1, detail::kCrossEntropyLossThreads,
-        detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index},
-        rows, reinterpret_cast<double*>(words.data() + 1));
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  detail::launch_kernel<detail::cross_entropy_loss_kernel<T>>(
+      1, detail::kCrossEntropyLossThreads,
+      detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index}, rows,
+      reinterpret_cast<double*>(w + 3));
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  const auto got = detail::read_device_values<unsigned long long, 4>(w);
+  CrossEntropyScanned<T> out;
+  if (got[0] != detail::FirstIndexFlag::kNone) {
+    const auto r = static_cast<index_t>(got[0]);
+    out.scan.bad = {r, static_cast<double>(detail::read_device_value(targets.data() + r))};
+    return out;
   }
-  const auto got = detail::read_device_values<unsigned long long, 2>(words.data());
-  if (got[0] != detail::FirstIndexFlag::kNone)
-    return {T(0), detail::softmax_bad_row(logits, static_cast<index_t>(got[0]))};
-  if (count == 0) return {};
-  double sum = 0;
-  std::memcpy(&sum, &got[1], sizeof(double));
-  return {static_cast<T>(sum / static_cast<double>(count)), {}};
+  out.scan.count = static_cast<index_t>(got[2]);
+  if (got[1] != detail::FirstIndexFlag::kNone) {
+    out.value.bad = detail::softmax_bad_row(logits, static_cast<index_t>(got[1]));
+    return out;
+  }
+  if (out.scan.count > 0) {
+    double sum = 0;
+    std::memcpy(&sum, &got[3], sizeof(double));
+    out.value.loss = static_cast<T>(sum / static_cast<double>(out.scan.count));
+  }
+  return out;
 }
 
 // dlogits (prepared by ops/cross_entropy.hpp) = dloss / count * (exp(log_probs) - onehot), zero

@@ -2,8 +2,8 @@
 // (the contract: core/deferred_check.hpp).
 //
 // Inside with_deferred_checks(cuda{}, body) the checks that can wait (check_finite, softmax and
-// log-softmax, top-k, the renormalised gates: the ones that construct their flag with
-// FirstIndexFlag::Deferrable) write their "first bad index" into a slot of one device array of
+// log-softmax, top-k, the renormalised gates, the capacity mask, the padded dispatch plan: the
+// ones that construct their flag with FirstIndexFlag::Deferrable) write their "first bad index" into a slot of one device array of
 // the batch (one memset for the batch instead of one per check) and return pending. Every read of
 // device data to the host inside the scope (copy.cuh's to_host and read_device_value: the
 // dispatch plan's expert offsets) first queues an asynchronous copy of the slots taken so far
@@ -11,7 +11,8 @@
 // flags as well. When body returns the batch reads whatever is still unread (a synchronisation
 // only if a check ran after the last read) and throws the first flagged check's error.
 //
-// The batch holds kCapacity slots; a check beyond them, or any check when page-locked memory
+// The batch holds kCapacity slots (256: about 6 checks per MoE layer, so a language model's
+// forward of 40 MoE layers fits in one scope; 2 KB of page-locked memory); a check beyond them, or any check when page-locked memory
 // cannot be had, reads at once as outside a scope. A scope opened inside another joins it. Only
 // the thread that opened the scope defers (the backend runs one stream: device.cuh).
 #pragma once
@@ -43,7 +44,7 @@ inline DeviceCheckBatch*& active_device_checks() {
 
 class DeviceCheckBatch {
  public:
-  static constexpr index_t kCapacity = 64;
+  static constexpr index_t kCapacity = 256;
   static constexpr unsigned long long kNone = ~0ull;
 
   // Opens the batch on the calling thread (there must be none open: with_deferred_checks joins

@@ -19,6 +19,17 @@
 // launches its GEMMs from the host, and the copy doubles as the check of the expert ids. It also
 // fills slot_expert (the sorted ids), which the grouped expert bias reads (grouped.cuh).
 //
+// make_padded_dispatch_plan runs one kernel, one block per expert (the capacity mask's scheme,
+// gates.cuh): each thread counts the expert's kept assignments in its contiguous share of the
+// N k ids, thread 0 turns the counts into prefix sums, each thread places its assignments at
+// e C + rank; then the block marks its empty slots. Block 0 also writes source_slot = -1 for the
+// assignments no expert owns (keep = 0 with any id). Nothing is copied to the host: the offsets
+// e C are filled there, and the checks (an id out of range, an expert over capacity) are a
+// deferrable flag.
+//
+// Slot -1 (padded layout) reads as a zero row and is never written. combine's dys is written
+// slot by slot (zero for an empty slot), its dgates is 0 for a dropped assignment.
+//
 // The gathers run one thread per output element (coalesced over D); dgates runs one warp per
 // (token, choice) dot product. Sums over j run in the CPU's order; the dgates dot product is a
 // tree sum, so combine_backward agrees with the CPU to rounding.
@@ -45,12 +56,74 @@ namespace graphmoe {
 
 namespace detail {
 
+// blockDim.x == kThreads, one block per expert (see the header). keep: 1 = place.
+template <class I>
+__global__ void padded_plan_kernel(const I* ids, const std::uint8_t* keep, index_t n, index_t k,
+                                   index_t num_experts, index_t capacity, I* offsets,
+                                   I* slot_token, I* slot_source, I* source_slot, I* slot_expert,
+                                   unsigned long long* bad) {
+  __shared__ index_t before[kThreads + 1];
+  const auto e = static_cast<I>(blockIdx.x);
+  const index_t threads = blockDim.x, tid = threadIdx.x;
+  const index_t per = (n + threads - 1) / threads;
+  const index_t begin = tid * per < n ? tid * per : n;
+  const index_t end = begin + per < n ? begin + per : n;
+  index_t count = 0;
+  for (index_t a = begin; a < end; ++a) count += (keep[a] != 0 && ids[a] == e) ? 1 : 0;
+  before[tid] = count;
+  __syncthreads();
+  if (tid == 0) {
+    index_t run = 0;
+    for (index_t i = 0; i < threads; ++i) {
+      const index_t c = before[i];
+      before[i] = run;
+      run += c;
+    }
+    before[threads] = run;
+  }
+  __syncthreads();
+  index_t rank = before[tid];
+  for (index_t a = begin; a < end; ++a) {
+    const I id = ids[a];
+    const bool kept = keep[a] != 0;
+    if (kept && id == e) {
+      if (rank < capacity) {
+        const index_t s = e * capacity + rank;
+        slot_token[s] = static_cast<I>(a / k);
+        slot_source[s] = static_cast<I>(a);
+        source_slot[a] = static_cast<I>(s);
+      } else {
+        source_slot[a] = -1;
+        flag_index(bad, a);
+      }
+      ++rank;
+    } else if (e == 0 && !(kept && id >= 0 && id < num_experts)) {
+      source_slot[a] = -1;  // dropped, or an id no block owns
+      if (kept) flag_index(bad, a);
+    }
+  }
+  const index_t filled = before[threads] < capacity ? before[threads] : capacity;
+  for (index_t r = tid; r < capacity; r += threads) {
+    const index_t s = e * capacity + r;
+    slot_expert[s] = e;
+    if (r >= filled) {
+      slot_token[s] = -1;
+      slot_source[s] = -1;
+    }
+  }
+  if (tid == 0) {
+    offsets[e] = static_cast<I>(e * capacity);
+    if (e == 0) offsets[num_experts] = static_cast<I>(num_experts * capacity);
+  }
+}
+
 template <class T>
 __global__ void dispatch_forward_kernel(const std::int32_t* slot_token, const T* x, T* xs,
                                         index_t slots, index_t d) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, slots * d) {
     const index_t s = i / d, c = i - s * d;
-    xs[i] = x[static_cast<index_t>(slot_token[s]) * d + c];
+    const index_t t = slot_token[s];
+    xs[i] = t < 0 ? T(0) : x[t * d + c];
   }
 }
 
@@ -59,9 +132,18 @@ __global__ void dispatch_backward_kernel(const std::int32_t* source_slot, const 
                                          index_t n, index_t k, index_t d) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n * d) {
     const index_t t = i / d, c = i - t * d;
-    acc_t<T> out = to_acc(dxs[static_cast<index_t>(source_slot[t * k]) * d + c]);
-    for (index_t j = 1; j < k; ++j)
-      out += to_acc(dxs[static_cast<index_t>(source_slot[t * k + j]) * d + c]);
+    acc_t<T> out = 0;
+    bool first = true;
+    for (index_t j = 0; j < k; ++j) {
+      const index_t s = source_slot[t * k + j];
+      if (s < 0) continue;
+      if (first) {
+        out = to_acc(dxs[s * d + c]);
+        first = false;
+      } else {
+        out += to_acc(dxs[s * d + c]);
+      }
+    }
     dx[i] = from_acc<T>(out);
   }
 }
@@ -71,22 +153,32 @@ __global__ void combine_forward_kernel(const std::int32_t* source_slot, const T*
                                        const T* gates, T* y, index_t n, index_t k, index_t d) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n * d) {
     const index_t t = i / d, c = i - t * d;
-    acc_t<T> out =
-        to_acc(gates[t * k]) * to_acc(ys[static_cast<index_t>(source_slot[t * k]) * d + c]);
-    for (index_t j = 1; j < k; ++j)
-      out += to_acc(gates[t * k + j]) *
-             to_acc(ys[static_cast<index_t>(source_slot[t * k + j]) * d + c]);
+    acc_t<T> out = 0;
+    bool first = true;
+    for (index_t j = 0; j < k; ++j) {
+      const index_t s = source_slot[t * k + j];
+      if (s < 0) continue;
+      const acc_t<T> term = to_acc(gates[t * k + j]) * to_acc(ys[s * d + c]);
+      if (first) {
+        out = term;
+        first = false;
+      } else {
+        out += term;
+      }
+    }
     y[i] = from_acc<T>(out);
   }
 }
 
+// Slot by slot: dys[s] = gates[a] dy[a / k] for the assignment a in slot s, 0 in an empty slot.
 template <class T>
-__global__ void combine_backward_dys_kernel(const std::int32_t* source_slot, const T* gates,
-                                            const T* dy, T* dys, index_t n, index_t k, index_t d) {
-  GRAPHMOE_CUDA_GRID_STRIDE(i, n * k * d) {
-    const index_t a = i / d, c = i - a * d, t = a / k;
-    dys[static_cast<index_t>(source_slot[a]) * d + c] =
-        from_acc<T>(to_acc(gates[a]) * to_acc(dy[t * d + c]));
+__global__ void combine_backward_dys_kernel(const std::int32_t* slot_source, const T* gates,
+                                            const T* dy, T* dys, index_t slots, index_t k,
+                                            index_t d) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, slots * d) {
+    const index_t s = i / d, c = i - s * d;
+    const index_t a = slot_source[s];
+    dys[i] = a < 0 ? T(0) : from_acc<T>(to_acc(gates[a]) * to_acc(dy[(a / k) * d + c]));
   }
 }
 
@@ -100,8 +192,13 @@ __global__ void combine_backward_dgates_kernel(const std::int32_t* source_slot, 
   const index_t warps = static_cast<index_t>(gridDim.x) * (blockDim.x / 32);
   for (index_t a = (static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; a < n * k;
        a += warps) {
+    const index_t s = source_slot[a];
+    if (s < 0) {  // a dropped assignment (padded layout): uniform over the warp
+      if (lane == 0) dgates[a] = T(0);
+      continue;
+    }
     const T* g = dy + (a / k) * d;
-    const T* v = ys + static_cast<index_t>(source_slot[a]) * d;
+    const T* v = ys + s * d;
     A dot = A(0);
     for (index_t c = lane; c < d; c += 32) dot += to_acc(g[c]) * to_acc(v[c]);
     dot = warp_reduce(dot, SumOp{});
@@ -124,6 +221,7 @@ Offender make_dispatch_plan(cuda, const Tensor<I, cuda>& indices, index_t num_ex
   plan.num_tokens = n;
   plan.k = k;
   plan.num_experts = num_experts;
+  plan.capacity = 0;
   detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
   detail::plan_tensor(plan.slot_token, Shape{slots});
   detail::plan_tensor(plan.slot_source, Shape{slots});
@@ -155,7 +253,38 @@ Offender make_dispatch_plan(cuda, const Tensor<I, cuda>& indices, index_t num_ex
   return {bad, static_cast<double>(detail::read_device_value(indices.data() + bad))};
 }
 
-// xs[s] = x[slot_token[s]] (xs prepared by ops/dispatch.hpp).
+// The padded plan (checked by ops/dispatch.hpp), built without a copy to the host; returns the
+// first kept assignment with an id outside [0, num_experts) or beyond its expert's capacity
+// (pending inside with_deferred_checks).
+template <class I>
+  requires std::same_as<I, std::int32_t>
+Offender make_padded_dispatch_plan(cuda, const Tensor<I, cuda>& indices,
+                                   const Tensor<std::uint8_t, cuda>& keep, index_t num_experts,
+                                   index_t capacity, DispatchPlan<cuda>& plan) {
+  const index_t n = indices.dim(0), k = indices.dim(1), slots = num_experts * capacity;
+  plan.num_tokens = n;
+  plan.num_experts = num_experts;
+  plan.capacity = capacity;
+  detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
+  detail::plan_tensor(plan.slot_token, Shape{slots});
+  detail::plan_tensor(plan.slot_source, Shape{slots});
+  detail::plan_tensor(plan.source_slot, Shape{n * k});
+  detail::plan_tensor(plan.slot_expert, Shape{slots});
+  detail::plan_tensor(plan.host_offsets, Shape{num_experts + 1});
+  for (index_t e = 0; e <= num_experts; ++e)
+    plan.host_offsets.data()[e] = static_cast<std::int32_t>(e * capacity);
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
+  detail::launch_kernel<detail::padded_plan_kernel<I>>(
+      static_cast<unsigned>(num_experts), detail::kThreads, indices.data(), keep.data(), n * k,
+      k, num_experts, capacity, plan.expert_offsets.data(), plan.slot_token.data(),
+      plan.slot_source.data(), plan.source_slot.data(), plan.slot_expert.data(), bad.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  return bad.result<Offender>("make_padded_dispatch_plan", [indices](index_t a) {
+    return Offender{a, static_cast<double>(detail::read_device_value(indices.data() + a))};
+  });
+}
+
+// xs[s] = x[slot_token[s]], zero for an empty slot (xs prepared by ops/dispatch.hpp).
 template <class T>
 void dispatch_forward(cuda, const DispatchPlan<cuda>& plan, const Tensor<T, cuda>& x,
                       Tensor<T, cuda>& xs) {
@@ -201,10 +330,11 @@ void combine_backward(cuda, const DispatchPlan<cuda>& plan, const Tensor<T, cuda
                       Tensor<T, cuda>& dys, Tensor<T, cuda>& dgates) {
   const index_t d = ys.cols(), k = plan.k, n = plan.num_tokens;
   if (n == 0) return;
-  if (d > 0) {
+  const index_t slots = plan.num_slots();
+  if (d > 0 && slots > 0) {
     detail::launch_kernel<detail::combine_backward_dys_kernel<T>>(
-        detail::grid_for(n * k * d), detail::kThreads, plan.source_slot.data(), gates.data(),
-        dy.data(), dys.data(), n, k, d);
+        detail::grid_for(slots * d), detail::kThreads, plan.slot_source.data(), gates.data(),
+        dy.data(), dys.data(), slots, k, d);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
   detail::launch_kernel<detail::combine_backward_dgates_kernel<T>>(

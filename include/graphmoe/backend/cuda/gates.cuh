@@ -8,12 +8,14 @@
 //                                 entries (the top-k ids of a token are distinct), sums in the
 //                                 CPU's order
 //   route_dropped_to              one thread per assignment
-//   capacity_mask                 token order is inherently sequential per expert: the ids
-//                                 (N k int32, 16 KB at the paper's medium shape) are copied to
-//                                 the host, the CPU system's loop runs there and keep is copied
-//                                 back (not when an id is out of range: keep is untouched). Only
-//                                 taken when RouterConfig::capacity_factor > 0 (off by default);
-//                                 without a capacity the mask is filled on the device.
+//   capacity_mask                 one block per expert: each thread counts the expert's
+//                                 assignments in its contiguous share of the N k ids, the block
+//                                 turns the counts into prefix sums (thread 0, in order) and
+//                                 each thread ranks its assignments in token order, keep = rank <
+//                                 capacity: the CPU loop's mask, with no copy to the host. The
+//                                 id range check is a deferrable flag (block 0 scans for ids
+//                                 outside [0, E)). Without a capacity: one memset to 1.
+//   count_dropped                 keep copied to the host and counted (a read: only on request)
 #pragma once
 
 #include <algorithm>
@@ -22,7 +24,6 @@
 
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
-#include "graphmoe/core/capacity.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -65,6 +66,44 @@ __global__ void renormalized_gates_backward_kernel(const T* values, const std::i
   }
 }
 
+// blockDim.x == kThreads, one block per expert (see the header).
+// (A template only so that the kernel is defined in each translation unit that launches it.)
+template <class I>
+__global__ void capacity_mask_kernel(const I* ids, index_t n, index_t num_experts,
+                                     index_t capacity, std::uint8_t* keep,
+                                     unsigned long long* bad_id) {
+  __shared__ index_t before[kThreads];
+  const auto e = static_cast<I>(blockIdx.x);
+  const index_t threads = blockDim.x, tid = threadIdx.x;
+  const index_t per = (n + threads - 1) / threads;
+  const index_t begin = tid * per < n ? tid * per : n;
+  const index_t end = begin + per < n ? begin + per : n;
+  index_t count = 0;
+  for (index_t a = begin; a < end; ++a) count += ids[a] == e ? 1 : 0;
+  before[tid] = count;
+  __syncthreads();
+  if (tid == 0) {
+    index_t run = 0;
+    for (index_t i = 0; i < threads; ++i) {
+      const index_t c = before[i];
+      before[i] = run;
+      run += c;
+    }
+  }
+  __syncthreads();
+  index_t rank = before[tid];
+  for (index_t a = begin; a < end; ++a) {
+    const I id = ids[a];
+    if (id == e) {
+      keep[a] = rank < capacity ? 1 : 0;
+      ++rank;
+    } else if (e == 0 && !(id >= 0 && id < num_experts)) {
+      keep[a] = 0;  // no block owns it
+      flag_index(bad_id, a);
+    }
+  }
+}
+
 template <class I>
 __global__ void route_dropped_to_kernel(const I* indices, const std::uint8_t* keep, I bucket,
                                         I* ids, index_t n) {
@@ -73,26 +112,32 @@ __global__ void route_dropped_to_kernel(const I* indices, const std::uint8_t* ke
 
 }  // namespace detail
 
-// keep (indices' shape) prepared by ops/gates.hpp; sets `dropped` and returns the first expert id
-// outside [0, num_experts) (checked only with a capacity).
+// keep (indices' shape) prepared by ops/gates.hpp; returns the first expert id outside
+// [0, num_experts) (checked only with a capacity; pending inside with_deferred_checks).
 inline Offender capacity_mask(cuda, const Tensor<std::int32_t, cuda>& indices,
                               index_t num_experts, index_t capacity,
-                              Tensor<std::uint8_t, cuda>& keep, index_t& dropped) {
-  dropped = 0;
+                              Tensor<std::uint8_t, cuda>& keep) {
+  const index_t n = indices.numel();
+  if (n == 0) return {};
   if (capacity <= 0) {
-    if (keep.numel() > 0)
-      GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(keep.data(), 1, keep.bytes(), cuda_stream()));
+    GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(keep.data(), 1, keep.bytes(), cuda_stream()));
     return {};
   }
-  // The CPU system's loop (core/capacity.hpp) on host copies.
-  const Tensor<std::int32_t, cpu> host_ids = to_host(indices);
-  Tensor<std::uint8_t, cpu> host_keep(indices.shape());
-  std::fill(host_keep.data(), host_keep.data() + host_keep.numel(), std::uint8_t{1});
-  const Offender bad = detail::capacity_mask_host(host_ids.data(), host_ids.numel(), num_experts,
-                                                  capacity, host_keep.data(), dropped);
-  if (bad.found()) return bad;
-  to_device(host_keep, keep);
-  return {};
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
+  detail::launch_kernel<detail::capacity_mask_kernel<std::int32_t>>(
+      static_cast<unsigned>(num_experts), detail::kThreads, indices.data(), n, num_experts,
+      capacity, keep.data(), bad.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  return bad.result<Offender>("capacity_mask", [indices](index_t a) {
+    return Offender{a, static_cast<double>(detail::read_device_value(indices.data() + a))};
+  });
+}
+
+// The number of zeros of keep: a copy to the host (synchronises).
+inline index_t count_dropped(cuda, const Tensor<std::uint8_t, cuda>& keep) {
+  const Tensor<std::uint8_t, cpu> host = to_host(keep);
+  return static_cast<index_t>(
+      std::count(host.data(), host.data() + host.numel(), std::uint8_t{0}));
 }
 
 // gates (values' shape) prepared by ops/gates.hpp; returns the first token whose selected scores

@@ -27,6 +27,7 @@
 
 #include <cublas_v2.h>
 
+#include <climits>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -271,11 +272,58 @@ struct ExpertGeluBackwardOp {
   }
 };
 
-// One grouped GEMM over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e, where
-// operands(e, r0, r1) returns (A_e, B_e, C_e) for expert e's rows [r0, r1).
+template <class T>
+inline constexpr cudaDataType_t gemm_data_type_v =
+    std::is_same_v<T, float>    ? CUDA_R_32F
+    : std::is_same_v<T, double> ? CUDA_R_64F
+                                : cuda_data_type_v<T>;
+
+// C_g = op(A_g) op(B_g) + beta C_g for g < batch, where X_g is the matrix X0 (its shape, row-major
+// as gemm reads it) moved by g * sx elements: one cublasGemmStridedBatchedEx. TA = TC, or 16-bit
+// TA with float TC; fp32 accumulation (fp64 for double), as gemm.
+template <class TA, class TC>
+void strided_gemm(Trans ta, Trans tb, TC beta, const Tensor<TA, cuda>& a0, index_t sa,
+                  const Tensor<TA, cuda>& b0, index_t sb, const Tensor<TC, cuda>& c0, index_t sc,
+                  index_t batch) {
+  Tensor<TC, cuda> c = c0;
+  TC unused_beta = beta;
+  index_t m = 0, n = 0, k = 0;
+  cublas_gemm_prepare(ta, tb, a0, b0, c, unused_beta, m, n, k);
+  GRAPHMOE_CHECK(batch <= INT_MAX, "strided_gemm", "batch ", batch, " exceeds cuBLAS's int range");
+  if (m == 0 || n == 0 || batch == 0) return;
+  using S = decltype(cublas_scalar(TC{}));
+  const S alpha = S(1), b = cublas_scalar(beta);
+  // row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (as gemm)
+  GRAPHMOE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      cublas_handle(), cublas_op(tb), cublas_op(ta), static_cast<int>(n), static_cast<int>(m),
+      static_cast<int>(k), &alpha, b0.data(), gemm_data_type_v<TA>, cublas_ld(b0.cols()),
+      static_cast<long long>(sb), a0.data(), gemm_data_type_v<TA>, cublas_ld(a0.cols()),
+      static_cast<long long>(sa), &b, c.data(), gemm_data_type_v<TC>, static_cast<int>(n),
+      static_cast<long long>(sc), static_cast<int>(batch),
+      std::is_same_v<TC, double> ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// One GEMM call over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e, where
+// operands(e, r0, r1) returns (A_e, B_e, C_e) for expert e's rows [r0, r1). In the padded layout
+// (every expert C rows, core/dispatch_plan.hpp) the problems are equal and evenly spaced: one
+// strided-batched GEMM, its strides read off experts 0 and 1, with no pointer arrays to upload;
+// otherwise one grouped GEMM over the experts with rows.
 template <class T, class C, class Operands>
 void expert_gemm(const DispatchPlan<cuda>& plan, index_t num_experts, Trans ta, Trans tb, T beta,
                  Operands&& operands) {
+  if (plan.capacity > 0 && plan.num_experts == num_experts) {
+    const index_t cap = plan.capacity;
+    auto [a0, b0, c0] = operands(0, 0, cap);
+    index_t sa = 0, sb = 0, sc = 0;
+    if (num_experts > 1) {
+      auto [a1, b1, c1] = operands(1, cap, 2 * cap);
+      sa = a1.data() - a0.data();
+      sb = b1.data() - b0.data();
+      sc = c1.data() - c0.data();
+    }
+    strided_gemm(ta, tb, beta, a0, sa, b0, sb, c0, sc, num_experts);
+    return;
+  }
   std::vector<Tensor<C, cuda>> lhs, rhs;
   std::vector<Tensor<T, cuda>> out;
   for_each_expert_rows(plan, num_experts, [&](index_t e, index_t r0, index_t r1) {

@@ -33,6 +33,7 @@
 #include <thrust/sort.h>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/core/cross_entropy.hpp"
 #include "graphmoe/core/gelu.hpp"
 #include "graphmoe/core/rng.hpp"
 #include "graphmoe/core/shape.hpp"
@@ -159,8 +160,10 @@ struct CrossEntropyNllOp {
   index_t classes;
   std::int32_t ignore_index;
   GRAPHMOE_HOST_DEVICE double operator()(index_t i) const {
-    const std::int32_t t = targets[i];
-    return t == ignore_index ? 0.0 : -static_cast<double>(log_probs[i * classes + t]);
+    const std::int32_t t = targets[i];  // a bad target (reported by the scan) adds nothing
+    return t == ignore_index || cross_entropy_bad_target(t, classes, ignore_index)
+               ? 0.0
+               : -static_cast<double>(log_probs[i * classes + t]);
   }
 };
 
