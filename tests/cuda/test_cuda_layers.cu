@@ -504,4 +504,59 @@ TEST_CASE_TEMPLATE("cuda vs cpu: transformer block, dense and with each graph", 
   }
 }
 
+// The load-balancing loss as routers use it (ops/aux_losses.hpp): the value as a deferred value
+// of the open batch (no wait of its own), the gradient without a read back; both equal the CPU's.
+TEST_CASE_TEMPLATE("cuda vs cpu: the load-balancing loss's deferred value and device gradient", T,
+                   float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(31);
+  const index_t n = 300, e = 6, k = 2;
+  Tensor<T, cpu> p = random_tensor<T>(Shape{n, e}, rng, 0.0, 1.0);
+  Tensor<std::int32_t, cpu> ids(Shape{n, k});
+  for (index_t i = 0; i < ids.numel(); ++i)
+    ids.data()[i] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(e)));
+  const auto dpv = to_device(p);
+  const auto dids = to_device(ids);
+  double hv = -1, dv = -1;
+  load_balance_loss_into(p, ids, hv);
+  CHECK(hv == doctest::Approx(load_balance_loss(p, ids, 0.0, nullptr)).epsilon(1e-15));
+  load_balance_loss_into(dpv, dids, dv);  // outside a scope: at once
+  CHECK(dv == doctest::Approx(hv).epsilon(1e-6));
+  double deferred = -1;
+  with_deferred_checks(graphmoe::cuda{}, [&] {
+#if defined(GRAPHMOE_CUDA_EMULATION)
+    const auto before = graphmoe_cuda_emulation::counters();
+    load_balance_loss_into(dpv, dids, deferred);
+    CHECK(graphmoe_cuda_emulation::counters().copies_to_host == before.copies_to_host);
+#else
+    load_balance_loss_into(dpv, dids, deferred);
+#endif
+  });
+  CHECK(deferred == dv);  // delivered when the scope ended
+  // gradient: dp += coef E f_e / N
+  const Tensor<T, cpu> g0 = random_tensor<T>(Shape{n, e}, rng);
+  Tensor<T, cpu> hg = g0.clone();
+  auto dg = to_device(g0);
+  load_balance_loss_backward(p, ids, 0.01, hg);
+  load_balance_loss_backward(dpv, dids, 0.01, dg);
+  check_close("load-balancing gradient", hg, dg);
+  // a bad id: the CPU's message, at once and deferred
+  Tensor<std::int32_t, cpu> bad = ids.clone();
+  bad.data()[5] = static_cast<std::int32_t>(e);
+  const std::string cpu_error = error_of([&] {
+    double v = 0;
+    load_balance_loss_into(p, bad, v);
+  });
+  CHECK(cpu_error.find("expert id 6 out of [0, 6)") != std::string::npos);
+  CHECK(error_of([&] {
+          double v = 0;
+          load_balance_loss_into(dpv, to_device(bad), v);
+        }) == cpu_error);
+  CHECK(error_of([&] {
+          double v = 0;
+          with_deferred_checks(graphmoe::cuda{},
+                               [&] { load_balance_loss_into(dpv, to_device(bad), v); });
+        }) == cpu_error);
+}
+
 }  // namespace graphmoe

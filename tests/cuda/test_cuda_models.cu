@@ -75,12 +75,16 @@ Tensor<std::int32_t, cpu> random_ids(const Shape& shape, index_t vocab, Rng& rng
   return t;
 }
 
-// experts_layout Padded: with a capacity (factor 0.75, so that some assignments are dropped).
+// experts_layout Padded: with a capacity (factor 0.75, so that some assignments are dropped) and
+// the load-balancing loss (its value and gradient on the device).
 template <class Policy, class T>
 void compare_lm(MoELayout layout, ExpertLayout experts_layout = ExpertLayout::Compact) {
   TransformerLMConfig cfg = tiny_lm(layout);
   cfg.expert_layout = experts_layout;
-  if (experts_layout == ExpertLayout::Padded) cfg.router.capacity_factor = 0.75;
+  if (experts_layout == ExpertLayout::Padded) {
+    cfg.router.capacity_factor = 0.75;
+    cfg.router.load_balance_coef = 0.01;
+  }
   TransformerLM<Policy, T, cpu> host(cfg, 21);
   TransformerLM<Policy, T, graphmoe::cuda> dev(cfg, 21);
   check_arena("initial", host.arena(), dev.arena(), false);
@@ -463,10 +467,12 @@ graphmoe_cuda_emulation::Counters operator-(const graphmoe_cuda_emulation::Count
 // With ExpertLayout::Padded the routers get a capacity (factor 1.25) to pad to.
 template <class Policy, class C = float>
 StepCensus lm_step_census(index_t layers, index_t experts, MoELayout layout = MoELayout::Switch,
-                          ExpertLayout experts_layout = ExpertLayout::Compact) {
+                          ExpertLayout experts_layout = ExpertLayout::Compact,
+                          double load_balance = 0) {
   TransformerLMConfig cfg = tiny_lm(layout);
   cfg.num_layers = layers;
   cfg.router.num_experts = experts;
+  cfg.router.load_balance_coef = load_balance;
   cfg.expert_layout = experts_layout;
   if (experts_layout == ExpertLayout::Padded) cfg.router.capacity_factor = 1.25;
   TransformerLM<Policy, float, graphmoe::cuda, C> lm(cfg, 3);
@@ -587,6 +593,17 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   // upload (the expert GEMMs are strided-batched over E equal problems)
   CHECK(p4.c.memsets == p2.c.memsets);
   CHECK(p4.c.copies_to_device == p2.c.copies_to_device);
+  // with the load-balancing loss (the main job's --load-balance 0.01): its value is a deferred
+  // value read with the loss, its gradient computed on the device: still 2 waits a step
+  auto balanced = [](index_t l, index_t e) {
+    return lm_step_census<SoftmaxRouter>(l, e, MoELayout::Switch, ExpertLayout::Padded, 0.01);
+  };
+  const StepCensus b2 = balanced(2, 4), b4 = balanced(4, 4), b6e = balanced(6, 16);
+  print_census("softmax, padded experts, load balancing 0.01, 6 blocks, E = 16", b6e);
+  CHECK(b6e.c.copies_to_host == 2);
+  CHECK(b4.c.copies_to_host == b2.c.copies_to_host);
+  CHECK(b4.c.copies_to_device == b2.c.copies_to_device);
+  CHECK(b6e.c.device_allocations == 0);
   // every GEMM weight of the bf16 model is read from its compute mirror: the conversions left
   // are activations' (8 per block: the attention input once for q, k and v, the output
   // projection's input, four output gradients, the experts' input and output gradient; 2 for the

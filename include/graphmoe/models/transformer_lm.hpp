@@ -277,19 +277,23 @@ class TransformerLM {
   // kIgnoreIndex, plus the routers' weighted auxiliary losses; backward differentiates total().
   //
   // The content checks of the whole forward are deferred (core/deferred_check.hpp): on a GPU the
-  // routers' checks are read with the loss, so that a forward with the padded expert layout
-  // (expert_layout) runs without a read back to the host until its loss; the first failed check
-  // throws its own error as before.
+  // routers' checks and load-balancing losses are read with the loss, so that a forward with the
+  // padded expert layout (expert_layout) runs without a read back to the host until its loss;
+  // the first failed check throws its own error as before.
   Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     check_bound("forward");
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
-    Loss loss;
-    with_deferred_checks(B{}, [&] { loss = forward_checked(ids, targets); });
+    double task = 0;
+    with_deferred_checks(B{}, [&] { task = forward_checked(ids, targets); });
+    Loss loss = moe_losses(blocks_);  // the routers' values are delivered once the scope ended
+    loss.task = task;
     return loss;
   }
 
  private:
-  Loss forward_checked(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
+  // The forward; returns the task loss (0 without targets).
+  double forward_checked(const Tensor<std::int32_t, B>& ids,
+                         const Tensor<std::int32_t, B>& targets) {
     trunk_forward(ids);
     const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
     targets_ = targets;
@@ -307,11 +311,9 @@ class TransformerLM {
     head_forward(xf_.view(Shape{b * t, d}), lflat);
     has_loss_ = !targets.empty();
     ce_count_ = -1;  // a forward that throws leaves the backward to scan (and throw) itself
-    Loss loss = moe_losses(blocks_);
-    if (!targets.empty())
-      loss.task = static_cast<double>(
-          cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex, &ce_count_));
-    return loss;
+    if (targets.empty()) return 0.0;
+    return static_cast<double>(
+        cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex, &ce_count_));
   }
 
  public:

@@ -7,7 +7,19 @@
 // Router z-loss (ST-MoE, Zoph et al. 2022):
 //     L_z = mean_i (logsumexp_e gamma_ie)^2,   dL_z / dgamma_ie = 2 lse_i softmax(gamma_i)_e / N
 //
-// Every backend computes the same values (the host arithmetic of core/aux_losses.hpp). Op layer:
+// What a router uses (routing/router.hpp), so that a GPU training step reads nothing back for
+// them before its loss:
+//   load_balance_loss_into(p, indices, value)      L_lb into `value`: at once, or, inside
+//       with_deferred_checks on a backend that defers (CUDA: load_balance_value), with the scope's
+//       next read to the host, at the latest when it ends (`value` must outlive the scope). An id
+//       outside [0, E) throws (a deferrable check).
+//   load_balance_loss_backward(p, indices, coef, dp)   dp += coef dL_lb/dp, for ids the forward
+//       checked (a backend may skip ids outside [0, E) instead of reading a flag back: CUDA's
+//       load_balance_gradient)
+// A backend without those hooks runs load_balance_loss for both.
+//
+// Every backend computes the same values (the host arithmetic of core/aux_losses.hpp; the CUDA
+// hooks sum in double on the device: equal to rounding). Op layer:
 // the arguments are checked here, once for every backend; then load_balance_loss(B{}, ...) /
 // z_loss(B{}, ...) run the backend's system (backend/cpu/aux_losses.hpp,
 // backend/cuda/aux_losses.cuh, or a user backend's overload found by argument-dependent lookup),
@@ -20,6 +32,7 @@
 #include "graphmoe/backend/cpu/aux_losses.hpp"
 #include "graphmoe/core/aux_losses.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -37,6 +50,35 @@ double load_balance_loss(const Tensor<T, B>& p, const Tensor<std::int32_t, B>& i
   GRAPHMOE_CHECK(!loss.bad.found(), op, "expert id ", static_cast<std::int64_t>(loss.bad.value),
                  " out of [0, ", p.cols(), ")");
   return loss.value;
+}
+
+template <class T, Backend B>
+void load_balance_loss_into(const Tensor<T, B>& p, const Tensor<std::int32_t, B>& indices,
+                            double& value) {
+  constexpr const char* op = "load_balance_loss";
+  GRAPHMOE_CHECK(indices.rows() == p.rows(), op, "indices ", indices.shape(), " do not match p ",
+                 p.shape());
+  if constexpr (requires { load_balance_value(B{}, p, indices, value); }) {
+    report_check(load_balance_value(B{}, p, indices, value), [e = p.cols()](const Offender& bad) {
+      detail::throw_error("load_balance_loss", "expert id ", static_cast<std::int64_t>(bad.value),
+                          " out of [0, ", e, ")");
+    });
+  } else {
+    value = load_balance_loss(p, indices, 0.0, nullptr);
+  }
+}
+
+template <class T, Backend B>
+void load_balance_loss_backward(const Tensor<T, B>& p, const Tensor<std::int32_t, B>& indices,
+                                double coef, Tensor<T, B>& dp) {
+  constexpr const char* op = "load_balance_loss_backward";
+  GRAPHMOE_CHECK(indices.rows() == p.rows(), op, "indices ", indices.shape(), " do not match p ",
+                 p.shape());
+  check_shape(op, "dp", dp, p.shape());
+  if constexpr (requires { load_balance_gradient(B{}, p, indices, coef, dp); })
+    load_balance_gradient(B{}, p, indices, coef, dp);
+  else
+    (void)load_balance_loss(p, indices, coef, &dp);
 }
 
 // Returns L_z of gamma (N, E); if dgamma is non-empty, adds coef * dL_z/dgamma to it.

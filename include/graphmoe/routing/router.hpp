@@ -66,7 +66,10 @@ struct RouterOutput {
   Tensor<T, B> r;            // (N, E) softmax(gamma)
   Tensor<T, B> p;            // (N, E) after the token graph (with Independent: r itself)
   Selection<T, B> selection;  // indices, values, gates, keep (N, m)
-  double load_balance_loss = 0;  // unscaled values (computed when their coefficient is > 0)
+  // unscaled values (computed when their coefficient is > 0). On a GPU inside a deferred scope
+  // (TransformerLM::forward) load_balance_loss is known once the scope has read its batch: after
+  // the forward returns.
+  double load_balance_loss = 0;
   double z_loss = 0;
   // The token graph's mean row entropy is not here: it costs a reduction and a read back on the
   // GPU, so RouterImpl::graph_entropy() computes it on request.
@@ -147,9 +150,10 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
       selector_.select(out.p, selector_.current_k(), out.selection);
     check_selection(out.selection, n);
     graph_forwarded_ = true;
-    out.load_balance_loss = cfg_.load_balance_coef > 0
-                                ? load_balance_loss<T>(out.p, out.selection.indices, 0.0, nullptr)
-                                : 0.0;
+    // (inside a deferred scope on a GPU, the value arrives with the scope's next read)
+    out.load_balance_loss = 0.0;
+    if (cfg_.load_balance_coef > 0)
+      load_balance_loss_into(out.p, out.selection.indices, out.load_balance_loss);
     out.z_loss = cfg_.z_loss_coef > 0 ? z_loss<T>(out.gamma, 0.0, nullptr) : 0.0;
   }
 
@@ -194,7 +198,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     selector_.backward(out.p, out.selection, dgates, dp);
     check_policy_output("selector", Selector::name, "dp (backward)", dp, n, e);
     if (cfg_.load_balance_coef > 0)
-      load_balance_loss<T>(out.p, out.selection.indices, cfg_.load_balance_coef, &dp);
+      load_balance_loss_backward(out.p, out.selection.indices, cfg_.load_balance_coef, dp);
     graph_.backward(u, out.r, out.p, dp, ctx, dr, du);
     check_policy_output("token graph", Graph::name, "dr (backward)", dr, n, e);
     softmax_backward(out.r, dr, dgamma);

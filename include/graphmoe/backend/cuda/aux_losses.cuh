@@ -2,22 +2,116 @@
 // graphmoe::cuda (contract and argument checks: ops/aux_losses.hpp, which calls these through the
 // backend tag).
 //
-// The losses reduce (N, E) scores to one number that the training loop reads on the host anyway,
-// so this version copies p (or gamma) and the ids to the host (128 KB at the paper's medium shape,
-// one synchronisation), evaluates the host arithmetic of core/aux_losses.hpp there (the CPU's)
-// and adds the gradient back on the device. Both losses are off by default (RouterConfig's
-// coefficients are 0), so a router without them never takes this path. Same values as the CPU by
-// construction.
+// The load-balancing loss as the router uses it runs on the device (session 20):
+//   load_balance_value     one block: per expert the column sum of p (double, fixed order) and
+//                          the count of its ids (block reductions), L_lb into a device word that is
+//                          a deferred value of the open batch (deferred_check.cuh): read with the
+//                          step's loss instead of a wait per MoE layer; the id range check is a
+//                          deferrable flag
+//   load_balance_gradient  the counts (one block), then dp[:, e] += coef E f_e / N (one thread per
+//                          entry): no read back; ids outside [0, E) (which the forward's check
+//                          reported) are skipped
+// The general ops (load_balance_loss with a value and a gradient, z_loss) copy p (or gamma) and the
+// ids to the host (one synchronisation), evaluate the host arithmetic of core/aux_losses.hpp there
+// (the CPU's) and add the gradient back on the device; the z-loss (off by default) still does.
 #pragma once
 
 #include <cstdint>
 
 #include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/deferred_check.cuh"
+#include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/backend/cuda/detail/nn_launch.cuh"
 #include "graphmoe/backend/cuda/elementwise.cuh"
 #include "graphmoe/core/aux_losses.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
+
+namespace detail {
+
+// blockDim.x a multiple of 32, one block: *value = E sum_e f_e P_e; the first id outside [0, E)
+// flagged.
+template <class T>
+__global__ void load_balance_value_kernel(const T* p, const std::int32_t* ids, index_t n,
+                                          index_t e, index_t slots, double* value,
+                                          unsigned long long* bad) {
+  double loss = 0;
+  for (index_t x = 0; x < e; ++x) {
+    double col = 0;
+    unsigned long long count = 0;
+    for (index_t i = threadIdx.x; i < n; i += blockDim.x) col += static_cast<double>(to_acc(p[i * e + x]));
+    for (index_t s = threadIdx.x; s < slots; s += blockDim.x) count += ids[s] == x ? 1ull : 0ull;
+    col = block_reduce(col, SumOp{}, 0.0);
+    count = block_reduce(count, SumOp{}, 0ull);
+    loss += static_cast<double>(count) / static_cast<double>(slots) * col / static_cast<double>(n);
+  }
+  for (index_t s = threadIdx.x; s < slots; s += blockDim.x)
+    if (!(ids[s] >= 0 && ids[s] < e)) flag_index(bad, s);
+  if (threadIdx.x == 0) *value = loss * static_cast<double>(e);
+}
+
+// One block: scale[x] = coef E f_x / N, f_x = (ids equal to x) / slots.
+template <class I>
+__global__ void load_balance_scale_kernel_t(const I* ids, index_t n, index_t e, index_t slots,
+                                            double coef, double* scale) {
+  for (index_t x = 0; x < e; ++x) {
+    unsigned long long count = 0;
+    for (index_t s = threadIdx.x; s < slots; s += blockDim.x) count += ids[s] == x ? 1ull : 0ull;
+    count = block_reduce(count, SumOp{}, 0ull);
+    if (threadIdx.x == 0)
+      scale[x] = coef * static_cast<double>(e) *
+                 (static_cast<double>(count) / static_cast<double>(slots)) / static_cast<double>(n);
+  }
+}
+
+template <class T>
+struct AddColumnScaleOp {
+  const double* scale;
+  T* dp;
+  index_t e;
+  __device__ void operator()(index_t i) const {
+    dp[i] = from_acc<T>(to_acc(dp[i]) + to_acc(static_cast<T>(scale[i % e])));
+  }
+};
+
+}  // namespace detail
+
+// L_lb into `value`: a deferred value inside with_deferred_checks (delivered with the batch's next
+// read), else read at once. Returns the first id outside [0, E) (pending inside a scope).
+template <class T>
+Offender load_balance_value(cuda, const Tensor<T, cuda>& p, const Tensor<std::int32_t, cuda>& indices,
+                            double& value) {
+  const index_t n = p.rows(), e = p.cols(), slots = indices.numel();
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
+  detail::DeviceCheckBatch* batch = detail::active_device_checks();
+  double* target = batch != nullptr ? batch->take_value(&value) : nullptr;
+  Tensor<double, cuda> own;
+  if (target == nullptr) {
+    own = Tensor<double, cuda>::uninitialized(Shape{1});
+    target = own.data();
+  }
+  detail::launch_kernel<detail::load_balance_value_kernel<T>>(
+      1, detail::kThreads, p.data(), indices.data(), n, e, slots, target, bad.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  if (!own.empty()) value = detail::read_device_value(own.data());
+  return bad.result<Offender>("load_balance_loss", [indices](index_t s) {
+    return Offender{s, static_cast<double>(detail::read_device_value(indices.data() + s))};
+  });
+}
+
+// dp += coef dL_lb/dp, on the device (ids outside [0, E) skipped: the forward reported them).
+template <class T>
+void load_balance_gradient(cuda, const Tensor<T, cuda>& p, const Tensor<std::int32_t, cuda>& indices,
+                           double coef, Tensor<T, cuda>& dp) {
+  const index_t n = p.rows(), e = p.cols(), slots = indices.numel();
+  if (n == 0 || e == 0) return;
+  auto scale = Tensor<double, cuda>::uninitialized(Shape{e});  // written in full
+  detail::launch_kernel<detail::load_balance_scale_kernel_t<std::int32_t>>(
+      1, detail::kThreads, indices.data(), n, e, slots, coef, scale.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  detail::for_each_index(n * e, detail::AddColumnScaleOp<T>{scale.data(), dp.data(), e});
+}
 
 template <class T>
 LossValue load_balance_loss(cuda, const Tensor<T, cuda>& p,

@@ -11,6 +11,10 @@
 // flags as well. When body returns the batch reads whatever is still unread (a synchronisation
 // only if a check ran after the last read) and throws the first flagged check's error.
 //
+// The batch also carries deferred values (take_value): an op that computes a number the host
+// needs later (the router's load-balancing loss) writes it into a slot, and the batch's next read
+// delivers it to the op's target (a double that must outlive the scope).
+//
 // The batch holds kCapacity slots (256: about 6 checks per MoE layer, so a language model's
 // forward of 40 MoE layers fits in one scope; 2 KB of page-locked memory); a check beyond them, or any check when page-locked memory
 // cannot be had, reads at once as outside a scope. A scope opened inside another joins it. Only
@@ -20,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <utility>
@@ -70,6 +75,18 @@ class DeviceCheckBatch {
     return slots_.data() + slot;
   }
 
+  // A deferred value: the device word the op writes a double into (its bits), delivered to
+  // *target with the batch's next read (at the latest when the scope ends); null when the batch
+  // is full (the op then reads at once). *target must outlive the scope.
+  double* take_value(double* target) {
+    index_t slot = -1;
+    unsigned long long* p = take_slot(slot);
+    if (p == nullptr) return nullptr;
+    values_.emplace_back(slot, target);
+    static_assert(sizeof(double) == sizeof(unsigned long long));
+    return reinterpret_cast<double*>(p);
+  }
+
   // Registers the check that owns `slot`; returns its entry (what the pending result carries).
   template <class R>
   index_t add(const char* op, index_t slot, std::function<R(index_t)> resolve) {
@@ -87,8 +104,12 @@ class DeviceCheckBatch {
                                         cudaMemcpyDeviceToHost, cuda_stream()));
     queued_ = taken_;
   }
-  // After that read's synchronisation: the queued slots are on the host.
-  void after_synchronize() { known_ = std::max(known_, queued_); }
+  // After that read's synchronisation: the queued slots are on the host (values delivered).
+  void after_synchronize() {
+    known_ = std::max(known_, queued_);
+    for (; delivered_ < values_.size() && values_[delivered_].first < known_; ++delivered_)
+      std::memcpy(values_[delivered_].second, host_ + values_[delivered_].first, sizeof(double));
+  }
 
   // Reads the slots still unknown: one synchronisation, only if a check ran after the last read.
   void read() {
@@ -146,6 +167,8 @@ class DeviceCheckBatch {
   Tensor<unsigned long long, cuda> slots_;
   unsigned long long* host_ = nullptr;
   std::vector<index_t> slot_of_entry_;
+  std::vector<std::pair<index_t, double*>> values_;  // (slot, target), in slot order
+  std::size_t delivered_ = 0;
   index_t taken_ = 0, queued_ = 0, known_ = 0;
 };
 
