@@ -604,6 +604,16 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   CHECK(b4.c.copies_to_host == b2.c.copies_to_host);
   CHECK(b4.c.copies_to_device == b2.c.copies_to_device);
   CHECK(b6e.c.device_allocations == 0);
+  // the Attention graph too: h* stays on the device, every head's pass runs, the all-zero-row
+  // flag is deferred (it used to cost 2 waits per block)
+  auto attention = [](index_t l, index_t e) {
+    return lm_step_census<AttentionRouter>(l, e, MoELayout::Switch, ExpertLayout::Padded, 0.01);
+  };
+  const StepCensus a2 = attention(2, 4), a4 = attention(4, 4), a6e = attention(6, 16);
+  print_census("attention, padded experts, load balancing 0.01, 6 blocks, E = 16", a6e);
+  CHECK(a6e.c.copies_to_host == 2);
+  CHECK(a4.c.copies_to_host == a2.c.copies_to_host);
+  CHECK(a6e.c.device_allocations == 0);
   // every GEMM weight of the bf16 model is read from its compute mirror: the conversions left
   // are activations' (8 per block: the attention input once for q, k and v, the output
   // projection's input, four output gradients, the experts' input and output gradient; 2 for the

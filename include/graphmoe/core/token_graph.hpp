@@ -100,7 +100,8 @@ struct AttentionGraphState {
   Tensor<T, B> self;                 // (N) A^p[i, i]                                CPU
   Tensor<T, B> entropy;              // (N) H(A^p[i, :]) on the device               CUDA
   Tensor<std::int32_t, B> head_dev;  // (N) h* on the device                         CUDA
-  std::vector<int> heads;            // (N) h* of each token, on the host            every backend
+  std::vector<int> heads;            // (N) h* of each token, on the host            CPU
+  index_t tokens = 0;                // N of the last forward (set by ops/token_graph.hpp)
   std::vector<double> row_entropy;   // (N) H(A^p[i, :]) on the host                 CPU
   index_t seq_len = 0;               // the sequence length of the last forward
   bool stores = false;               // whether post holds A^p; the backward follows

@@ -27,10 +27,12 @@
 
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "graphmoe/backend/cpu/token_graph.hpp"
 #include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/token_graph.hpp"
@@ -190,8 +192,21 @@ void attention_graph_forward(const Tensor<T, B>& u, const Tensor<T, B>& r,
       detail::check_attention_cache(cache, u.rows(), args.seq_len, args.d_model);
   prepare_output("Attention", "p", p, r.shape());
   const Offender zero_row = attention_graph_forward(B{}, r, c, args, state, p);
-  GRAPHMOE_CHECK(!zero_row.found(), "Attention", "attention row ", zero_row.index % args.seq_len,
-                 " of sequence ", zero_row.index / args.seq_len, " is all zero");
+  state.tokens = r.rows();
+  report_check(zero_row, [len = args.seq_len](const Offender& z) {
+    detail::throw_error("Attention", "attention row ", z.index % len, " of sequence ",
+                        z.index / len, " is all zero");
+  });
+}
+
+// h* of every token of the last forward: the CPU keeps it on the host, a backend that keeps it on
+// the device (CUDA) provides attention_graph_heads(B, state), which reads it back (on request).
+template <class T, Backend B>
+std::vector<int> attention_graph_heads(const AttentionGraphState<T, B>& state) {
+  if constexpr (requires { attention_graph_heads(B{}, state); })
+    return attention_graph_heads(B{}, state);
+  else
+    return state.heads;
 }
 
 // dr (N, E) = A^p^T dp assigned; unless args.detach, the cache's gradients (dprobs, dout, dv,
@@ -204,7 +219,7 @@ void attention_graph_backward(const Tensor<T, B>& u, const Tensor<T, B>& r, cons
   const index_t n = u.rows(), len = args.seq_len;
   detail::check_graph_inputs("Attention::backward", u, r, len);
   detail::check_attention_cache<T, B>(cache, n, len, args.d_model);
-  GRAPHMOE_CHECK(state.heads.size() == static_cast<std::size_t>(n) && state.seq_len == len &&
+  GRAPHMOE_CHECK(state.tokens == n && state.seq_len == len &&
                      (!state.stores || state.post.shape() == (Shape{n, len})),
                  "Attention::backward", "no forward of these ", n, " tokens in sequences of ",
                  len, " to take the gradient of");

@@ -16,8 +16,10 @@
 //     (state.self stays empty).
 //   - Attention always keeps A^p (args.store is ignored, state.stores is true); its row entropies
 //     stay on the device (state.entropy; state.row_entropy, state.lse and state.self stay empty);
-//     h* is copied back to the host (state.heads) during forward: the forward synchronises the
-//     stream there, and once more to read the all-zero-row flag, as the softmax op does.
+//     h* stays on the device (state.head_dev; attention_graph_heads reads it back on request) and
+//     every head's pass runs, its kernels masking the rows of the other heads (a head no token
+//     chose adds exact zeros), so the forward has no read back to the host: its all-zero-row
+//     flag is a deferrable check (core/deferred_check.hpp).
 //   - The mean entropies read the N row entropies back to the host (synchronises) and average
 //     them in double (detail::device_mean).
 //   - Sums run in other orders (tiles, warp reductions, cuBLAS) and the float kernels use fused
@@ -508,13 +510,6 @@ double device_mean(const Tensor<T, cuda>& x) {
   return s / static_cast<double>(h.numel());
 }
 
-// Whether any token's h* is h.
-inline bool attention_head_used(const std::vector<int>& heads, index_t h) {
-  for (int x : heads)
-    if (x == h) return true;
-  return false;
-}
-
 // m = H v_h W_o,h^T + b_o for all N tokens (N, D), msq = |m_j|^2 (N).
 template <class T>
 void attention_head_mean(const AttentionCache<T, cuda>& c, index_t h, index_t dm,
@@ -648,7 +643,7 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
     state.post = Tensor<T, cuda>(Shape{n, len});
   state.entropy = Tensor<T, cuda>(Shape{n});
   state.head_dev = Tensor<std::int32_t, cuda>(Shape{n});
-  state.heads.assign(static_cast<std::size_t>(n), 0);
+  state.heads.clear();  // on the device only (attention_graph_heads)
   if (n == 0) return {};
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
 
@@ -666,15 +661,11 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
       detail::grid_for(nb), detail::kThreads, ent.data(), nb, nh, len, args.causal_heads,
       prefix.data(), state.head_dev.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  const Tensor<std::int32_t, cpu> heads_host = to_host(state.head_dev);
-  state.heads.assign(heads_host.data(), heads_host.data() + n);
-
-  // the posterior rows, one head at a time
-  detail::FirstIndexFlag bad;
+  // the posterior rows, one head at a time (each pass writes the rows of its head's tokens)
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
   const index_t dvc = c.v.cols(), dh = dvc / nh;
   Tensor<T, cuda> m(Shape{n, dm}), msq(Shape{n}), q(Shape{n, dh}), g(Shape{n, len});
   for (index_t h = 0; h < nh; ++h) {
-    if (!detail::attention_head_used(state.heads, h)) continue;
     detail::attention_head_mean(c, h, dm, m, msq);
     detail::attention_head_query(c, h, dm, q);
     // g = Q_h V_h^T per sequence (T, T): a_i . m_j less a_i . b_o, which cancels in the softmax
@@ -687,13 +678,22 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
         nh, len, static_cast<std::int32_t>(h), inv_var);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
-  const index_t first_bad = bad.read();  // (b nh + h) len + i
-  if (first_bad >= 0) return {(first_bad / (nh * len)) * len + first_bad % len, 0.0};
-  // p = A^p r per sequence
+  // p = A^p r per sequence (on a flagged row's values when the check is deferred: arithmetic)
   detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::N, len, e, len, T(1),
                                 state.post.data(), len, len * len, r.data(), e, len * e, T(0),
                                 p.data(), e, len * e, nb);
-  return {};
+  // flagged index (b nh + h) len + i -> token row b len + i
+  return bad.result<Offender>("Attention", [nh, len](index_t f) {
+    return Offender{(f / (nh * len)) * len + f % len, 0.0};
+  });
+}
+
+// h* of every token of the last forward, read back from the device.
+template <class T>
+std::vector<int> attention_graph_heads(cuda, const AttentionGraphState<T, cuda>& state) {
+  if (state.head_dev.empty()) return {};
+  const Tensor<std::int32_t, cpu> h = to_host(state.head_dev);
+  return std::vector<int>(h.data(), h.data() + h.numel());
 }
 
 // Attention backward: dr = A^p^T dp assigned; unless detached, dl = A^p o (dp r^T - rowdot(dp, p))
@@ -727,8 +727,7 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
 
   Tensor<T, cuda> dlh(Shape{n, len}), m(Shape{n, dm}), msq(Shape{n}), colsum(Shape{n}),
       q(Shape{n, dh}), dq(Shape{n, dh}), y(Shape{n, dh});
-  for (index_t h = 0; h < nh; ++h) {
-    if (!detail::attention_head_used(state.heads, h)) continue;
+  for (index_t h = 0; h < nh; ++h) {  // every head: the kernels mask the other heads' rows
     const auto hh = static_cast<std::int32_t>(h);
     detail::launch_kernel<detail::attention_head_rows_kernel<T>>(
         detail::grid_for(nt), detail::kThreads, dl.data(), state.head_dev.data(), dlh.data(), n,

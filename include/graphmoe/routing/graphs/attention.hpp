@@ -32,7 +32,7 @@ namespace graphmoe {
 //   CUDA  always A^p on the device (Options::memory is ignored, stores() is true); no self
 //         weights (self_weight() is empty, mean_self_weight() 1); the row entropies stay on the
 //         device (row_entropy() is empty; mean_entropy() reads them back, synchronising, and
-//         averages in double); heads() is copied back during forward.
+//         averages in double); heads() reads h* back when asked.
 template <class T, class B>
 class GraphImpl<Attention, T, B> {
  public:
@@ -89,8 +89,9 @@ class GraphImpl<Attention, T, B> {
   // H(A^p[i,:]) of every token in the last forward, on the host. Empty on a backend that keeps
   // the entropies on the device (CUDA: mean_entropy() reads them).
   const std::vector<double>& row_entropy() const { return state_.row_entropy; }
-  // h* of each token in the last forward (every backend; a host copy on CUDA).
-  const std::vector<int>& heads() const { return state_.heads; }
+  // h* of each token in the last forward (every backend; on CUDA read back from the device when
+  // asked: the forward does not wait for it).
+  std::vector<int> heads() const { return attention_graph_heads(state_); }
   // Whether the last forward kept A^p for backward (Options::memory, graph_stores; CUDA: always).
   bool stores() const { return state_.stores; }
   // A^p of the last forward, (N, T): row i holds token i's posterior over its sequence. Kept only
