@@ -53,7 +53,7 @@ __global__ void load_balance_value_kernel(const T* p, const std::int32_t* ids, i
 
 // One block: scale[x] = coef E f_x / N, f_x = (ids equal to x) / slots.
 template <class I>
-__global__ void load_balance_scale_kernel_t(const I* ids, index_t n, index_t e, index_t slots,
+__global__ void load_balance_scale_kernel(const I* ids, index_t n, index_t e, index_t slots,
                                             double coef, double* scale) {
   for (index_t x = 0; x < e; ++x) {
     unsigned long long count = 0;
@@ -107,7 +107,7 @@ void load_balance_gradient(cuda, const Tensor<T, cuda>& p, const Tensor<std::int
   const index_t n = p.rows(), e = p.cols(), slots = indices.numel();
   if (n == 0 || e == 0) return;
   auto scale = Tensor<double, cuda>::uninitialized(Shape{e});  // written in full
-  detail::launch_kernel<detail::load_balance_scale_kernel_t<std::int32_t>>(
+  detail::launch_kernel<detail::load_balance_scale_kernel<std::int32_t>>(
       1, detail::kThreads, indices.data(), n, e, slots, coef, scale.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::for_each_index(n * e, detail::AddColumnScaleOp<T>{scale.data(), dp.data(), e});

@@ -62,28 +62,12 @@ __global__ void padded_plan_kernel(const I* ids, const std::uint8_t* keep, index
                                    index_t num_experts, index_t capacity, I* offsets,
                                    I* slot_token, I* slot_source, I* source_slot, I* slot_expert,
                                    unsigned long long* bad) {
-  __shared__ index_t before[kThreads + 1];
   const auto e = static_cast<I>(blockIdx.x);
   const index_t threads = blockDim.x, tid = threadIdx.x;
-  const index_t per = (n + threads - 1) / threads;
-  const index_t begin = tid * per < n ? tid * per : n;
-  const index_t end = begin + per < n ? begin + per : n;
-  index_t count = 0;
-  for (index_t a = begin; a < end; ++a) count += (keep[a] != 0 && ids[a] == e) ? 1 : 0;
-  before[tid] = count;
-  __syncthreads();
-  if (tid == 0) {
-    index_t run = 0;
-    for (index_t i = 0; i < threads; ++i) {
-      const index_t c = before[i];
-      before[i] = run;
-      run += c;
-    }
-    before[threads] = run;
-  }
-  __syncthreads();
-  index_t rank = before[tid];
-  for (index_t a = begin; a < end; ++a) {
+  const BlockShare share =
+      block_rank_shares(n, [&](index_t a) { return keep[a] != 0 && ids[a] == e; });
+  index_t rank = share.first;
+  for (index_t a = share.begin; a < share.end; ++a) {
     const I id = ids[a];
     const bool kept = keep[a] != 0;
     if (kept && id == e) {
@@ -102,7 +86,7 @@ __global__ void padded_plan_kernel(const I* ids, const std::uint8_t* keep, index
       if (kept) flag_index(bad, a);
     }
   }
-  const index_t filled = before[threads] < capacity ? before[threads] : capacity;
+  const index_t filled = share.total < capacity ? share.total : capacity;
   for (index_t r = tid; r < capacity; r += threads) {
     const index_t s = e * capacity + r;
     slot_expert[s] = e;

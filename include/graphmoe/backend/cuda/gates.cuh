@@ -72,27 +72,10 @@ template <class I>
 __global__ void capacity_mask_kernel(const I* ids, index_t n, index_t num_experts,
                                      index_t capacity, std::uint8_t* keep,
                                      unsigned long long* bad_id) {
-  __shared__ index_t before[kThreads];
   const auto e = static_cast<I>(blockIdx.x);
-  const index_t threads = blockDim.x, tid = threadIdx.x;
-  const index_t per = (n + threads - 1) / threads;
-  const index_t begin = tid * per < n ? tid * per : n;
-  const index_t end = begin + per < n ? begin + per : n;
-  index_t count = 0;
-  for (index_t a = begin; a < end; ++a) count += ids[a] == e ? 1 : 0;
-  before[tid] = count;
-  __syncthreads();
-  if (tid == 0) {
-    index_t run = 0;
-    for (index_t i = 0; i < threads; ++i) {
-      const index_t c = before[i];
-      before[i] = run;
-      run += c;
-    }
-  }
-  __syncthreads();
-  index_t rank = before[tid];
-  for (index_t a = begin; a < end; ++a) {
+  const BlockShare share = block_rank_shares(n, [&](index_t a) { return ids[a] == e; });
+  index_t rank = share.first;
+  for (index_t a = share.begin; a < share.end; ++a) {
     const I id = ids[a];
     if (id == e) {
       keep[a] = rank < capacity ? 1 : 0;

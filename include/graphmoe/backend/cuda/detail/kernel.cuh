@@ -185,6 +185,41 @@ __device__ T block_reduce(T v, Op op, T identity) {
   return warp_reduce(v, op);  // every warp reduces the partials: no third barrier needed
 }
 
+// One block ranks, in index order, the entries a in [0, n) that picked(a) selects: thread t owns
+// the contiguous share [begin, end) and its first pick has rank `first` (the picks before its
+// share); `total` is the block's count. Thread 0 adds the shares' counts in order, so the ranks
+// are the sequential loop's. Every thread must call it (it synchronises); blockDim.x <= kThreads.
+struct BlockShare {
+  index_t begin, end, first, total;
+};
+template <class Picked>
+__device__ BlockShare block_rank_shares(index_t n, Picked picked) {
+  __shared__ index_t before[kThreads + 1];
+  const index_t threads = blockDim.x, tid = threadIdx.x;
+  const index_t per = (n + threads - 1) / threads;
+  BlockShare s{};
+  s.begin = tid * per < n ? tid * per : n;
+  s.end = s.begin + per < n ? s.begin + per : n;
+  index_t count = 0;
+  for (index_t a = s.begin; a < s.end; ++a) count += picked(a) ? 1 : 0;
+  before[tid] = count;
+  __syncthreads();
+  if (tid == 0) {
+    index_t run = 0;
+    for (index_t i = 0; i < threads; ++i) {
+      const index_t c = before[i];
+      before[i] = run;
+      run += c;
+    }
+    before[threads] = run;
+  }
+  __syncthreads();
+  s.first = before[tid];
+  s.total = before[threads];
+  __syncthreads();  // before may be written by a later call
+  return s;
+}
+
 // A device-side "first bad index" for kernels that must report bad input (NaN, out-of-range ids)
 // the way the CPU ops throw: a kernel records the smallest offending index with flag(), the host
 // reads it back after the launch (one 8-byte copy, which synchronises the stream).
