@@ -559,4 +559,53 @@ TEST_CASE_TEMPLATE("cuda vs cpu: the load-balancing loss's deferred value and de
         }) == cpu_error);
 }
 
+// The router z-loss likewise (ops/aux_losses.hpp z_loss_into / z_loss_backward): a deferred
+// value and a device gradient, equal to the host arithmetic of core/aux_losses.hpp.
+TEST_CASE_TEMPLATE("cuda vs cpu: the z-loss's deferred value and device gradient", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(37);
+  const index_t n = 300, e = 7;
+  // logits with a spread, so that lse differs from the max by more than rounding
+  const Tensor<T, cpu> gamma = random_tensor<T>(Shape{n, e}, rng, -6.0, 6.0);
+  const auto dgv = to_device(gamma);
+  double hv = -1, dv = -1;
+  z_loss_into(gamma, hv);
+  CHECK(hv == doctest::Approx(z_loss(gamma, 0.0, nullptr)).epsilon(1e-15));
+  // a naive evaluation in double
+  double naive = 0;
+  for (index_t i = 0; i < n; ++i) {
+    double s = 0;
+    for (index_t x = 0; x < e; ++x) s += std::exp(static_cast<double>(gamma.data()[i * e + x]));
+    naive += std::log(s) * std::log(s);
+  }
+  naive /= static_cast<double>(n);
+  CHECK(hv == doctest::Approx(naive).epsilon(std::is_same_v<T, float> ? 1e-6 : 1e-13));
+  z_loss_into(dgv, dv);  // outside a scope: at once
+  CHECK(dv == doctest::Approx(hv).epsilon(std::is_same_v<T, float> ? 1e-6 : 1e-13));
+  double deferred = -1;
+  with_deferred_checks(graphmoe::cuda{}, [&] {
+#if defined(GRAPHMOE_CUDA_EMULATION)
+    const auto before = graphmoe_cuda_emulation::counters();
+    z_loss_into(dgv, deferred);
+    CHECK(graphmoe_cuda_emulation::counters().copies_to_host == before.copies_to_host);
+#else
+    z_loss_into(dgv, deferred);
+#endif
+    CHECK(deferred == -1);  // not yet read
+  });
+  CHECK(deferred == dv);  // delivered when the scope ended
+  // gradient: dgamma += coef (2 / N) lse_i softmax(gamma_i), onto a non-zero dgamma
+  const Tensor<T, cpu> g0 = random_tensor<T>(Shape{n, e}, rng);
+  Tensor<T, cpu> hg = g0.clone();
+  auto dg = to_device(g0);
+  z_loss_backward(gamma, 0.25, hg);
+  z_loss_backward(dgv, 0.25, dg);
+  check_close("z-loss gradient", hg, dg);
+  // wrong shapes are refused before any work, naming the op
+  Tensor<T, graphmoe::cuda> wrong(Shape{n, e + 1});
+  CHECK(test::error_of([&] { z_loss_backward(dgv, 0.25, wrong); }).find("z_loss_backward") !=
+        std::string::npos);
+}
+
 }  // namespace graphmoe

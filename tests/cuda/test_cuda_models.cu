@@ -468,11 +468,12 @@ graphmoe_cuda_emulation::Counters operator-(const graphmoe_cuda_emulation::Count
 template <class Policy, class C = float>
 StepCensus lm_step_census(index_t layers, index_t experts, MoELayout layout = MoELayout::Switch,
                           ExpertLayout experts_layout = ExpertLayout::Compact,
-                          double load_balance = 0) {
+                          double load_balance = 0, double z_loss = 0) {
   TransformerLMConfig cfg = tiny_lm(layout);
   cfg.num_layers = layers;
   cfg.router.num_experts = experts;
   cfg.router.load_balance_coef = load_balance;
+  cfg.router.z_loss_coef = z_loss;
   cfg.expert_layout = experts_layout;
   if (experts_layout == ExpertLayout::Padded) cfg.router.capacity_factor = 1.25;
   TransformerLM<Policy, float, graphmoe::cuda, C> lm(cfg, 3);
@@ -593,6 +594,8 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   // upload (the expert GEMMs are strided-batched over E equal problems)
   CHECK(p4.c.memsets == p2.c.memsets);
   CHECK(p4.c.copies_to_device == p2.c.copies_to_device);
+  // nothing uploaded at all: clip_grad_norm's chunk table is built once per arena
+  CHECK(p6e.c.copies_to_device == 0);
   // with the load-balancing loss (the main job's --load-balance 0.01): its value is a deferred
   // value read with the loss, its gradient computed on the device: still 2 waits a step
   auto balanced = [](index_t l, index_t e) {
@@ -604,6 +607,18 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   CHECK(b4.c.copies_to_host == b2.c.copies_to_host);
   CHECK(b4.c.copies_to_device == b2.c.copies_to_device);
   CHECK(b6e.c.device_allocations == 0);
+  // and with the z-loss (ST-MoE): its value a deferred value, its gradient on the device (it
+  // used to copy gamma to the host twice per block and upload its gradient)
+  auto z = [](index_t l, index_t e) {
+    return lm_step_census<SoftmaxRouter>(l, e, MoELayout::Switch, ExpertLayout::Padded, 0.01, 1e-3);
+  };
+  const StepCensus z2 = z(2, 4), z4 = z(4, 4), z6e = z(6, 16);
+  print_census("softmax, padded experts, load balancing 0.01, z-loss 0.001, 6 blocks, E = 16", z6e);
+  CHECK(z6e.c.copies_to_host == 2);
+  CHECK(z4.c.copies_to_host == z2.c.copies_to_host);
+  CHECK(z4.c.copies_to_device == z2.c.copies_to_device);
+  CHECK(z4.c.kernel_launches - z2.c.kernel_launches == b4.c.kernel_launches - b2.c.kernel_launches + 2 * 2);
+  CHECK(z6e.c.device_allocations == 0);
   // the Attention graph too: h* stays on the device, every head's pass runs, the all-zero-row
   // flag is deferred (it used to cost 2 waits per block)
   auto attention = [](index_t l, index_t e) {
@@ -614,6 +629,11 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   CHECK(a6e.c.copies_to_host == 2);
   CHECK(a4.c.copies_to_host == a2.c.copies_to_host);
   CHECK(a6e.c.device_allocations == 0);
+  // its scratch is not zero-filled (every entry is written first) and da is not copied before
+  // the graph's dout is added: per block only the three gradient sinks the graph accumulates into
+  // (dprobs, dv, dout) are memsets
+  CHECK(a4.c.memsets - a2.c.memsets == 2 * 3);
+  CHECK(a6e.c.copies_on_device == 0);
   // every GEMM weight of the bf16 model is read from its compute mirror: the conversions left
   // are activations' (8 per block: the attention input once for q, k and v, the output
   // projection's input, four output gradients, the experts' input and output gradient; 2 for the

@@ -14,10 +14,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "graphmoe/core/optim_math.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -129,6 +131,11 @@ class ParameterArena {
   std::uint64_t values_version() const { return version_; }
   void mark_values_written() { ++version_; }
 
+  // clip_grad_norm's chunk table (ops/optim.hpp fills it on first use): the layout cannot change
+  // once the arena is allocated, so the table is built and uploaded once, and a training step
+  // uploads nothing for it.
+  std::optional<detail::OptimChunks<B>>& grad_norm_chunks() const { return norm_chunks_; }
+
  private:
   Tensor<T, B> view_of(const Tensor<T, B>& buffer, index_t id, const char* what) const {
     GRAPHMOE_CHECK(allocated(), "ParameterArena", "call allocate() before taking a ", what);
@@ -143,6 +150,7 @@ class ParameterArena {
   index_t size_ = 0;
   Tensor<T, B> values_, grads_;
   std::uint64_t version_ = 0;
+  mutable std::optional<detail::OptimChunks<B>> norm_chunks_;  // none until clip_grad_norm
 };
 
 namespace detail {

@@ -114,9 +114,10 @@ class MultiHeadAttention {
     const Shape s = da.shape();
     const Shape flat{s[0] * s[1], d_};
     Tensor<T, B> daf = da.view(flat);
-    if (sinks_ready_) {
-      daf = daf.clone();
-      axpy(T(1), cache_.dout, daf);
+    if (sinks_ready_) {  // da + the graph's dout, in one pass (no copy of da first)
+      Tensor<T, B> sum = new_output<T, B>(flat);
+      add(daf, cache_.dout, sum);
+      daf = sum;
     }
     Tensor<T, B> do_att = new_output<T, B>(flat);  // assigned by o_.backward
     o_.backward(daf, &do_att);

@@ -16,7 +16,9 @@
 //   load_balance_loss_backward(p, indices, coef, dp)   dp += coef dL_lb/dp, for ids the forward
 //       checked (a backend may skip ids outside [0, E) instead of reading a flag back: CUDA's
 //       load_balance_gradient)
-// A backend without those hooks runs load_balance_loss for both.
+//   z_loss_into(gamma, value), z_loss_backward(gamma, coef, dgamma)   the same pair for L_z
+//       (CUDA: z_loss_value, z_loss_gradient)
+// A backend without those hooks runs load_balance_loss (z_loss) for both.
 //
 // Every backend computes the same values (the host arithmetic of core/aux_losses.hpp; the CUDA
 // hooks sum in double on the device: equal to rounding). Op layer:
@@ -85,7 +87,34 @@ void load_balance_loss_backward(const Tensor<T, B>& p, const Tensor<std::int32_t
 template <class T, Backend B>
 double z_loss(const Tensor<T, B>& gamma, double coef,
               std::type_identity_t<Tensor<T, B>>* dgamma) {
+  GRAPHMOE_CHECK(gamma.rank() == 2, "z_loss", "gamma has shape ", gamma.shape(),
+                 ", expected (N, E)");
+  if (dgamma != nullptr && !dgamma->empty()) check_shape("z_loss", "dgamma", *dgamma, gamma.shape());
   return z_loss(B{}, gamma, coef, dgamma);
+}
+
+// L_z of gamma into `value`: at once, or, inside with_deferred_checks on a backend that defers
+// (CUDA: z_loss_value), with the scope's next read (`value` must outlive the scope).
+template <class T, Backend B>
+void z_loss_into(const Tensor<T, B>& gamma, double& value) {
+  GRAPHMOE_CHECK(gamma.rank() == 2, "z_loss", "gamma has shape ", gamma.shape(),
+                 ", expected (N, E)");
+  if constexpr (requires { z_loss_value(B{}, gamma, value); })
+    z_loss_value(B{}, gamma, value);
+  else
+    value = z_loss(gamma, 0.0, nullptr);
+}
+
+// dgamma += coef dL_z/dgamma (CUDA: z_loss_gradient, on the device, no read back).
+template <class T, Backend B>
+void z_loss_backward(const Tensor<T, B>& gamma, double coef, Tensor<T, B>& dgamma) {
+  GRAPHMOE_CHECK(gamma.rank() == 2, "z_loss_backward", "gamma has shape ", gamma.shape(),
+                 ", expected (N, E)");
+  check_shape("z_loss_backward", "dgamma", dgamma, gamma.shape());
+  if constexpr (requires { z_loss_gradient(B{}, gamma, coef, dgamma); })
+    z_loss_gradient(B{}, gamma, coef, dgamma);
+  else
+    (void)z_loss(gamma, coef, &dgamma);
 }
 
 }  // namespace graphmoe

@@ -118,10 +118,15 @@ void sgd_update(const detail::OptimChunks<B>& chunks, const detail::SGDUpdate<T>
 template <class T, Backend B>
 double clip_grad_norm(ParameterArena<T, B>& arena, double max_norm) {
   detail::check_clip_args(arena, max_norm);
-  detail::OptimChunks<B> chunks;
-  chunks.host = detail::trainable_chunks(arena);
+  auto& cached = arena.grad_norm_chunks();  // built and uploaded on the first call only
+  if (!cached) {
+    detail::OptimChunks<B> built;
+    built.host = detail::trainable_chunks(arena);
+    if (built.size() > 0) upload_optim_chunks(B{}, built);
+    cached = std::move(built);
+  }
+  const detail::OptimChunks<B>& chunks = *cached;
   if (chunks.size() == 0) return detail::checked_norm(0.0);
-  upload_optim_chunks(B{}, chunks);
   T* const gv = arena.grads().data();
   const double norm = detail::checked_norm(grad_sumsq(B{}, chunks, static_cast<const T*>(gv)));
   if (max_norm > 0 && norm > max_norm) {

@@ -154,7 +154,8 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     out.load_balance_loss = 0.0;
     if (cfg_.load_balance_coef > 0)
       load_balance_loss_into(out.p, out.selection.indices, out.load_balance_loss);
-    out.z_loss = cfg_.z_loss_coef > 0 ? z_loss<T>(out.gamma, 0.0, nullptr) : 0.0;
+    out.z_loss = 0.0;
+    if (cfg_.z_loss_coef > 0) z_loss_into(out.gamma, out.z_loss);
   }
 
   // Incremental decoding (inference/decoder.hpp): u (n, D) holds one new token per row of
@@ -202,7 +203,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     graph_.backward(u, out.r, out.p, dp, ctx, dr, du);
     check_policy_output("token graph", Graph::name, "dr (backward)", dr, n, e);
     softmax_backward(out.r, dr, dgamma);
-    if (cfg_.z_loss_coef > 0) z_loss<T>(out.gamma, cfg_.z_loss_coef, &dgamma);
+    if (cfg_.z_loss_coef > 0) z_loss_backward(out.gamma, cfg_.z_loss_coef, dgamma);
     scorer_.backward(u, dgamma, du);
   }
 

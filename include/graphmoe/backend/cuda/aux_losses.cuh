@@ -11,9 +11,12 @@
 //   load_balance_gradient  the counts (one block), then dp[:, e] += coef E f_e / N (one thread per
 //                          entry): no read back; ids outside [0, E) (which the forward's check
 //                          reported) are skipped
+//   z_loss_value           one block: lse_i per row (each thread's rows), mean of lse^2 summed in
+//                          double, into a deferred value like load_balance_value's
+//   z_loss_gradient        one thread per row: dgamma_i += (coef 2 / N) lse_i softmax(gamma_i)
 // The general ops (load_balance_loss with a value and a gradient, z_loss) copy p (or gamma) and the
 // ids to the host (one synchronisation), evaluate the host arithmetic of core/aux_losses.hpp there
-// (the CPU's) and add the gradient back on the device; the z-loss (off by default) still does.
+// (the CPU's) and add the gradient back on the device: the references of the tests.
 #pragma once
 
 #include <cstdint>
@@ -75,7 +78,77 @@ struct AddColumnScaleOp {
   }
 };
 
+// lse_i = logsumexp of row i of gamma (n, e), in the accumulation type (T's for float / double).
+template <class T>
+__device__ inline acc_t<T> row_logsumexp(const T* g, index_t e) {
+  using A = acc_t<T>;
+  A mx = to_acc(g[0]);
+  for (index_t x = 1; x < e; ++x) mx = to_acc(g[x]) > mx ? to_acc(g[x]) : mx;
+  A s = A(0);
+  for (index_t x = 0; x < e; ++x) s += exp_t(to_acc(g[x]) - mx);
+  return mx + log_t(s);
+}
+
+// One block: *value = mean_i lse_i^2, summed in double (each thread's rows, then the block).
+template <class T>
+__global__ void z_loss_value_kernel(const T* gamma, index_t n, index_t e, double* value) {
+  double s = 0;
+  for (index_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const double lse = static_cast<double>(row_logsumexp(gamma + i * e, e));
+    s += lse * lse;
+  }
+  s = block_reduce(s, SumOp{}, 0.0);
+  if (threadIdx.x == 0) *value = n > 0 ? s / static_cast<double>(n) : 0.0;
+}
+
+// One thread per row: dgamma_i += (coef 2 / N) lse_i exp(gamma_i - lse_i).
+template <class T>
+__global__ void z_loss_gradient_kernel(const T* gamma, index_t n, index_t e, acc_t<T> scale,
+                                       T* dgamma) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    const T* g = gamma + i * e;
+    const acc_t<T> lse = row_logsumexp(g, e);
+    for (index_t x = 0; x < e; ++x)
+      dgamma[i * e + x] =
+          from_acc<T>(to_acc(dgamma[i * e + x]) + scale * lse * exp_t(to_acc(g[x]) - lse));
+  }
+}
+
 }  // namespace detail
+
+// L_z of gamma into `value`: a deferred value inside with_deferred_checks (delivered with the
+// batch's next read), else read at once.
+template <class T>
+void z_loss_value(cuda, const Tensor<T, cuda>& gamma, double& value) {
+  const index_t n = gamma.rows(), e = gamma.cols();
+  if (n == 0 || e == 0) {
+    value = 0.0;
+    return;
+  }
+  detail::DeviceCheckBatch* batch = detail::active_device_checks();
+  double* target = batch != nullptr ? batch->take_value(&value) : nullptr;
+  Tensor<double, cuda> own;
+  if (target == nullptr) {
+    own = Tensor<double, cuda>::uninitialized(Shape{1});
+    target = own.data();
+  }
+  detail::launch_kernel<detail::z_loss_value_kernel<T>>(1, detail::kThreads, gamma.data(), n, e,
+                                                        target);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  if (!own.empty()) value = detail::read_device_value(own.data());
+}
+
+// dgamma += coef dL_z/dgamma, on the device.
+template <class T>
+void z_loss_gradient(cuda, const Tensor<T, cuda>& gamma, double coef, Tensor<T, cuda>& dgamma) {
+  const index_t n = gamma.rows(), e = gamma.cols();
+  if (n == 0 || e == 0) return;
+  const auto scale = static_cast<detail::acc_t<T>>(coef * 2.0 / static_cast<double>(n));
+  detail::launch_kernel<detail::z_loss_gradient_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                           gamma.data(), n, e, scale,
+                                                           dgamma.data());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
 
 // L_lb into `value`: a deferred value inside with_deferred_checks (delivered with the batch's next
 // read), else read at once. Returns the first id outside [0, E) (pending inside a scope).

@@ -640,31 +640,40 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
   state.stores = true;
   state.seq_len = len;
   if (state.post.empty() || state.post.shape() != Shape{n, len})
-    state.post = Tensor<T, cuda>(Shape{n, len});
-  state.entropy = Tensor<T, cuda>(Shape{n});
-  state.head_dev = Tensor<std::int32_t, cuda>(Shape{n});
+    state.post = Tensor<T, cuda>::uninitialized(Shape{n, len});  // every row written below
+  if (state.entropy.empty() || state.entropy.shape() != Shape{n})
+    state.entropy = Tensor<T, cuda>::uninitialized(Shape{n});
+  if (state.head_dev.empty() || state.head_dev.shape() != Shape{n})
+    state.head_dev = Tensor<std::int32_t, cuda>::uninitialized(Shape{n});
   state.heads.clear();  // on the device only (attention_graph_heads)
   if (n == 0) return {};
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
 
   // h* per token
-  Tensor<T, cuda> ent = c.row_entropy;
-  if (ent.empty()) {
-    ent = Tensor<T, cuda>(Shape{nb, nh, len});
+  // (the cache's entropies when it has them; otherwise computed into scratch; no copy either way)
+  Tensor<T, cuda> ent_scratch;
+  const T* ent = c.row_entropy.data();
+  if (c.row_entropy.empty()) {
+    ent_scratch = Tensor<T, cuda>::uninitialized(Shape{nb, nh, len});
     detail::launch_kernel<detail::attention_row_entropy_kernel<T>>(
         detail::graph_warp_rows_blocks(nb * nh * len), detail::kThreads, c.probs.data(),
-        ent.data(), nb * nh * len, len);
+        ent_scratch.data(), nb * nh * len, len);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
+    ent = ent_scratch.data();
   }
-  Tensor<double, cuda> prefix(Shape{nb, nh});
+  auto prefix = Tensor<double, cuda>::uninitialized(Shape{nb, nh});  // zeroed by the kernel
   detail::launch_kernel<detail::attention_choose_heads_kernel<T>>(
-      detail::grid_for(nb), detail::kThreads, ent.data(), nb, nh, len, args.causal_heads,
+      detail::grid_for(nb), detail::kThreads, ent, nb, nh, len, args.causal_heads,
       prefix.data(), state.head_dev.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   // the posterior rows, one head at a time (each pass writes the rows of its head's tokens)
   detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
   const index_t dvc = c.v.cols(), dh = dvc / nh;
-  Tensor<T, cuda> m(Shape{n, dm}), msq(Shape{n}), q(Shape{n, dh}), g(Shape{n, len});
+  // scratch, every entry written before it is read (GEMMs with beta = 0 and row kernels)
+  auto m = Tensor<T, cuda>::uninitialized(Shape{n, dm});
+  auto msq = Tensor<T, cuda>::uninitialized(Shape{n});
+  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dh});
+  auto g = Tensor<T, cuda>::uninitialized(Shape{n, len});
   for (index_t h = 0; h < nh; ++h) {
     detail::attention_head_mean(c, h, dm, m, msq);
     detail::attention_head_query(c, h, dm, q);
@@ -717,7 +726,9 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   const index_t nt = n * len;
 
   // dl = A^p o (dp r^T - rowdot(dp, p))   (N, T)
-  Tensor<T, cuda> rowdot(Shape{n}), dl(Shape{n, len});
+  // scratch below: every entry written before it is read (GEMMs with beta = 0, row kernels)
+  auto rowdot = Tensor<T, cuda>::uninitialized(Shape{n});
+  auto dl = Tensor<T, cuda>::uninitialized(Shape{n, len});
   detail::graph_row_dot_cuda(dp, p, rowdot);
   detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::T, len, len, e, T(1), dp.data(), e,
                                 len * e, r.data(), e, len * e, T(0), dl.data(), len, len * len, nb);
@@ -725,8 +736,13 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
       detail::grid_for(nt), detail::kThreads, state.post.data(), rowdot.data(), dl.data(), n, len);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 
-  Tensor<T, cuda> dlh(Shape{n, len}), m(Shape{n, dm}), msq(Shape{n}), colsum(Shape{n}),
-      q(Shape{n, dh}), dq(Shape{n, dh}), y(Shape{n, dh});
+  auto dlh = Tensor<T, cuda>::uninitialized(Shape{n, len});
+  auto m = Tensor<T, cuda>::uninitialized(Shape{n, dm});
+  auto msq = Tensor<T, cuda>::uninitialized(Shape{n});
+  auto colsum = Tensor<T, cuda>::uninitialized(Shape{n});
+  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dh});
+  auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dh});
+  auto y = Tensor<T, cuda>::uninitialized(Shape{n, dh});
   for (index_t h = 0; h < nh; ++h) {  // every head: the kernels mask the other heads' rows
     const auto hh = static_cast<std::int32_t>(h);
     detail::launch_kernel<detail::attention_head_rows_kernel<T>>(
