@@ -50,6 +50,9 @@
 //     1.25, in the compact expert layout (one wait per MoE layer for the expert sizes) and the
 //     padded one (no wait in the forward before the loss; E C rows of expert work: 25% more at
 //     a uniform load).
+//   lm_train/{float,bf16}/{softmax,similarity}-cap1.25/padded-graph   the padded step with its
+//     forward, zero_grad and backward captured once into a CUDA graph (backend/cuda/graph.cuh)
+//     and replayed: one graph launch and one wait, then clip_grad_norm and AdamW as above.
 //   decode/float/<router>/b<batch>/p<prompt>   incremental decoding (inference/decoder.hpp) on the
 //     GPU: TransformerLM<Router, float, graphmoe::cuda> at paper_medium with a vocabulary of 10000
 //     and max_seq_len 1088, `batch` slots prefilled with `prompt` tokens (untimed), then one step
@@ -456,7 +459,8 @@ void BM_graph(benchmark::State& state, bool backward, MoeShape shape, GraphPreci
 
 // ---- LM training step -------------------------------------------------------------------------
 template <class Policy, class C = float>
-void BM_lm_train_capacity(benchmark::State& state, double capacity_factor, ExpertLayout layout) {
+void BM_lm_train_capacity(benchmark::State& state, double capacity_factor, ExpertLayout layout,
+                          bool graphed = false) {
   guarded(state, [&] {
     using T = float;
     TransformerLMConfig cfg = TransformerLMConfig::paper_medium(kVocab);
@@ -485,16 +489,30 @@ void BM_lm_train_capacity(benchmark::State& state, double capacity_factor, Exper
 
     std::int64_t step = 0;
     double loss = 0;
+    CudaGraph graph;  // graphed: the forward, zero_grad and backward, captured after the warm-up
     auto train_step = [&] {
       lm.set_step(step++);
-      loss = lm.forward(ids_dev, targets_dev).total();
-      lm.arena().zero_grad();
-      lm.backward();
+      if (graph.captured()) {
+        graph.replay();
+        loss = lm.last_loss().total();
+      } else {
+        loss = lm.forward(ids_dev, targets_dev).total();
+        lm.arena().zero_grad();
+        lm.backward();
+      }
       double norm = clip_grad_norm(lm.arena(), 1.0);
       opt.step(lm.arena(), opt.config().lr, lm.compute_mirror());  // bf16: the fused step
       benchmark::DoNotOptimize(norm);
     };
     for (int i = 0; i < kWarmup; ++i) train_step();
+    if (graphed) {
+      graph.capture([&] {
+        (void)lm.forward(ids_dev, targets_dev);
+        lm.arena().zero_grad();
+        lm.backward();
+      });
+      train_step();  // the first replay (instantiation's first launch) untimed
+    }
     cuda_stream_synchronize();
     EventTimer timer;
     for (auto _ : state) {
@@ -700,12 +718,28 @@ void register_all() {
   for (const ExpertLayout layout : {ExpertLayout::Compact, ExpertLayout::Padded}) {
     const std::string suffix = std::string("/softmax-cap1.25/") + expert_layout_name(layout);
     benchmark::RegisterBenchmark(("lm_train/float" + suffix).c_str(), BM_lm_train_capacity<SoftmaxRouter>,
-                                 1.25, layout)
+                                 1.25, layout, false)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("lm_train/bf16" + suffix).c_str(),
                                  BM_lm_train_capacity<SoftmaxRouter, __nv_bfloat16>, 1.25,
-                                 layout)
+                                 layout, false)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const char* router : {"softmax", "similarity"}) {
+    const std::string r = router;
+    const std::string suffix = "/" + r + "-cap1.25/padded-graph";
+    auto fp32 = r == "softmax" ? BM_lm_train_capacity<SoftmaxRouter>
+                               : BM_lm_train_capacity<SimilarityRouter>;
+    auto bf16 = r == "softmax" ? BM_lm_train_capacity<SoftmaxRouter, __nv_bfloat16>
+                               : BM_lm_train_capacity<SimilarityRouter, __nv_bfloat16>;
+    benchmark::RegisterBenchmark(("lm_train/float" + suffix).c_str(), fp32, 1.25,
+                                 ExpertLayout::Padded, true)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("lm_train/bf16" + suffix).c_str(), bf16, 1.25,
+                                 ExpertLayout::Padded, true)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }

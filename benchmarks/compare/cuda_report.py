@@ -287,7 +287,8 @@ def main():
     lm = {}
     for precision in ("float", "bf16"):
         for router in ("softmax", "similarity", "softmax-cap1.25/compact",
-                       "softmax-cap1.25/padded"):
+                       "softmax-cap1.25/padded", "softmax-cap1.25/padded-graph",
+                       "similarity-cap1.25/padded-graph"):
             r = get(f"lm_train/{precision}/{router}")
             if r is None and "/" in router:
                 continue  # rows of later sessions' benchmarks
@@ -309,6 +310,10 @@ def main():
         if padded and compact:
             print(f"padded / compact expert layout step time (softmax, capacity 1.25, "
                   f"{precision}): {fmt(ratio(padded, compact), '.3f')}")
+        graphed = lm.get((precision, "softmax-cap1.25/padded-graph"))
+        if padded and graphed:
+            print(f"CUDA graph / eager step time (softmax, padded, capacity 1.25, {precision}): "
+                  f"{fmt(ratio(graphed, padded), '.3f')}")
     print()
 
     rows = []

@@ -3,7 +3,9 @@
 // to_host come from graphmoe/cuda.cuh, which the .cu instantiations include first.
 #pragma once
 
+#include <cstddef>
 #include <type_traits>
+#include <utility>
 
 #include "graphmoe/train/training_state.hpp"
 
@@ -33,6 +35,24 @@ void require_device(const char*) {}
 template <class B>
 struct Bf16Compute {
   using type = void;
+};
+
+// A training step's forward and backward, replayed from a CUDA graph when asked (train_lm
+// --cuda-graph): the CPU runs the step as it is (the CUDA specialisation, common/device_cuda.cuh,
+// runs it eagerly once, captures it the next time into a graphmoe::CudaGraph and replays it from
+// then on). The step must read its inputs from tensors that stay the same between calls.
+template <class B>
+class StepGraph {
+ public:
+  explicit StepGraph(bool = false) {}
+  bool enabled() const { return false; }
+  template <class F>
+  void run(F&& step) {
+    std::forward<F>(step)();
+  }
+  // Drops the graph (before the model runs eagerly at other shapes: an evaluation).
+  void reset() {}
+  std::size_t captures() const { return 0; }
 };
 
 }  // namespace examples

@@ -19,4 +19,34 @@ struct Bf16Compute<graphmoe::cuda> {
   using type = __nv_bfloat16;
 };
 
+template <>
+class StepGraph<graphmoe::cuda> {
+ public:
+  explicit StepGraph(bool on = false) : on_(on) {}
+  bool enabled() const { return on_; }
+  template <class F>
+  void run(F&& step) {
+    if (!on_ || !warm_) {  // off, or the eager step that allocates the model's buffers
+      step();
+      warm_ = on_;
+      return;
+    }
+    if (!graph_.captured()) {
+      graph_.capture(step);
+      ++captures_;
+    }
+    graph_.replay();
+  }
+  void reset() {
+    graph_.reset();
+    warm_ = false;
+  }
+  std::size_t captures() const { return captures_; }
+
+ private:
+  bool on_ = false, warm_ = false;
+  std::size_t captures_ = 0;
+  graphmoe::CudaGraph graph_;
+};
+
 }  // namespace examples

@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
   app.add_option("--dp", opt.dp.ranks, "data parallel over N MPI processes (mpirun -n N ... --dp N; docs/distributed.md)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--ep", opt.dp.experts, "expert parallel: split every MoE layer's experts over the --dp ranks (1, or the --dp N; --experts a multiple of N)")->check(examples::integer<int>(1, examples::kMaxRanks));
   app.add_option("--device", opt.device, examples::device_help())->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_flag("--cuda-graph", opt.cuda_graph, "replay each step's forward and backward from a CUDA graph (one launch instead of hundreds): --device cuda, --expert-layout padded, a router with a fixed k (not smoe-dropout); captured after one eager step and again after each evaluation");
   app.add_option("--precision", opt.precision, "fp32, or bf16 with --device cuda: every GEMM (projections, experts, LM head) on bf16 operands with fp32 accumulation; fp32 master weights, optimizer state, LayerNorm, softmax and routers")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
@@ -143,6 +144,24 @@ int main(int argc, char** argv) {
           "train_lm", "--precision bf16 needs --device cuda (mixed precision runs the GEMMs on "
           "the GPU's bf16 tensor cores; --device ", opt.device, " computes in fp32)");
     examples::require_cpu_router("train_lm", opt.router, opt.device);
+    if (opt.cuda_graph) {
+      if (opt.device != "cuda")
+        examples::throw_same_on_every_rank(
+            "train_lm", "--cuda-graph needs --device cuda (a CUDA graph replays GPU work; --device ",
+            opt.device, " has none)");
+      if (m.expert_layout != ExpertLayout::Padded)
+        examples::throw_same_on_every_rank(
+            "train_lm", "--cuda-graph needs --expert-layout padded (and --capacity-factor > 0): the "
+            "compact layout reads the experts' sizes back to the host in every MoE layer, which a "
+            "graph cannot hold");
+      if (opt.router.rfind("smoe-dropout", 0) == 0)
+        examples::throw_same_on_every_rank(
+            "train_lm", "--cuda-graph needs a router with a fixed k (", opt.router,
+            " schedules k over the steps, and a graph replays the k it was captured with)");
+      if (opt.dp.experts > 1)
+        examples::throw_same_on_every_rank(
+            "train_lm", "--cuda-graph with --ep: the experts' exchange goes through the host");
+    }
     if (m.expert_layout == ExpertLayout::Padded && !(m.router.capacity_factor > 0))
       examples::throw_same_on_every_rank(
           "train_lm", "--expert-layout padded needs --capacity-factor > 0 (each expert's block is "

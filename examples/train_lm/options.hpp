@@ -37,6 +37,9 @@ struct Options {
   // fp32, or bf16 (--device cuda only): every GEMM of the model on bf16 operands with fp32
   // accumulation, fp32 master weights and optimizer state (TransformerLM's compute type C)
   std::string precision = "fp32";
+  // --cuda-graph: each step's forward, zero_grad and backward replayed from a CUDA graph
+  // (graphmoe::CudaGraph; --device cuda, --expert-layout padded, a router with a fixed k)
+  bool cuda_graph = false;
   std::string out_dir = "runs/lm";
   bool resume = false;
   examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss

@@ -207,6 +207,11 @@ int run_model(const Options& opt, const Data& data) {
   // diverged step never updates the weights and never overwrites the last checkpoint
   DivergenceGuard guard(examples::divergence_config(opt.divergence, static_cast<double>(mc.vocab_size)),
                         "train_lm");
+  // --cuda-graph: the step's forward, zero_grad and backward replayed from a CUDA graph that reads
+  // the batch from these two tensors (written in place every step); dropped before every
+  // evaluation (which runs the model at its own shapes) and captured again after it
+  examples::StepGraph<B> step_graph(opt.cuda_graph);
+  Tensor<std::int32_t, B> graph_inputs, graph_targets;
   for (; step < opt.steps; ++step) {
     if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
     // with --dp, this rank's shard of the global batch every rank draws
@@ -214,11 +219,28 @@ int run_model(const Options& opt, const Data& data) {
     lm.set_step(step);
     double loss = 0;
     examples::before_optimizer_step("train_lm", step + 1, [&] {
-      loss = lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).total();
-      loss = examples::mean_over_ranks(dp, loss);  // the whole batch's: the same guard everywhere
-      guard.check_loss(step + 1, loss);
-      lm.arena().zero_grad();
-      lm.backward();
+      if (step_graph.enabled()) {  // the loss is checked after the backward: still before the update
+        if constexpr (std::is_same_v<B, cpu>) {
+          graph_inputs = b.inputs;
+          graph_targets = b.targets;
+        } else {
+          to_device(b.inputs, graph_inputs);  // in place once allocated: what the graph reads
+          to_device(b.targets, graph_targets);
+        }
+        step_graph.run([&] {
+          (void)lm.forward(graph_inputs, graph_targets);
+          lm.arena().zero_grad();
+          lm.backward();
+        });
+        loss = examples::mean_over_ranks(dp, lm.last_loss().total());
+        guard.check_loss(step + 1, loss);
+      } else {
+        loss = lm.forward(examples::on_backend<B>(b.inputs), examples::on_backend<B>(b.targets)).total();
+        loss = examples::mean_over_ranks(dp, loss);  // the whole batch's: the same guard everywhere
+        guard.check_loss(step + 1, loss);
+        lm.arena().zero_grad();
+        lm.backward();
+      }
       examples::average_gradients(dp, lm.arena());  // clipping sees the whole batch's gradient
       last_norm = examples::clip_checked(guard, step + 1, lm.arena(), opt.clip, [&](auto& a, double c) {
         return examples::clip_grad_norm(dp, a, c);  // with --ep, over every rank's experts
@@ -236,6 +258,7 @@ int run_model(const Options& opt, const Data& data) {
 
     const bool last = step + 1 == opt.steps;
     if ((opt.eval_every > 0 && (step + 1) % opt.eval_every == 0) || last) {
+      step_graph.reset();
       const double vloss = evaluate<B>(lm, valid, opt.eval_batches, dp);
       guard.check_eval(step + 1, "validation loss", vloss);  // before the row and the save
       std::vector<double> row = {static_cast<double>(step + 1), last_loss, vloss, std::exp(vloss),
@@ -268,6 +291,10 @@ int run_model(const Options& opt, const Data& data) {
       save(step + 1);  // on every rank: rank 0 writes
   }
   if (root) bar.finish();
+  step_graph.reset();
+  if (root && step_graph.enabled())
+    std::fprintf(stderr, "train_lm: --cuda-graph: %zu captures (one after each evaluation)\n",
+                 step_graph.captures());
   if (dp.active()) {
     // the ranks must still hold the same parameters (checked once: it broadcasts the arena)
     const double divergence = examples::max_parameter_divergence(dp, lm.arena());

@@ -31,6 +31,7 @@
 #include "graphmoe/backend/cuda/gates.cuh"
 #include "graphmoe/backend/cuda/gelu.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/backend/cuda/graph.cuh"
 #include "graphmoe/backend/cuda/grouped.cuh"
 #include "graphmoe/backend/cuda/layernorm.cuh"
 #include "graphmoe/backend/cuda/optim.cuh"

@@ -42,6 +42,8 @@
 #include "graphmoe/backend/cuda/embedding.cuh"
 #include "graphmoe/backend/cuda/dropout.cuh"
 #include "graphmoe/backend/cuda/dropout.cuh"
+#include "graphmoe/backend/cuda/graph.cuh"
+#include "graphmoe/backend/cuda/graph.cuh"
 #include "graphmoe/backend/cuda/detail/nn_launch.cuh"
 #include "graphmoe/backend/cuda/detail/nn_launch.cuh"
 #include "graphmoe/backend/cuda/detail/nn_functors.hpp"

@@ -584,11 +584,13 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   CHECK(same(p6.c, p6e.c));
   CHECK(p4.c.copies_to_host == p2.c.copies_to_host);
   CHECK(p4.c.async_copies_to_host == p2.c.async_copies_to_host);
-  CHECK(p6e.c.copies_to_host + 6 == soft.c.copies_to_host);
-  CHECK(p6e.c.async_copies_to_host == 1);  // the forward's checks, with the loss
-  // two waits a step: the loss (with the target scan and the forward's checks: the backward
-  // takes the forward's count) and the gradient norm
-  CHECK(p6e.c.copies_to_host == 2);
+  CHECK(p6e.c.copies_to_host + 6 == soft.c.copies_to_host);  // the compact plan's offsets
+  // two waits a step: the end of the forward's scope (one asynchronous copy that brings the loss,
+  // the count of targets, the checks and the routers' values, then one synchronisation; the
+  // backward reads the count on the device) and the gradient norm (a copy to pageable memory)
+  CHECK(p6e.c.async_copies_to_host == 1);
+  CHECK(p6e.c.copies_to_host == 1);
+  CHECK(p6e.c.synchronizations == 2);
   CHECK(p6e.c.copies_on_device == 0);
   // no memset per block either (the capacity mask writes keep in full), and no pointer arrays to
   // upload (the expert GEMMs are strided-batched over E equal problems)
@@ -603,7 +605,8 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   };
   const StepCensus b2 = balanced(2, 4), b4 = balanced(4, 4), b6e = balanced(6, 16);
   print_census("softmax, padded experts, load balancing 0.01, 6 blocks, E = 16", b6e);
-  CHECK(b6e.c.copies_to_host == 2);
+  CHECK(b6e.c.copies_to_host == 1);
+  CHECK(b6e.c.synchronizations == 2);
   CHECK(b4.c.copies_to_host == b2.c.copies_to_host);
   CHECK(b4.c.copies_to_device == b2.c.copies_to_device);
   CHECK(b6e.c.device_allocations == 0);
@@ -614,7 +617,8 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   };
   const StepCensus z2 = z(2, 4), z4 = z(4, 4), z6e = z(6, 16);
   print_census("softmax, padded experts, load balancing 0.01, z-loss 0.001, 6 blocks, E = 16", z6e);
-  CHECK(z6e.c.copies_to_host == 2);
+  CHECK(z6e.c.copies_to_host == 1);
+  CHECK(z6e.c.synchronizations == 2);
   CHECK(z4.c.copies_to_host == z2.c.copies_to_host);
   CHECK(z4.c.copies_to_device == z2.c.copies_to_device);
   CHECK(z4.c.kernel_launches - z2.c.kernel_launches == b4.c.kernel_launches - b2.c.kernel_launches + 2 * 2);
@@ -626,7 +630,8 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   };
   const StepCensus a2 = attention(2, 4), a4 = attention(4, 4), a6e = attention(6, 16);
   print_census("attention, padded experts, load balancing 0.01, 6 blocks, E = 16", a6e);
-  CHECK(a6e.c.copies_to_host == 2);
+  CHECK(a6e.c.copies_to_host == 1);
+  CHECK(a6e.c.synchronizations == 2);
   CHECK(a4.c.copies_to_host == a2.c.copies_to_host);
   CHECK(a6e.c.device_allocations == 0);
   // its scratch is not zero-filled (every entry is written first) and da is not copied before
@@ -643,6 +648,234 @@ TEST_CASE("emulation: an LM training step's launches, copies and allocations (ce
   CHECK(conversions <= 8 * 6 + 2);
 }
 #endif  // GRAPHMOE_CUDA_EMULATION
+
+// ---- CUDA graphs (backend/cuda/graph.cuh) ----------------------------------------------------
+
+namespace {
+
+// A padded MoE layer (capacity 1.25, load balancing and z-loss on) with its arena, inputs and
+// outputs: one training step's forward and backward, the unit the CUDA graph tests capture.
+struct MoEStep {
+  MoEConfig cfg;
+  ParameterArena<float, graphmoe::cuda> arena;
+  MoELayer<SoftmaxRouter, float, graphmoe::cuda> layer;
+  GraphContext<float, graphmoe::cuda> ctx{10, nullptr};
+  Tensor<float, graphmoe::cuda> u, dy, y, du;
+
+  explicit MoEStep(ExpertLayout layout = ExpertLayout::Padded) {
+    cfg.d_model = 16;
+    cfg.d_ff = 24;
+    cfg.router.num_experts = 4;
+    cfg.router.k = 2;
+    cfg.router.capacity_factor = 1.25;
+    cfg.router.load_balance_coef = 0.01;
+    cfg.router.z_loss_coef = 1e-3;
+    cfg.layout = layout;
+    layer.declare(arena, "moe.", cfg);
+    arena.allocate();
+    layer.bind(arena);
+    Rng r(7);
+    layer.init(r);
+    set_inputs(0);
+  }
+  // New input values, written into the tensors in place (what a captured step reads).
+  void set_inputs(std::uint64_t seed) {
+    Rng data(100 + seed);
+    to_device(random_tensor<float>(Shape{20, cfg.d_model}, data), u);
+    to_device(random_tensor<float>(Shape{20, cfg.d_model}, data), dy);
+  }
+  void run() {
+    arena.zero_grad();
+    layer.forward(u, ctx, y);
+    layer.backward(dy, du);
+  }
+};
+
+}  // namespace
+
+// A replay computes what the eager step computes, for new inputs written in place, with the
+// deferred values (the auxiliary losses) delivered after each replay.
+TEST_CASE("cuda graph: a captured MoE layer step (padded experts) replays like the eager one") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  MoEStep graphed, eager;
+  graphed.run();  // warm-up: the outputs exist, the allocator's cache holds the step's sizes
+  CudaGraph g;
+  CHECK_FALSE(g.captured());
+  g.capture([&] { graphed.run(); });
+  REQUIRE(g.captured());
+  CHECK(g.deferred_slots() > 0);  // the router's checks and the two losses' values
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    graphed.set_inputs(step);
+    eager.set_inputs(step);
+    g.replay();
+    eager.run();
+    check_close("replayed y", to_host(eager.y), graphed.y, 1e-6);
+    check_close("replayed du", to_host(eager.du), graphed.du, 1e-6);
+    check_close("replayed gradients", to_host(eager.arena.grads()), graphed.arena.grads(), 1e-6);
+    const Loss le = eager.layer.losses(), lg = graphed.layer.losses();
+    CHECK(le.load_balance > 0);
+    CHECK(lg.load_balance == doctest::Approx(le.load_balance).epsilon(1e-6));
+    CHECK(lg.z_loss == doctest::Approx(le.z_loss).epsilon(1e-6));
+  }
+  CHECK(g.replays() == 3);
+#if defined(GRAPHMOE_CUDA_EMULATION)
+  // a replay is one graph launch and one wait; it runs the eager step's kernels and GEMMs
+  const auto before = graphmoe_cuda_emulation::counters();
+  g.replay();
+  const auto mid = graphmoe_cuda_emulation::counters();
+  eager.run();
+  const auto after = graphmoe_cuda_emulation::counters();
+  CHECK(mid.graph_launches - before.graph_launches == 1);
+  CHECK(mid.synchronizations - before.synchronizations == 1);
+  CHECK(mid.copies_to_host == before.copies_to_host);
+  CHECK(mid.async_copies_to_host - before.async_copies_to_host == 1);
+  CHECK(mid.device_allocations == before.device_allocations);
+  CHECK(mid.kernel_launches - before.kernel_launches == after.kernel_launches - mid.kernel_launches);
+  CHECK(mid.cublas_calls - before.cublas_calls == after.cublas_calls - mid.cublas_calls);
+#endif
+}
+
+// A replay whose work trips a content check throws the eager step's error, and the next replay
+// with good inputs runs normally.
+TEST_CASE("cuda graph: a replay throws the eager step's first check error") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  MoEStep graphed, eager;
+  graphed.run();
+  CudaGraph g;
+  g.capture([&] { graphed.run(); });
+  Rng data(5);
+  Tensor<float, cpu> bad = random_tensor<float>(Shape{20, graphed.cfg.d_model}, data);
+  bad.data()[3 * graphed.cfg.d_model + 2] = std::numeric_limits<float>::quiet_NaN();
+  to_device(bad, graphed.u);
+  const std::string eager_error = test::error_of([&] {
+    to_device(bad, eager.u);
+    eager.run();
+  });
+  CAPTURE(eager_error);
+  CHECK(eager_error.find("nan") != std::string::npos);
+  CHECK(test::error_of([&] { g.replay(); }) == eager_error);
+  graphed.set_inputs(9);
+  eager.set_inputs(9);
+  g.replay();
+  eager.run();
+  check_close("y after a failed replay", to_host(eager.y), graphed.y, 1e-6);
+}
+
+// What a graph cannot hold is refused at capture, naming the problem; the stream and the
+// allocator stay usable, and a block the capture freed is not handed out while the graph lives.
+TEST_CASE("cuda graph: capture refuses reads, synchronisations and the compact layout") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng data(3);
+  const auto x = to_device(random_tensor<float>(Shape{4, 5}, data));
+  CudaGraph g;
+  CHECK(test::error_of([&] { g.replay(); }).find("nothing captured") != std::string::npos);
+  const std::string read_error = test::error_of([&] {
+    g.capture([&] {
+      Tensor<float, graphmoe::cuda> y;
+      add(x, x, y);
+      (void)to_host(y);  // a read back: not capturable
+    });
+  });
+  CHECK(read_error.find("CudaGraph::capture") != std::string::npos);
+  CHECK(read_error.find("capturing") != std::string::npos);
+  CHECK_FALSE(g.captured());
+  // the stream works as before
+  Tensor<float, graphmoe::cuda> y;
+  add(x, x, y);
+  Tensor<float, cpu> twice = to_host(x);
+  for (index_t i = 0; i < twice.numel(); ++i) twice.data()[i] *= 2;
+  check_close("2x after a failed capture", twice, y, 0.0);
+  MoEStep compact(ExpertLayout::Compact);
+  compact.run();
+  CHECK(test::error_of([&] { g.capture([&] { compact.run(); }); }).find("ExpertLayout::Padded") !=
+        std::string::npos);
+  CHECK(test::error_of([&] {
+          with_deferred_checks(graphmoe::cuda{}, [&] { g.capture([&] {}); });
+        }).find("with_deferred_checks") != std::string::npos);
+  // a scratch block freed inside the capture stays the graph's
+  const float* scratch = nullptr;
+  g.capture([&] {
+    auto t = Tensor<float, graphmoe::cuda>::uninitialized(Shape{1000});
+    scratch = t.data();
+    add(x, x, y);
+  });
+  REQUIRE(g.captured());
+  const auto again = Tensor<float, graphmoe::cuda>::uninitialized(Shape{1000});
+  CHECK(again.data() != scratch);
+  g.replay();
+  g.reset();
+  CHECK_FALSE(g.captured());
+}
+
+// The language model's training step in a graph: forward (its loss, the routers' checks and
+// auxiliary losses deferred), zero_grad and backward captured once; each replay takes the batch
+// written into the captured ids and targets. Clipping and AdamW run outside (the optimizer's step
+// count and learning rate change every step). Three routers: the Attention graph keeps h* on the
+// device, the Similarity graph is one fused pass.
+TEST_CASE_TEMPLATE("cuda graph: a captured TransformerLM training step replays like the eager one",
+                   Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  TransformerLMConfig cfg = tiny_lm(MoELayout::Switch);
+  cfg.num_layers = 2;
+  cfg.router.num_experts = 4;
+  cfg.router.capacity_factor = 1.25;
+  cfg.router.load_balance_coef = 0.01;
+  cfg.router.z_loss_coef = 1e-3;
+  cfg.expert_layout = ExpertLayout::Padded;
+  TransformerLM<Policy, float, graphmoe::cuda> graphed(cfg, 3), eager(cfg, 3);
+  AdamWConfig oc;
+  AdamW<float, graphmoe::cuda> opt_g(graphed.arena(), oc), opt_e(eager.arena(), oc);
+  Rng data(1);
+  auto batch = [&](Tensor<std::int32_t, graphmoe::cuda>& ids, Tensor<std::int32_t, graphmoe::cuda>& tg) {
+    Tensor<std::int32_t, cpu> h_ids = random_ids(Shape{2, 12}, cfg.vocab_size, data);
+    Tensor<std::int32_t, cpu> h_tg = random_ids(Shape{2, 12}, cfg.vocab_size, data);
+    h_tg.data()[5] = TransformerLM<Policy, float, graphmoe::cuda>::kIgnoreIndex;  // ignored: the count is not the row count
+    to_device(h_ids, ids);
+    to_device(h_tg, tg);
+  };
+  Tensor<std::int32_t, graphmoe::cuda> ids, targets, eids, etargets;
+  batch(ids, targets);
+  auto run = [](auto& lm, const auto& i, const auto& t) {
+    (void)lm.forward(i, t);
+    lm.arena().zero_grad();
+    lm.backward();
+  };
+  run(graphed, ids, targets);  // warm-up: the model's buffers exist, the cache holds the sizes
+  CudaGraph g;
+  g.capture([&] { run(graphed, ids, targets); });
+  for (int step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    batch(ids, targets);
+    eids = Tensor<std::int32_t, graphmoe::cuda>();
+    etargets = Tensor<std::int32_t, graphmoe::cuda>();
+    to_device(to_host(ids), eids);
+    to_device(to_host(targets), etargets);
+    g.replay();
+    run(eager, eids, etargets);
+    const Loss lg = graphed.last_loss(), le = eager.last_loss();
+    CHECK(le.task > 0);
+    CHECK(lg.task == doctest::Approx(le.task).epsilon(1e-6));
+    CHECK(lg.load_balance == doctest::Approx(le.load_balance).epsilon(1e-6));
+    CHECK(lg.z_loss == doctest::Approx(le.z_loss).epsilon(1e-6));
+    check_close("replayed gradients", to_host(eager.arena().grads()), graphed.arena().grads(), 1e-5);
+    const double ng = clip_grad_norm(graphed.arena(), 1.0), ne = clip_grad_norm(eager.arena(), 1.0);
+    CHECK(ng == doctest::Approx(ne).epsilon(1e-5));
+    opt_g.step(graphed.arena(), 1e-2);
+    opt_e.step(eager.arena(), 1e-2);
+  }
+  check_close("parameters after 3 steps", to_host(eager.arena().values()), graphed.arena().values(),
+              1e-5);
+#if defined(GRAPHMOE_CUDA_EMULATION)
+  const auto before = graphmoe_cuda_emulation::counters();
+  g.replay();
+  const auto after = graphmoe_cuda_emulation::counters();
+  CHECK(after.graph_launches - before.graph_launches == 1);
+  CHECK(after.synchronizations - before.synchronizations == 1);  // the replay's one wait
+  CHECK(after.copies_to_host == before.copies_to_host);
+  CHECK(after.device_allocations == before.device_allocations);
+#endif
+}
 
 TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();

@@ -334,6 +334,91 @@ TEST_CASE("cuda vs cpu: cross-entropy bad input throws the CPU message") {
 #endif
 }
 
+// cross_entropy_forward_into inside a deferred scope (the language model's forward; a CUDA graph):
+// nothing read until the scope ends, loss and count delivered then, the backward reading the count
+// on the device; outside a scope the immediate form. Both equal the CPU's; errors the CPU's.
+TEST_CASE_TEMPLATE("cuda vs cpu: cross_entropy_forward_into, deferred and immediate", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(29);
+  const index_t rows = 37, classes = 11;
+  const auto logits = random_tensor<T>({rows, classes}, rng, -3.0, 3.0);
+  Tensor<std::int32_t> targets({rows});
+  for (index_t i = 0; i < rows; ++i)
+    targets.data()[i] = i % 7 == 3 ? -100
+                                   : static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(classes)));
+  const auto ld = to_device(logits);
+  const auto td = to_device(targets);
+  Tensor<T> lp, dl;
+  CrossEntropyResult<cpu> host;
+  cross_entropy_forward_into(logits, targets, lp, -100, host);
+  CHECK(host.count == 32.0);  // 37 rows, 3, 10, 17, 24 and 31 ignored
+  cross_entropy_backward(lp, targets, T(0.5), dl, -100, host);
+  for (const bool deferred : {false, true}) {
+    CAPTURE(deferred);
+    CrossEntropyResult<cuda> dev;
+    Tensor<T, cuda> lpd, dld;
+    auto run = [&] { cross_entropy_forward_into(ld, td, lpd, -100, dev); };
+    if (deferred) {
+      with_deferred_checks(cuda{}, [&] {
+#if defined(GRAPHMOE_CUDA_EMULATION)
+        const auto before = graphmoe_cuda_emulation::counters();
+        run();
+        CHECK(graphmoe_cuda_emulation::counters().copies_to_host == before.copies_to_host);
+        CHECK(graphmoe_cuda_emulation::counters().synchronizations == before.synchronizations);
+#else
+        run();
+#endif
+        CHECK(dev.count == -1);  // not delivered yet
+        CHECK_FALSE(dev.device.empty());
+      });
+    } else {
+      run();
+      CHECK(dev.device.empty());
+    }
+    CHECK(dev.count == host.count);
+    CHECK(dev.loss == doctest::Approx(host.loss).epsilon(std::is_same_v<T, float> ? 1e-6 : 1e-14));
+    check_close("log_probs", lp, lpd);
+    cross_entropy_backward(lpd, td, T(0.5), dld, -100, dev);
+    check_close("dlogits (count on the device or the host)", dl, dld);
+  }
+  // every target ignored: loss 0, count 0, a zero gradient
+  Tensor<std::int32_t> none({rows});
+  for (index_t i = 0; i < rows; ++i) none.data()[i] = -100;
+  CrossEntropyResult<cuda> empty;
+  Tensor<T, cuda> lpe, dle;
+  with_deferred_checks(cuda{}, [&] { cross_entropy_forward_into(ld, to_device(none), lpe, -100, empty); });
+  CHECK(empty.count == 0.0);
+  CHECK(empty.loss == 0.0);
+  cross_entropy_backward(lpe, to_device(none), T(1), dle, -100, empty);
+  check_equal("dlogits, every target ignored", Tensor<T>({rows, classes}), dle);
+  // bad input, deferred: the CPU's messages, the target's first
+  auto nan_logits = logits.clone();
+  nan_logits(3, 1) = std::numeric_limits<T>::quiet_NaN();
+  auto bad_targets = targets.clone();
+  bad_targets.data()[20] = static_cast<std::int32_t>(classes);
+  for (const bool bad_row : {false, true}) {
+    for (const bool bad_target : {false, true}) {
+      if (!bad_row && !bad_target) continue;
+      const auto& lg = bad_row ? nan_logits : logits;
+      const auto& tg = bad_target ? bad_targets : targets;
+      const std::string cpu_msg = error_of([&] {
+        Tensor<T> p;
+        CrossEntropyResult<cpu> r;
+        cross_entropy_forward_into(lg, tg, p, -100, r);
+      });
+      CHECK(!cpu_msg.empty());
+      Tensor<T, cuda> p;
+      CrossEntropyResult<cuda> r;  // outlives the scope (its values are delivered at the end)
+      CHECK(error_of([&] {
+              with_deferred_checks(cuda{}, [&] {
+                cross_entropy_forward_into(to_device(lg), to_device(tg), p, -100, r);
+              });
+            }) == cpu_msg);
+    }
+  }
+}
+
 // ---- embedding ----------------------------------------------------------------------------------
 
 TEST_CASE_TEMPLATE("cuda vs cpu: embedding forward and backward (exact)", T, float, double) {
@@ -361,12 +446,25 @@ TEST_CASE_TEMPLATE("cuda vs cpu: embedding forward and backward (exact)", T, flo
         auto dtable = random_tensor<T>({vocab, d}, rng);  // accumulated onto
         auto dtabled = to_device(dtable);
         auto dtabled2 = to_device(dtable);
+        auto dtabled3 = to_device(dtable);
         const auto doutd = to_device(dout);
         embedding_backward(ids, dout, dtable);
         embedding_backward(idsd, doutd, dtabled);
         check_equal("embedding_backward dtable", dtable, dtabled);
         embedding_backward(idsd, doutd, dtabled2);
         check_equal("embedding_backward, run to run", to_host(dtabled), dtabled2);
+        // inside a deferred scope (a language model's forward, a CUDA graph): the ids' checks are
+        // deferrable flags and the backward is the direct kernel (no Thrust; O(n^2) id
+        // comparisons, so the small shapes only): bit for bit the CPU's too
+        if (ids.numel() <= 1000) {
+          Tensor<T, cuda> outd3;
+          with_deferred_checks(cuda{}, [&] {
+            embedding_forward(idsd, to_device(table), outd3);
+            embedding_backward(idsd, doutd, dtabled3);
+          });
+          check_equal("embedding_forward (deferred check)", out, outd3);
+          check_equal("embedding_backward (direct kernel)", dtable, dtabled3);
+        }
       }
     }
   }
@@ -393,6 +491,15 @@ TEST_CASE("cuda vs cpu: embedding bad input throws the CPU message") {
     CHECK(error_of([&] { embedding_backward(to_device(ids), to_device(dout), dtabled); }) ==
           cpu_msg2);
     check_equal("dtable untouched by the failed call", dtable, dtabled);
+    // deferred (the checks' flags read when the scope ends): the same messages
+    CHECK(error_of([&] {
+            with_deferred_checks(cuda{}, [&] { embedding_forward(to_device(ids), tabled, outd); });
+          }) == cpu_msg);
+    CHECK(error_of([&] {
+            with_deferred_checks(cuda{}, [&] {
+              embedding_backward(to_device(ids), to_device(dout), dtabled);
+            });
+          }) == cpu_msg2);
   }
   auto ids = Tensor<std::int32_t>::from({2, 3}, {0, 1, 2, 3, 4, 0});
   auto bad_dout = random_tensor<float>({2, 3, 4}, rng);

@@ -298,8 +298,15 @@ void check_embedding(const char* policy_name, const Policy& policy) {
         Tensor<T> out;
         embedding_forward(ids, table, out);
         Tensor<T> out2(out.shape());
-        for_each_index(n * d, detail::EmbeddingGatherOp<T>{ids.data(), table.data(), d, out2.data()});
+        for_each_index(n * d, detail::EmbeddingGatherOp<T>{ids.data(), table.data(), d, vocab, out2.data()});
         check_same_bits("embedding out", out, out2);
+        // an id out of range (reported by a deferred check after the gather ran): a zero row,
+        // never a read outside the table
+        auto bad_ids = ids.clone();
+        bad_ids.data()[0] = static_cast<std::int32_t>(vocab);
+        for_each_index(n * d, detail::EmbeddingGatherOp<T>{bad_ids.data(), table.data(), d, vocab,
+                                                          out2.data()});
+        for (index_t c = 0; c < d; ++c) CHECK(out2.data()[c] == T(0));
 
         auto dout = random_tensor<T>(out.shape(), rng);
         auto dtable = random_tensor<T>({vocab, d}, rng);  // accumulates onto these values

@@ -259,6 +259,24 @@ TEST_CASE("examples: train_lm --expert-layout padded needs --capacity-factor, an
   check_refused(run(s, kTrainLM, args), {"--expert-layout: sparse not in {compact,padded}"});
 }
 
+TEST_CASE("examples: train_lm --cuda-graph is refused where a graph cannot replay the step") {
+  Scratch s("cuda_graph");
+  const std::string corpus = s / "corpus.txt";
+  test::write_word_corpus(corpus);
+  const std::string dir = s / "graph";
+  std::vector<std::string> args = lm_args(corpus, dir, 2);
+  args.push_back("--cuda-graph");
+  check_refused(run(s, kTrainLM, args), {"--cuda-graph needs --device cuda"});
+  CHECK(!fs::exists(dir + "/metrics.csv"));  // refused before any work
+  // checked before a device is looked for: these run without a GPU too
+  args.insert(args.end(), {"--device", "cuda"});
+  check_refused(run(s, kTrainLM, args), {"--cuda-graph needs --expert-layout padded"});
+  args.insert(args.end(), {"--expert-layout", "padded", "--capacity-factor", "1.25"});
+  *std::find(args.begin(), args.end(), "softmax") = "smoe-dropout";  // lm_args' --router
+  check_refused(run(s, kTrainLM, args), {"--cuda-graph needs a router with a fixed k"});
+  CHECK(!fs::exists(dir + "/metrics.csv"));
+}
+
 TEST_CASE("examples: train_lm --resume refuses broken and malformed checkpoints, naming the file and field") {
   Scratch s("resume");
   const std::string corpus = s / "corpus.txt";

@@ -9,8 +9,21 @@
 #include "graphmoe/core/bad_row.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/shape.hpp"
+#include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
+
+// What cross_entropy_forward_into (ops/cross_entropy.hpp) leaves for its caller and for the
+// backward. On a backend that defers (CUDA inside with_deferred_checks, or a CUDA graph), loss and
+// count are deferred values: delivered by the scope's read (or the graph's replay), so they must
+// outlive it; `device` then holds the count where the backward's kernel reads it, so that the
+// backward needs nothing from the host.
+template <class B>
+struct CrossEntropyResult {
+  double loss = 0;    // mean negative log-likelihood over the rows not ignored (0 if all are)
+  double count = -1;  // the rows not ignored (an integer); -1: no forward (or it threw)
+  Tensor<unsigned long long, B> device;  // empty, or {count} on the device (the backend's)
+};
 
 // A backend's scan of cross_entropy's targets (rows, one target each).
 struct TargetScan {
@@ -45,6 +58,13 @@ template <class T>
 struct CrossEntropyScanned {
   TargetScan scan;
   CrossEntropyValue<T> value;
+};
+
+// The content checks of a backend's deferred forward (cross_entropy_forward_deferred): each may be
+// pending (core/deferred_check.hpp).
+struct CrossEntropyChecks {
+  Offender target;  // the first row whose target is out of range (and that target)
+  BadRow row;       // the first row of logits without a finite maximum
 };
 
 }  // namespace graphmoe

@@ -280,20 +280,30 @@ class TransformerLM {
   // routers' checks and load-balancing losses are read with the loss, so that a forward with the
   // padded expert layout (expert_layout) runs without a read back to the host until its loss;
   // the first failed check throws its own error as before.
+  //
+  // On a GPU the forward and backward with the padded expert layout can be captured into a CUDA
+  // graph (backend/cuda/graph.cuh): write the next batch into the same ids and targets tensors,
+  // replay, and read last_loss() (the replay delivers its values). The forward's return value
+  // inside a capture is meaningless (nothing has run).
   Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     check_bound("forward");
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
-    double task = 0;
-    with_deferred_checks(B{}, [&] { task = forward_checked(ids, targets); });
-    Loss loss = moe_losses(blocks_);  // the routers' values are delivered once the scope ended
-    loss.task = task;
+    with_deferred_checks(B{}, [&] { forward_checked(ids, targets); });
+    return last_loss();  // the values are delivered once the scope ended
+  }
+
+  // The loss of the last forward, broken down as forward returned it; after a replay of a
+  // captured forward, the replay's.
+  Loss last_loss() const {
+    Loss loss = moe_losses(blocks_);
+    loss.task = has_loss_ ? ce_.loss : 0.0;
     return loss;
   }
 
  private:
-  // The forward; returns the task loss (0 without targets).
-  double forward_checked(const Tensor<std::int32_t, B>& ids,
-                         const Tensor<std::int32_t, B>& targets) {
+  // The forward (its task loss lands in ce_, a deferred value on a GPU).
+  void forward_checked(const Tensor<std::int32_t, B>& ids,
+                       const Tensor<std::int32_t, B>& targets) {
     trunk_forward(ids);
     const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
     targets_ = targets;
@@ -310,10 +320,9 @@ class TransformerLM {
     Tensor<T, B> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
     head_forward(xf_.view(Shape{b * t, d}), lflat);
     has_loss_ = !targets.empty();
-    ce_count_ = -1;  // a forward that throws leaves the backward to scan (and throw) itself
-    if (targets.empty()) return 0.0;
-    return static_cast<double>(
-        cross_entropy_forward(logits_, targets, log_probs_, kIgnoreIndex, &ce_count_));
+    ce_ = CrossEntropyResult<B>();  // a forward that throws leaves the backward to scan (and throw)
+    if (targets.empty()) return;
+    cross_entropy_forward_into(logits_, targets, log_probs_, kIgnoreIndex, ce_);
   }
 
  public:
@@ -324,7 +333,7 @@ class TransformerLM {
     GRAPHMOE_CHECK(has_loss_, "TransformerLM::backward", "call forward with targets first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
     // the forward's count of targets: no second scan (on a GPU, no read back to the host)
-    cross_entropy_backward(log_probs_, targets_, T(1), dlogits_, kIgnoreIndex, ce_count_);
+    cross_entropy_backward(log_probs_, targets_, T(1), dlogits_, kIgnoreIndex, ce_);
     Tensor<T, B> dlf = dlogits_.view(Shape{b * t, cfg_.vocab_size});
     Tensor<T, B> dxf(Shape{b * t, d});
     Tensor<T, B> dhead = head_grad();
@@ -577,7 +586,8 @@ class TransformerLM {
   Tensor<std::int32_t, cpu> lengths_;
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
-  index_t ce_count_ = -1, class_count_ = -1;  // the forwards' counts of targets (cross-entropy)
+  CrossEntropyResult<B> ce_;  // the LM forward's loss and count of targets (cross-entropy)
+  index_t class_count_ = -1;  // forward_classify's count of labels
   Tensor<C, B> xfc_, headc_, dlc_;  // C != T: the LM head's operands in C (empty when C = T)
   // C != T: the arena's weights in C (compute_mirror()); declared last, so destroyed first
   std::unique_ptr<ComputeMirror<T, C, B>> mirror_;

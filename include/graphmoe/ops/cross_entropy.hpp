@@ -32,6 +32,7 @@
 
 #include "graphmoe/backend/cpu/cross_entropy.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/cross_entropy.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/ops/softmax.hpp"
@@ -107,6 +108,43 @@ T cross_entropy_forward(const Tensor<T, B>& logits, const Tensor<std::int32_t, B
   }
 }
 
+// cross_entropy_forward, with its outcome in `result` (core/cross_entropy.hpp) instead of the
+// return value: inside with_deferred_checks on a backend with cross_entropy_forward_deferred (CUDA)
+// nothing is read back (the target and logits checks are deferrable, loss and count deferred
+// values: a language model's forward then reads nothing before the scope ends, and a CUDA graph can
+// hold it); elsewhere the same as cross_entropy_forward. The errors are cross_entropy_forward's.
+template <class T, Backend B>
+void cross_entropy_forward_into(const Tensor<T, B>& logits, const Tensor<std::int32_t, B>& targets,
+                                Tensor<T, B>& log_probs, std::int32_t ignore_index,
+                                CrossEntropyResult<B>& result) {
+  constexpr const char* op = "cross_entropy_forward";
+  result.loss = 0;
+  result.count = -1;
+  result.device = Tensor<unsigned long long, B>();
+  if constexpr (requires {
+                  cross_entropy_forward_deferred(B{}, logits, targets, log_probs, ignore_index,
+                                                 result);
+                }) {
+    detail::cross_entropy_check_shapes(op, "logits", logits, targets);
+    prepare_output(op, "y", log_probs, logits.shape());
+    const CrossEntropyChecks c =
+        cross_entropy_forward_deferred(B{}, logits, targets, log_probs, ignore_index, result);
+    // in program order: the targets first, as cross_entropy_forward checks them
+    report_check(c.target, [classes = logits.cols(), ignore_index](const Offender& bad) {
+      detail::cross_entropy_check_scan("cross_entropy_forward", TargetScan{0, bad}, classes,
+                                       ignore_index);
+    });
+    report_check(c.row, [shape = logits.shape()](const BadRow& bad) {
+      detail::throw_softmax_bad_row("cross_entropy_forward", "logits", shape, bad);
+    });
+  } else {
+    index_t count = -1;
+    result.loss = static_cast<double>(
+        cross_entropy_forward(logits, targets, log_probs, ignore_index, &count));
+    result.count = static_cast<double>(count);
+  }
+}
+
 // dlogits = dloss / n * (exp(log_probs) - onehot(targets)), zero rows where the target is
 // ignore_index. dlogits is assigned (it may alias log_probs). count >= 0: n as the forward of
 // these targets reported it (the targets are then not scanned again); -1: scanned here.
@@ -124,6 +162,29 @@ void cross_entropy_backward(const Tensor<T, B>& log_probs, const Tensor<std::int
   }
   prepare_output(op, "dlogits", dlogits, log_probs.shape());
   cross_entropy_backward(B{}, log_probs, targets, dloss, count, dlogits, ignore_index);
+}
+
+// The backward of cross_entropy_forward_into: n from `forward` (on the device when the backend
+// kept it there: nothing read back; else its count, or a scan when the forward did not finish).
+template <class T, Backend B>
+void cross_entropy_backward(const Tensor<T, B>& log_probs, const Tensor<std::int32_t, B>& targets,
+                            T dloss, Tensor<T, B>& dlogits, std::int32_t ignore_index,
+                            const CrossEntropyResult<B>& forward) {
+  constexpr const char* op = "cross_entropy_backward";
+  if constexpr (requires {
+                  cross_entropy_backward_counted(B{}, log_probs, targets, dloss,
+                                                 forward.device.data(), dlogits, ignore_index);
+                }) {
+    if (!forward.device.empty()) {
+      detail::cross_entropy_check_shapes(op, "log_probs", log_probs, targets);
+      prepare_output(op, "dlogits", dlogits, log_probs.shape());
+      cross_entropy_backward_counted(B{}, log_probs, targets, dloss, forward.device.data(),
+                                     dlogits, ignore_index);
+      return;
+    }
+  }
+  cross_entropy_backward(log_probs, targets, dloss, dlogits, ignore_index,
+                         forward.count < 0 ? index_t(-1) : static_cast<index_t>(forward.count));
 }
 
 }  // namespace graphmoe

@@ -20,6 +20,7 @@
 
 #include "graphmoe/backend/cpu/embedding.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -56,7 +57,9 @@ void embedding_forward(const Tensor<std::int32_t, B>& ids, const Tensor<T, B>& t
   GRAPHMOE_CHECK(!table.empty() && table.rank() == 2, op, "table must be a (V, D) matrix, got ",
                  (table.empty() ? "an empty tensor" : table.shape().str()));
   const index_t vocab = table.dim(0), d = table.dim(1);
-  detail::embedding_check_ids(op, ids.shape(), embedding_first_bad_id(B{}, ids, vocab), vocab);
+  report_check(embedding_first_bad_id(B{}, ids, vocab), [shape = ids.shape(), vocab](const Offender& bad) {
+    detail::embedding_check_ids("embedding_forward", shape, bad, vocab);
+  });
   prepare_output(op, "out", out, detail::embedding_output_shape(op, ids.shape(), d));
   embedding_forward(B{}, ids, table, out);
 }
@@ -73,7 +76,9 @@ void embedding_backward(const Tensor<std::int32_t, B>& ids, const Tensor<T, B>& 
                  (dtable.empty() ? "an empty tensor" : dtable.shape().str()));
   const index_t vocab = dtable.dim(0), d = dtable.dim(1);
   check_shape(op, "dout", dout, detail::embedding_output_shape(op, ids.shape(), d));
-  detail::embedding_check_ids(op, ids.shape(), embedding_backward(B{}, ids, dout, dtable), vocab);
+  report_check(embedding_backward(B{}, ids, dout, dtable), [shape = ids.shape(), vocab](const Offender& bad) {
+    detail::embedding_check_ids("embedding_backward", shape, bad, vocab);
+  });
 }
 
 }  // namespace graphmoe

@@ -100,6 +100,7 @@ struct Counters {
   unsigned long long memsets = 0;
   unsigned long long device_allocations = 0;
   unsigned long long synchronizations = 0;
+  unsigned long long graph_launches = 0;  // cudaGraphLaunch (its operations are counted as they run)
 };
 Counters counters();
 // Kernel launches so far by kernel ("graphmoe::detail::softmax_forward_kernel<float, false>").
@@ -114,6 +115,11 @@ std::map<std::string, unsigned long long> launches_by_kernel();
 // too. Copies and cuBLAS calls are checked against `requested` bytes, not the whole block.
 void on_tensor_allocate(void* p, std::size_t requested, std::size_t block) noexcept;
 void on_tensor_free(void* p, std::size_t requested, std::size_t block) noexcept;
+// A block of a CUDA graph's private pool (allocator.cuh): owned = true makes all `block` bytes
+// usable by copies and cuBLAS whatever tensor holds it (a replay writes the buffers of the whole
+// capture), and leaves its bytes as they are when a tensor holding it is freed; owned = false
+// (the graph is gone) returns it to the cached state, poisoned.
+void on_graph_block(void* p, std::size_t block, bool owned) noexcept;
 
 }  // namespace graphmoe_cuda_emulation
 

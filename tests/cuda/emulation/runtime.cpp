@@ -76,6 +76,44 @@ bool blocks_descending = false;  // set_blocks_descending
 
 graphmoe_cuda_emulation::Counters graphmoe_cuda_emulation::counters() { return counted; }
 
+// ---- stream capture (CUDA graphs) ---------------------------------------------------------------
+// While the stream captures (cudaStreamBeginCapture), kernel launches, asynchronous copies to or
+// from device or page-locked memory, asynchronous memsets and cuBLAS GEMMs are recorded, not run;
+// cudaGraphLaunch runs the recorded operations in order (and counts them as they run). What a real
+// capture refuses (a synchronisation, a synchronous copy or memset, a copy to pageable host memory,
+// cudaMalloc / cudaFree / cudaMallocHost outside cudaStreamCaptureModeRelaxed) returns
+// cudaErrorStreamCaptureUnsupported and invalidates the capture: cudaStreamEndCapture then answers
+// cudaErrorStreamCaptureInvalidated. One capture at a time (the backend has one stream); Thrust's
+// host algorithms cannot be recorded (they run at once: the tests do not capture them).
+namespace {
+struct CaptureState {
+  bool active = false;
+  bool invalid = false;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::vector<std::function<void()>> ops;
+};
+CaptureState capture_state;
+thread_local cudaStreamCaptureMode thread_capture_mode = cudaStreamCaptureModeGlobal;
+struct RecordedGraph {
+  std::vector<std::function<void()>> ops;
+};
+
+bool capturing() { return capture_state.active; }
+// Records op when the stream captures (true), else leaves it to the caller to run now (false).
+bool record_if_capturing(std::function<void()> op) {
+  if (!capture_state.active) return false;
+  capture_state.ops.push_back(std::move(op));
+  return true;
+}
+// A call a capture cannot hold: the capture is invalidated.
+cudaError_t capture_violation();
+// Whether the calling thread may make a "potentially unsafe" call (cudaMalloc and the like).
+bool unsafe_call_forbidden() {
+  return capture_state.active && capture_state.mode != cudaStreamCaptureModeRelaxed &&
+         thread_capture_mode != cudaStreamCaptureModeRelaxed;
+}
+}  // namespace
+
 namespace {
 std::map<std::string, unsigned long long>& launch_histogram() {
   static std::map<std::string, unsigned long long> h;
@@ -304,7 +342,15 @@ std::string kernel_name(const char* signature) {
 std::string current_kernel;
 }  // namespace
 
+void launch_now(const char* signature, dim3 grid, dim3 block, const std::function<void()>& body);
+
 void launch(const char* signature, dim3 grid, dim3 block, const std::function<void()>& body) {
+  if (record_if_capturing([signature, grid, block, body] { launch_now(signature, grid, block, body); }))
+    return;
+  launch_now(signature, grid, block, body);
+}
+
+void launch_now(const char* signature, dim3 grid, dim3 block, const std::function<void()>& body) {
   Scheduler& s = scheduler();
   ++counted.kernel_launches;
   current_kernel = kernel_name(signature);
@@ -454,6 +500,15 @@ void on_tensor_free(void* p, std::size_t requested, std::size_t block) noexcept 
   if (it != allocations().end()) it->second.use = Allocation::Use::cached;
 }
 
+void on_graph_block(void* p, std::size_t block, bool owned) noexcept {
+  if (!owned) std::memset(p, kPoison, block);
+  std::lock_guard<std::mutex> lock(allocations_mutex);
+  auto it = allocations().find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == allocations().end()) return;
+  it->second.use = owned ? Allocation::Use::tensor : Allocation::Use::cached;
+  it->second.tensor_bytes = block;
+}
+
 }  // namespace graphmoe_cuda_emulation
 
 namespace {
@@ -463,6 +518,11 @@ cudaError_t last_error = cudaSuccess;
 cudaError_t record(cudaError_t e) {
   if (e != cudaSuccess) last_error = e;
   return e;
+}
+
+cudaError_t capture_violation() {
+  capture_state.invalid = true;
+  return record(cudaErrorStreamCaptureUnsupported);
 }
 
 cudaError_t check_copy(void* dst, const void* src, std::size_t n, cudaMemcpyKind kind) {
@@ -501,8 +561,24 @@ bool is_pinned_range(const void* p, std::size_t count) {
   return a >= it->first && a + count <= it->first + it->second;
 }
 
+cudaError_t copy_now(void* dst, const void* src, size_t count, cudaMemcpyKind kind, bool async);
+
 cudaError_t copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, bool async) {
   if (const cudaError_t e = check_copy(dst, src, count, kind); e != cudaSuccess) return e;
+  if (capturing()) {
+    // a capture holds asynchronous copies between device and device or page-locked memory
+    const bool dst_host = count != 0 && !is_device_range(dst, count);
+    const bool src_host = count != 0 && !is_device_range(src, count);
+    if (!async || (dst_host && !is_pinned_range(dst, count)) ||
+        (src_host && !is_pinned_range(src, count)))
+      return capture_violation();
+    record_if_capturing([dst, src, count, kind] { (void)copy_now(dst, src, count, kind, true); });
+    return cudaSuccess;
+  }
+  return copy_now(dst, src, count, kind, async);
+}
+
+cudaError_t copy_now(void* dst, const void* src, size_t count, cudaMemcpyKind kind, bool async) {
   if (count != 0) std::memmove(dst, src, count);
   if (kind == cudaMemcpyDefault)
     kind = is_device_range(src, count == 0 ? 1 : count)
@@ -529,6 +605,7 @@ extern "C" {
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
   if (ptr == nullptr) return record(cudaErrorInvalidValue);
+  if (unsafe_call_forbidden()) return capture_violation();
   const std::size_t bytes = (size + 255) / 256 * 256;
   void* p = std::aligned_alloc(256, bytes == 0 ? 256 : bytes);
   if (p == nullptr) return record(cudaErrorMemoryAllocation);
@@ -544,6 +621,7 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
+  if (unsafe_call_forbidden()) return capture_violation();
   {
     std::lock_guard<std::mutex> lock(allocations_mutex);
     if (allocations().erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0)
@@ -564,6 +642,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
 
 cudaError_t cudaMallocHost(void** ptr, size_t size) {
   if (ptr == nullptr) return record(cudaErrorInvalidValue);
+  if (unsafe_call_forbidden()) return capture_violation();
   void* p = std::malloc(size == 0 ? 1 : size);
   if (p == nullptr) return record(cudaErrorMemoryAllocation);
   {
@@ -587,12 +666,19 @@ cudaError_t cudaFreeHost(void* ptr) {
 
 cudaError_t cudaMemset(void* dst, int value, size_t count) {
   if (count != 0 && !is_device_range(dst, count)) return record(cudaErrorInvalidValue);
+  if (capturing()) return capture_violation();
   std::memset(dst, value, count);
   ++counted.memsets;
   return cudaSuccess;
 }
 
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t count, cudaStream_t) {
+  if (count != 0 && !is_device_range(dst, count)) return record(cudaErrorInvalidValue);
+  if (record_if_capturing([dst, value, count] {
+        std::memset(dst, value, count);
+        ++counted.memsets;
+      }))
+    return cudaSuccess;
   return cudaMemset(dst, value, count);
 }
 
@@ -619,15 +705,94 @@ cudaError_t cudaSetDevice(int device) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+  if (capturing()) return capture_violation();
   ++counted.synchronizations;
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  if (capturing()) return capture_violation();
   ++counted.synchronizations;
   return cudaSuccess;
 }
 // Every operation has completed when its call returns (NcclCommunicator polls its stream).
-cudaError_t cudaStreamQuery(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamQuery(cudaStream_t) {
+  if (capturing()) return capture_violation();
+  return cudaSuccess;
+}
+
+// Streams: one queue here (every operation runs when called, or is recorded while capturing); a
+// created stream is a distinct handle so that code can tell it from the legacy stream.
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+  if (stream == nullptr) return record(cudaErrorInvalidValue);
+  static int handles = 0;
+  *stream = reinterpret_cast<cudaStream_t>(static_cast<std::uintptr_t>(0x1000 + 16 * ++handles));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* stream) {
+  return cudaStreamCreateWithFlags(stream, cudaStreamDefault);
+}
+cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+
+// ---- graphs: stream capture and replay (see capture_state above) ----
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+  if (stream == cudaStreamLegacy || stream == nullptr || capture_state.active)
+    return record(cudaErrorIllegalState);  // CUDA: the legacy stream cannot be captured
+  capture_state = CaptureState{};
+  capture_state.active = true;
+  capture_state.mode = mode;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* graph) {
+  if (graph == nullptr) return record(cudaErrorInvalidValue);
+  if (!capture_state.active) return record(cudaErrorIllegalState);
+  CaptureState done = std::move(capture_state);
+  capture_state = CaptureState{};
+  if (done.invalid) {
+    *graph = nullptr;
+    return record(cudaErrorStreamCaptureInvalidated);
+  }
+  *graph = reinterpret_cast<cudaGraph_t>(new RecordedGraph{std::move(done.ops)});
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* status) {
+  if (status == nullptr) return record(cudaErrorInvalidValue);
+  *status = !capture_state.active ? cudaStreamCaptureStatusNone
+            : capture_state.invalid ? cudaStreamCaptureStatusInvalidated
+                                    : cudaStreamCaptureStatusActive;
+  return cudaSuccess;
+}
+
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  if (mode == nullptr) return record(cudaErrorInvalidValue);
+  std::swap(*mode, thread_capture_mode);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  if (exec == nullptr || graph == nullptr) return record(cudaErrorInvalidValue);
+  *exec = reinterpret_cast<cudaGraphExec_t>(
+      new RecordedGraph{reinterpret_cast<RecordedGraph*>(graph)->ops});
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
+  if (exec == nullptr) return record(cudaErrorInvalidValue);
+  if (capturing()) return capture_violation();  // (CUDA nests it; not needed here)
+  ++counted.graph_launches;
+  for (const auto& op : reinterpret_cast<RecordedGraph*>(exec)->ops) op();
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete reinterpret_cast<RecordedGraph*>(exec);
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete reinterpret_cast<RecordedGraph*>(graph);
+  return cudaSuccess;
+}
 
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   if (device != 0) return record(cudaErrorInvalidDevice);
@@ -680,6 +845,9 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
     default: return "cudaError (emulation)";
   }
 }
@@ -690,6 +858,11 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
+    case cudaErrorIllegalState: return "the resource is not valid for this operation";
     default: return "error (CUDA emulation)";
   }
 }
@@ -757,6 +930,16 @@ cublasStatus_t gemm(cublasHandle_t handle, cublasOperation_t ta, cublasOperation
                     double beta, void* c, cudaDataType ct, int ldc, long long sc, int batch,
                     bool count = true, bool tf32 = false) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (capturing()) {  // recorded with its scalars (cuBLAS reads host scalars when called)
+    record_if_capturing([=] {
+      const cublasStatus_t st = gemm(handle, ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt, ldb,
+                                     sb, beta, c, ct, ldc, sc, batch, count, tf32);
+      if (st != CUBLAS_STATUS_SUCCESS)
+        throw std::runtime_error("CUDA emulation: a captured cuBLAS GEMM failed at replay (" +
+                                 std::to_string(static_cast<int>(st)) + ")");
+    });
+    return CUBLAS_STATUS_SUCCESS;
+  }
   if (count) ++counted.cublas_calls;
   if ((ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
     return CUBLAS_STATUS_INVALID_VALUE;
@@ -824,6 +1007,10 @@ cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
 }
 cublasStatus_t cublasDestroy_v2(cublasHandle_t) { return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasSetStream_v2(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t, void* workspace, size_t bytes) {
+  return workspace != nullptr && is_device_range(workspace, bytes) ? CUBLAS_STATUS_SUCCESS
+                                                                    : CUBLAS_STATUS_INVALID_VALUE;
+}
 cublasStatus_t cublasSetMathMode(cublasHandle_t, cublasMath_t) { return CUBLAS_STATUS_SUCCESS; }
 
 const char* cublasGetStatusName(cublasStatus_t s) {
@@ -956,6 +1143,24 @@ cublasStatus_t grouped(cublasHandle_t h, const cublasOperation_t* ta, const cubl
     problems += sizes[g];
   }
   if (problems == 0) return CUBLAS_STATUS_SUCCESS;
+  if (capturing()) {  // the host arrays are read now, the device pointer arrays at replay
+    const auto g = static_cast<std::size_t>(groups);
+    const std::size_t scalar = double_scalars ? sizeof(double) : sizeof(float);
+    auto copy_of = [g](const auto* p) { return std::vector<std::remove_cv_t<std::remove_pointer_t<decltype(p)>>>(p, p + g); };
+    std::vector<char> al(static_cast<const char*>(alpha), static_cast<const char*>(alpha) + g * scalar);
+    std::vector<char> be(static_cast<const char*>(beta), static_cast<const char*>(beta) + g * scalar);
+    record_if_capturing([=, vta = copy_of(ta), vtb = copy_of(tb), vm = copy_of(m), vn = copy_of(n),
+                         vk = copy_of(k), vlda = copy_of(lda), vldb = copy_of(ldb),
+                         vldc = copy_of(ldc), vs = copy_of(sizes)] {
+      const cublasStatus_t st =
+          grouped(h, vta.data(), vtb.data(), vm.data(), vn.data(), vk.data(), al.data(), a, at,
+                  vlda.data(), b, bt, vldb.data(), be.data(), c, ct, vldc.data(), groups,
+                  vs.data(), double_scalars);
+      if (st != CUBLAS_STATUS_SUCCESS)
+        throw std::runtime_error("CUDA emulation: a captured grouped GEMM failed at replay");
+    });
+    return CUBLAS_STATUS_SUCCESS;
+  }
   ++counted.cublas_calls;
   const std::size_t bytes = sizeof(void*) * static_cast<std::size_t>(problems);
   if (!is_device_range(a, bytes) || !is_device_range(b, bytes) || !is_device_range(c, bytes))

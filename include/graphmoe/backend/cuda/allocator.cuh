@@ -25,6 +25,19 @@
 //
 // zero() and copy() are stream-ordered (cudaMemsetAsync, cudaMemcpyAsync device to device on the
 // backend's stream), like the kernels.
+//
+// Graph-private pools (CudaGraph, graph.cuh). A CUDA graph bakes the addresses of every buffer its
+// captured work touches into the graph, and replays write them again; a block the capture freed
+// must therefore never be handed to anyone else while the graph lives. begin_pool() routes every
+// allocation to a new pool until end_pool(): a request takes a free block of the pool, else a free
+// block of the general lists, else cudaMalloc (in cudaStreamCaptureModeRelaxed for that call, as
+// a capture otherwise forbids it); such blocks belong to the pool, and when freed (during the
+// capture or after it, e.g. a layer's cache the capture allocated) they return to the pool's own
+// free lists, reused only by allocations routed to that pool; so does any block freed during the
+// capture (a buffer from before it that the captured work read, then replaced: the replays still
+// read it). release_pool() (the graph is
+// destroyed) hands the pool's free blocks to the general lists; its blocks still live return
+// there when freed.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -77,17 +90,24 @@ class CudaCachingAllocator {
     std::lock_guard<std::mutex> lock(mu_);
     auto& list = free_[{device, size}];
     void* p = nullptr;
-    if (!list.empty()) {
+    std::vector<void*>* pool_list =
+        active_pool_ != 0 ? &pools_[active_pool_].free[{device, size}] : nullptr;
+    if (pool_list != nullptr && !pool_list->empty()) {
+      p = pool_list->back();
+      pool_list->pop_back();
+      pools_[active_pool_].bytes_free -= size;
+      ++stats_.cache_hits;
+    } else if (!list.empty()) {
       p = list.back();
       list.pop_back();
       stats_.bytes_cached -= size;
       ++stats_.cache_hits;
     } else {
-      cudaError_t err = cudaMalloc(&p, size);
+      cudaError_t err = malloc_device(&p, size);
       if (err == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
         release_locked(device);
-        err = cudaMalloc(&p, size);
+        err = malloc_device(&p, size);
       }
       if (err != cudaSuccess) {
         (void)cudaGetLastError();
@@ -97,9 +117,11 @@ class CudaCachingAllocator {
       }
       ++stats_.cuda_malloc_calls;
     }
-    live_[p] = Block{size, device, bytes};
+    live_[p] = Block{size, device, bytes, active_pool_};
 #if defined(GRAPHMOE_CUDA_EMULATION)
     graphmoe_cuda_emulation::on_tensor_allocate(p, bytes, size);  // poisons the block with NaN
+    // a graph's block: its replays may touch all of it, whatever tensor holds it now
+    if (active_pool_ != 0) graphmoe_cuda_emulation::on_graph_block(p, size, true);
 #endif
     stats_.bytes_in_use += size;
     if (stats_.bytes_in_use > stats_.peak_bytes_in_use) stats_.peak_bytes_in_use = stats_.bytes_in_use;
@@ -116,12 +138,61 @@ class CudaCachingAllocator {
     }
     const Block b = it->second;
     live_.erase(it);
+    stats_.bytes_in_use -= b.size;
+    // back to its graph's pool (the graph's replays still use it); a block freed during a capture
+    // joins that capture's pool whoever allocated it (the captured work may have touched it first)
+    const int pool_id = b.pool != 0 ? b.pool : active_pool_;
+    if (pool_id != 0) {
+#if defined(GRAPHMOE_CUDA_EMULATION)
+      if (b.pool == 0) graphmoe_cuda_emulation::on_graph_block(p, b.size, true);  // adopted
+#endif
+      Pool& pool = pools_[pool_id];
+      pool.free[{b.device, b.size}].push_back(p);
+      pool.bytes_free += b.size;
+      return;
+    }
 #if defined(GRAPHMOE_CUDA_EMULATION)
     graphmoe_cuda_emulation::on_tensor_free(p, b.requested, b.size);  // checks the canary
 #endif
-    stats_.bytes_in_use -= b.size;
     stats_.bytes_cached += b.size;
     free_[{b.device, b.size}].push_back(p);
+  }
+
+  // Graph-private pools (see the header comment). One pool receives allocations at a time.
+  int begin_pool() {
+    std::lock_guard<std::mutex> lock(mu_);
+    GRAPHMOE_CHECK(active_pool_ == 0, "CudaGraph::capture",
+                   "another capture is under way (one at a time)");
+    active_pool_ = ++last_pool_;
+    pools_[active_pool_];
+    return active_pool_;
+  }
+  void end_pool() {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_pool_ = 0;
+  }
+  void release_pool(int id) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (active_pool_ == id) active_pool_ = 0;
+    auto it = pools_.find(id);
+    if (it == pools_.end()) return;
+    for (auto& [key, list] : it->second.free)
+      for (void* p : list) {
+#if defined(GRAPHMOE_CUDA_EMULATION)
+        graphmoe_cuda_emulation::on_graph_block(p, key.second, false);
+#endif
+        free_[key].push_back(p);
+        stats_.bytes_cached += key.second;
+      }
+    pools_.erase(it);
+    for (auto& [p, b] : live_)
+      if (b.pool == id) b.pool = 0;
+  }
+  // Bytes of free blocks held by pool `id` (0 when there is none).
+  std::size_t pool_free_bytes(int id) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pools_.find(id);
+    return it == pools_.end() ? 0 : it->second.bytes_free;
   }
 
   // cudaFree every cached block (of all devices).
@@ -146,9 +217,24 @@ class CudaCachingAllocator {
     std::size_t size;       // the size class
     int device;
     std::size_t requested;  // the bytes asked for
+    int pool = 0;           // the graph pool it belongs to; 0: none
+  };
+  struct Pool {
+    std::map<std::pair<int, std::size_t>, std::vector<void*>> free;
+    std::size_t bytes_free = 0;
   };
 
   CudaCachingAllocator() = default;
+
+  // cudaMalloc; while a capture is under way on this thread, in the relaxed capture mode (a
+  // capture forbids cudaMalloc otherwise, and the block's address is fixed from now on anyway).
+  static cudaError_t malloc_device(void** p, std::size_t size) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+    const cudaError_t err = cudaMalloc(p, size);
+    if (exchanged) (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    return err;
+  }
 
   // Frees the cached blocks of `device` (all devices for -1). Called with mu_ held.
   void release_locked(int device) {
@@ -165,6 +251,8 @@ class CudaCachingAllocator {
   }
 
   mutable std::mutex mu_;
+  std::map<int, Pool> pools_;
+  int active_pool_ = 0, last_pool_ = 0;
   std::unordered_map<void*, Block> live_;
   std::map<std::pair<int, std::size_t>, std::vector<void*>> free_;  // (device, size class)
   CudaMemoryStats stats_;

@@ -125,17 +125,11 @@ void z_loss_value(cuda, const Tensor<T, cuda>& gamma, double& value) {
     value = 0.0;
     return;
   }
-  detail::DeviceCheckBatch* batch = detail::active_device_checks();
-  double* target = batch != nullptr ? batch->take_value(&value) : nullptr;
-  Tensor<double, cuda> own;
-  if (target == nullptr) {
-    own = Tensor<double, cuda>::uninitialized(Shape{1});
-    target = own.data();
-  }
+  detail::DeferredDouble out(value);
   detail::launch_kernel<detail::z_loss_value_kernel<T>>(1, detail::kThreads, gamma.data(), n, e,
-                                                        target);
+                                                        out.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  if (!own.empty()) value = detail::read_device_value(own.data());
+  out.finish();
 }
 
 // dgamma += coef dL_z/dgamma, on the device.
@@ -157,17 +151,11 @@ Offender load_balance_value(cuda, const Tensor<T, cuda>& p, const Tensor<std::in
                             double& value) {
   const index_t n = p.rows(), e = p.cols(), slots = indices.numel();
   detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
-  detail::DeviceCheckBatch* batch = detail::active_device_checks();
-  double* target = batch != nullptr ? batch->take_value(&value) : nullptr;
-  Tensor<double, cuda> own;
-  if (target == nullptr) {
-    own = Tensor<double, cuda>::uninitialized(Shape{1});
-    target = own.data();
-  }
+  detail::DeferredDouble out(value);
   detail::launch_kernel<detail::load_balance_value_kernel<T>>(
-      1, detail::kThreads, p.data(), indices.data(), n, e, slots, target, bad.get());
+      1, detail::kThreads, p.data(), indices.data(), n, e, slots, out.get(), bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  if (!own.empty()) value = detail::read_device_value(own.data());
+  out.finish();
   return bad.result<Offender>("load_balance_loss", [indices](index_t s) {
     return Offender{s, static_cast<double>(detail::read_device_value(indices.data() + s))};
   });

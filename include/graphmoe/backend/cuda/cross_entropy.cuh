@@ -66,6 +66,40 @@ __global__ void cross_entropy_loss_kernel(CrossEntropyNllOp<T> nll, index_t rows
   if (threadIdx.x == 0) *loss = s;
 }
 
+// The deferred forward's last step, one block: *loss = (T)(sum_i nll(i) / count) (0 when every row
+// is ignored), *count_value = count, with count the targets kernel's word.
+template <class T>
+__global__ void cross_entropy_loss_mean_kernel(CrossEntropyNllOp<T> nll, index_t rows,
+                                               const unsigned long long* count, double* loss,
+                                               double* count_value) {
+  double s = 0;
+  for (index_t i = threadIdx.x; i < rows; i += blockDim.x) s += nll(i);
+  s = block_reduce(s, SumOp{}, 0.0);
+  if (threadIdx.x == 0) {
+    const unsigned long long c = *count;
+    *loss = c == 0 ? 0.0 : static_cast<double>(static_cast<T>(s / static_cast<double>(c)));
+    *count_value = static_cast<double>(c);
+  }
+}
+
+// CrossEntropyBackwardOp with the count read on the device: scale = dloss / count.
+template <class T>
+struct CrossEntropyBackwardCountedOp {
+  T dloss;
+  const unsigned long long* count;
+  index_t classes;
+  std::int32_t ignore_index;
+  const T* log_probs;
+  const std::int32_t* targets;
+  T* dlogits;
+  __device__ void operator()(index_t e) const {
+    const unsigned long long c = *count;
+    const T scale = c == 0 ? T(0)
+                           : static_cast<T>(static_cast<double>(dloss) / static_cast<double>(c));
+    CrossEntropyBackwardOp<T>{scale, c == 0, classes, ignore_index, log_probs, targets, dlogits}(e);
+  }
+};
+
 }  // namespace detail
 
 // The number of rows of targets (rows) not ignored, and the first row whose target is neither
@@ -139,6 +173,74 @@ CrossEntropyScanned<T> cross_entropy_forward_scanned(cuda, const Tensor<T, cuda>
     out.value.loss = static_cast<T>(sum / static_cast<double>(out.scan.count));
   }
   return out;
+}
+
+// cross_entropy_forward_into's hook (ops/cross_entropy.hpp). Inside a deferred scope (or a CUDA
+// graph capture): the target scan, the log-softmax and the loss queued, nothing read; the two
+// checks are deferrable flags, loss and count deferred values, and the count stays on the device
+// (result.device) for cross_entropy_backward_counted. Outside a scope: the scanned forward (one
+// read), result.device left empty.
+template <class T>
+CrossEntropyChecks cross_entropy_forward_deferred(cuda, const Tensor<T, cuda>& logits,
+                                                  const Tensor<std::int32_t, cuda>& targets,
+                                                  Tensor<T, cuda>& log_probs,
+                                                  std::int32_t ignore_index,
+                                                  CrossEntropyResult<cuda>& result) {
+  const index_t rows = logits.rows(), classes = logits.cols();
+  detail::DeviceCheckBatch* batch = detail::active_device_checks();
+  CrossEntropyChecks out;
+  if (batch == nullptr || rows == 0) {
+    const CrossEntropyScanned<T> r =
+        cross_entropy_forward_scanned(cuda{}, logits, targets, log_probs, ignore_index);
+    out.target = r.scan.bad;
+    out.row = r.value.bad;
+    if (!out.target.found() && !out.row.found()) {
+      result.loss = static_cast<double>(r.value.loss);
+      result.count = static_cast<double>(r.scan.count);
+    }
+    return out;
+  }
+  result.device = Tensor<unsigned long long, cuda>::uninitialized(Shape{1});
+  unsigned long long* count = result.device.data();
+  GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(unsigned long long), cuda_stream()));
+  detail::FirstIndexFlag bad_target{detail::FirstIndexFlag::Deferrable{}};
+  detail::FirstIndexFlag bad_row{detail::FirstIndexFlag::Deferrable{}};
+  detail::launch_kernel<detail::cross_entropy_targets_kernel<std::int32_t>>(
+      detail::grid_for(rows), detail::kThreads, targets.data(), rows, classes, ignore_index,
+      bad_target.get(), count);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  detail::launch_kernel<detail::softmax_forward_kernel<T, true>>(
+      detail::grid_for_rows(rows), detail::threads_for_row(classes), logits.data(),
+      log_probs.data(), rows, classes, bad_row.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  // the two values: the batch's deferred slots (or, the batch full, scratch words read at once)
+  detail::DeferredDouble loss(result.loss), count_value(result.count);
+  detail::launch_kernel<detail::cross_entropy_loss_mean_kernel<T>>(
+      1, detail::kCrossEntropyLossThreads,
+      detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index}, rows,
+      count, loss.get(), count_value.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  out.target = bad_target.result<Offender>("cross_entropy_forward", [targets](index_t r) {
+    return Offender{r, static_cast<double>(detail::read_device_value(targets.data() + r))};
+  });
+  out.row = bad_row.result<BadRow>("cross_entropy_forward",
+                                   [logits](index_t r) { return detail::softmax_bad_row(logits, r); });
+  loss.finish();
+  count_value.finish();
+  return out;
+}
+
+// dlogits = dloss / count * (exp(log_probs) - onehot) with the count read on the device (the
+// deferred forward's result.device): no read back.
+template <class T>
+void cross_entropy_backward_counted(cuda, const Tensor<T, cuda>& log_probs,
+                                    const Tensor<std::int32_t, cuda>& targets, T dloss,
+                                    const unsigned long long* count, Tensor<T, cuda>& dlogits,
+                                    std::int32_t ignore_index) {
+  detail::for_each_index(
+      log_probs.numel(),
+      detail::CrossEntropyBackwardCountedOp<T>{dloss, count, log_probs.cols(), ignore_index,
+                                               log_probs.data(), targets.data(), dlogits.data()});
 }
 
 // dlogits (prepared by ops/cross_entropy.hpp) = dloss / count * (exp(log_probs) - onehot), zero

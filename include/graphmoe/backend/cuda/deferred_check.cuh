@@ -54,8 +54,11 @@ class DeviceCheckBatch {
 
   // Opens the batch on the calling thread (there must be none open: with_deferred_checks joins
   // an open one instead). usable() is false when no page-locked memory could be had.
-  DeviceCheckBatch() {
-    host_ = pinned_flags();
+  DeviceCheckBatch() : DeviceCheckBatch(pinned_flags()) {}
+  // The same with the caller's page-locked memory for kCapacity flags (a CUDA graph's batch,
+  // graph.cuh: its replays deliver into memory of their own); null: not usable.
+  explicit DeviceCheckBatch(unsigned long long* pinned) {
+    host_ = pinned;
     if (host_ == nullptr) return;
     slots_ = Tensor<unsigned long long, cuda>::uninitialized(Shape{kCapacity});
     GRAPHMOE_CUDA_CHECK(cudaMemsetAsync(slots_.data(), 0xFF, slots_.bytes(), cuda_stream()));
@@ -126,6 +129,27 @@ class DeviceCheckBatch {
     if (!usable()) return;
     const std::vector<unsigned long long> flags(host_, host_ + known_);
     close();
+    fire_flagged(flags);
+  }
+
+  // A CUDA graph's batch (graph.cuh). At the end of the capture: queues (records) the copy of
+  // every slot taken to the page-locked memory and closes the batch, so that nothing else joins
+  // it. After each replay has been waited for: delivers the values to their targets and throws
+  // the first flagged check's error, as a scope's end would.
+  void end_capture() {
+    before_host_read();
+    close();
+  }
+  void after_replay() {
+    known_ = queued_;
+    for (delivered_ = 0; delivered_ < values_.size() && values_[delivered_].first < known_; ++delivered_)
+      std::memcpy(values_[delivered_].second, host_ + values_[delivered_].first, sizeof(double));
+    fire_flagged(std::vector<unsigned long long>(host_, host_ + known_));
+  }
+  index_t slots_taken() const { return taken_; }
+
+ private:
+  void fire_flagged(const std::vector<unsigned long long>& flags) {
     for (std::size_t e = 0; e < slot_of_entry_.size(); ++e) {
       const auto slot = static_cast<std::size_t>(slot_of_entry_[e]);
       if (slot < flags.size() && flags[slot] != kNone)
@@ -133,7 +157,6 @@ class DeviceCheckBatch {
     }
   }
 
- private:
   void close() {
     if (active_device_checks() == this) {
       active_device_checks() = nullptr;

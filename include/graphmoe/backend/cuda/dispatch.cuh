@@ -201,6 +201,9 @@ template <class I>
 Offender make_dispatch_plan(cuda, const Tensor<I, cuda>& indices, index_t num_experts,
                             DispatchPlan<cuda>& plan) {
   constexpr const char* op = "make_dispatch_plan";
+  GRAPHMOE_CHECK(!cuda_stream_capturing(), op,
+                 "the compact expert layout inside a CUDA graph capture (it sorts with Thrust and "
+                 "reads its expert offsets back to the host); capture with ExpertLayout::Padded");
   const index_t n = indices.dim(0), k = indices.dim(1), slots = n * k;
   plan.num_tokens = n;
   plan.k = k;

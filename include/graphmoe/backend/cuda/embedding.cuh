@@ -45,11 +45,68 @@ inline Offender first_bad_id_of(const char* op, const Tensor<std::int32_t, cuda>
 }
 }  // namespace detail
 
+namespace detail {
+
+// Flags the first position of ids whose id is outside [0, vocab).
+template <class I>
+__global__ void embedding_bad_id_kernel(const I* ids, index_t n, index_t vocab,
+                                        unsigned long long* bad) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    if (!(ids[i] >= 0 && ids[i] < vocab)) flag_index(bad, i);
+  }
+}
+
+// dtable[ids[i], :] += dout[i, :] without Thrust (so that a CUDA graph can hold it) and without
+// atomics: one block per position i whose id occurs there first (the block checks the positions
+// before it), its threads over the columns, each adding the rows of that id in position order to
+// dtable's value: the CPU op's order, bit for bit. O(n^2) id comparisons (broadcast reads): meant
+// for the n = B T of a training step (a few thousand); ids outside [0, vocab) are flagged and
+// skipped.
+template <class T>
+__global__ void embedding_backward_direct_kernel(const std::int32_t* ids, index_t n,
+                                                 const T* dout, index_t d, index_t vocab,
+                                                 T* dtable, unsigned long long* bad) {
+  for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const std::int32_t v = ids[i];
+    if (!(v >= 0 && v < vocab)) {
+      if (threadIdx.x == 0) flag_index(bad, i);
+      continue;
+    }
+    int earlier = 0;
+    for (index_t j = threadIdx.x; j < i; j += blockDim.x) earlier |= ids[j] == v ? 1 : 0;
+    if (block_reduce(earlier, SumOp{}, 0) != 0) continue;  // not the id's first position
+    for (index_t c = threadIdx.x; c < d; c += blockDim.x) {
+      T acc = dtable[static_cast<index_t>(v) * d + c];
+      for (index_t j = i; j < n; ++j)
+        if (ids[j] == v) acc += dout[j * d + c];
+      dtable[static_cast<index_t>(v) * d + c] = acc;
+    }
+  }
+}
+
+// Whether the ids' checks can wait (a deferred scope or a graph capture is open): then they are
+// deferrable flags, and the backward takes the direct kernel.
+inline bool embedding_defers() { return active_device_checks() != nullptr; }
+
+}  // namespace detail
+
 // The first id of `ids` outside [0, vocab), if any (flat position and value): embedding_forward's
-// check, before out is prepared. Synchronises the stream.
+// check, before out is prepared. Synchronises the stream, unless a deferred scope is open (then a
+// deferrable flag: the gather gives a zero row for such an id until the scope reports it).
 inline Offender embedding_first_bad_id(cuda, const Tensor<std::int32_t, cuda>& ids,
                                        index_t vocab) {
-  return detail::first_bad_id_of("embedding_forward", ids, vocab);
+  if (!detail::embedding_defers())
+    return detail::first_bad_id_of("embedding_forward", ids, vocab);
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
+  const index_t n = ids.numel();
+  if (n > 0) {
+    detail::launch_kernel<detail::embedding_bad_id_kernel<std::int32_t>>(detail::grid_for(n), detail::kThreads,
+                                                           ids.data(), n, vocab, bad.get());
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  return bad.result<Offender>("embedding_forward", [ids](index_t i) {
+    return Offender{i, static_cast<double>(detail::read_device_value(ids.data() + i))};
+  });
 }
 
 // out = table[ids]: (ids.shape..., D), prepared by ops/embedding.hpp; the ids are in range.
@@ -57,8 +114,8 @@ template <class T>
 void embedding_forward(cuda, const Tensor<std::int32_t, cuda>& ids, const Tensor<T, cuda>& table,
                        Tensor<T, cuda>& out) {
   const index_t d = table.dim(1);
-  detail::for_each_index(ids.numel() * d,
-                         detail::EmbeddingGatherOp<T>{ids.data(), table.data(), d, out.data()});
+  detail::for_each_index(ids.numel() * d, detail::EmbeddingGatherOp<T>{ids.data(), table.data(), d,
+                                                                      table.dim(0), out.data()});
 }
 
 // dtable[ids[i], :] += dout[i, :], shapes checked by ops/embedding.hpp; returns the first id out
@@ -68,6 +125,19 @@ Offender embedding_backward(cuda, const Tensor<std::int32_t, cuda>& ids,
                             const Tensor<T, cuda>& dout, Tensor<T, cuda>& dtable) {
   constexpr const char* op = "embedding_backward";
   const index_t d = dtable.dim(1);
+  if (detail::embedding_defers()) {  // one kernel, a deferrable flag (dtable's other rows added)
+    detail::FirstIndexFlag flag{detail::FirstIndexFlag::Deferrable{}};
+    const index_t n = ids.numel();
+    if (n > 0 && d > 0) {
+      detail::launch_kernel<detail::embedding_backward_direct_kernel<T>>(
+          detail::grid_for_rows(n), 128, ids.data(), n, dout.data(), d, dtable.dim(0),
+          dtable.data(), flag.get());
+      GRAPHMOE_CUDA_CHECK_LAUNCH();
+    }
+    return flag.result<Offender>(op, [ids](index_t i) {
+      return Offender{i, static_cast<double>(detail::read_device_value(ids.data() + i))};
+    });
+  }
   const Offender bad = detail::first_bad_id_of(op, ids, dtable.dim(0));
   if (bad.found()) return bad;
   const index_t n = ids.numel();

@@ -45,13 +45,20 @@ namespace graphmoe {
 
 namespace detail {
 
+// The workspace each cuBLAS handle gets (cublasSetWorkspace): fixed, so that cuBLAS never
+// allocates while a CUDA graph is being captured (graph.cuh) and a captured GEMM's workspace
+// address stays valid; 32 MiB, what cuBLAS's documentation recommends for Hopper.
+inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t(32) << 20;
+
 // The calling thread's cuBLAS handle for the current device.
 inline cublasHandle_t cublas_handle() {
   struct Handles {
     std::vector<cublasHandle_t> by_device;
+    std::vector<void*> workspaces;
     ~Handles() {
       for (cublasHandle_t h : by_device)
         if (h != nullptr) (void)cublasDestroy(h);
+      for (void* w : workspaces) (void)cudaFree(w);  // at exit the runtime may be gone: ignored
     }
   };
   thread_local Handles handles;
@@ -62,6 +69,10 @@ inline cublasHandle_t cublas_handle() {
   if (h == nullptr) {
     GRAPHMOE_CUBLAS_CHECK(cublasCreate(&h));
     GRAPHMOE_CUBLAS_CHECK(cublasSetStream(h, cuda_stream()));
+    void* workspace = nullptr;
+    GRAPHMOE_CUDA_CHECK(cudaMalloc(&workspace, kCublasWorkspaceBytes));
+    handles.workspaces.push_back(workspace);
+    GRAPHMOE_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, kCublasWorkspaceBytes));
     GRAPHMOE_CUBLAS_CHECK(cublasSetMathMode(
         h, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
                                      CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));

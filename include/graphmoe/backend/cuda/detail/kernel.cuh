@@ -129,7 +129,7 @@ inline unsigned grid_for_rows(index_t rows) {
 template <auto Kernel, class... Args>
 void launch_kernel(dim3 grid, dim3 block, const Args&... args) {
 #if defined(GRAPHMOE_CUDA_EMULATION)
-  graphmoe_cuda_emulation::launch(__PRETTY_FUNCTION__, grid, block, [&] { Kernel(args...); });
+  graphmoe_cuda_emulation::launch(__PRETTY_FUNCTION__, grid, block, [=] { Kernel(args...); });  // by value: a captured launch runs later
 #else
   Kernel<<<grid, block, 0, cuda_stream()>>>(args...);
 #endif
@@ -276,6 +276,30 @@ class FirstIndexFlag {
   unsigned long long* ptr_ = nullptr;
   DeviceCheckBatch* batch_ = nullptr;
   index_t slot_ = -1;
+};
+
+// A double a kernel writes for the host (a loss's value): inside with_deferred_checks the open
+// batch's deferred slot (delivered to `target` with the batch's next read: `target` must outlive
+// the scope), else a scratch word that finish() reads at once. Launch the kernel writing get(),
+// then call finish().
+class DeferredDouble {
+ public:
+  explicit DeferredDouble(double& target) : target_(&target) {
+    if (DeviceCheckBatch* b = active_device_checks(); b != nullptr) ptr_ = b->take_value(&target);
+    if (ptr_ == nullptr) {
+      own_ = Tensor<double, cuda>::uninitialized(Shape{1});
+      ptr_ = own_.data();
+    }
+  }
+  double* get() const { return ptr_; }
+  void finish() {
+    if (!own_.empty()) *target_ = read_device_value(ptr_);
+  }
+
+ private:
+  double* target_;
+  double* ptr_ = nullptr;
+  Tensor<double, cuda> own_;
 };
 
 __device__ inline void flag_index(unsigned long long* flag, index_t i) {

@@ -199,10 +199,12 @@ struct EmbeddingGatherOp {
   const std::int32_t* ids;
   const T* table;
   index_t d;
+  index_t vocab;  // an id outside [0, vocab) gives a zero row (its deferred check reports it)
   T* out;
   GRAPHMOE_HOST_DEVICE void operator()(index_t e) const {
     const index_t i = e / d, c = e % d;
-    out[e] = table[static_cast<index_t>(ids[i]) * d + c];
+    const index_t id = static_cast<index_t>(ids[i]);
+    out[e] = id >= 0 && id < vocab ? table[id * d + c] : T(0);
   }
 };
 

@@ -56,6 +56,10 @@ inline auto thrust_policy_sync(CudaThrustAllocator& alloc) {
 
 template <class F>
 void run_thrust(const char* op, F&& f) {
+  GRAPHMOE_CHECK(!cuda_stream_capturing(), op,
+                 "a Thrust algorithm inside a CUDA graph capture (not supported: the compact "
+                 "expert layout sorts with Thrust and reads its offsets back; capture with "
+                 "ExpertLayout::Padded)");
   CudaThrustAllocator alloc;
   try {
     f(thrust_policy(alloc));
