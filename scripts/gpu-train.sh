@@ -10,6 +10,9 @@
 #   4. the main job again with PRECISION=bf16 (train_lm --precision bf16: every GEMM on bf16
 #      operands, fp32 master weights): each router's validation perplexity within 1% of the fp32
 #      run's (issue 26, item 4's target)
+#   5. the short run of step 2 with the padded expert layout (capacity 1.25), eager and with
+#      --cuda-graph (the step's forward and backward replayed from a CUDA graph): the same
+#      validation perplexity to float round-off, and each run's training tokens/s (issue 26, item 3)
 # Everything is logged to $OUT (or a temporary folder) and summarised in gpu-train-summary.txt.
 # Prepare on a networked machine, then carry both to the GPU machine:
 #   bash scripts/gpu-deps.sh && bash scripts/prepare-kjv.sh runs/data/kjv.tokens
@@ -68,6 +71,26 @@ sys.exit(0 if worst < 1e-4 else 1)
 PY
   then
     say "FAIL: the devices disagree (or a run failed)"; status=1
+  fi
+  graph_args=(--expert-layout padded --capacity-factor 1.25 --steps 40)
+  tps() {  # the last evaluation row's training tokens/s (metrics.csv)
+    /usr/bin/env python3 -c 'import csv, sys; print(list(csv.DictReader(open(sys.argv[1])))[-1]["tokens_per_s"])' "$1/metrics.csv" 2>/dev/null || echo "?"
+  }
+  if "$train" "${small[@]}" --device cuda "${graph_args[@]}" --out runs/gpu-eq/padded \
+       >"$logdir/graph-eager.log" 2>&1 &&
+     "$train" "${small[@]}" --device cuda "${graph_args[@]}" --cuda-graph --out runs/gpu-eq/graph \
+       >"$logdir/graph-replayed.log" 2>&1; then
+    e=$(ppl "$logdir/graph-eager.log") g=$(ppl "$logdir/graph-replayed.log")
+    say "-- padded, eager vs --cuda-graph (val ppl after 40 steps): $e vs $g;" \
+        "tok/s $(tps runs/gpu-eq/padded) vs $(tps runs/gpu-eq/graph)"
+    grep -h "cuda-graph:" "$logdir/graph-replayed.log" | tee -a "$summary"
+    if ! /usr/bin/env python3 -c 'import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); sys.exit(0 if abs(b - a) / a < 1e-4 else 1)' "$e" "$g" 2>/dev/null; then
+      say "FAIL: --cuda-graph changed the result"; status=1
+    fi
+  else
+    say "FAIL: the --cuda-graph comparison (logs: graph-eager.log, graph-replayed.log)"
+    tail -n 10 "$logdir/graph-replayed.log" | tee -a "$summary"
+    status=1
   fi
 else
   say "FAIL: no train_lm to compare the devices with"; status=1

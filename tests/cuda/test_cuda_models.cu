@@ -806,6 +806,16 @@ TEST_CASE("cuda graph: capture refuses reads, synchronisations and the compact l
   g.replay();
   g.reset();
   CHECK_FALSE(g.captured());
+  // so does a block from before the capture that the captured work freed (it may have read it)
+  auto old_tensor = Tensor<float, graphmoe::cuda>::uninitialized(Shape{3000});
+  const float* old_block = old_tensor.data();
+  g.capture([&] {
+    add(x, x, y);
+    old_tensor = Tensor<float, graphmoe::cuda>();
+  });
+  const auto fresh = Tensor<float, graphmoe::cuda>::uninitialized(Shape{3000});
+  CHECK(fresh.data() != old_block);
+  g.replay();
 }
 
 // The language model's training step in a graph: forward (its loss, the routers' checks and
