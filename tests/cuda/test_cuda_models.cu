@@ -916,6 +916,22 @@ TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, doub
   host.backward();
   dev.backward();
   check_arena("vision", host.arena(), dev.arena(), true);
+  // the forward's checks are deferred to one read (the images', the routers', the loss's): the
+  // errors stay the CPU's, the first in program order
+  Tensor<T, cpu> bad_images = images.clone();
+  bad_images.data()[7] = std::numeric_limits<T>::quiet_NaN();
+  const std::string cpu_error = test::error_of([&] { (void)host.forward(bad_images, labels); });
+  CHECK(cpu_error.find("images") != std::string::npos);
+  CHECK(test::error_of([&] { (void)dev.forward(to_device(bad_images), to_device(labels)); }) ==
+        cpu_error);
+  const Tensor<std::int32_t, cpu> bad_labels = Tensor<std::int32_t, cpu>::from(Shape{3}, {4, 9, 2});
+  const std::string label_error = test::error_of([&] { (void)host.forward(images, bad_labels); });
+  CHECK(label_error.find("target of row 1 is 9") != std::string::npos);
+  CHECK(test::error_of([&] { (void)dev.forward(to_device(images), to_device(bad_labels)); }) ==
+        label_error);
+  // and a good forward after them computes the loss again
+  CHECK(dev.forward(to_device(images), to_device(labels)).total() ==
+        doctest::Approx(static_cast<double>(dl)).epsilon(1e-12));
 }
 
 }  // namespace graphmoe

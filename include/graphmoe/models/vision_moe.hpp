@@ -157,8 +157,19 @@ class VisionMoE {
     GRAPHMOE_CHECK(images.rank() >= 2 && b >= 1 && images.numel() == b * per_image, "VisionMoE",
                    "images have shape ", images.shape(), ", expected (B, ", cfg_.image_height,
                    ", ", cfg_.image_width, (cfg_.channels > 1 ? ", C)" : ")"));
-    check_finite("VisionMoE", "images", images);
     if (!labels.empty()) check_shape("VisionMoE", "labels", labels, Shape{b});
+    // the content checks of the whole forward deferred (core/deferred_check.hpp): on a GPU the
+    // images' check, the routers' and the loss's come back in one read, the first failed check
+    // throwing its own error as before
+    with_deferred_checks(B{}, [&] { forward_checked(images, labels, b); });
+    Loss loss = moe_losses(blocks_);  // the values are delivered once the scope ended
+    if (!labels.empty()) loss.task = ce_.loss;
+    return loss;
+  }
+
+ private:
+  void forward_checked(const Tensor<T, B>& images, const Tensor<std::int32_t, B>& labels, index_t b) {
+    check_finite("VisionMoE", "images", images);
     const index_t np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model;
     Tensor<T, B> patches;
     patchify(images, cfg_.patch, cfg_.image_height, cfg_.image_width, cfg_.channels, patches);
@@ -183,13 +194,13 @@ class VisionMoE {
     logits_ = Tensor<T, B>();
     head_.forward(cls_out, logits_);
     labels_ = labels;
-    Loss loss = moe_losses(blocks_);
-    if (labels.empty()) return loss;
+    ce_ = CrossEntropyResult<B>();
+    if (labels.empty()) return;
     log_probs_ = Tensor<T, B>();
-    count_ = -1;
-    loss.task = static_cast<double>(cross_entropy_forward(logits_, labels, log_probs_, -100, &count_));
-    return loss;
+    cross_entropy_forward_into(logits_, labels, log_probs_, -100, ce_);
   }
+
+ public:
 
   // Gradients of the last forward's loss.total() (mean cross-entropy + the routers' weighted
   // auxiliary losses), accumulated.
@@ -197,7 +208,7 @@ class VisionMoE {
     GRAPHMOE_CHECK(!log_probs_.empty(), "VisionMoE::backward", "call forward with labels first");
     const index_t b = logits_.dim(0), np = cfg_.num_patches(), t = np + 1, d = cfg_.d_model;
     Tensor<T, B> dlogits, dcls(Shape{b, d});
-    cross_entropy_backward(log_probs_, labels_, T(1), dlogits, -100, count_);  // no second scan
+    cross_entropy_backward(log_probs_, labels_, T(1), dlogits, -100, ce_);  // no second scan
     head_.backward(dlogits, &dcls);
     Tensor<T, B> dxf(Shape{b, t, d});
     for (index_t i = 0; i < b; ++i) dxf[i].slice(0, 1).copy_from(dcls.slice(i, i + 1));
@@ -244,7 +255,7 @@ class VisionMoE {
   LayerNorm<T, B> ln_f_;
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_;
-  index_t count_ = -1;  // the forward's count of labels (cross-entropy)
+  CrossEntropyResult<B> ce_;  // the forward's loss and count of labels (cross-entropy)
   Tensor<std::int32_t, B> labels_;
 };
 
