@@ -780,6 +780,17 @@ TEST_CASE("cuda graph: capture refuses reads, synchronisations and the compact l
   CHECK(read_error.find("CudaGraph::capture") != std::string::npos);
   CHECK(read_error.find("capturing") != std::string::npos);
   CHECK_FALSE(g.captured());
+  // a refused call whose error the captured work ignored: the capture is invalidated, and
+  // capture() says so once
+  const std::string ignored_error = test::error_of([&] {
+    g.capture([&] {
+      (void)cudaStreamSynchronize(cuda_stream());
+      (void)cudaGetLastError();
+    });
+  });
+  CHECK(ignored_error.find("cannot hold") != std::string::npos);
+  CHECK(ignored_error.find("CudaGraph::capture") == ignored_error.rfind("CudaGraph::capture"));
+  CHECK_FALSE(g.captured());
   // the stream works as before
   Tensor<float, graphmoe::cuda> y;
   add(x, x, y);

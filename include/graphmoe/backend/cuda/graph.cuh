@@ -134,7 +134,7 @@ class CudaGraph {
       if (graph != nullptr) (void)cudaGraphDestroy(graph);
       reset();
       const std::string what = e.what();
-      if (what.find(op) == 0) throw;
+      if (what.find(op) != std::string::npos) throw;  // capture's own message: as it is
       detail::throw_error(op, "the captured work failed: ", what,
                           what.find("capturing") != std::string::npos
                               ? " (a call a CUDA graph cannot hold: reads back to the host and "
