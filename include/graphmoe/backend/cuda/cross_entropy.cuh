@@ -220,9 +220,8 @@ CrossEntropyChecks cross_entropy_forward_deferred(cuda, const Tensor<T, cuda>& l
       detail::CrossEntropyNllOp<T>{log_probs.data(), targets.data(), classes, ignore_index}, rows,
       count, loss.get(), count_value.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  out.target = bad_target.result<Offender>("cross_entropy_forward", [targets](index_t r) {
-    return Offender{r, static_cast<double>(detail::read_device_value(targets.data() + r))};
-  });
+  out.target = bad_target.result<Offender>(
+      "cross_entropy_forward", [targets](index_t r) { return detail::offender_at(targets, r); });
   out.row = bad_row.result<BadRow>("cross_entropy_forward",
                                    [logits](index_t r) { return detail::softmax_bad_row(logits, r); });
   loss.finish();

@@ -141,9 +141,9 @@ class DeviceCheckBatch {
     close();
   }
   void after_replay() {
-    known_ = queued_;
-    for (delivered_ = 0; delivered_ < values_.size() && values_[delivered_].first < known_; ++delivered_)
-      std::memcpy(values_[delivered_].second, host_ + values_[delivered_].first, sizeof(double));
+    known_ = 0;  // this replay's copy: every value delivered again
+    delivered_ = 0;
+    after_synchronize();
     fire_flagged(std::vector<unsigned long long>(host_, host_ + known_));
   }
   index_t slots_taken() const { return taken_; }

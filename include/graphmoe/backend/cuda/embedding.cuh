@@ -52,7 +52,7 @@ template <class I>
 __global__ void embedding_bad_id_kernel(const I* ids, index_t n, index_t vocab,
                                         unsigned long long* bad) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
-    if (!(ids[i] >= 0 && ids[i] < vocab)) flag_index(bad, i);
+    if (IdOutsideRange{vocab}(ids[i])) flag_index(bad, i);
   }
 }
 
@@ -68,7 +68,7 @@ __global__ void embedding_backward_direct_kernel(const std::int32_t* ids, index_
                                                  T* dtable, unsigned long long* bad) {
   for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
     const std::int32_t v = ids[i];
-    if (!(v >= 0 && v < vocab)) {
+    if (IdOutsideRange{vocab}(v)) {
       if (threadIdx.x == 0) flag_index(bad, i);
       continue;
     }
@@ -104,9 +104,8 @@ inline Offender embedding_first_bad_id(cuda, const Tensor<std::int32_t, cuda>& i
                                                            ids.data(), n, vocab, bad.get());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
-  return bad.result<Offender>("embedding_forward", [ids](index_t i) {
-    return Offender{i, static_cast<double>(detail::read_device_value(ids.data() + i))};
-  });
+  return bad.result<Offender>("embedding_forward",
+                              [ids](index_t i) { return detail::offender_at(ids, i); });
 }
 
 // out = table[ids]: (ids.shape..., D), prepared by ops/embedding.hpp; the ids are in range.
@@ -134,9 +133,7 @@ Offender embedding_backward(cuda, const Tensor<std::int32_t, cuda>& ids,
           dtable.data(), flag.get());
       GRAPHMOE_CUDA_CHECK_LAUNCH();
     }
-    return flag.result<Offender>(op, [ids](index_t i) {
-      return Offender{i, static_cast<double>(detail::read_device_value(ids.data() + i))};
-    });
+    return flag.result<Offender>(op, [ids](index_t i) { return detail::offender_at(ids, i); });
   }
   const Offender bad = detail::first_bad_id_of(op, ids, dtable.dim(0));
   if (bad.found()) return bad;

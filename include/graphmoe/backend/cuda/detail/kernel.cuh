@@ -278,6 +278,13 @@ class FirstIndexFlag {
   index_t slot_ = -1;
 };
 
+// A flagged position of an integer tensor and the value there (read back): the Offender a
+// check's resolve returns for an id, a target or an expert index out of range.
+template <class I>
+Offender offender_at(const Tensor<I, cuda>& t, index_t i) {
+  return Offender{i, static_cast<double>(read_device_value(t.data() + i))};
+}
+
 // A double a kernel writes for the host (a loss's value): inside with_deferred_checks the open
 // batch's deferred slot (delivered to `target` with the batch's next read: `target` must outlive
 // the scope), else a scratch word that finish() reads at once. Launch the kernel writing get(),
