@@ -182,8 +182,10 @@ struct AttentionCase {
   index_t nb, len, heads, d, e;
 };
 
+// Returns whether some sequence's rows took different heads (HeadChoice::PerSequenceCausal), the
+// case where the CUDA graph's masked queries mix heads within one product.
 template <class T>
-void compare_attention(const AttentionCase& ac, const RouterConfig& cfg, bool causal,
+bool compare_attention(const AttentionCase& ac, const RouterConfig& cfg, bool causal,
                        bool with_bias, bool with_row_entropy, Rng& rng) {
   CAPTURE(ac.nb);
   CAPTURE(ac.len);
@@ -245,6 +247,12 @@ void compare_attention(const AttentionCase& ac, const RouterConfig& cfg, bool ca
   check_close("attention dw_o", cache.dw_o, cache_d.dw_o);
   check_close("attention dout", cache.dout, cache_d.dout);
   if (with_bias) check_close("attention db_o", cache.db_o, cache_d.db_o);
+  const std::vector<int> heads = ref.heads();
+  for (index_t b = 0; b < ac.nb; ++b)
+    for (index_t i = 1; i < ac.len; ++i)
+      if (heads[static_cast<std::size_t>(b * ac.len + i)] != heads[static_cast<std::size_t>(b * ac.len)])
+        return true;
+  return false;
 }
 
 }  // namespace
@@ -336,6 +344,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Attention forward and backward into the attenti
                    double) {
   SKIP_WITHOUT_CUDA_DEVICE();
   Rng rng(5);
+  bool mixed_heads = false;  // some sequence whose rows took different heads
   for (const AttentionCase ac : {AttentionCase{3, 1, 2, 4, 3}, AttentionCase{2, 19, 3, 6, 4},
                                  AttentionCase{2, 70, 4, 32, 8}, AttentionCase{1, 300, 2, 16, 5}}) {
     for (const bool causal : {false, true}) {
@@ -344,10 +353,13 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Attention forward and backward into the attenti
         cfg.num_experts = ac.e;
         cfg.options<Attention>().sigma = 1.5;
         cfg.options<Attention>().head_choice = choice;
-        compare_attention<T>(ac, cfg, causal, true, false, rng);
+        const bool mixed = compare_attention<T>(ac, cfg, causal, true, false, rng);
+        if (choice == HeadChoice::PerSequence) CHECK_FALSE(mixed);
+        mixed_heads = mixed_heads || mixed;
       }
     }
   }
+  CHECK(mixed_heads);  // the per-row head masks were exercised
   RouterConfig cfg;
   cfg.num_experts = 4;
   cfg.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;

@@ -16,10 +16,10 @@
 //     (state.self stays empty).
 //   - Attention always keeps A^p (args.store is ignored, state.stores is true); its row entropies
 //     stay on the device (state.entropy; state.row_entropy, state.lse and state.self stay empty);
-//     h* stays on the device (state.head_dev; attention_graph_heads reads it back on request) and
-//     every head's pass runs, its kernels masking the rows of the other heads (a head no token
-//     chose adds exact zeros), so the forward has no read back to the host: its all-zero-row
-//     flag is a deferrable check (core/deferred_check.hpp).
+//     h* stays on the device (state.head_dev; attention_graph_heads reads it back on request):
+//     every head's work runs at once with each row's queries masked to its head (below), so the
+//     forward has no read back to the host: its all-zero-row flag is a deferrable check
+//     (core/deferred_check.hpp).
 //   - The mean entropies read the N row entropies back to the host (synchronises) and average
 //     them in double (detail::device_mean).
 //   - Sums run in other orders (tiles, warp reductions, cuBLAS) and the float kernels use fused
@@ -51,23 +51,36 @@
 // other on the backend's stream, and every sum runs in a fixed order: deterministic, no atomics.
 //
 // ---- Attention posterior graph ----------------------------------------------------------------
-// Row entropies of the attention heads when the cache has none (one warp per row), h* per
-// sequence (one thread per sequence, graph_math::choose_heads), then per head h in use: the means
-// M_h = H V_h W_o,h^T + b_o and |m_j|^2, the head's queries Q_h = H Aout W_o,h (N, dh) and
-// G = Q_h V_h^T per sequence (cuBLAS, strided-batched over sequences), the posterior rows of the
-// tokens with h* = h (one block per row: logits, max, sum, entropy), and p = A^p r.
-// As on the CPU, the (T, T) products run in the head's dh = D / H dimensions:
-// a_i . m_j = q_i . v_j + a_i . b_o, and a_i . b_o is the same for every j of row i, so it cancels
-// in the row's softmax (T^2 dh per head instead of T^2 D). Backward, per head h in use, with dL_h
-// the rows of dL = A^p o (dp r^T - rowdot(dp, p)) whose head is h and colsum_j = sum_i dL_h[i, j]:
-//   dQ = (H / sigma^2) dL_h V_h          dout += dQ W_o,h^T          dW_o,h += Aout^T dQ
-//   dV_h += dL_h^T Q_h / sigma^2 - (H / sigma^2) colsum o (M_h W_o,h)
-//   dW_o,h -= (H / sigma^2) M_h^T (colsum o V_h)         db_o -= M_h^T colsum / sigma^2
-// (the first line from a_i . m_j, the rest from -|m_j|^2 / (2 sigma^2); rows of dL sum to 0, so
-// a_i . b_o adds nothing). A^p is stored (N, T), as on the CPU; scratch: one (N, T) for G in
-// forward, two (dL and its rows of head h) in backward. Under GraphPrecision::TF32 the (T, T)
-// products (G, p, dr, dp r^T, dQ, dV_h) run on TF32 tensor cores (graph_gemm_prec of
-// similarity_blocks.cuh); the (N, D, dh) ones stay fp32.
+// Row entropies of the attention heads when the cache has none (one warp per row), h* per token
+// (one thread per sequence, graph_math::choose_heads: per sequence, or per row from its prefix
+// under HeadChoice::PerSequenceCausal, so the rows of one sequence may take different heads).
+// As on the CPU, the (T, T) products run in the heads' dimensions: a_i . m_hj = q_hi . v_hj +
+// a_i . b_o with Q_h = H Aout W_o,h (N, dh), and a_i . b_o is the same for every j of row i, so it
+// cancels in the row's softmax. Every head's work is done at once, with each row's queries
+// masked to its own head (issue 26, item 1: the earlier form ran one pass per head over (N, T)
+// scratch, H (T, T, dh) products each writing a full (N, T) matrix, H times over):
+//   Q~ = mask_heads(H Aout W_o)          (N, D): row i keeps the dh columns of head h*(i), 0 else
+//   G  = Q~ V^T per sequence             (T, T, D) products, one strided-batched call:
+//                                        G_ij = q_{h*(i) i} . v_{h*(i) j} exactly (the masked
+//                                        terms are exact zeros)
+//   |m_hj|^2 for every (j, h)            M_h = H V_h W_o,h^T + b_o, one (N, dh, dm) product per
+//                                        head (the only per-head loop of the forward)
+//   posterior rows                       one block per row, reading A of its head: logits, max,
+//                                        sum, entropy, stored (N, T)
+//   p = A^p r                            per sequence
+// Backward, with dL = A^p o (dp r^T - rowdot(dp, p)) and colsum[j, h] = sum_{i: h*(i) = h} dL_ij
+// (per sequence dL^T onehot(h*), one product):
+//   dQ~ = mask_heads((H / sigma^2) dL V)  dout += dQ~ W_o^T            dW_o += Aout^T dQ~
+//   dV += dL^T Q~ / sigma^2               dprobs at each row's head += dL / A (one pass)
+//   per head h:  dV_h -= (H / sigma^2) colsum_h o (M_h W_o,h)
+//                dW_o,h -= (H / sigma^2) M_h^T (colsum_h o V_h)     db_o -= M_h^T colsum_h / sigma^2
+// (the first lines from a_i . m_j, the rest from -|m_j|^2 / (2 sigma^2); rows of dL sum to 0, so
+// a_i . b_o adds nothing). The (T, T)-sized work is O(T^2 D) per sequence, as H passes of T^2 dh
+// were, in three large products instead of 3 H small ones, and the (N, T) passes (posterior,
+// dprobs, the column sums) run once instead of once per head. A^p is stored (N, T), as on the
+// CPU; scratch: G (N, T) in forward, dL (N, T) in backward, and (N, D) for Q~ and dQ~. Under
+// GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV) run on TF32 tensor cores
+// (graph_gemm_prec of similarity_blocks.cuh); the (N, D, dm)-sized ones stay fp32.
 #pragma once
 
 #include <cublas_v2.h>
@@ -325,10 +338,10 @@ __global__ void attention_choose_heads_kernel(const T* ent, index_t nb, index_t 
   }
 }
 
-// M_row += b_o (when given), msq[row] = |M_row|^2, one warp per row.
+// M_row += b_o (when given), msq[row ldq] = |M_row|^2, one warp per row.
 template <class T>
-__global__ void attention_mean_finish_kernel(T* m, const T* bias, T* msq, index_t rows,
-                                             index_t cols) {
+__global__ void attention_mean_finish_kernel(T* m, const T* bias, T* msq, index_t ldq,
+                                             index_t rows, index_t cols) {
   const index_t warps_per_block = blockDim.x / 32;
   const index_t total = static_cast<index_t>(gridDim.x) * warps_per_block;
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -341,29 +354,30 @@ __global__ void attention_mean_finish_kernel(T* m, const T* bias, T* msq, index_
       s += v * v;
     }
     s = warp_reduce(s, SumOp{});
-    if (lane == 0) msq[row] = s;
+    if (lane == 0) msq[row * ldq] = s;
   }
 }
 
-// The posterior rows of the tokens whose head is h: one block per row. g = a m^T (N, T) of head
-// h; post and ent_row receive the row and its entropy. A row without a positive probability
-// flags (b H + h) T + i (the CPU reports the first such row by sequence, head, row).
+// The posterior rows, one block per row i, with its head h = heads[i]: g (N, T) the logits
+// q_hi . v_hj, msq (N, H) the |m_hj|^2; post and ent_row receive the row and its entropy. A row
+// without a positive probability flags (b H + h) T + i (the CPU reports the first such row by
+// sequence, head, row).
 template <class T>
 __global__ void attention_posterior_rows_kernel(const T* probs, const T* g, const T* msq,
                                                 const std::int32_t* heads, T* post, T* ent_row,
                                                 unsigned long long* bad, index_t n, index_t nh,
-                                                index_t len, std::int32_t h, T inv_var) {
+                                                index_t len, T inv_var) {
   using A = acc_t<T>;
   const T ninf = tgm::neg_inf<T>();
   for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
-    if (heads[i] != h) continue;  // the same for the whole block
+    const index_t h = heads[i];  // the same for the whole block
     const index_t b = i / len, il = i % len;
     const T* arow = probs + ((b * nh + h) * len + il) * len;
     const T* grow = g + i * len;
     T* row = post + i * len;
     T mx = ninf;
     for (index_t j = threadIdx.x; j < len; j += blockDim.x) {
-      const T l = tgm::posterior_logit(arow[j], grow[j], msq[b * len + j], inv_var);
+      const T l = tgm::posterior_logit(arow[j], grow[j], msq[(b * len + j) * nh + h], inv_var);
       row[j] = l;
       mx = MaxNanOp{}(mx, l);
     }
@@ -394,55 +408,53 @@ __global__ void attention_dlogit_kernel(const T* post, const T* c, T* q, index_t
   GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) { q[k] = post[k] * (q[k] - c[k / len]); }
 }
 
-// dlh = rows of dl whose head is h, 0 elsewhere.
+// x (N, H dh): row i keeps the dh columns of its head heads[i], the others become 0.
 template <class T>
-__global__ void attention_head_rows_kernel(const T* dl, const std::int32_t* heads, T* dlh,
-                                           index_t n, index_t len, std::int32_t h) {
-  GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) { dlh[k] = heads[k / len] == h ? dl[k] : T(0); }
+__global__ void attention_mask_heads_kernel(T* x, const std::int32_t* heads, index_t n, index_t nh,
+                                            index_t dh) {
+  const index_t cols = nh * dh;
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
+    if ((k % cols) / dh != heads[k / cols]) x[k] = T(0);
+  }
 }
 
-// dprobs[b, h, i, j] += dl_ij / A_ij (A > 0) for the rows whose head is h.
+// onehot (N, H): onehot[i, h] = 1 where h = heads[i], else 0.
+template <class T>
+__global__ void attention_head_onehot_kernel(const std::int32_t* heads, T* onehot, index_t n,
+                                             index_t nh) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * nh) { onehot[k] = heads[k / nh] == k % nh ? T(1) : T(0); }
+}
+
+// dprobs[b, h, i, j] += dl_ij / A_ij (A > 0), h the head of row i.
 template <class T>
 __global__ void attention_dprobs_kernel(const T* dl, const T* probs, const std::int32_t* heads,
-                                        T* dprobs, index_t n, index_t nh, index_t len,
-                                        std::int32_t h) {
+                                        T* dprobs, index_t n, index_t nh, index_t len) {
   GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) {
     const index_t i = k / len, j = k % len;
-    if (heads[i] != h) continue;
+    const index_t h = heads[i];
     const index_t b = i / len, il = i % len;
     const index_t at = ((b * nh + h) * len + il) * len + j;
     dprobs[at] += tgm::dprob_term(dl[k], probs[at]);
   }
 }
 
-// colsum[b len + j] = sum_i dlh[(b len + i), j] within each sequence (thread per column).
+// out[i, c] = colsum[i lds] x[i, c] over (n, cols), x and out with row strides ldx and ldo.
 template <class T>
-__global__ void attention_column_sum_kernel(const T* dlh, T* colsum, index_t n, index_t len) {
-  GRAPHMOE_CUDA_GRID_STRIDE(k, n) {
-    const index_t b = k / len, j = k % len;
-    T s = T(0);
-    for (index_t i = 0; i < len; ++i) s += dlh[(b * len + i) * len + j];
-    colsum[k] = s;
+__global__ void attention_scale_rows_kernel(const T* x, index_t ldx, const T* colsum, index_t lds,
+                                            T* out, index_t ldo, index_t n, index_t cols) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
+    const index_t i = k / cols, c = k % cols;
+    out[i * ldo + c] = colsum[i * lds] * x[i * ldx + c];
   }
 }
 
-// out[i, c] = colsum[i] x[i, c] over (n, cols), x and out with row strides ldx and ldo.
+// dv[i, c] -= alpha colsum[i lds] y[i, c] (dv with row stride ldv, y contiguous (n, cols)).
 template <class T>
-__global__ void attention_scale_rows_kernel(const T* x, index_t ldx, const T* colsum, T* out,
-                                            index_t ldo, index_t n, index_t cols) {
+__global__ void attention_dv_mean_kernel(const T* y, const T* colsum, index_t lds, T* dv,
+                                         index_t ldv, index_t n, index_t cols, T alpha) {
   GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
     const index_t i = k / cols, c = k % cols;
-    out[i * ldo + c] = colsum[i] * x[i * ldx + c];
-  }
-}
-
-// dv[i, c] -= alpha colsum[i] y[i, c] (dv with row stride ldv, y contiguous (n, cols)).
-template <class T>
-__global__ void attention_dv_mean_kernel(const T* y, const T* colsum, T* dv, index_t ldv, index_t n,
-                                         index_t cols, T alpha) {
-  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
-    const index_t i = k / cols, c = k % cols;
-    dv[i * ldv + c] -= alpha * colsum[i] * y[k];
+    dv[i * ldv + c] -= alpha * colsum[i * lds] * y[k];
   }
 }
 
@@ -510,7 +522,7 @@ double device_mean(const Tensor<T, cuda>& x) {
   return s / static_cast<double>(h.numel());
 }
 
-// m = H v_h W_o,h^T + b_o for all N tokens (N, D), msq = |m_j|^2 (N).
+// m = H v_h W_o,h^T + b_o for all N tokens (N, dm), msq[:, h] = |m_j|^2 (msq (N, H)).
 template <class T>
 void attention_head_mean(const AttentionCache<T, cuda>& c, index_t h, index_t dm,
                          Tensor<T, cuda>& m, Tensor<T, cuda>& msq) {
@@ -519,17 +531,21 @@ void attention_head_mean(const AttentionCache<T, cuda>& c, index_t h, index_t dm
              0, c.w_o.data() + h * dh, dvc, 0, T(0), m.data(), dm, 0, 1);
   launch_kernel<attention_mean_finish_kernel<T>>(graph_warp_rows_blocks(n), kThreads, m.data(),
                                                  c.b_o.empty() ? nullptr : c.b_o.data(),
-                                                 msq.data(), n, dm);
+                                                 msq.data() + h, c.num_heads, n, dm);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
-// q = H Aout W_o,h for all N tokens (N, dh): the head's queries, a_i . m_j = q_i . v_j + a_i . b_o.
+// q~ = mask_heads(H Aout W_o) (N, H dh): row i holds its head's queries q_{h*(i) i} in that head's
+// columns and 0 in the others (a_i . m_hj = q_hi . v_hj + a_i . b_o).
 template <class T>
-void attention_head_query(const AttentionCache<T, cuda>& c, index_t h, index_t dm,
-                          Tensor<T, cuda>& q) {
-  const index_t n = c.v.rows(), dvc = c.v.cols(), dh = dvc / c.num_heads;
-  graph_gemm(Trans::N, Trans::N, n, dh, dm, static_cast<T>(c.num_heads), c.out.data(), dm, 0,
-             c.w_o.data() + h * dh, dvc, 0, T(0), q.data(), dh, 0, 1);
+void attention_masked_queries(const AttentionCache<T, cuda>& c, index_t dm,
+                              const Tensor<std::int32_t, cuda>& heads, Tensor<T, cuda>& q) {
+  const index_t n = c.v.rows(), dvc = c.v.cols(), nh = c.num_heads;
+  graph_gemm(Trans::N, Trans::N, n, dvc, dm, static_cast<T>(nh), c.out.data(), dm, 0,
+             c.w_o.data(), dvc, 0, T(0), q.data(), dvc, 0, 1);
+  launch_kernel<attention_mask_heads_kernel<T>>(grid_for(n * dvc), kThreads, q.data(),
+                                                heads.data(), n, nh, dvc / nh);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 }  // namespace detail
 
@@ -628,9 +644,10 @@ double similarity_graph_mean_entropy(cuda, const SimilarityGraphState<T, cuda>& 
 }
 
 // Attention forward: h* per token from the attention-row entropies (the cache's row_entropy, or
-// computed from probs), then for every head in use the means M_h = H V_h W_o,h^T + b_o, the
-// logits log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2 of the tokens with that head, their softmax
-// (stored, (N, T)) and p = A^p r. Returns the first all-zero attention row (index b * len + i).
+// computed from probs), |m_hj|^2 of every head (M_h = H V_h W_o,h^T + b_o), the logits
+// log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2 of every row with its head (the masked queries:
+// see the file comment), their softmax (stored, (N, T)) and p = A^p r. Returns the first
+// all-zero attention row (index b * len + i).
 template <class T>
 Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const AttentionCache<T, cuda>& c,
                                  const AttentionGraphArgs& args,
@@ -666,27 +683,25 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
       detail::grid_for(nb), detail::kThreads, ent, nb, nh, len, args.causal_heads,
       prefix.data(), state.head_dev.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  // the posterior rows, one head at a time (each pass writes the rows of its head's tokens)
+  // the posterior rows of every head at once (file comment)
   detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
-  const index_t dvc = c.v.cols(), dh = dvc / nh;
+  const index_t dvc = c.v.cols();
   // scratch, every entry written before it is read (GEMMs with beta = 0 and row kernels)
   auto m = Tensor<T, cuda>::uninitialized(Shape{n, dm});
-  auto msq = Tensor<T, cuda>::uninitialized(Shape{n});
-  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dh});
+  auto msq = Tensor<T, cuda>::uninitialized(Shape{n, nh});
+  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
   auto g = Tensor<T, cuda>::uninitialized(Shape{n, len});
-  for (index_t h = 0; h < nh; ++h) {
-    detail::attention_head_mean(c, h, dm, m, msq);
-    detail::attention_head_query(c, h, dm, q);
-    // g = Q_h V_h^T per sequence (T, T): a_i . m_j less a_i . b_o, which cancels in the softmax
-    detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, len, len, dh, T(1),
-                                  q.data(), dh, len * dh, c.v.data() + h * dh, dvc, len * dvc,
-                                  T(0), g.data(), len, len * len, nb);
-    detail::launch_kernel<detail::attention_posterior_rows_kernel<T>>(
-        detail::grid_for_rows(n), detail::threads_for_row(len), c.probs.data(), g.data(),
-        msq.data(), state.head_dev.data(), state.post.data(), state.entropy.data(), bad.get(), n,
-        nh, len, static_cast<std::int32_t>(h), inv_var);
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
-  }
+  for (index_t h = 0; h < nh; ++h) detail::attention_head_mean(c, h, dm, m, msq);  // msq[:, h]
+  detail::attention_masked_queries(c, dm, state.head_dev, q);
+  // g = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax)
+  detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, len, len, dvc, T(1), q.data(),
+                                dvc, len * dvc, c.v.data(), dvc, len * dvc, T(0), g.data(), len,
+                                len * len, nb);
+  detail::launch_kernel<detail::attention_posterior_rows_kernel<T>>(
+      detail::grid_for_rows(n), detail::threads_for_row(len), c.probs.data(), g.data(), msq.data(),
+      state.head_dev.data(), state.post.data(), state.entropy.data(), bad.get(), n, nh, len,
+      inv_var);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
   // p = A^p r per sequence (on a flagged row's values when the check is deferred: arithmetic)
   detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::N, len, e, len, T(1),
                                 state.post.data(), len, len * len, r.data(), e, len * e, T(0),
@@ -706,7 +721,7 @@ std::vector<int> attention_graph_heads(cuda, const AttentionGraphState<T, cuda>&
 }
 
 // Attention backward: dr = A^p^T dp assigned; unless detached, dl = A^p o (dp r^T - rowdot(dp, p))
-// and, per head in use, its rows into dprobs, dout, dv, dw_o and db_o (accumulated).
+// into dprobs, dout, dv, dw_o and db_o (accumulated; the file comment has the products).
 template <class T>
 void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cuda>& p,
                               const Tensor<T, cuda>& dp, AttentionCache<T, cuda>& c,
@@ -736,65 +751,75 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
       detail::grid_for(nt), detail::kThreads, state.post.data(), rowdot.data(), dl.data(), n, len);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 
-  auto dlh = Tensor<T, cuda>::uninitialized(Shape{n, len});
-  auto m = Tensor<T, cuda>::uninitialized(Shape{n, dm});
-  auto msq = Tensor<T, cuda>::uninitialized(Shape{n});
-  auto colsum = Tensor<T, cuda>::uninitialized(Shape{n});
-  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dh});
-  auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dh});
-  auto y = Tensor<T, cuda>::uninitialized(Shape{n, dh});
-  for (index_t h = 0; h < nh; ++h) {  // every head: the kernels mask the other heads' rows
-    const auto hh = static_cast<std::int32_t>(h);
-    detail::launch_kernel<detail::attention_head_rows_kernel<T>>(
-        detail::grid_for(nt), detail::kThreads, dl.data(), state.head_dev.data(), dlh.data(), n,
-        len, hh);
+  // each row's dL into dA at its head: dA += dl / A where A > 0
+  if (!c.dprobs.empty()) {
+    detail::launch_kernel<detail::attention_dprobs_kernel<T>>(
+        detail::grid_for(nt), detail::kThreads, dl.data(), c.probs.data(), state.head_dev.data(),
+        c.dprobs.data(), n, nh, len);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
-    // into log A_h: dA += dl / A where A > 0
-    if (!c.dprobs.empty()) {
-      detail::launch_kernel<detail::attention_dprobs_kernel<T>>(
-          detail::grid_for(nt), detail::kThreads, dl.data(), c.probs.data(), state.head_dev.data(),
-          c.dprobs.data(), n, nh, len, hh);
-      GRAPHMOE_CUDA_CHECK_LAUNCH();
-    }
-    detail::attention_head_mean(c, h, dm, m, msq);
-    detail::attention_head_query(c, h, dm, q);
-    detail::launch_kernel<detail::attention_column_sum_kernel<T>>(
-        detail::grid_for(n), detail::kThreads, dlh.data(), colsum.data(), n, len);
+  }
+  // colsum[j, h] = sum over the rows i of head h of dl_ij: per sequence dl^T onehot(h*)
+  auto onehot = Tensor<T, cuda>::uninitialized(Shape{n, nh});
+  auto colsum = Tensor<T, cuda>::uninitialized(Shape{n, nh});
+  detail::launch_kernel<detail::attention_head_onehot_kernel<T>>(
+      detail::grid_for(n * nh), detail::kThreads, state.head_dev.data(), onehot.data(), n, nh);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  detail::graph_gemm(Trans::T, Trans::N, len, nh, len, T(1), dl.data(), len, len * len,
+                     onehot.data(), nh, len * nh, T(0), colsum.data(), nh, len * nh, nb);
+  // the masked queries and their gradient, every head at once
+  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+  auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+  detail::attention_masked_queries(c, dm, state.head_dev, q);
+  // dQ~ = mask_heads((H / sigma^2) dL V) per sequence; dout += dQ~ W_o^T; dW_o += Aout^T dQ~
+  if (!c.dout.empty() || !c.dw_o.empty()) {
+    detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, len, dvc, len, fh * inv_var, dl.data(),
+                                  len, len * len, c.v.data(), dvc, len * dvc, T(0), dq.data(),
+                                  dvc, len * dvc, nb);
+    detail::launch_kernel<detail::attention_mask_heads_kernel<T>>(
+        detail::grid_for(n * dvc), detail::kThreads, dq.data(), state.head_dev.data(), n, nh, dh);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
-    const T* vh = c.v.data() + h * dh;
-    // dQ = (H / sigma^2) dL_h V_h per sequence; dout += dQ W_o,h^T; dW_o,h += Aout^T dQ
-    detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, len, dh, len, fh * inv_var,
-                                  dlh.data(), len, len * len, vh, dvc, len * dvc, T(0), dq.data(),
-                                  dh, len * dh, nb);
     if (!c.dout.empty())
-      detail::graph_gemm(Trans::N, Trans::T, n, dm, dh, T(1), dq.data(), dh, 0,
-                         c.w_o.data() + h * dh, dvc, 0, T(1), c.dout.data(), dm, 0, 1);
+      detail::graph_gemm(Trans::N, Trans::T, n, dm, dvc, T(1), dq.data(), dvc, 0, c.w_o.data(),
+                         dvc, 0, T(1), c.dout.data(), dm, 0, 1);
+    if (!c.dw_o.empty())
+      detail::graph_gemm(Trans::T, Trans::N, dm, dvc, n, T(1), c.out.data(), dm, 0, dq.data(), dvc,
+                         0, T(1), c.dw_o.data(), dvc, 0, 1);
+  }
+  // dV += dL^T Q~ / sigma^2 per sequence
+  if (!c.dv.empty())
+    detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, len, dvc, len, inv_var, dl.data(), len,
+                                  len * len, q.data(), dvc, len * dvc, T(1), c.dv.data(), dvc,
+                                  len * dvc, nb);
+  // the terms of -|m_hj|^2 / (2 sigma^2), per head: (N, dm, dh) products
+  if (c.dw_o.empty() && c.dv.empty() && c.db_o.empty()) return;
+  auto m = Tensor<T, cuda>::uninitialized(Shape{n, dm});
+  auto msq = Tensor<T, cuda>::uninitialized(Shape{n, nh});
+  auto y = Tensor<T, cuda>::uninitialized(Shape{n, dh});
+  for (index_t h = 0; h < nh; ++h) {
+    const T* cs = colsum.data() + h;  // column h, stride nh
+    detail::attention_head_mean(c, h, dm, m, msq);
+    const T* vh = c.v.data() + h * dh;
+    // dW_o,h -= (H / sigma^2) M_h^T (colsum_h o V_h)
     if (!c.dw_o.empty()) {
-      detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, T(1), c.out.data(), dm, 0, dq.data(), dh,
-                         0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
-      // dW_o,h -= (H / sigma^2) M_h^T (colsum o V_h)
       detail::launch_kernel<detail::attention_scale_rows_kernel<T>>(
-          detail::grid_for(n * dh), detail::kThreads, vh, dvc, colsum.data(), y.data(), dh, n, dh);
+          detail::grid_for(n * dh), detail::kThreads, vh, dvc, cs, nh, y.data(), dh, n, dh);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
       detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, -fh * inv_var, m.data(), dm, 0, y.data(),
                          dh, 0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
     }
-    // dV_h += dL_h^T Q_h / sigma^2 per sequence, then -= (H / sigma^2) colsum o (M_h W_o,h)
+    // dV_h -= (H / sigma^2) colsum_h o (M_h W_o,h)
     if (!c.dv.empty()) {
-      detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, len, dh, len, inv_var, dlh.data(),
-                                    len, len * len, q.data(), dh, len * dh, T(1),
-                                    c.dv.data() + h * dh, dvc, len * dvc, nb);
       detail::graph_gemm(Trans::N, Trans::N, n, dh, dm, T(1), m.data(), dm, 0,
                          c.w_o.data() + h * dh, dvc, 0, T(0), y.data(), dh, 0, 1);
       detail::launch_kernel<detail::attention_dv_mean_kernel<T>>(
-          detail::grid_for(n * dh), detail::kThreads, y.data(), colsum.data(),
-          c.dv.data() + h * dh, dvc, n, dh, fh * inv_var);
+          detail::grid_for(n * dh), detail::kThreads, y.data(), cs, nh, c.dv.data() + h * dh, dvc,
+          n, dh, fh * inv_var);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
     }
-    // db_o -= M_h^T colsum / sigma^2
+    // db_o -= M_h^T colsum_h / sigma^2
     if (!c.db_o.empty())
-      detail::graph_gemm(Trans::T, Trans::N, dm, index_t(1), n, -inv_var, m.data(), dm, 0,
-                         colsum.data(), 1, 0, T(1), c.db_o.data(), 1, 0, 1);
+      detail::graph_gemm(Trans::T, Trans::N, dm, index_t(1), n, -inv_var, m.data(), dm, 0, cs, nh,
+                         0, T(1), c.db_o.data(), 1, 0, 1);
   }
 }
 
