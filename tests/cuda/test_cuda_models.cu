@@ -827,6 +827,27 @@ TEST_CASE("cuda graph: capture refuses reads, synchronisations and the compact l
   const auto fresh = Tensor<float, graphmoe::cuda>::uninitialized(Shape{3000});
   CHECK(fresh.data() != old_block);
   g.replay();
+  // and a block from before the capture freed after it, while the graph lives (the captured work
+  // may hold its address): held back until no graph may touch it, here two graphs
+  auto before = Tensor<float, graphmoe::cuda>::uninitialized(Shape{5000});
+  const float* before_block = before.data();
+  auto sum = Tensor<float, graphmoe::cuda>::uninitialized(Shape{5000});
+  g.capture([&] { add(before, before, sum); });
+  CudaGraph second;
+  second.capture([&] { add(x, x, y); });
+  const std::size_t held0 = cuda_memory_stats().bytes_held_for_graphs;
+  before = Tensor<float, graphmoe::cuda>();
+  CHECK(cuda_memory_stats().bytes_held_for_graphs >= held0 + 5000 * sizeof(float));
+  const auto other = Tensor<float, graphmoe::cuda>::uninitialized(Shape{5000});
+  CHECK(other.data() != before_block);
+  g.replay();
+  g.reset();  // the second graph may still hold it
+  const auto other2 = Tensor<float, graphmoe::cuda>::uninitialized(Shape{5000});
+  CHECK(other2.data() != before_block);
+  second.reset();  // now no graph does: it is handed out again
+  CHECK(cuda_memory_stats().bytes_held_for_graphs == 0);
+  const auto reused = Tensor<float, graphmoe::cuda>::uninitialized(Shape{5000});
+  CHECK(reused.data() == before_block);
 }
 
 // The language model's training step in a graph: forward (its loss, the routers' checks and
@@ -863,6 +884,7 @@ TEST_CASE_TEMPLATE("cuda graph: a captured TransformerLM training step replays l
     lm.backward();
   };
   run(graphed, ids, targets);  // warm-up: the model's buffers exist, the cache holds the sizes
+  const std::size_t held_without_graph = cuda_memory_stats().bytes_held_for_graphs;
   CudaGraph g;
   g.capture([&] { run(graphed, ids, targets); });
   for (int step = 1; step <= 3; ++step) {
@@ -896,6 +918,30 @@ TEST_CASE_TEMPLATE("cuda graph: a captured TransformerLM training step replays l
   CHECK(after.copies_to_host == before.copies_to_host);
   CHECK(after.device_allocations == before.device_allocations);
 #endif
+  // The model run eagerly at another shape between replays (an evaluation batch) reallocates
+  // its buffers from the warm-up step, which the graph holds: the freed ones are held back from
+  // reuse (the eager run at that shape and the next allocations get other memory), and the next
+  // replay still computes the captured step, equal to the eager model's on the same batch.
+  {
+    Tensor<std::int32_t, graphmoe::cuda> other_ids, other_targets;
+    to_device(random_ids(Shape{3, 7}, cfg.vocab_size, data), other_ids);
+    to_device(random_ids(Shape{3, 7}, cfg.vocab_size, data), other_targets);
+    const std::size_t held_before = cuda_memory_stats().bytes_held_for_graphs;
+    run(graphed, other_ids, other_targets);
+    CHECK(cuda_memory_stats().bytes_held_for_graphs > held_before);
+    const double other_loss = graphed.last_loss().task;
+    batch(ids, targets);
+    to_device(to_host(ids), eids);
+    to_device(to_host(targets), etargets);
+    g.replay();
+    run(eager, eids, etargets);
+    CHECK(graphed.last_loss().task == doctest::Approx(eager.last_loss().task).epsilon(1e-6));
+    CHECK(graphed.last_loss().task != doctest::Approx(other_loss).epsilon(1e-6));
+    check_close("replayed gradients after a run at another shape", to_host(eager.arena().grads()),
+                graphed.arena().grads(), 1e-5);
+  }
+  g.reset();  // the held blocks are free again
+  CHECK(cuda_memory_stats().bytes_held_for_graphs == held_without_graph);
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, double) {

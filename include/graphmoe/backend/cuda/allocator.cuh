@@ -35,15 +35,28 @@
 // capture or after it, e.g. a layer's cache the capture allocated) they return to the pool's own
 // free lists, reused only by allocations routed to that pool; so does any block freed during the
 // capture (a buffer from before it that the captured work read, then replaced: the replays still
-// read it). release_pool() (the graph is
-// destroyed) hands the pool's free blocks to the general lists; its blocks still live return
-// there when freed.
+// read it). release_pool() (the graph is destroyed) hands the pool's free blocks to the general
+// lists; its blocks still live return there when freed.
+//
+// Blocks from before a capture, freed after it. The graph also holds the addresses of buffers
+// that existed when it was captured (a model's parameters, its buffers from the warm-up step, the
+// inputs). When such a block is freed while the graph lives (the model run eagerly at another
+// shape between replays reallocates its buffers), it is held back from reuse until every graph
+// that may hold it is destroyed: each allocation carries a serial number, each pool the serial at
+// which its capture began, and a freed block whose serial precedes a live pool's (or that belongs
+// to a pool, or that more than the capturing pool may hold) waits in a list of held blocks with
+// the ids of those pools. So replays never write into memory handed to someone else: they keep
+// computing on the buffers they were captured with (the model's new buffers are its eager
+// runs'), which is the step the graph recorded. What it cannot see is an input that the caller
+// reallocated instead of writing in place: the replays read the old buffer (graph.cuh).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -62,6 +75,9 @@ struct CudaMemoryStats {
   std::size_t peak_bytes_in_use = 0;
   std::size_t cuda_malloc_calls = 0;
   std::size_t cache_hits = 0;       // allocations served from a free list
+  // freed blocks held back from reuse while a CUDA graph that may touch them lives (allocator's
+  // header comment), and the free blocks of graphs' private pools
+  std::size_t bytes_held_for_graphs = 0;
 };
 
 namespace detail {
@@ -96,6 +112,7 @@ class CudaCachingAllocator {
       p = pool_list->back();
       pool_list->pop_back();
       pools_[active_pool_].bytes_free -= size;
+      stats_.bytes_held_for_graphs -= size;
       ++stats_.cache_hits;
     } else if (!list.empty()) {
       p = list.back();
@@ -117,7 +134,7 @@ class CudaCachingAllocator {
       }
       ++stats_.cuda_malloc_calls;
     }
-    live_[p] = Block{size, device, bytes, active_pool_};
+    live_[p] = Block{size, device, bytes, active_pool_, next_serial_++};
 #if defined(GRAPHMOE_CUDA_EMULATION)
     graphmoe_cuda_emulation::on_tensor_allocate(p, bytes, size);  // poisons the block with NaN
     // a graph's block: its replays may touch all of it, whatever tensor holds it now
@@ -139,23 +156,35 @@ class CudaCachingAllocator {
     const Block b = it->second;
     live_.erase(it);
     stats_.bytes_in_use -= b.size;
-    // back to its graph's pool (the graph's replays still use it); a block freed during a capture
-    // joins that capture's pool whoever allocated it (the captured work may have touched it first)
-    const int pool_id = b.pool != 0 ? b.pool : active_pool_;
-    if (pool_id != 0) {
+    // the live graphs that may hold the block: its own pool's (allocated during that capture),
+    // and every pool whose capture began after the block was allocated (the captured work may
+    // have read or written it), the capture under way included
+    std::vector<int> holders;
+    if (b.pool != 0) holders.push_back(b.pool);
+    for (const auto& [id, pool] : pools_)
+      if (id != b.pool && b.serial < pool.first_serial) holders.push_back(id);
+    if (holders.empty()) {
 #if defined(GRAPHMOE_CUDA_EMULATION)
-      if (b.pool == 0) graphmoe_cuda_emulation::on_graph_block(p, b.size, true);  // adopted
+      graphmoe_cuda_emulation::on_tensor_free(p, b.requested, b.size);  // checks the canary
 #endif
-      Pool& pool = pools_[pool_id];
-      pool.free[{b.device, b.size}].push_back(p);
-      pool.bytes_free += b.size;
+      stats_.bytes_cached += b.size;
+      free_[{b.device, b.size}].push_back(p);
       return;
     }
 #if defined(GRAPHMOE_CUDA_EMULATION)
-    graphmoe_cuda_emulation::on_tensor_free(p, b.requested, b.size);  // checks the canary
+    // the graphs' replays may touch all of it, whatever tensor held it
+    if (b.pool == 0) graphmoe_cuda_emulation::on_graph_block(p, b.size, true);
 #endif
-    stats_.bytes_cached += b.size;
-    free_[{b.device, b.size}].push_back(p);
+    if (holders.size() == 1 && holders.front() == active_pool_) {
+      // only the capture under way holds it: reused by that capture's later allocations
+      Pool& pool = pools_[active_pool_];
+      pool.free[{b.device, b.size}].push_back(p);
+      pool.bytes_free += b.size;
+      stats_.bytes_held_for_graphs += b.size;
+      return;
+    }
+    held_.push_back(Held{p, b.device, b.size, std::move(holders)});
+    stats_.bytes_held_for_graphs += b.size;
   }
 
   // Graph-private pools (see the header comment). One pool receives allocations at a time.
@@ -164,7 +193,7 @@ class CudaCachingAllocator {
     GRAPHMOE_CHECK(active_pool_ == 0, "CudaGraph::capture",
                    "another capture is under way (one at a time)");
     active_pool_ = ++last_pool_;
-    pools_[active_pool_];
+    pools_[active_pool_].first_serial = next_serial_;
     return active_pool_;
   }
   void end_pool() {
@@ -183,10 +212,28 @@ class CudaCachingAllocator {
 #endif
         free_[key].push_back(p);
         stats_.bytes_cached += key.second;
+        stats_.bytes_held_for_graphs -= key.second;
       }
     pools_.erase(it);
     for (auto& [p, b] : live_)
       if (b.pool == id) b.pool = 0;
+    // held blocks: this graph no longer holds them; those no graph holds are free again
+    for (std::size_t k = 0; k < held_.size();) {
+      Held& h = held_[k];
+      std::erase(h.pools, id);
+      if (!h.pools.empty()) {
+        ++k;
+        continue;
+      }
+#if defined(GRAPHMOE_CUDA_EMULATION)
+      graphmoe_cuda_emulation::on_graph_block(h.p, h.size, false);
+#endif
+      free_[{h.device, h.size}].push_back(h.p);
+      stats_.bytes_cached += h.size;
+      stats_.bytes_held_for_graphs -= h.size;
+      h = std::move(held_.back());
+      held_.pop_back();
+    }
   }
   // Bytes of free blocks held by pool `id` (0 when there is none).
   std::size_t pool_free_bytes(int id) const {
@@ -218,10 +265,18 @@ class CudaCachingAllocator {
     int device;
     std::size_t requested;  // the bytes asked for
     int pool = 0;           // the graph pool it belongs to; 0: none
+    std::uint64_t serial = 0;  // allocation order
   };
   struct Pool {
     std::map<std::pair<int, std::size_t>, std::vector<void*>> free;
     std::size_t bytes_free = 0;
+    std::uint64_t first_serial = 0;  // the first allocation serial of its capture
+  };
+  struct Held {  // a freed block that live graphs may still touch
+    void* p;
+    int device;
+    std::size_t size;
+    std::vector<int> pools;  // the graphs' pools
   };
 
   CudaCachingAllocator() = default;
@@ -253,6 +308,8 @@ class CudaCachingAllocator {
   mutable std::mutex mu_;
   std::map<int, Pool> pools_;
   int active_pool_ = 0, last_pool_ = 0;
+  std::uint64_t next_serial_ = 0;
+  std::vector<Held> held_;
   std::unordered_map<void*, Block> live_;
   std::map<std::pair<int, std::size_t>, std::vector<void*>> free_;  // (device, size class)
   CudaMemoryStats stats_;

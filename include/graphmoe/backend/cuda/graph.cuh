@@ -16,15 +16,18 @@
 // work would have thrown when run eagerly. A replay repeats exactly the captured work:
 //
 //   - every buffer it touches is at the address it had during the capture: the inputs must be
-//     written in place between replays (not reallocated), and what it writes (a model's outputs,
-//     caches, gradients) is where the capture left the tensors holding it. The memory the captured
-//     work allocated lives in the graph's private pool (allocator.cuh) for as long as the graph:
-//     nothing outside the graph is handed those blocks. Buffers that existed before the capture
-//     (the inputs, a model's parameters and its buffers from the warm-up step) must stay alive
-//     and unreallocated while the graph is replayed: running the model eagerly at another shape
-//     between replays (an evaluation batch of another size) reallocates its buffers, and the
-//     graph would write into memory that is no longer theirs; use a second model, or capture
-//     again;
+//     written in place between replays (a reallocated input is not seen: the replays read the
+//     old buffer), and what it writes (a model's outputs, caches, gradients) is where the capture
+//     left the tensors holding it. The memory the captured work allocated lives in the graph's
+//     private pool (allocator.cuh) for as long as the graph: nothing outside the graph is handed
+//     those blocks. A buffer that existed before the capture (a model's buffers from the warm-up
+//     step) and is freed while the graph lives (the model run eagerly at another shape between
+//     replays, e.g. an evaluation batch of another size, reallocates its buffers) is held back
+//     from reuse until the graph is destroyed (cuda_memory_stats().bytes_held_for_graphs): the
+//     replays go on computing the captured step on the buffers they were captured with, and
+//     never write memory handed to anyone else. The model's accessors (logits, routing) show its
+//     last eager run's buffers then, not the replays': capture again, or keep a second model, to
+//     read those after a replay;
 //   - the host's values are those of the capture: shapes, scalars passed to kernels (a learning
 //     rate, a step count), the expert layout's offsets. Capture again when they change;
 //   - the host code between the ops ran once, during the capture: a value the host computes
