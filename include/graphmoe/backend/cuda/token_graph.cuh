@@ -63,8 +63,10 @@
 //   G  = Q~ V^T per sequence             (T, T, D) products, one strided-batched call:
 //                                        G_ij = q_{h*(i) i} . v_{h*(i) j} exactly (the masked
 //                                        terms are exact zeros)
-//   |m_hj|^2 for every (j, h)            M_h = H V_h W_o,h^T + b_o, one (N, dh, dm) product per
-//                                        head (the only per-head loop of the forward)
+//   |m_hj|^2 for every (j, h)            m_hj = H W_h v_hj + b_o (W_h = W_o,h), through the Gram
+//                                        matrices G_h = W_h^T W_h: |m_hj|^2 = v_hj . (H^2 G_h v_hj
+//                                        + 2 H W_h^T b_o) + |b_o|^2, O(N dh^2) per head, no (N, dm)
+//                                        mean formed (products batched over the heads)
 //   posterior rows                       one block per row, reading A of its head: logits, max,
 //                                        sum, entropy, stored (N, T)
 //   p = A^p r                            per sequence
@@ -72,15 +74,18 @@
 // (per sequence dL^T onehot(h*), one product):
 //   dQ~ = mask_heads((H / sigma^2) dL V)  dout += dQ~ W_o^T            dW_o += Aout^T dQ~
 //   dV += dL^T Q~ / sigma^2               dprobs at each row's head += dL / A (one pass)
-//   per head h:  dV_h -= (H / sigma^2) colsum_h o (M_h W_o,h)
-//                dW_o,h -= (H / sigma^2) M_h^T (colsum_h o V_h)     db_o -= M_h^T colsum_h / sigma^2
+//   dV_h -= (H / sigma^2) colsum_h o (M_h W_h)        M_h W_h = H V_h G_h + b_o^T W_h
+//   dW_o,h -= (H / sigma^2) M_h^T (colsum_h o V_h)    = H W_h (V_h^T (colsum_h o V_h)) + b_o s_h^T
+//   db_o -= sum_h M_h^T colsum_h / sigma^2            M_h^T colsum_h = H W_h s_h + b_o sum(colsum_h)
+// with s_h = V_h^T colsum_h, every head at once (batched products of dh x dh and the like)
 // (the first lines from a_i . m_j, the rest from -|m_j|^2 / (2 sigma^2); rows of dL sum to 0, so
-// a_i . b_o adds nothing). The (T, T)-sized work is O(T^2 D) per sequence, as H passes of T^2 dh
+// a_i . b_o adds nothing). The earlier form built M_h (N, dm) per head: O(N dm D) per pass. The (T, T)-sized work is O(T^2 D) per sequence, as H passes of T^2 dh
 // were, in three large products instead of 3 H small ones, and the (N, T) passes (posterior,
 // dprobs, the column sums) run once instead of once per head. A^p is stored (N, T), as on the
 // CPU; scratch: G (N, T) in forward, dL (N, T) in backward, and (N, D) for Q~ and dQ~. Under
 // GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV) run on TF32 tensor cores
-// (graph_gemm_prec of similarity_blocks.cuh); the (N, D, dm)-sized ones stay fp32.
+// (graph_gemm_prec of similarity_blocks.cuh); the (N, D, dm)-sized ones (Q~, dout, dW_o) stay
+// fp32.
 #pragma once
 
 #include <cublas_v2.h>
@@ -338,24 +343,76 @@ __global__ void attention_choose_heads_kernel(const T* ent, index_t nb, index_t 
   }
 }
 
-// M_row += b_o (when given), msq[row ldq] = |M_row|^2, one warp per row.
+// The means m_hj = H W_h v_hj + b_o (W_h = W_o,h, (dm, dh)) through the heads' Gram matrices
+// G_h = W_h^T W_h (dh, dh) and c_h = W_h^T b_o (dh), with Z_h = V_h G_h (N, dh):
+//   |m_hj|^2 = v_hj . (H^2 z_hj + 2 H c_h) + |b_o|^2          m_hj^T W_h = H z_hj + c_h
+// so that no (N, dm) mean is formed (O(N dh^2) per head instead of O(N dm dh)).
+
+// *out = |b|^2 over dm entries (one block).
 template <class T>
-__global__ void attention_mean_finish_kernel(T* m, const T* bias, T* msq, index_t ldq,
-                                             index_t rows, index_t cols) {
-  const index_t warps_per_block = blockDim.x / 32;
-  const index_t total = static_cast<index_t>(gridDim.x) * warps_per_block;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  for (index_t row = blockIdx.x * warps_per_block + threadIdx.x / 32; row < rows; row += total) {
-    T s = T(0);
-    for (index_t j = lane; j < cols; j += 32) {
-      T v = m[row * cols + j];
-      if (bias != nullptr) v += bias[j];
-      m[row * cols + j] = v;
-      s += v * v;
+__global__ void attention_bias_sq_kernel(const T* b, index_t dm, T* out) {
+  using A = acc_t<T>;
+  A s = A(0);
+  for (index_t r = threadIdx.x; r < dm; r += blockDim.x) s += static_cast<A>(b[r]) * static_cast<A>(b[r]);
+  s = block_reduce(s, SumOp{}, A(0));
+  if (threadIdx.x == 0) *out = static_cast<T>(s);
+}
+
+// msq[j, h] (N, H) = v_hj . (H^2 z_hj + 2 H c_h) + |b|^2; v, z (N, H dh); c (H dh) and bsq (one
+// value) null without a bias. One thread per (j, h).
+template <class T>
+__global__ void attention_msq_kernel(const T* v, const T* z, const T* c, const T* bsq, T* msq,
+                                     index_t n, index_t nh, index_t dh, T fh) {
+  using A = acc_t<T>;
+  const index_t cols = nh * dh;
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * nh) {
+    const index_t j = k / nh, h = k % nh;
+    const T* vr = v + j * cols + h * dh;
+    const T* zr = z + j * cols + h * dh;
+    A s = A(0);
+    for (index_t col = 0; col < dh; ++col) {
+      T w = fh * fh * zr[col];
+      if (c != nullptr) w += T(2) * fh * c[h * dh + col];
+      s += static_cast<A>(vr[col]) * static_cast<A>(w);
     }
-    s = warp_reduce(s, SumOp{});
-    if (lane == 0) msq[row * ldq] = s;
+    if (bsq != nullptr) s += static_cast<A>(*bsq);
+    msq[k] = static_cast<T>(s);
   }
+}
+
+// dv[j, col] -= alpha colsum[j, h] (H z[j, col] + c[col]) over (N, H dh), h = col / dh (c null
+// without a bias): the |m_hj|^2 term's gradient in v.
+template <class T>
+__global__ void attention_dv_mean_kernel(const T* z, const T* c, const T* colsum, T* dv, index_t n,
+                                         index_t nh, index_t dh, T fh, T alpha) {
+  const index_t cols = nh * dh;
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
+    const index_t j = k / cols, col = k % cols;
+    T w = fh * z[k];
+    if (c != nullptr) w += c[col];
+    dv[k] -= alpha * colsum[j * nh + col / dh] * w;
+  }
+}
+
+// y[j, col] = colsum[j, h] v[j, col] over (N, H dh), h = col / dh.
+template <class T>
+__global__ void attention_scale_heads_kernel(const T* v, const T* colsum, T* y, index_t n,
+                                             index_t nh, index_t dh) {
+  const index_t cols = nh * dh;
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) { y[k] = colsum[(k / cols) * nh + (k % cols) / dh] * v[k]; }
+}
+
+// db[r] -= alpha b[r] sum(colsum) over the N H column sums (one block): the bias's own share of
+// db_o -= sum_h M_h^T colsum_h / sigma^2 (the sum is 0 up to rounding: rows of dL sum to 0).
+template <class T>
+__global__ void attention_db_bias_kernel(const T* colsum, index_t count, const T* b, T* db,
+                                         index_t dm, T alpha) {
+  using A = acc_t<T>;
+  A s = A(0);
+  for (index_t k = threadIdx.x; k < count; k += blockDim.x) s += static_cast<A>(colsum[k]);
+  s = block_reduce(s, SumOp{}, A(0));
+  const T total = static_cast<T>(s);
+  for (index_t r = threadIdx.x; r < dm; r += blockDim.x) db[r] -= alpha * b[r] * total;
 }
 
 // The posterior rows, one block per row i, with its head h = heads[i]: g (N, T) the logits
@@ -438,26 +495,6 @@ __global__ void attention_dprobs_kernel(const T* dl, const T* probs, const std::
   }
 }
 
-// out[i, c] = colsum[i lds] x[i, c] over (n, cols), x and out with row strides ldx and ldo.
-template <class T>
-__global__ void attention_scale_rows_kernel(const T* x, index_t ldx, const T* colsum, index_t lds,
-                                            T* out, index_t ldo, index_t n, index_t cols) {
-  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
-    const index_t i = k / cols, c = k % cols;
-    out[i * ldo + c] = colsum[i * lds] * x[i * ldx + c];
-  }
-}
-
-// dv[i, c] -= alpha colsum[i lds] y[i, c] (dv with row stride ldv, y contiguous (n, cols)).
-template <class T>
-__global__ void attention_dv_mean_kernel(const T* y, const T* colsum, index_t lds, T* dv,
-                                         index_t ldv, index_t n, index_t cols, T alpha) {
-  GRAPHMOE_CUDA_GRID_STRIDE(k, n * cols) {
-    const index_t i = k / cols, c = k % cols;
-    dv[i * ldv + c] -= alpha * colsum[i * lds] * y[k];
-  }
-}
-
 // ---- launchers ----------------------------------------------------------------------------------
 
 inline unsigned graph_tile_blocks(index_t nseq, index_t len) {
@@ -522,17 +559,20 @@ double device_mean(const Tensor<T, cuda>& x) {
   return s / static_cast<double>(h.numel());
 }
 
-// m = H v_h W_o,h^T + b_o for all N tokens (N, dm), msq[:, h] = |m_j|^2 (msq (N, H)).
+// The Gram terms of the means (the kernels' comment above): g (H, dh, dh) = W_h^T W_h, z (N, H dh)
+// with z_h = V_h G_h, and with a bias cvec (H, dh) = W_h^T b_o; three strided-batched products
+// over the heads.
 template <class T>
-void attention_head_mean(const AttentionCache<T, cuda>& c, index_t h, index_t dm,
-                         Tensor<T, cuda>& m, Tensor<T, cuda>& msq) {
-  const index_t n = c.v.rows(), dvc = c.v.cols(), dh = dvc / c.num_heads;
-  graph_gemm(Trans::N, Trans::T, n, dm, dh, static_cast<T>(c.num_heads), c.v.data() + h * dh, dvc,
-             0, c.w_o.data() + h * dh, dvc, 0, T(0), m.data(), dm, 0, 1);
-  launch_kernel<attention_mean_finish_kernel<T>>(graph_warp_rows_blocks(n), kThreads, m.data(),
-                                                 c.b_o.empty() ? nullptr : c.b_o.data(),
-                                                 msq.data() + h, c.num_heads, n, dm);
-  GRAPHMOE_CUDA_CHECK_LAUNCH();
+void attention_gram_terms(const AttentionCache<T, cuda>& c, index_t dm, Tensor<T, cuda>& g,
+                          Tensor<T, cuda>& z, Tensor<T, cuda>& cvec) {
+  const index_t n = c.v.rows(), dvc = c.v.cols(), nh = c.num_heads, dh = dvc / nh;
+  graph_gemm(Trans::T, Trans::N, dh, dh, dm, T(1), c.w_o.data(), dvc, dh, c.w_o.data(), dvc, dh,
+             T(0), g.data(), dh, dh * dh, nh);
+  graph_gemm(Trans::N, Trans::N, n, dh, dh, T(1), c.v.data(), dvc, dh, g.data(), dh, dh * dh, T(0),
+             z.data(), dvc, dh, nh);
+  if (!c.b_o.empty())
+    graph_gemm(Trans::T, Trans::N, dh, index_t(1), dm, T(1), c.w_o.data(), dvc, dh, c.b_o.data(),
+               index_t(1), 0, T(0), cvec.data(), index_t(1), dh, nh);
 }
 
 // q~ = mask_heads(H Aout W_o) (N, H dh): row i holds its head's queries q_{h*(i) i} in that head's
@@ -687,11 +727,27 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
   detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
   const index_t dvc = c.v.cols();
   // scratch, every entry written before it is read (GEMMs with beta = 0 and row kernels)
-  auto m = Tensor<T, cuda>::uninitialized(Shape{n, dm});
+  const index_t dh = dvc / nh;
+  const bool bias = !c.b_o.empty();
+  auto gram = Tensor<T, cuda>::uninitialized(Shape{nh, dh, dh});
+  auto z = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+  auto cvec = Tensor<T, cuda>::uninitialized(Shape{bias ? nh * dh : 0});
+  auto bsq = Tensor<T, cuda>::uninitialized(Shape{1});
   auto msq = Tensor<T, cuda>::uninitialized(Shape{n, nh});
   auto q = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
   auto g = Tensor<T, cuda>::uninitialized(Shape{n, len});
-  for (index_t h = 0; h < nh; ++h) detail::attention_head_mean(c, h, dm, m, msq);  // msq[:, h]
+  // |m_hj|^2 of every head (N, H)
+  detail::attention_gram_terms(c, dm, gram, z, cvec);
+  if (bias) {
+    detail::launch_kernel<detail::attention_bias_sq_kernel<T>>(1, detail::kThreads, c.b_o.data(), dm,
+                                                               bsq.data());
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  detail::launch_kernel<detail::attention_msq_kernel<T>>(
+      detail::grid_for(n * nh), detail::kThreads, c.v.data(), z.data(),
+      bias ? cvec.data() : nullptr, bias ? bsq.data() : nullptr, msq.data(), n, nh, dh,
+      static_cast<T>(nh));
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::attention_masked_queries(c, dm, state.head_dev, q);
   // g = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax)
   detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, len, len, dvc, T(1), q.data(),
@@ -790,36 +846,48 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
     detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, len, dvc, len, inv_var, dl.data(), len,
                                   len * len, q.data(), dvc, len * dvc, T(1), c.dv.data(), dvc,
                                   len * dvc, nb);
-  // the terms of -|m_hj|^2 / (2 sigma^2), per head: (N, dm, dh) products
+  // the terms of -|m_hj|^2 / (2 sigma^2), every head at once through the Gram terms (the kernels'
+  // comment): with Y_h = colsum_h o V_h and s_h = V_h^T colsum_h,
+  //   dV_h   -= (H / sigma^2) colsum_h o (H Z_h + c_h)
+  //   dW_o,h -= (H / sigma^2) (H W_h V_h^T Y_h + b_o s_h^T)
+  //   db_o   -= (H W_o s + b_o sum(colsum)) / sigma^2
   if (c.dw_o.empty() && c.dv.empty() && c.db_o.empty()) return;
-  auto m = Tensor<T, cuda>::uninitialized(Shape{n, dm});
-  auto msq = Tensor<T, cuda>::uninitialized(Shape{n, nh});
-  auto y = Tensor<T, cuda>::uninitialized(Shape{n, dh});
-  for (index_t h = 0; h < nh; ++h) {
-    const T* cs = colsum.data() + h;  // column h, stride nh
-    detail::attention_head_mean(c, h, dm, m, msq);
-    const T* vh = c.v.data() + h * dh;
-    // dW_o,h -= (H / sigma^2) M_h^T (colsum_h o V_h)
-    if (!c.dw_o.empty()) {
-      detail::launch_kernel<detail::attention_scale_rows_kernel<T>>(
-          detail::grid_for(n * dh), detail::kThreads, vh, dvc, cs, nh, y.data(), dh, n, dh);
-      GRAPHMOE_CUDA_CHECK_LAUNCH();
-      detail::graph_gemm(Trans::T, Trans::N, dm, dh, n, -fh * inv_var, m.data(), dm, 0, y.data(),
-                         dh, 0, T(1), c.dw_o.data() + h * dh, dvc, 0, 1);
-    }
-    // dV_h -= (H / sigma^2) colsum_h o (M_h W_o,h)
-    if (!c.dv.empty()) {
-      detail::graph_gemm(Trans::N, Trans::N, n, dh, dm, T(1), m.data(), dm, 0,
-                         c.w_o.data() + h * dh, dvc, 0, T(0), y.data(), dh, 0, 1);
-      detail::launch_kernel<detail::attention_dv_mean_kernel<T>>(
-          detail::grid_for(n * dh), detail::kThreads, y.data(), cs, nh, c.dv.data() + h * dh, dvc,
-          n, dh, fh * inv_var);
-      GRAPHMOE_CUDA_CHECK_LAUNCH();
-    }
-    // db_o -= M_h^T colsum_h / sigma^2
-    if (!c.db_o.empty())
-      detail::graph_gemm(Trans::T, Trans::N, dm, index_t(1), n, -inv_var, m.data(), dm, 0, cs, nh,
-                         0, T(1), c.db_o.data(), 1, 0, 1);
+  const bool bias = !c.b_o.empty();
+  auto gram = Tensor<T, cuda>::uninitialized(Shape{nh, dh, dh});
+  auto z = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+  auto cvec = Tensor<T, cuda>::uninitialized(Shape{bias ? nh * dh : 0});
+  auto svec = Tensor<T, cuda>::uninitialized(Shape{dvc});
+  detail::attention_gram_terms(c, dm, gram, z, cvec);
+  if (!c.dv.empty()) {
+    detail::launch_kernel<detail::attention_dv_mean_kernel<T>>(
+        detail::grid_for(n * dvc), detail::kThreads, z.data(), bias ? cvec.data() : nullptr,
+        colsum.data(), c.dv.data(), n, nh, dh, fh, fh * inv_var);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+  }
+  if (!c.dw_o.empty() || !c.db_o.empty())  // s_h = V_h^T colsum_h (H dh)
+    detail::graph_gemm(Trans::T, Trans::N, dh, index_t(1), n, T(1), c.v.data(), dvc, dh,
+                       colsum.data(), nh, 1, T(0), svec.data(), index_t(1), dh, nh);
+  if (!c.dw_o.empty()) {
+    auto y = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+    auto kmat = Tensor<T, cuda>::uninitialized(Shape{nh, dh, dh});
+    detail::launch_kernel<detail::attention_scale_heads_kernel<T>>(
+        detail::grid_for(n * dvc), detail::kThreads, c.v.data(), colsum.data(), y.data(), n, nh, dh);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
+    // K_h = V_h^T Y_h; dW_o,h -= (H^2 / sigma^2) W_h K_h
+    detail::graph_gemm(Trans::T, Trans::N, dh, dh, n, T(1), c.v.data(), dvc, dh, y.data(), dvc, dh,
+                       T(0), kmat.data(), dh, dh * dh, nh);
+    detail::graph_gemm(Trans::N, Trans::N, dm, dh, dh, -fh * fh * inv_var, c.w_o.data(), dvc, dh,
+                       kmat.data(), dh, dh * dh, T(1), c.dw_o.data(), dvc, dh, nh);
+    if (bias)  // dW_o -= (H / sigma^2) b_o s^T
+      detail::graph_gemm(Trans::N, Trans::N, dm, dvc, index_t(1), -fh * inv_var, c.b_o.data(),
+                         index_t(1), 0, svec.data(), dvc, 0, T(1), c.dw_o.data(), dvc, 0, 1);
+  }
+  if (!c.db_o.empty() && bias) {  // db_o -= (H W_o s + b_o sum(colsum)) / sigma^2
+    detail::graph_gemm(Trans::N, Trans::N, dm, index_t(1), dvc, -fh * inv_var, c.w_o.data(), dvc, 0,
+                       svec.data(), index_t(1), 0, T(1), c.db_o.data(), index_t(1), 0, 1);
+    detail::launch_kernel<detail::attention_db_bias_kernel<T>>(
+        1, detail::kThreads, colsum.data(), n * nh, c.b_o.data(), c.db_o.data(), dm, inv_var);
+    GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
 }
 
