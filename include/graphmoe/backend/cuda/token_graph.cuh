@@ -84,8 +84,8 @@
 // dprobs, the column sums) run once instead of once per head. A^p is stored (N, T), as on the
 // CPU; scratch: G (N, T) in forward, dL (N, T) in backward, and (N, D) for Q~ and dQ~. Under
 // GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV) run on TF32 tensor cores
-// (graph_gemm_prec of similarity_blocks.cuh); the (N, D, dm)-sized ones (Q~, dout, dW_o) stay
-// fp32.
+// (graph_gemm_prec of similarity_blocks.cuh), and so do the (N, D, dm)-sized ones (Q~, dout,
+// dW_o); the Gram terms (O(N dh^2)) stay fp32.
 #pragma once
 
 #include <cublas_v2.h>
@@ -576,13 +576,14 @@ void attention_gram_terms(const AttentionCache<T, cuda>& c, index_t dm, Tensor<T
 }
 
 // q~ = mask_heads(H Aout W_o) (N, H dh): row i holds its head's queries q_{h*(i) i} in that head's
-// columns and 0 in the others (a_i . m_hj = q_hi . v_hj + a_i . b_o).
+// columns and 0 in the others (a_i . m_hj = q_hi . v_hj + a_i . b_o). On TF32 tensor cores under
+// GraphPrecision::TF32.
 template <class T>
-void attention_masked_queries(const AttentionCache<T, cuda>& c, index_t dm,
+void attention_masked_queries(GraphPrecision prec, const AttentionCache<T, cuda>& c, index_t dm,
                               const Tensor<std::int32_t, cuda>& heads, Tensor<T, cuda>& q) {
   const index_t n = c.v.rows(), dvc = c.v.cols(), nh = c.num_heads;
-  graph_gemm(Trans::N, Trans::N, n, dvc, dm, static_cast<T>(nh), c.out.data(), dm, 0,
-             c.w_o.data(), dvc, 0, T(0), q.data(), dvc, 0, 1);
+  graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, n, dvc, dm, static_cast<T>(nh), c.out.data(), dm,
+                        0, c.w_o.data(), dvc, 0, T(0), q.data(), dvc, 0, 1);
   launch_kernel<attention_mask_heads_kernel<T>>(grid_for(n * dvc), kThreads, q.data(),
                                                 heads.data(), n, nh, dvc / nh);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
@@ -748,7 +749,7 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
       bias ? cvec.data() : nullptr, bias ? bsq.data() : nullptr, msq.data(), n, nh, dh,
       static_cast<T>(nh));
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  detail::attention_masked_queries(c, dm, state.head_dev, q);
+  detail::attention_masked_queries(args.precision, c, dm, state.head_dev, q);
   // g = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax)
   detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, len, len, dvc, T(1), q.data(),
                                 dvc, len * dvc, c.v.data(), dvc, len * dvc, T(0), g.data(), len,
@@ -825,7 +826,7 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   // the masked queries and their gradient, every head at once
   auto q = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
   auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
-  detail::attention_masked_queries(c, dm, state.head_dev, q);
+  detail::attention_masked_queries(args.precision, c, dm, state.head_dev, q);
   // dQ~ = mask_heads((H / sigma^2) dL V) per sequence; dout += dQ~ W_o^T; dW_o += Aout^T dQ~
   if (!c.dout.empty() || !c.dw_o.empty()) {
     detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, len, dvc, len, fh * inv_var, dl.data(),
@@ -835,11 +836,11 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
         detail::grid_for(n * dvc), detail::kThreads, dq.data(), state.head_dev.data(), n, nh, dh);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
     if (!c.dout.empty())
-      detail::graph_gemm(Trans::N, Trans::T, n, dm, dvc, T(1), dq.data(), dvc, 0, c.w_o.data(),
-                         dvc, 0, T(1), c.dout.data(), dm, 0, 1);
+      detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::T, n, dm, dvc, T(1), dq.data(), dvc, 0,
+                                    c.w_o.data(), dvc, 0, T(1), c.dout.data(), dm, 0, 1);
     if (!c.dw_o.empty())
-      detail::graph_gemm(Trans::T, Trans::N, dm, dvc, n, T(1), c.out.data(), dm, 0, dq.data(), dvc,
-                         0, T(1), c.dw_o.data(), dvc, 0, 1);
+      detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, dm, dvc, n, T(1), c.out.data(), dm, 0,
+                                    dq.data(), dvc, 0, T(1), c.dw_o.data(), dvc, 0, 1);
   }
   // dV += dL^T Q~ / sigma^2 per sequence
   if (!c.dv.empty())
