@@ -100,6 +100,7 @@ struct AttentionGraphState {
   Tensor<T, B> self;                 // (N) A^p[i, i]                                CPU
   Tensor<T, B> entropy;              // (N) H(A^p[i, :]) on the device               CUDA
   Tensor<std::int32_t, B> head_dev;  // (N) h* on the device                         CUDA
+  Tensor<T, B> queries;              // (N, D) each row's queries, masked to its head  CUDA
   std::vector<int> heads;            // (N) h* of each token, on the host            CPU
   index_t tokens = 0;                // N of the last forward (set by ops/token_graph.hpp)
   std::vector<double> row_entropy;   // (N) H(A^p[i, :]) on the host                 CPU

@@ -79,13 +79,14 @@
 //   db_o -= sum_h M_h^T colsum_h / sigma^2            M_h^T colsum_h = H W_h s_h + b_o sum(colsum_h)
 // with s_h = V_h^T colsum_h, every head at once (batched products of dh x dh and the like)
 // (the first lines from a_i . m_j, the rest from -|m_j|^2 / (2 sigma^2); rows of dL sum to 0, so
-// a_i . b_o adds nothing). The earlier form built M_h (N, dm) per head: O(N dm D) per pass. The (T, T)-sized work is O(T^2 D) per sequence, as H passes of T^2 dh
-// were, in three large products instead of 3 H small ones, and the (N, T) passes (posterior,
-// dprobs, the column sums) run once instead of once per head. A^p is stored (N, T), as on the
-// CPU; scratch: G (N, T) in forward, dL (N, T) in backward, and (N, D) for Q~ and dQ~. Under
-// GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV) run on TF32 tensor cores
-// (graph_gemm_prec of similarity_blocks.cuh), and so do the (N, D, dm)-sized ones (Q~, dout,
-// dW_o); the Gram terms (O(N dh^2)) stay fp32.
+// a_i . b_o adds nothing). The earlier form built M_h (N, dm) per head: O(N dm D) per pass.
+// The (T, T)-sized work is O(T^2 D) per sequence, as H passes of T^2 dh were, in three large
+// products instead of 3 H small ones, and the (N, T) passes (posterior, dprobs, the column sums)
+// run once instead of once per head. A^p is stored (N, T), as on the CPU, and so is Q~ (N, D)
+// from forward to backward (state.queries); scratch: G (N, T) in forward, dL (N, T) and dQ~
+// (N, D) in backward. Under GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV)
+// run on TF32 tensor cores (graph_gemm_prec of similarity_blocks.cuh), and so do the
+// (N, D, dm)-sized ones (Q~, dout, dW_o); the Gram terms (O(N dh^2)) stay fp32.
 #pragma once
 
 #include <cublas_v2.h>
@@ -735,7 +736,10 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
   auto cvec = Tensor<T, cuda>::uninitialized(Shape{bias ? nh * dh : 0});
   auto bsq = Tensor<T, cuda>::uninitialized(Shape{1});
   auto msq = Tensor<T, cuda>::uninitialized(Shape{n, nh});
-  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+  // the masked queries, kept for the backward (every entry written)
+  if (state.queries.empty() || state.queries.shape() != Shape{n, dvc})
+    state.queries = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+  Tensor<T, cuda>& q = state.queries;
   auto g = Tensor<T, cuda>::uninitialized(Shape{n, len});
   // |m_hj|^2 of every head (N, H)
   detail::attention_gram_terms(c, dm, gram, z, cvec);
@@ -823,10 +827,9 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::graph_gemm(Trans::T, Trans::N, len, nh, len, T(1), dl.data(), len, len * len,
                      onehot.data(), nh, len * nh, T(0), colsum.data(), nh, len * nh, nb);
-  // the masked queries and their gradient, every head at once
-  auto q = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+  // the masked queries (the forward's) and their gradient, every head at once
+  const Tensor<T, cuda>& q = state.queries;
   auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
-  detail::attention_masked_queries(args.precision, c, dm, state.head_dev, q);
   // dQ~ = mask_heads((H / sigma^2) dL V) per sequence; dout += dQ~ W_o^T; dW_o += Aout^T dQ~
   if (!c.dout.empty() || !c.dw_o.empty()) {
     detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, len, dvc, len, fh * inv_var, dl.data(),
