@@ -65,7 +65,8 @@
 //                                        terms are exact zeros)
 //   |m_hj|^2 for every (j, h)            m_hj = H W_h v_hj + b_o (W_h = W_o,h), through the Gram
 //                                        matrices G_h = W_h^T W_h: |m_hj|^2 = v_hj . (H^2 G_h v_hj
-//                                        + 2 H W_h^T b_o) + |b_o|^2, O(N dh^2) per head, no (N, dm)
+//                                        + 2 H W_h^T b_o) + |b_o|^2 (the last term cancels in the
+//                                        softmax, as on the CPU), O(N dh^2) per head, no (N, dm)
 //                                        mean formed (products batched over the heads)
 //   posterior rows                       one block per row, reading A of its head: logits, max,
 //                                        sum, entropy, stored (N, T)
@@ -349,21 +350,12 @@ __global__ void attention_choose_heads_kernel(const T* ent, index_t nb, index_t 
 //   |m_hj|^2 = v_hj . (H^2 z_hj + 2 H c_h) + |b_o|^2          m_hj^T W_h = H z_hj + c_h
 // so that no (N, dm) mean is formed (O(N dh^2) per head instead of O(N dm dh)).
 
-// *out = |b|^2 over dm entries (one block).
+// msq[j, h] (N, H) = v_hj . (H^2 z_hj + 2 H c_h), which is |m_hj|^2 less |b_o|^2 (the same for
+// every j: it cancels in each row's softmax, as on the CPU); v, z (N, H dh); c (H dh) null
+// without a bias. One thread per (j, h).
 template <class T>
-__global__ void attention_bias_sq_kernel(const T* b, index_t dm, T* out) {
-  using A = acc_t<T>;
-  A s = A(0);
-  for (index_t r = threadIdx.x; r < dm; r += blockDim.x) s += static_cast<A>(b[r]) * static_cast<A>(b[r]);
-  s = block_reduce(s, SumOp{}, A(0));
-  if (threadIdx.x == 0) *out = static_cast<T>(s);
-}
-
-// msq[j, h] (N, H) = v_hj . (H^2 z_hj + 2 H c_h) + |b|^2; v, z (N, H dh); c (H dh) and bsq (one
-// value) null without a bias. One thread per (j, h).
-template <class T>
-__global__ void attention_msq_kernel(const T* v, const T* z, const T* c, const T* bsq, T* msq,
-                                     index_t n, index_t nh, index_t dh, T fh) {
+__global__ void attention_msq_kernel(const T* v, const T* z, const T* c, T* msq, index_t n,
+                                     index_t nh, index_t dh, T fh) {
   using A = acc_t<T>;
   const index_t cols = nh * dh;
   GRAPHMOE_CUDA_GRID_STRIDE(k, n * nh) {
@@ -376,7 +368,6 @@ __global__ void attention_msq_kernel(const T* v, const T* z, const T* c, const T
       if (c != nullptr) w += T(2) * fh * c[h * dh + col];
       s += static_cast<A>(vr[col]) * static_cast<A>(w);
     }
-    if (bsq != nullptr) s += static_cast<A>(*bsq);
     msq[k] = static_cast<T>(s);
   }
 }
@@ -734,24 +725,17 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
   auto gram = Tensor<T, cuda>::uninitialized(Shape{nh, dh, dh});
   auto z = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
   auto cvec = Tensor<T, cuda>::uninitialized(Shape{bias ? nh * dh : 0});
-  auto bsq = Tensor<T, cuda>::uninitialized(Shape{1});
   auto msq = Tensor<T, cuda>::uninitialized(Shape{n, nh});
   // the masked queries, kept for the backward (every entry written)
   if (state.queries.empty() || state.queries.shape() != Shape{n, dvc})
     state.queries = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
   Tensor<T, cuda>& q = state.queries;
   auto g = Tensor<T, cuda>::uninitialized(Shape{n, len});
-  // |m_hj|^2 of every head (N, H)
+  // |m_hj|^2 - |b_o|^2 of every head (N, H)
   detail::attention_gram_terms(c, dm, gram, z, cvec);
-  if (bias) {
-    detail::launch_kernel<detail::attention_bias_sq_kernel<T>>(1, detail::kThreads, c.b_o.data(), dm,
-                                                               bsq.data());
-    GRAPHMOE_CUDA_CHECK_LAUNCH();
-  }
   detail::launch_kernel<detail::attention_msq_kernel<T>>(
       detail::grid_for(n * nh), detail::kThreads, c.v.data(), z.data(),
-      bias ? cvec.data() : nullptr, bias ? bsq.data() : nullptr, msq.data(), n, nh, dh,
-      static_cast<T>(nh));
+      bias ? cvec.data() : nullptr, msq.data(), n, nh, dh, static_cast<T>(nh));
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::attention_masked_queries(args.precision, c, dm, state.head_dev, q);
   // g = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax)
