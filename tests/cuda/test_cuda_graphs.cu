@@ -368,6 +368,39 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Attention forward and backward into the attenti
   compare_attention<T>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, true, false, rng);
 }
 
+#if defined(GRAPHMOE_CUDA_EMULATION)
+// The Attention graph does every head's work at once (token_graph.cuh): its launches and cuBLAS
+// calls for a forward and backward do not grow with the number of heads: 13 launches and 21
+// cuBLAS calls at 2 heads and at 8 (the form with one pass per head: 20 and 27 at 2 heads, 68 and
+// 99 at 8).
+TEST_CASE("cuda: Attention graph calls do not grow with the heads") {
+  Rng rng(21);
+  auto calls = [&](index_t heads) {
+    const index_t nb = 2, len = 16, d = 32, e = 4, n = nb * len;
+    auto cache = to_device(random_attention_cache<float>(nb, len, heads, d, true, rng, 2.0));
+    const auto r = to_device(random_probs<float>(n, e, rng));
+    const auto dp = to_device(random_normal<float>({n, e}, rng));
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.causal = true;
+    GraphImpl<Attention, float, graphmoe::cuda> graph;
+    graph.configure(d, cfg);
+    Tensor<float, graphmoe::cuda> p, dr, du_unused;
+    const auto u_unused = to_device(random_normal<float>({n, d}, rng));
+    const auto before = graphmoe_cuda_emulation::counters();
+    graph.forward(u_unused, r, {len, &cache}, p);
+    graph.backward(u_unused, r, p, dp, {len, &cache}, dr, du_unused);
+    const auto after = graphmoe_cuda_emulation::counters();
+    return std::pair{after.kernel_launches - before.kernel_launches,
+                     after.cublas_calls - before.cublas_calls};
+  };
+  const auto two = calls(2), eight = calls(8);
+  CHECK(two.first > 0);
+  CHECK(eight.first == two.first);
+  CHECK(eight.second == two.second);
+}
+#endif
+
 // ---- bad input ----------------------------------------------------------------------------------
 
 // GraphPrecision::TF32: the Attention graph's (T, T) products on TF32 tensor cores, against the
