@@ -197,6 +197,20 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM classification head", T, float, d
   host.backward_classify();
   dev.backward_classify();
   check_arena("classifier", host.arena(), dev.arena(), true);
+  // the forward runs in one deferred-check scope (the labels' check read with the loss): the
+  // error stays the CPU's, a backward after it asks for a new forward, and the next one works
+  const Tensor<std::int32_t, cpu> bad_labels = Tensor<std::int32_t, cpu>::from(Shape{3}, {2, 5, 1});
+  const std::string cpu_error =
+      test::error_of([&] { (void)host.forward_classify(ids, lengths, bad_labels); });
+  CHECK(cpu_error.find("row 1") != std::string::npos);
+  CHECK(test::error_of([&] {
+          (void)dev.forward_classify(to_device(ids), lengths, to_device(bad_labels));
+        }) == cpu_error);
+  for (const std::string& e : {test::error_of([&] { host.backward_classify(); }),
+                               test::error_of([&] { dev.backward_classify(); })})
+    CHECK(e.find("call forward_classify with labels first") != std::string::npos);
+  CHECK(dev.forward_classify(to_device(ids), lengths, to_device(labels)).total() ==
+        doctest::Approx(static_cast<double>(dl)).epsilon(1e-12));
 }
 
 namespace {

@@ -353,19 +353,39 @@ class TransformerLM {
   // that padding after a sequence's last token never influences its tokens; the classifier reads
   // the mean of LN_f(h) over the real tokens. Returns the loss broken down (task = the mean
   // cross-entropy, 0 without labels; backward_classify differentiates total()); class_logits()
-  // holds (B, classes).
+  // holds (B, classes). As forward, in one deferred-check scope: on a GPU the routers' checks,
+  // the ids' and the labels' come back with the loss in one read; the first failed check throws
+  // its own error (and backward_classify then needs a new forward).
   Loss forward_classify(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
                      const Tensor<std::int32_t, B>& labels) {
     check_bound("forward_classify");
     GRAPHMOE_CHECK(cfg_.num_classes > 0, "TransformerLM::forward_classify",
                    "the model has no classification head (num_classes = 0)");
     GRAPHMOE_CHECK(ids.rank() == 2, "TransformerLM::forward_classify", "ids must be (B, T), got ", ids.shape());
-    const index_t b = ids.dim(0), t = ids.dim(1), d = cfg_.d_model;
+    const index_t b = ids.dim(0), t = ids.dim(1);
     check_shape("TransformerLM::forward_classify", "lengths", lengths, Shape{b});
     for (index_t i = 0; i < b; ++i)
       GRAPHMOE_CHECK(lengths.data()[i] >= 1 && lengths.data()[i] <= t, "TransformerLM::forward_classify",
                      "length ", lengths.data()[i], " of sequence ", i, " out of [1, ", t, "]");
     if (!labels.empty()) check_shape("TransformerLM::forward_classify", "labels", labels, Shape{b});
+    class_log_probs_ = Tensor<T, B>();
+    class_ce_ = CrossEntropyResult<B>();
+    try {
+      with_deferred_checks(B{}, [&] { classify_checked(ids, lengths, labels); });
+    } catch (...) {
+      class_log_probs_ = Tensor<T, B>();  // backward_classify needs a forward that finished
+      throw;
+    }
+    Loss loss = moe_losses(blocks_);  // the values are delivered once the scope ended
+    if (!labels.empty()) loss.task = class_ce_.loss;
+    return loss;
+  }
+
+ private:
+  // forward_classify's work (its task loss lands in class_ce_, a deferred value on a GPU).
+  void classify_checked(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, cpu>& lengths,
+                        const Tensor<std::int32_t, B>& labels) {
+    const index_t b = ids.dim(0), d = cfg_.d_model;
     trunk_forward(ids);
     has_loss_ = false;  // backward() needs a new LM forward
     lengths_ = lengths;
@@ -379,20 +399,17 @@ class TransformerLM {
     }
     class_logits_ = Tensor<T, B>();
     cls_head_.forward(pooled, class_logits_);
-    class_log_probs_ = Tensor<T, B>();
-    class_count_ = -1;
-    Loss loss = moe_losses(blocks_);
     if (!labels.empty())
-      loss.task = static_cast<double>(
-          cross_entropy_forward(class_logits_, labels, class_log_probs_, -100, &class_count_));
-    return loss;
+      cross_entropy_forward_into(class_logits_, labels, class_log_probs_, -100, class_ce_);
   }
+
+ public:
   void backward_classify() {
     GRAPHMOE_CHECK(!class_log_probs_.empty(), "TransformerLM::backward_classify",
                    "call forward_classify with labels first");
     const index_t b = ids_.dim(0), t = ids_.dim(1), d = cfg_.d_model;
     Tensor<T, B> dlogits, dpooled(Shape{b, d});
-    cross_entropy_backward(class_log_probs_, labels_, T(1), dlogits, -100, class_count_);
+    cross_entropy_backward(class_log_probs_, labels_, T(1), dlogits, -100, class_ce_);  // no scan
     cls_head_.backward(dlogits, &dpooled);
     Tensor<T, B> dxf(Shape{b, t, d});
     for (index_t i = 0; i < b; ++i) {
@@ -587,7 +604,7 @@ class TransformerLM {
   std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
   CrossEntropyResult<B> ce_;  // the LM forward's loss and count of targets (cross-entropy)
-  index_t class_count_ = -1;  // forward_classify's count of labels
+  CrossEntropyResult<B> class_ce_;  // forward_classify's loss and count of labels
   Tensor<C, B> xfc_, headc_, dlc_;  // C != T: the LM head's operands in C (empty when C = T)
   // C != T: the arena's weights in C (compute_mirror()); declared last, so destroyed first
   std::unique_ptr<ComputeMirror<T, C, B>> mirror_;
