@@ -803,19 +803,11 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
         c.dprobs.data(), n, nh, len);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
-  // colsum[j, h] = sum over the rows i of head h of dl_ij: per sequence dl^T onehot(h*)
-  auto onehot = Tensor<T, cuda>::uninitialized(Shape{n, nh});
-  auto colsum = Tensor<T, cuda>::uninitialized(Shape{n, nh});
-  detail::launch_kernel<detail::attention_head_onehot_kernel<T>>(
-      detail::grid_for(n * nh), detail::kThreads, state.head_dev.data(), onehot.data(), n, nh);
-  GRAPHMOE_CUDA_CHECK_LAUNCH();
-  detail::graph_gemm(Trans::T, Trans::N, len, nh, len, T(1), dl.data(), len, len * len,
-                     onehot.data(), nh, len * nh, T(0), colsum.data(), nh, len * nh, nb);
   // the masked queries (the forward's) and their gradient, every head at once
   const Tensor<T, cuda>& q = state.queries;
-  auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
   // dQ~ = mask_heads((H / sigma^2) dL V) per sequence; dout += dQ~ W_o^T; dW_o += Aout^T dQ~
   if (!c.dout.empty() || !c.dw_o.empty()) {
+    auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
     detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, len, dvc, len, fh * inv_var, dl.data(),
                                   len, len * len, c.v.data(), dvc, len * dvc, T(0), dq.data(),
                                   dvc, len * dvc, nb);
@@ -840,13 +832,21 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   //   dW_o,h -= (H / sigma^2) (H W_h V_h^T Y_h + b_o s_h^T)
   //   db_o   -= (H W_o s + b_o sum(colsum)) / sigma^2
   if (c.dw_o.empty() && c.dv.empty() && c.db_o.empty()) return;
+  // colsum[j, h] = sum over the rows i of head h of dl_ij: per sequence dl^T onehot(h*)
+  auto onehot = Tensor<T, cuda>::uninitialized(Shape{n, nh});
+  auto colsum = Tensor<T, cuda>::uninitialized(Shape{n, nh});
+  detail::launch_kernel<detail::attention_head_onehot_kernel<T>>(
+      detail::grid_for(n * nh), detail::kThreads, state.head_dev.data(), onehot.data(), n, nh);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  detail::graph_gemm(Trans::T, Trans::N, len, nh, len, T(1), dl.data(), len, len * len,
+                     onehot.data(), nh, len * nh, T(0), colsum.data(), nh, len * nh, nb);
   const bool bias = !c.b_o.empty();
-  auto gram = Tensor<T, cuda>::uninitialized(Shape{nh, dh, dh});
-  auto z = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
-  auto cvec = Tensor<T, cuda>::uninitialized(Shape{bias ? nh * dh : 0});
   auto svec = Tensor<T, cuda>::uninitialized(Shape{dvc});
-  detail::attention_gram_terms(c, dm, gram, z, cvec);
-  if (!c.dv.empty()) {
+  if (!c.dv.empty()) {  // the Gram terms: only this one needs them
+    auto gram = Tensor<T, cuda>::uninitialized(Shape{nh, dh, dh});
+    auto z = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+    auto cvec = Tensor<T, cuda>::uninitialized(Shape{bias ? nh * dh : 0});
+    detail::attention_gram_terms(c, dm, gram, z, cvec);
     detail::launch_kernel<detail::attention_dv_mean_kernel<T>>(
         detail::grid_for(n * dvc), detail::kThreads, z.data(), bias ? cvec.data() : nullptr,
         colsum.data(), c.dv.data(), n, nh, dh, fh, fh * inv_var);
