@@ -171,6 +171,10 @@ TEST_CASE("cuda vs cpu: TransformerLM's deferred checks throw the CPU's first er
     const std::string cpu_error = test::error_of([&] { (void)host.forward(ids, targets); });
     CHECK(!cpu_error.empty());
     CHECK(test::error_of([&] { (void)dev.forward(d_ids, d_targets); }) == cpu_error);
+    // the failed forward ran to the end of its scope on the GPU: a backward asks for a new one
+    for (const std::string& e : {test::error_of([&] { host.backward(); }),
+                                 test::error_of([&] { dev.backward(); })})
+      CHECK(e.find("call forward with targets first") != std::string::npos);
     copy_from_host(host.arena().value(name), saved);
     copy_from_host(dev.arena().value(name), saved);
     const double hl = host.forward(ids, targets).total();
@@ -1000,6 +1004,10 @@ TEST_CASE_TEMPLATE("cuda vs cpu: VisionMoE forward and backward", T, float, doub
   CHECK(label_error.find("target of row 1 is 9") != std::string::npos);
   CHECK(test::error_of([&] { (void)dev.forward(to_device(images), to_device(bad_labels)); }) ==
         label_error);
+  // a backward after a failed forward asks for a new one, on both backends
+  for (const std::string& e : {test::error_of([&] { host.backward(); }),
+                               test::error_of([&] { dev.backward(); })})
+    CHECK(e.find("call forward with labels first") != std::string::npos);
   // and a good forward after them computes the loss again
   CHECK(dev.forward(to_device(images), to_device(labels)).total() ==
         doctest::Approx(static_cast<double>(dl)).epsilon(1e-12));

@@ -116,6 +116,14 @@ TEST_CASE("SequenceClassifier bad input") {
   CHECK_THROWS_WITH_AS(m.forward(ids, Tensor<std::int32_t>::from({1}, {4}), none), doctest::Contains("length 4 of sequence 0 out of [1, 3]"), Error);
   CHECK_THROWS_WITH_AS(m.forward(ids, Tensor<std::int32_t>::from({2}, {1, 1}), none), doctest::Contains("lengths"), Error);
   CHECK_THROWS_WITH_AS(m.backward(), doctest::Contains("call forward_classify with labels first"), Error);
+  // after a forward that finished, one that throws (an id out of the vocabulary) leaves the
+  // backward asking for a new forward
+  auto labels = Tensor<std::int32_t>::from({1}, {1});
+  auto lengths = Tensor<std::int32_t>::from({1}, {3});
+  (void)m.forward(ids, lengths, labels);
+  auto bad_ids = Tensor<std::int32_t>::from({1, 3}, {1, 2, 99});
+  CHECK_THROWS_WITH_AS(m.forward(bad_ids, lengths, labels), doctest::Contains("99"), Error);
+  CHECK_THROWS_WITH_AS(m.backward(), doctest::Contains("call forward_classify with labels first"), Error);
 }
 
 TEST_CASE("SequenceClassifier lifecycle: declared under a prefix, load_backbone reads its own parameters by their LM names") {

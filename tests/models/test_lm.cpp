@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <vector>
 
 #include "graphmoe/models/transformer_lm.hpp"
 #include "support/gradcheck.hpp"
@@ -216,6 +218,28 @@ TEST_CASE("TransformerLM bad input") {
   auto ids = random_ids(1, 4, cfg.vocab_size, rng);
   ids(0, 2) = 99;
   CHECK_THROWS_WITH_AS(lm.forward(ids, none), doctest::Contains("99"), Error);
+  CHECK_THROWS_WITH_AS(lm.backward(), doctest::Contains("call forward with targets first"), Error);
+  // a forward that throws after one that finished leaves backward() asking for a new forward
+  // (not differentiating what the failed one left in the caches), wherever it fails
+  auto good = random_ids(1, 4, cfg.vocab_size, rng);
+  auto targets = random_ids(1, 4, cfg.vocab_size, rng);
+  auto bad_targets = targets.clone();  // a handle would share the storage
+  bad_targets(0, 1) = 99;
+  const std::vector<std::function<void()>> failing = {
+      [&] { (void)lm.forward(ids, targets); },                                    // an id
+      [&] { (void)lm.forward(good, bad_targets); },                               // a target
+      [&] { (void)lm.forward(good, random_ids(1, 3, cfg.vocab_size, rng)); },     // a shape
+      [&] { (void)lm.forward(long_ids, random_ids(1, 7, cfg.vocab_size, rng)); }};  // a length
+  for (const auto& fail : failing) {
+    const double loss = lm.forward(good, targets).total();
+    CHECK_THROWS_AS(fail(), Error);
+    CHECK_THROWS_WITH_AS(lm.backward(), doctest::Contains("call forward with targets first"), Error);
+    CHECK(lm.last_loss().task == 0.0);
+    CHECK(lm.forward(good, targets).total() == loss);  // and the next forward works
+    lm.backward();
+  }
+  // a forward without targets after one with them: nothing to differentiate either
+  (void)lm.forward(good, none);
   CHECK_THROWS_WITH_AS(lm.backward(), doctest::Contains("call forward with targets first"), Error);
   auto bad = tiny_config();
   bad.num_heads = 3;

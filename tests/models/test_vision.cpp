@@ -105,6 +105,17 @@ TEST_CASE("VisionMoE bad input") {
   Tensor<float> ok({2, 4, 6, 2});
   auto bad_labels = Tensor<std::int32_t>::from({2}, {0, 3});
   CHECK_THROWS_AS(m.forward(ok, bad_labels), Error);
+  // a forward that throws after one that finished leaves backward() asking for a new forward
+  auto labels = Tensor<std::int32_t>::from({2}, {0, 2});
+  for (const Tensor<float>* images : {&ok, &nan_img}) {
+    const double loss = m.forward(ok, labels).total();
+    CHECK_THROWS_AS(m.forward(*images, images == &ok ? bad_labels : labels), Error);
+    CHECK_THROWS_WITH_AS(m.backward(), doctest::Contains("call forward with labels first"), Error);
+    CHECK(m.forward(ok, labels).total() == loss);
+    m.backward();
+  }
+  (void)m.forward(ok, none);  // without labels: nothing to differentiate
+  CHECK_THROWS_WITH_AS(m.backward(), doctest::Contains("call forward with labels first"), Error);
   auto bad = tiny();
   bad.patch = 4;
   CHECK_THROWS_WITH_AS((VisionMoE<SoftmaxRouter, float>(bad)), doctest::Contains("must divide the image size"), Error);

@@ -284,11 +284,18 @@ class TransformerLM {
   // On a GPU the forward and backward with the padded expert layout can be captured into a CUDA
   // graph (backend/cuda/graph.cuh): write the next batch into the same ids and targets tensors,
   // replay, and read last_loss() (the replay delivers its values). The forward's return value
-  // inside a capture is meaningless (nothing has run).
+  // inside a capture is meaningless (nothing has run). A forward that throws leaves backward()
+  // asking for a new one.
   Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     check_bound("forward");
+    has_loss_ = false;  // until this forward has finished
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
-    with_deferred_checks(B{}, [&] { forward_checked(ids, targets); });
+    try {
+      with_deferred_checks(B{}, [&] { forward_checked(ids, targets); });
+    } catch (...) {
+      has_loss_ = false;  // backward() needs a forward that finished, not what this one left
+      throw;
+    }
     return last_loss();  // the values are delivered once the scope ended
   }
 
@@ -370,6 +377,7 @@ class TransformerLM {
     if (!labels.empty()) check_shape("TransformerLM::forward_classify", "labels", labels, Shape{b});
     class_log_probs_ = Tensor<T, B>();
     class_ce_ = CrossEntropyResult<B>();
+    has_loss_ = false;  // the trunk's caches are overwritten: backward() needs a new LM forward
     try {
       with_deferred_checks(B{}, [&] { classify_checked(ids, lengths, labels); });
     } catch (...) {
@@ -387,7 +395,6 @@ class TransformerLM {
                         const Tensor<std::int32_t, B>& labels) {
     const index_t b = ids.dim(0), d = cfg_.d_model;
     trunk_forward(ids);
-    has_loss_ = false;  // backward() needs a new LM forward
     lengths_ = lengths;
     labels_ = labels;
     Tensor<T, B> pooled(Shape{b, d});

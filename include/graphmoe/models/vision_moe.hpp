@@ -152,6 +152,7 @@ class VisionMoE {
   // without labels) and the routers' weighted auxiliary losses; logits() holds (B, classes).
   Loss forward(const Tensor<T, B>& images, const Tensor<std::int32_t, B>& labels) {
     check_bound("forward");
+    log_probs_ = Tensor<T, B>();  // backward() needs a forward with labels that finished
     const index_t b = images.rank() >= 1 ? images.dim(0) : 0;
     const index_t per_image = cfg_.image_height * cfg_.image_width * cfg_.channels;
     GRAPHMOE_CHECK(images.rank() >= 2 && b >= 1 && images.numel() == b * per_image, "VisionMoE",
@@ -161,7 +162,12 @@ class VisionMoE {
     // the content checks of the whole forward deferred (core/deferred_check.hpp): on a GPU the
     // images' check, the routers' and the loss's come back in one read, the first failed check
     // throwing its own error as before
-    with_deferred_checks(B{}, [&] { forward_checked(images, labels, b); });
+    try {
+      with_deferred_checks(B{}, [&] { forward_checked(images, labels, b); });
+    } catch (...) {
+      log_probs_ = Tensor<T, B>();  // backward() needs a forward that finished
+      throw;
+    }
     Loss loss = moe_losses(blocks_);  // the values are delivered once the scope ended
     if (!labels.empty()) loss.task = ce_.loss;
     return loss;
@@ -196,7 +202,6 @@ class VisionMoE {
     labels_ = labels;
     ce_ = CrossEntropyResult<B>();
     if (labels.empty()) return;
-    log_probs_ = Tensor<T, B>();
     cross_entropy_forward_into(logits_, labels, log_probs_, -100, ce_);
   }
 
