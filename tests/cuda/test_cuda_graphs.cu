@@ -110,6 +110,7 @@ template <class T>
 AttentionCache<T, cuda> to_device(const AttentionCache<T, cpu>& c) {
   AttentionCache<T, cuda> d;
   d.num_heads = c.num_heads;
+  d.causal = c.causal;
   d.probs = to_device(c.probs);
   d.v = to_device(c.v);
   d.w_o = to_device(c.w_o);

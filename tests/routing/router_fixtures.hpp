@@ -16,6 +16,7 @@ AttentionCache<T> random_attention_cache(index_t nb, index_t len, index_t heads,
                                          bool causal, Rng& rng, double logit_scale = 2.0) {
   AttentionCache<T> c;
   c.num_heads = heads;
+  c.causal = causal;
   Tensor<T> logits = random_normal<T>({nb, heads, len, len}, rng, logit_scale);
   if (causal)
     for (index_t b = 0; b < nb; ++b)

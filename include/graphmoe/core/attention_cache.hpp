@@ -33,6 +33,11 @@ struct AttentionCache {
   Tensor<T, B> out;    // (B, T, D)     the attention sublayer output a
   Tensor<T, B> row_entropy;  // (B, H, T) or empty: H(A_h[i,:]) from the attention softmax; the
                              // graph computes it from probs when empty (H T^2 logarithms)
+  // The attention layer is causal: probs is 0 above the diagonal (j > i), and the CUDA graph's
+  // (T, T) products skip that half (the CPU graph finds the zero columns in probs itself). Set by
+  // MultiHeadAttention; a hand-made cache that sets it with probs nonzero above the diagonal gets
+  // those entries treated as 0 on the GPU.
+  bool causal = false;
 
   // Gradients the Attention graph ACCUMULATES into during backward (allocated by the attention
   // layer with the shapes above; empty ones are skipped, e.g. when the graph is detached).

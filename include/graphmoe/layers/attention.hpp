@@ -92,6 +92,7 @@ class MultiHeadAttention {
     o_.forward(o_att_.view(flat), af);
     // the cache the Attention graph reads, with zeroed gradient sinks
     cache_.num_heads = heads_;
+    cache_.causal = causal_;
     cache_.w_o = o_.weight();
     cache_.b_o = o_.bias();
     cache_.out = af;

@@ -85,13 +85,19 @@
 // products instead of 3 H small ones, and the (N, T) passes (posterior, dprobs, the column sums)
 // run once instead of once per head. A^p is stored (N, T), as on the CPU, and so is Q~ (N, D)
 // from forward to backward (state.queries); scratch: G (N, T) in forward, dL (N, T) and dQ~
-// (N, D) in backward. Under GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV)
+// (N, D) in backward. A causal attention layer (AttentionCache::causal) has A = 0 above the
+// diagonal, so A^p and dL are 0 there: the (T, T)-sized products (G, p, dr, dp r^T, dQ~, dV) run
+// in blocks of kAttentionCausalRows rows of every sequence whose columns stop at the block's last
+// row (attention_row_blocks), about half the work at long sequences (9/16 at T = 2048 in blocks
+// of 256, 3/4 at T = 512); the kernels write 0 above the diagonal without reading the uncomputed
+// half. Under GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV)
 // run on TF32 tensor cores (graph_gemm_prec of similarity_blocks.cuh), and so do the
 // (N, D, dm)-sized ones (Q~, dout, dW_o); the Gram terms (O(N dh^2)) stay fp32.
 #pragma once
 
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstddef>
@@ -415,7 +421,7 @@ template <class T>
 __global__ void attention_posterior_rows_kernel(const T* probs, const T* g, const T* msq,
                                                 const std::int32_t* heads, T* post, T* ent_row,
                                                 unsigned long long* bad, index_t n, index_t nh,
-                                                index_t len, T inv_var) {
+                                                index_t len, T inv_var, bool causal) {
   using A = acc_t<T>;
   const T ninf = tgm::neg_inf<T>();
   for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
@@ -424,9 +430,12 @@ __global__ void attention_posterior_rows_kernel(const T* probs, const T* g, cons
     const T* arow = probs + ((b * nh + h) * len + il) * len;
     const T* grow = g + i * len;
     T* row = post + i * len;
+    const index_t valid = causal ? il + 1 : len;  // causal: g is not computed beyond the row
     T mx = ninf;
     for (index_t j = threadIdx.x; j < len; j += blockDim.x) {
-      const T l = tgm::posterior_logit(arow[j], grow[j], msq[(b * len + j) * nh + h], inv_var);
+      const T l = j < valid
+                      ? tgm::posterior_logit(arow[j], grow[j], msq[(b * len + j) * nh + h], inv_var)
+                      : ninf;
       row[j] = l;
       mx = MaxNanOp{}(mx, l);
     }
@@ -451,10 +460,15 @@ __global__ void attention_posterior_rows_kernel(const T* probs, const T* g, cons
   }
 }
 
-// q = post o (q - c_i) over (N, T): the gradient of the posterior's logits.
+// q = post o (q - c_i) over (N, T): the gradient of the posterior's logits. Causal: 0 above the
+// diagonal, where q was not computed (the block products stop at the block's last column).
 template <class T>
-__global__ void attention_dlogit_kernel(const T* post, const T* c, T* q, index_t n, index_t len) {
-  GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) { q[k] = post[k] * (q[k] - c[k / len]); }
+__global__ void attention_dlogit_kernel(const T* post, const T* c, T* q, index_t n, index_t len,
+                                        bool causal) {
+  GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) {
+    const index_t i = k / len, j = k % len;
+    q[k] = causal && j > i % len ? T(0) : post[k] * (q[k] - c[i]);
+  }
 }
 
 // x (N, H dh): row i keeps the dh columns of its head heads[i], the others become 0.
@@ -477,11 +491,13 @@ __global__ void attention_head_onehot_kernel(const std::int32_t* heads, T* oneho
 // dprobs[b, h, i, j] += dl_ij / A_ij (A > 0), h the head of row i.
 template <class T>
 __global__ void attention_dprobs_kernel(const T* dl, const T* probs, const std::int32_t* heads,
-                                        T* dprobs, index_t n, index_t nh, index_t len) {
+                                        T* dprobs, index_t n, index_t nh, index_t len,
+                                        bool causal) {
   GRAPHMOE_CUDA_GRID_STRIDE(k, n * len) {
     const index_t i = k / len, j = k % len;
     const index_t h = heads[i];
     const index_t b = i / len, il = i % len;
+    if (causal && j > il) continue;  // A = 0 there (dL too)
     const index_t at = ((b * nh + h) * len + il) * len + j;
     dprobs[at] += tgm::dprob_term(dl[k], probs[at]);
   }
@@ -565,6 +581,26 @@ void attention_gram_terms(const AttentionCache<T, cuda>& c, index_t dm, Tensor<T
   if (!c.b_o.empty())
     graph_gemm(Trans::T, Trans::N, dh, index_t(1), dm, T(1), c.w_o.data(), dvc, dh, c.b_o.data(),
                index_t(1), 0, T(0), cvec.data(), index_t(1), dh, nh);
+}
+
+// A causal cache's rows per block of the (T, T) products (the Similarity block path's choice).
+inline constexpr index_t kAttentionCausalRows = kSimilarityCausalRows;
+
+// The rows [i0, i0 + rows) of every sequence whose (T, T) products read or write the columns
+// [0, cols): one block of all len rows and columns, or for a causal cache blocks of
+// kAttentionCausalRows rows that stop at their last row's column (the half above the diagonal,
+// where A and so A^p are 0, skipped). The last block always ends at column len.
+struct AttentionRowBlock {
+  index_t i0, rows, cols;
+};
+inline std::vector<AttentionRowBlock> attention_row_blocks(index_t len, bool causal) {
+  const index_t bi = causal ? std::min(len, kAttentionCausalRows) : len;
+  std::vector<AttentionRowBlock> blocks;
+  for (index_t i0 = 0; i0 < len; i0 += bi) {
+    const index_t rows = std::min(bi, len - i0);
+    blocks.push_back({i0, rows, causal ? i0 + rows : len});
+  }
+  return blocks;
 }
 
 // q~ = mask_heads(H Aout W_o) (N, H dh): row i holds its head's queries q_{h*(i) i} in that head's
@@ -738,19 +774,23 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
       bias ? cvec.data() : nullptr, msq.data(), n, nh, dh, static_cast<T>(nh));
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::attention_masked_queries(args.precision, c, dm, state.head_dev, q);
-  // g = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax)
-  detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, len, len, dvc, T(1), q.data(),
-                                dvc, len * dvc, c.v.data(), dvc, len * dvc, T(0), g.data(), len,
-                                len * len, nb);
+  // g = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax); causal: the
+  // row blocks' columns only (the kernel reads no column above the diagonal)
+  const std::vector<detail::AttentionRowBlock> blocks = detail::attention_row_blocks(len, c.causal);
+  for (const detail::AttentionRowBlock& blk : blocks)
+    detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, blk.rows, blk.cols, dvc, T(1),
+                                  q.data() + blk.i0 * dvc, dvc, len * dvc, c.v.data(), dvc,
+                                  len * dvc, T(0), g.data() + blk.i0 * len, len, len * len, nb);
   detail::launch_kernel<detail::attention_posterior_rows_kernel<T>>(
       detail::grid_for_rows(n), detail::threads_for_row(len), c.probs.data(), g.data(), msq.data(),
       state.head_dev.data(), state.post.data(), state.entropy.data(), bad.get(), n, nh, len,
-      inv_var);
+      inv_var, c.causal);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   // p = A^p r per sequence (on a flagged row's values when the check is deferred: arithmetic)
-  detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::N, len, e, len, T(1),
-                                state.post.data(), len, len * len, r.data(), e, len * e, T(0),
-                                p.data(), e, len * e, nb);
+  for (const detail::AttentionRowBlock& blk : blocks)
+    detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::N, blk.rows, e, blk.cols, T(1),
+                                  state.post.data() + blk.i0 * len, len, len * len, r.data(), e,
+                                  len * e, T(0), p.data() + blk.i0 * e, e, len * e, nb);
   // flagged index (b nh + h) len + i -> token row b len + i
   return bad.result<Offender>("Attention", [nh, len](index_t f) {
     return Offender{(f / (nh * len)) * len + f % len, 0.0};
@@ -775,11 +815,17 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   const index_t n = r.rows(), len = args.seq_len, nh = c.num_heads, nb = n / len, e = r.cols();
   const index_t dm = args.d_model, dvc = c.v.cols(), dh = dvc / nh;
   if (n == 0) return;
-  // dr = A^p^T dp per sequence
+  // dr = A^p^T dp per sequence; causal: block by block from the last (which reaches column len
+  // and assigns), each earlier one adding to the rows below its last column
   const GraphPrecision prec = args.precision;
-  detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, len, e, len, T(1), state.post.data(),
-                                len, len * len, dp.data(), e, len * e, T(0), dr.data(), e, len * e,
-                                nb);
+  const std::vector<detail::AttentionRowBlock> blocks = detail::attention_row_blocks(len, c.causal);
+  for (std::size_t k = blocks.size(); k-- > 0;) {
+    const detail::AttentionRowBlock& blk = blocks[k];
+    detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, blk.cols, e, blk.rows, T(1),
+                                  state.post.data() + blk.i0 * len, len, len * len,
+                                  dp.data() + blk.i0 * e, e, len * e,
+                                  k + 1 == blocks.size() ? T(0) : T(1), dr.data(), e, len * e, nb);
+  }
   if (args.detach) return;
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
   const T fh = static_cast<T>(nh);
@@ -790,17 +836,21 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   auto rowdot = Tensor<T, cuda>::uninitialized(Shape{n});
   auto dl = Tensor<T, cuda>::uninitialized(Shape{n, len});
   detail::graph_row_dot_cuda(dp, p, rowdot);
-  detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::T, len, len, e, T(1), dp.data(), e,
-                                len * e, r.data(), e, len * e, T(0), dl.data(), len, len * len, nb);
+  for (const detail::AttentionRowBlock& blk : blocks)
+    detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::T, blk.rows, blk.cols, e, T(1),
+                                  dp.data() + blk.i0 * e, e, len * e, r.data(), e, len * e, T(0),
+                                  dl.data() + blk.i0 * len, len, len * len, nb);
+  // (causal: every entry above the diagonal set to 0, so that dL is whole for the column sums)
   detail::launch_kernel<detail::attention_dlogit_kernel<T>>(
-      detail::grid_for(nt), detail::kThreads, state.post.data(), rowdot.data(), dl.data(), n, len);
+      detail::grid_for(nt), detail::kThreads, state.post.data(), rowdot.data(), dl.data(), n, len,
+      c.causal);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 
   // each row's dL into dA at its head: dA += dl / A where A > 0
   if (!c.dprobs.empty()) {
     detail::launch_kernel<detail::attention_dprobs_kernel<T>>(
         detail::grid_for(nt), detail::kThreads, dl.data(), c.probs.data(), state.head_dev.data(),
-        c.dprobs.data(), n, nh, len);
+        c.dprobs.data(), n, nh, len, c.causal);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
   // the masked queries (the forward's) and their gradient, every head at once
@@ -808,9 +858,10 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   // dQ~ = mask_heads((H / sigma^2) dL V) per sequence; dout += dQ~ W_o^T; dW_o += Aout^T dQ~
   if (!c.dout.empty() || !c.dw_o.empty()) {
     auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
-    detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, len, dvc, len, fh * inv_var, dl.data(),
-                                  len, len * len, c.v.data(), dvc, len * dvc, T(0), dq.data(),
-                                  dvc, len * dvc, nb);
+    for (const detail::AttentionRowBlock& blk : blocks)
+      detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, blk.rows, dvc, blk.cols, fh * inv_var,
+                                    dl.data() + blk.i0 * len, len, len * len, c.v.data(), dvc,
+                                    len * dvc, T(0), dq.data() + blk.i0 * dvc, dvc, len * dvc, nb);
     detail::launch_kernel<detail::attention_mask_heads_kernel<T>>(
         detail::grid_for(n * dvc), detail::kThreads, dq.data(), state.head_dev.data(), n, nh, dh);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
@@ -823,9 +874,11 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   }
   // dV += dL^T Q~ / sigma^2 per sequence
   if (!c.dv.empty())
-    detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, len, dvc, len, inv_var, dl.data(), len,
-                                  len * len, q.data(), dvc, len * dvc, T(1), c.dv.data(), dvc,
-                                  len * dvc, nb);
+    for (const detail::AttentionRowBlock& blk : blocks)
+      detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, blk.cols, dvc, blk.rows, inv_var,
+                                    dl.data() + blk.i0 * len, len, len * len,
+                                    q.data() + blk.i0 * dvc, dvc, len * dvc, T(1), c.dv.data(), dvc,
+                                    len * dvc, nb);
   // the terms of -|m_hj|^2 / (2 sigma^2), every head at once through the Gram terms (the kernels'
   // comment): with Y_h = colsum_h o V_h and s_h = V_h^T colsum_h,
   //   dV_h   -= (H / sigma^2) colsum_h o (H Z_h + c_h)
