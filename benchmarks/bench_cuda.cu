@@ -296,6 +296,19 @@ double similarity_graph_flop(const MoeShape& shape, bool backward) {
   return 2.0 * pairs * ((d + e) + (backward ? 3.0 * d + 2.0 * e : 0.0));
 }
 
+// The products a causal Attention graph performs, useful ones only: per sequence T (T + 1) / 2
+// entries of G = Q~ V^T (depth D) and of p = A^p R (depth E) forward, with the masked queries
+// (N, D, d_model); backward dr, dp R^T (depth E), dQ~ = dL V, dV = dL^T Q~ (depth D), dout and
+// dW_o (N, D, d_model each). The heads' Gram terms (O(N dh^2)) and the column sums are left out.
+double attention_graph_flop(const MoeShape& shape, bool backward) {
+  const double pairs = static_cast<double>(shape.batch) * static_cast<double>(shape.seq) *
+                       static_cast<double>(shape.seq + 1) / 2.0;
+  const double d = static_cast<double>(shape.d), e = static_cast<double>(shape.e);
+  const double proj = static_cast<double>(shape.tokens()) * d * d;  // (N, D, d_model)
+  return 2.0 * (pairs * (d + e) + proj) +
+         (backward ? 2.0 * (pairs * (2.0 * d + 2.0 * e) + 2.0 * proj) : 0.0);
+}
+
 // The large shape's parameters without a full host draw: the router's weight in full, expert 0's
 // w1 and w2 copied to every expert, biases zero (see the header). Any other parameter is an error,
 // so that a new one cannot be left uninitialised.
@@ -448,12 +461,11 @@ void BM_graph(benchmark::State& state, bool backward, MoeShape shape, GraphPreci
     }
     state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(n),
                                                     benchmark::Counter::kIsIterationInvariantRate);
-    if constexpr (std::is_same_v<Graph, Similarity>) {
-      const double flop = similarity_graph_flop(shape, backward);
-      state.counters["graph_flop"] = flop;
-      state.counters["graph_FLOP/s"] =
-          benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
-    }
+    const double flop = std::is_same_v<Graph, Similarity> ? similarity_graph_flop(shape, backward)
+                                                           : attention_graph_flop(shape, backward);
+    state.counters["graph_flop"] = flop;
+    state.counters["graph_FLOP/s"] =
+        benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
   });
 }
 
@@ -678,6 +690,7 @@ void register_all() {
   register_moe_large<SimilarityRouter, __nv_bfloat16>("similarity", P::BF16);
   register_moe_large<AttentionRouter, __nv_bfloat16>("attention");
   register_moe_large<AttentionRouter, __nv_bfloat16>("attention", P::TF32);
+  register_moe_large<AttentionRouter, __nv_bfloat16>("attention", P::BF16);
   for (bool backward : {false, true}) {
     const std::string pass = backward ? "fwdbwd" : "fwd";
     for (const P prec : {P::Exact, P::TF32, P::BF16}) {
@@ -693,7 +706,7 @@ void register_all() {
           ->Repetitions(1)
           ->Unit(benchmark::kMillisecond);
     }
-    for (const P prec : {P::Exact, P::TF32})
+    for (const P prec : {P::Exact, P::TF32, P::BF16})
       benchmark::RegisterBenchmark(
           ("graph_large/float/" + router_label("attention", prec) + "/" + pass).c_str(),
           BM_graph<Attention>, backward, kLarge, prec)

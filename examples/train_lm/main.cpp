@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
   app.add_flag("--graph-exclude-self", sim.exclude_self, "Similarity graph: leave S[i,i] out of each row");
   app.add_flag("--graph-projection", sim.projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity");
-  app.add_option("--graph-precision", graph_precision, "token graphs' (T, T) products: exact; tf32 or bf16 on CUDA tensor cores (bf16: the Similarity graph; the Attention graph then uses tf32)")->check(CLI::IsMember({"exact", "tf32", "bf16"}));
+  app.add_option("--graph-precision", graph_precision, "token graphs' (T, T) products: exact; tf32 or bf16 on CUDA tensor cores (both graphs)")->check(CLI::IsMember({"exact", "tf32", "bf16"}));
   app.add_option("--sigma", m.router.options<Attention>().sigma, "Attention graph sigma (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--capacity-factor", m.router.capacity_factor, "expert capacity: each MoE layer's expert takes at most ceil(f N k / E) of a batch's N k assignments, the rest dropped in token order (0: dropless, the default)")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--expert-layout", expert_layout, "the experts' rows: compact (sorted by expert, N k rows), or padded (E blocks of the capacity: needs --capacity-factor > 0; on a GPU no read back to the host per layer, E C rows of expert work)")->check(CLI::IsMember({"compact", "padded"}));
@@ -106,8 +106,7 @@ int main(int argc, char** argv) {
   sim.precision = graph_precision == "tf32"   ? GraphPrecision::TF32
                   : graph_precision == "bf16" ? GraphPrecision::BF16
                                               : GraphPrecision::Exact;
-  m.router.options<Attention>().precision =
-      sim.precision == GraphPrecision::Exact ? GraphPrecision::Exact : GraphPrecision::TF32;
+  m.router.options<Attention>().precision = sim.precision;
   sim.tau_mode = tau_mode == "scaled"    ? TauMode::ScaledSqrtD
                  : tau_mode == "learned" ? TauMode::Learned
                                          : TauMode::Fixed;

@@ -404,6 +404,32 @@ TEST_CASE("cuda: Attention graph calls do not grow with the heads") {
 
 // ---- bad input ----------------------------------------------------------------------------------
 
+// GraphPrecision::BF16: the Attention graph's (T, T) products on bf16 operands with fp32
+// accumulation (the (N, D, dm) ones on TF32), against the CPU graph in float at 4e-2 (the
+// Similarity block path's BF16 tolerance), causal over two row blocks too; heads agree exactly.
+TEST_CASE("cuda vs cpu: Attention with BF16 products") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(14);
+  const ToleranceScope bf16(4e-2);
+  for (const bool causal : {false, true}) {
+    RouterConfig cfg;
+    cfg.num_experts = 5;
+    cfg.causal = causal;
+    cfg.options<Attention>().precision = GraphPrecision::BF16;
+    compare_attention<float>(AttentionCase{2, 21, 4, 16, 5}, cfg, causal, true, false, rng);
+    cfg.options<Attention>().sigma = 0.7;
+    cfg.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;
+    compare_attention<float>(AttentionCase{3, 9, 2, 8, 3}, cfg, causal, false, true, rng);
+  }
+  RouterConfig cfg;
+  cfg.num_experts = 4;
+  cfg.causal = true;
+  cfg.options<Attention>().precision = GraphPrecision::BF16;
+  compare_attention<float>(AttentionCase{1, 300, 2, 16, 4}, cfg, true, true, false, rng);
+  cfg.options<Attention>().detach = true;  // dr only
+  compare_attention<float>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, true, false, rng);
+}
+
 // GraphPrecision::TF32: the Attention graph's (T, T) products on TF32 tensor cores, against the
 // CPU graph in float at 1e-2 (twice the block path's TF32 tolerance: db_o sums over tokens with
 // cancellation); heads agree exactly (they come from the cache's entropies, not the products).
@@ -420,14 +446,19 @@ TEST_CASE("cuda vs cpu: Attention with TF32 products") {
     cfg.options<Attention>().sigma = 0.7;
     compare_attention<float>(AttentionCase{3, 9, 2, 8, 3}, cfg, causal, false, true, rng);
   }
-  // BF16 is not implemented for this graph; TF32 needs a float router and a backend with it
+  // TF32 (and BF16) need a float router and a backend with tensor-core products; a value that
+  // is not a GraphPrecision is refused
   RouterConfig bad;
   bad.num_experts = 3;
-  bad.options<Attention>().precision = GraphPrecision::BF16;
+  bad.options<Attention>().precision = static_cast<GraphPrecision>(7);
   GraphImpl<Attention, float, cuda> g;
   CHECK(error_of([&] { g.configure(8, bad); }) ==
-        "graphmoe::Attention::Options: precision bf16 is not available for the Attention graph "
-        "(Exact or TF32)");
+        "graphmoe::Attention::Options: precision 7 is not a GraphPrecision");
+  bad.options<Attention>().precision = GraphPrecision::BF16;
+  GraphImpl<Attention, double, cuda> gb;
+  CHECK(error_of([&] { gb.configure(8, bad); }) ==
+        "graphmoe::Attention: precision bf16 rounds float inputs: it needs a float router (use "
+        "GraphPrecision::Exact)");
   bad.options<Attention>().precision = GraphPrecision::TF32;
   GraphImpl<Attention, double, cuda> gd;
   CHECK(error_of([&] { gd.configure(8, bad); }) ==

@@ -21,7 +21,7 @@ struct TokenGraphSupport {
   bool learned_tau = false;        // Similarity: TauMode::Learned (the log_tau parameter)
   bool exclude_self = false;       // Similarity::Options::exclude_self
   bool projection = false;         // Similarity::Options::projection (the W_s parameter)
-  bool reduced_precision = false;  // GraphPrecision::TF32 and ::BF16 (Attention: TF32)
+  bool reduced_precision = false;  // GraphPrecision::TF32 and ::BF16
 };
 
 // The arithmetic of the Similarity graph's (T, T) products (Similarity::Options::precision).
@@ -89,7 +89,7 @@ struct AttentionGraphArgs {
   bool causal_heads = false;    // h* per token from the prefix (HeadChoice::PerSequenceCausal)
   bool store = false;           // keep A^p for backward (graph_stores); a backend may always keep it
   bool detach = false;          // backward: no gradient into the attention cache
-  GraphPrecision precision = GraphPrecision::Exact;  // the (T, T) products' arithmetic (no BF16)
+  GraphPrecision precision = GraphPrecision::Exact;  // the (T, T) products' arithmetic
 };
 
 // What an Attention forward leaves for its backward (and for the graph's accessors).

@@ -193,17 +193,17 @@ struct Attention {
     // No gradient through A^p (r still gets its gradient through p = A^p r).
     bool detach = false;
     // The arithmetic of the (T, T) products (in the head's dimensions): Exact, or on the CUDA
-    // backend with a float router TF32 tensor-core products with fp32 accumulation. BF16 is not
-    // implemented for this graph (refused).
+    // backend with a float router TF32 / BF16 tensor-core products with fp32 accumulation (BF16:
+    // the (T, T) products' inputs in bf16, the (N, D, d_model) ones on TF32; errors in
+    // docs/routers.md, "Precision").
     GraphPrecision precision = GraphPrecision::Exact;
     void validate() const {
       GRAPHMOE_CHECK(sigma > 0 && sigma < 1e300, "Attention::Options",
                      "sigma must be > 0 and finite, got ", sigma);
-      GRAPHMOE_CHECK(precision == GraphPrecision::Exact || precision == GraphPrecision::TF32,
-                     "Attention::Options", "precision ",
-                     precision == GraphPrecision::BF16 ? std::string("bf16")
-                                                       : std::to_string(static_cast<int>(precision)),
-                     " is not available for the Attention graph (Exact or TF32)");
+      GRAPHMOE_CHECK(precision == GraphPrecision::Exact || precision == GraphPrecision::TF32 ||
+                         precision == GraphPrecision::BF16,
+                     "Attention::Options", "precision ", static_cast<int>(precision),
+                     " is not a GraphPrecision");
       graph_stores(memory, 1);  // refuses a value that is not a GraphMemory
     }
     // The head choice in a router that is (or is not) causal; refuses PerSequence in a causal one.

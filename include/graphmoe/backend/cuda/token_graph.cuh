@@ -92,21 +92,27 @@
 // of 256, 3/4 at T = 512); the kernels write 0 above the diagonal without reading the uncomputed
 // half. Under GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV)
 // run on TF32 tensor cores (graph_gemm_prec of similarity_blocks.cuh), and so do the
-// (N, D, dm)-sized ones (Q~, dout, dW_o); the Gram terms (O(N dh^2)) stay fp32.
+// (N, D, dm)-sized ones (Q~, dout, dW_o); the Gram terms (O(N dh^2)) stay fp32. Under
+// GraphPrecision::BF16 the (T, T) products read bf16 copies of their operands (GraphOperands:
+// Q~, V, A^p, r, dp, dL, each converted once per call) with fp32 accumulation and output, and the
+// (N, D, dm) ones run on TF32.
 #pragma once
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
+#include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/graph_blas.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
@@ -603,6 +609,27 @@ inline std::vector<AttentionRowBlock> attention_row_blocks(index_t len, bool cau
   return blocks;
 }
 
+// The Attention graph's (T, T) product operands as In: the tensors themselves (In = T: Exact,
+// TF32) or bf16 copies made once per call and kept until it returns (BF16). The (N, D, dm)
+// products (queries, dout, dW_o) read float and run on TF32 under BF16, as the Similarity graph's
+// projection does (similarity_projection_precision).
+template <class T, class In>
+class GraphOperands {
+ public:
+  const In* operator()(const Tensor<T, cuda>& x) {
+    if constexpr (std::is_same_v<In, T>) {
+      return x.data();
+    } else {
+      copies_.emplace_back();
+      convert(x, copies_.back());
+      return copies_.back().data();
+    }
+  }
+
+ private:
+  std::deque<Tensor<In, cuda>> copies_;  // a deque: the copies never move
+};
+
 // q~ = mask_heads(H Aout W_o) (N, H dh): row i holds its head's queries q_{h*(i) i} in that head's
 // columns and 0 in the others (a_i . m_hj = q_hi . v_hj + a_i . b_o). On TF32 tensor cores under
 // GraphPrecision::TF32.
@@ -716,11 +743,13 @@ double similarity_graph_mean_entropy(cuda, const SimilarityGraphState<T, cuda>& 
 // computed from probs), |m_hj|^2 of every head (M_h = H V_h W_o,h^T + b_o), the logits
 // log A + (a_i . m_j - |m_j|^2 / 2) / sigma^2 of every row with its head (the masked queries:
 // see the file comment), their softmax (stored, (N, T)) and p = A^p r. Returns the first
-// all-zero attention row (index b * len + i).
-template <class T>
-Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const AttentionCache<T, cuda>& c,
-                                 const AttentionGraphArgs& args,
-                                 AttentionGraphState<T, cuda>& state, Tensor<T, cuda>& p) {
+// all-zero attention row (index b * len + i). The (T, T) products read their operands as In:
+// T (Exact, TF32) or bf16 copies (BF16; attention_graph_forward chooses).
+namespace detail {
+template <class In, class T>
+Offender attention_forward_as(const Tensor<T, cuda>& r, const AttentionCache<T, cuda>& c,
+                              const AttentionGraphArgs& args, AttentionGraphState<T, cuda>& state,
+                              Tensor<T, cuda>& p) {
   const index_t n = r.rows(), len = args.seq_len, nh = c.num_heads, nb = n / len, e = r.cols();
   const index_t dm = args.d_model;
   state.stores = true;
@@ -777,24 +806,41 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
   // g = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax); causal: the
   // row blocks' columns only (the kernel reads no column above the diagonal)
   const std::vector<detail::AttentionRowBlock> blocks = detail::attention_row_blocks(len, c.causal);
+  detail::GraphOperands<T, In> ops;
+  const In* qin = ops(q);
+  const In* vin = ops(c.v);
   for (const detail::AttentionRowBlock& blk : blocks)
-    detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::T, blk.rows, blk.cols, dvc, T(1),
-                                  q.data() + blk.i0 * dvc, dvc, len * dvc, c.v.data(), dvc,
-                                  len * dvc, T(0), g.data() + blk.i0 * len, len, len * len, nb);
+    detail::graph_gemm_prec<In, T>(args.precision, Trans::N, Trans::T, blk.rows, blk.cols, dvc,
+                                   T(1), qin + blk.i0 * dvc, dvc, len * dvc, vin, dvc, len * dvc,
+                                   T(0), g.data() + blk.i0 * len, len, len * len, nb);
   detail::launch_kernel<detail::attention_posterior_rows_kernel<T>>(
       detail::grid_for_rows(n), detail::threads_for_row(len), c.probs.data(), g.data(), msq.data(),
       state.head_dev.data(), state.post.data(), state.entropy.data(), bad.get(), n, nh, len,
       inv_var, c.causal);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   // p = A^p r per sequence (on a flagged row's values when the check is deferred: arithmetic)
+  const In* postin = ops(state.post);
+  const In* rin = ops(r);
   for (const detail::AttentionRowBlock& blk : blocks)
-    detail::graph_gemm_prec<T, T>(args.precision, Trans::N, Trans::N, blk.rows, e, blk.cols, T(1),
-                                  state.post.data() + blk.i0 * len, len, len * len, r.data(), e,
-                                  len * e, T(0), p.data() + blk.i0 * e, e, len * e, nb);
+    detail::graph_gemm_prec<In, T>(args.precision, Trans::N, Trans::N, blk.rows, e, blk.cols, T(1),
+                                   postin + blk.i0 * len, len, len * len, rin, e, len * e, T(0),
+                                   p.data() + blk.i0 * e, e, len * e, nb);
   // flagged index (b nh + h) len + i -> token row b len + i
   return bad.result<Offender>("Attention", [nh, len](index_t f) {
     return Offender{(f / (nh * len)) * len + f % len, 0.0};
   });
+}
+}  // namespace detail
+
+template <class T>
+Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const AttentionCache<T, cuda>& c,
+                                 const AttentionGraphArgs& args,
+                                 AttentionGraphState<T, cuda>& state, Tensor<T, cuda>& p) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (args.precision == GraphPrecision::BF16)
+      return detail::attention_forward_as<__nv_bfloat16>(r, c, args, state, p);
+  }
+  return detail::attention_forward_as<T>(r, c, args, state, p);
 }
 
 // h* of every token of the last forward, read back from the device.
@@ -806,12 +852,14 @@ std::vector<int> attention_graph_heads(cuda, const AttentionGraphState<T, cuda>&
 }
 
 // Attention backward: dr = A^p^T dp assigned; unless detached, dl = A^p o (dp r^T - rowdot(dp, p))
-// into dprobs, dout, dv, dw_o and db_o (accumulated; the file comment has the products).
-template <class T>
-void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cuda>& p,
-                              const Tensor<T, cuda>& dp, AttentionCache<T, cuda>& c,
-                              const AttentionGraphArgs& args, AttentionGraphState<T, cuda>& state,
-                              Tensor<T, cuda>& dr) {
+// into dprobs, dout, dv, dw_o and db_o (accumulated; the file comment has the products). The
+// (T, T) products' operands as In, as in forward.
+namespace detail {
+template <class In, class T>
+void attention_backward_as(const Tensor<T, cuda>& r, const Tensor<T, cuda>& p,
+                           const Tensor<T, cuda>& dp, AttentionCache<T, cuda>& c,
+                           const AttentionGraphArgs& args, AttentionGraphState<T, cuda>& state,
+                           Tensor<T, cuda>& dr) {
   const index_t n = r.rows(), len = args.seq_len, nh = c.num_heads, nb = n / len, e = r.cols();
   const index_t dm = args.d_model, dvc = c.v.cols(), dh = dvc / nh;
   if (n == 0) return;
@@ -819,12 +867,15 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   // and assigns), each earlier one adding to the rows below its last column
   const GraphPrecision prec = args.precision;
   const std::vector<detail::AttentionRowBlock> blocks = detail::attention_row_blocks(len, c.causal);
+  detail::GraphOperands<T, In> ops;
+  const In* postin = ops(state.post);
+  const In* dpin = ops(dp);
   for (std::size_t k = blocks.size(); k-- > 0;) {
     const detail::AttentionRowBlock& blk = blocks[k];
-    detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, blk.cols, e, blk.rows, T(1),
-                                  state.post.data() + blk.i0 * len, len, len * len,
-                                  dp.data() + blk.i0 * e, e, len * e,
-                                  k + 1 == blocks.size() ? T(0) : T(1), dr.data(), e, len * e, nb);
+    detail::graph_gemm_prec<In, T>(prec, Trans::T, Trans::N, blk.cols, e, blk.rows, T(1),
+                                   postin + blk.i0 * len, len, len * len, dpin + blk.i0 * e, e,
+                                   len * e, k + 1 == blocks.size() ? T(0) : T(1), dr.data(), e,
+                                   len * e, nb);
   }
   if (args.detach) return;
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
@@ -836,10 +887,11 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   auto rowdot = Tensor<T, cuda>::uninitialized(Shape{n});
   auto dl = Tensor<T, cuda>::uninitialized(Shape{n, len});
   detail::graph_row_dot_cuda(dp, p, rowdot);
+  const In* rin = ops(r);
   for (const detail::AttentionRowBlock& blk : blocks)
-    detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::T, blk.rows, blk.cols, e, T(1),
-                                  dp.data() + blk.i0 * e, e, len * e, r.data(), e, len * e, T(0),
-                                  dl.data() + blk.i0 * len, len, len * len, nb);
+    detail::graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, blk.rows, blk.cols, e, T(1),
+                                   dpin + blk.i0 * e, e, len * e, rin, e, len * e, T(0),
+                                   dl.data() + blk.i0 * len, len, len * len, nb);
   // (causal: every entry above the diagonal set to 0, so that dL is whole for the column sums)
   detail::launch_kernel<detail::attention_dlogit_kernel<T>>(
       detail::grid_for(nt), detail::kThreads, state.post.data(), rowdot.data(), dl.data(), n, len,
@@ -855,13 +907,16 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
   }
   // the masked queries (the forward's) and their gradient, every head at once
   const Tensor<T, cuda>& q = state.queries;
+  const bool dq_needed = !c.dout.empty() || !c.dw_o.empty();
+  const In* dlin = dq_needed || !c.dv.empty() ? ops(dl) : nullptr;
   // dQ~ = mask_heads((H / sigma^2) dL V) per sequence; dout += dQ~ W_o^T; dW_o += Aout^T dQ~
-  if (!c.dout.empty() || !c.dw_o.empty()) {
+  if (dq_needed) {
     auto dq = Tensor<T, cuda>::uninitialized(Shape{n, dvc});
+    const In* vin = ops(c.v);
     for (const detail::AttentionRowBlock& blk : blocks)
-      detail::graph_gemm_prec<T, T>(prec, Trans::N, Trans::N, blk.rows, dvc, blk.cols, fh * inv_var,
-                                    dl.data() + blk.i0 * len, len, len * len, c.v.data(), dvc,
-                                    len * dvc, T(0), dq.data() + blk.i0 * dvc, dvc, len * dvc, nb);
+      detail::graph_gemm_prec<In, T>(prec, Trans::N, Trans::N, blk.rows, dvc, blk.cols,
+                                     fh * inv_var, dlin + blk.i0 * len, len, len * len, vin, dvc,
+                                     len * dvc, T(0), dq.data() + blk.i0 * dvc, dvc, len * dvc, nb);
     detail::launch_kernel<detail::attention_mask_heads_kernel<T>>(
         detail::grid_for(n * dvc), detail::kThreads, dq.data(), state.head_dev.data(), n, nh, dh);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
@@ -873,12 +928,13 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
                                     dq.data(), dvc, 0, T(1), c.dw_o.data(), dvc, 0, 1);
   }
   // dV += dL^T Q~ / sigma^2 per sequence
-  if (!c.dv.empty())
+  if (!c.dv.empty()) {
+    const In* qin = ops(q);
     for (const detail::AttentionRowBlock& blk : blocks)
-      detail::graph_gemm_prec<T, T>(prec, Trans::T, Trans::N, blk.cols, dvc, blk.rows, inv_var,
-                                    dl.data() + blk.i0 * len, len, len * len,
-                                    q.data() + blk.i0 * dvc, dvc, len * dvc, T(1), c.dv.data(), dvc,
-                                    len * dvc, nb);
+      detail::graph_gemm_prec<In, T>(prec, Trans::T, Trans::N, blk.cols, dvc, blk.rows, inv_var,
+                                     dlin + blk.i0 * len, len, len * len, qin + blk.i0 * dvc, dvc,
+                                     len * dvc, T(1), c.dv.data(), dvc, len * dvc, nb);
+  }
   // the terms of -|m_hj|^2 / (2 sigma^2), every head at once through the Gram terms (the kernels'
   // comment): with Y_h = colsum_h o V_h and s_h = V_h^T colsum_h,
   //   dV_h   -= (H / sigma^2) colsum_h o (H Z_h + c_h)
@@ -930,6 +986,22 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
         1, detail::kThreads, colsum.data(), n * nh, c.b_o.data(), c.db_o.data(), dm, inv_var);
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
+}
+
+}  // namespace detail
+
+template <class T>
+void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cuda>& p,
+                              const Tensor<T, cuda>& dp, AttentionCache<T, cuda>& c,
+                              const AttentionGraphArgs& args, AttentionGraphState<T, cuda>& state,
+                              Tensor<T, cuda>& dr) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (args.precision == GraphPrecision::BF16) {
+      detail::attention_backward_as<__nv_bfloat16>(r, p, dp, c, args, state, dr);
+      return;
+    }
+  }
+  detail::attention_backward_as<T>(r, p, dp, c, args, state, dr);
 }
 
 template <class T>
