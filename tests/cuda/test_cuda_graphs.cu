@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
@@ -404,47 +405,38 @@ TEST_CASE("cuda: Attention graph calls do not grow with the heads") {
 
 // ---- bad input ----------------------------------------------------------------------------------
 
-// GraphPrecision::BF16: the Attention graph's (T, T) products on bf16 operands with fp32
-// accumulation (the (N, D, dm) ones on TF32), against the CPU graph in float at 4e-2 (the
-// Similarity block path's BF16 tolerance), causal over two row blocks too; heads agree exactly.
-TEST_CASE("cuda vs cpu: Attention with BF16 products") {
-  SKIP_WITHOUT_CUDA_DEVICE();
-  Rng rng(14);
-  const ToleranceScope bf16(4e-2);
-  for (const bool causal : {false, true}) {
-    RouterConfig cfg;
-    cfg.num_experts = 5;
-    cfg.causal = causal;
-    cfg.options<Attention>().precision = GraphPrecision::BF16;
-    compare_attention<float>(AttentionCase{2, 21, 4, 16, 5}, cfg, causal, true, false, rng);
-    cfg.options<Attention>().sigma = 0.7;
-    cfg.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;
-    compare_attention<float>(AttentionCase{3, 9, 2, 8, 3}, cfg, causal, false, true, rng);
-  }
-  RouterConfig cfg;
-  cfg.num_experts = 4;
-  cfg.causal = true;
-  cfg.options<Attention>().precision = GraphPrecision::BF16;
-  compare_attention<float>(AttentionCase{1, 300, 2, 16, 4}, cfg, true, true, false, rng);
-  cfg.options<Attention>().detach = true;  // dr only
-  compare_attention<float>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, true, false, rng);
-}
-
-// GraphPrecision::TF32: the Attention graph's (T, T) products on TF32 tensor cores, against the
-// CPU graph in float at 1e-2 (twice the block path's TF32 tolerance: db_o sums over tokens with
-// cancellation); heads agree exactly (they come from the cache's entropies, not the products).
-TEST_CASE("cuda vs cpu: Attention with TF32 products") {
+// The Attention graph on tensor cores, against the CPU graph in float: GraphPrecision::TF32 at
+// 1e-2 (twice the Similarity block path's TF32 tolerance: db_o sums over tokens with
+// cancellation), GraphPrecision::BF16 (the (T, T) products on bf16 operands with fp32
+// accumulation, the (N, D, dm) ones on TF32) at 6e-2 (1.5x the block path's BF16 tolerance: dV
+// is the difference of the product dL^T Q~ and the mean term, of similar size); causal over two
+// row blocks too, and detached. Heads agree exactly (they come from the cache's entropies, not
+// the products).
+TEST_CASE("cuda vs cpu: Attention with TF32 and BF16 products") {
   SKIP_WITHOUT_CUDA_DEVICE();
   Rng rng(13);
-  const ToleranceScope tf32(1e-2);  // 4.4e-3 measured (db_o, a sum over tokens that cancels)
-  for (const bool causal : {false, true}) {
+  // measured under the emulation: TF32 4.2e-3 (db_o), BF16 2.6e-2 (dV)
+  for (const auto& [precision, tol] : {std::pair{GraphPrecision::TF32, 1e-2},
+                                       std::pair{GraphPrecision::BF16, 6e-2}}) {
+    CAPTURE(graph_precision_name(precision));
+    const ToleranceScope scope(tol);
+    for (const bool causal : {false, true}) {
+      RouterConfig cfg;
+      cfg.num_experts = 5;
+      cfg.causal = causal;
+      cfg.options<Attention>().precision = precision;
+      compare_attention<float>(AttentionCase{2, 21, 4, 16, 5}, cfg, causal, true, false, rng);
+      cfg.options<Attention>().sigma = 0.7;
+      cfg.options<Attention>().head_choice = HeadChoice::PerSequenceCausal;
+      compare_attention<float>(AttentionCase{3, 9, 2, 8, 3}, cfg, causal, false, true, rng);
+    }
     RouterConfig cfg;
-    cfg.num_experts = 5;
-    cfg.causal = causal;
-    cfg.options<Attention>().precision = GraphPrecision::TF32;
-    compare_attention<float>(AttentionCase{2, 21, 4, 16, 5}, cfg, causal, true, false, rng);
-    cfg.options<Attention>().sigma = 0.7;
-    compare_attention<float>(AttentionCase{3, 9, 2, 8, 3}, cfg, causal, false, true, rng);
+    cfg.num_experts = 4;
+    cfg.causal = true;
+    cfg.options<Attention>().precision = precision;
+    compare_attention<float>(AttentionCase{1, 300, 2, 16, 4}, cfg, true, true, false, rng);
+    cfg.options<Attention>().detach = true;  // dr only
+    compare_attention<float>(AttentionCase{2, 23, 4, 8, 4}, cfg, true, true, false, rng);
   }
   // TF32 (and BF16) need a float router and a backend with tensor-core products; a value that
   // is not a GraphPrecision is refused
