@@ -288,14 +288,10 @@ class TransformerLM {
   // asking for a new one.
   Loss forward(const Tensor<std::int32_t, B>& ids, const Tensor<std::int32_t, B>& targets) {
     check_bound("forward");
-    has_loss_ = false;  // until this forward has finished
+    has_loss_ = false;  // backward() needs a forward that finished, not what a failed one left
     if (!targets.empty()) check_shape("TransformerLM", "targets", targets, ids.shape());
-    try {
-      with_deferred_checks(B{}, [&] { forward_checked(ids, targets); });
-    } catch (...) {
-      has_loss_ = false;  // backward() needs a forward that finished, not what this one left
-      throw;
-    }
+    with_deferred_checks(B{}, [&] { forward_checked(ids, targets); });
+    has_loss_ = !targets.empty();  // the scope ended without an error
     return last_loss();  // the values are delivered once the scope ended
   }
 
@@ -326,7 +322,6 @@ class TransformerLM {
     }
     Tensor<T, B> lflat = logits_.view(Shape{b * t, cfg_.vocab_size});
     head_forward(xf_.view(Shape{b * t, d}), lflat);
-    has_loss_ = !targets.empty();
     ce_ = CrossEntropyResult<B>();  // a forward that throws leaves the backward to scan (and throw)
     if (targets.empty()) return;
     cross_entropy_forward_into(logits_, targets, log_probs_, kIgnoreIndex, ce_);

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <type_traits>
 
@@ -251,19 +252,24 @@ class SimilarityScratch {
   index_t used_ = 0;
 };
 
-// The operands of the products in their input type: T itself (Exact, TF32) or bf16 copies.
+// The (T, T) products' operands in their input type In: the tensors themselves (In = T: Exact,
+// TF32) or bf16 copies made once per call and kept until it returns (BF16). Both token graphs'
+// block products read their operands through one of these per call.
 template <class T, class In>
-struct SimilarityOperands {
-  Tensor<In, cuda> copies[4];
-  const In* get(int slot, const Tensor<T, cuda>& x) {
+class GraphOperands {
+ public:
+  const In* operator()(const Tensor<T, cuda>& x) {
     if constexpr (std::is_same_v<In, T>) {
-      (void)slot;
       return x.data();
     } else {
-      convert(x, copies[slot]);
-      return copies[slot].data();
+      copies_.emplace_back();
+      convert(x, copies_.back());
+      return copies_.back().data();
     }
   }
+
+ private:
+  std::deque<Tensor<In, cuda>> copies_;  // a deque: the copies never move
 };
 
 // The precision of the projection products (Q = U W_s and its gradients): Exact stays Exact,
@@ -313,10 +319,10 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
     st.q = Tensor<T, cuda>();
   }
   if (n == 0) return;
-  SimilarityOperands<T, In> ops;
-  const In* uin = ops.get(0, u);
-  const In* qin = args.projection ? ops.get(1, st.q) : uin;
-  const In* rin = ops.get(2, r);
+  GraphOperands<T, In> ops;
+  const In* uin = ops(u);
+  const In* qin = args.projection ? ops(st.q) : uin;
+  const In* rin = ops(r);
   constexpr bool kCopies = !std::is_same_v<In, T>;
 
   const index_t bi_max = similarity_block_rows(nb, len, args.causal);
@@ -372,11 +378,11 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
   if (to_tau) tau_rows = Tensor<T, cuda>(Shape{n});
   T* dq_rows = proj && to_u ? dq.data() : du.data();  // the query side's gradient
 
-  SimilarityOperands<T, In> ops;
-  const In* uin = ops.get(0, u);
-  const In* qin = proj ? ops.get(1, st.q) : uin;
-  const In* rin = ops.get(2, r);
-  const In* dpin = ops.get(3, dp);
+  GraphOperands<T, In> ops;
+  const In* uin = ops(u);
+  const In* qin = proj ? ops(st.q) : uin;
+  const In* rin = ops(r);
+  const In* dpin = ops(dp);
 
   const index_t bi_max = similarity_block_rows(nb, len, args.causal);
   SimilarityScratch<T> scratch(st.work);

@@ -93,9 +93,10 @@
 // half. Under GraphPrecision::TF32 the (T, T) products (G, p, dr, dp r^T, dQ~, dV)
 // run on TF32 tensor cores (graph_gemm_prec of similarity_blocks.cuh), and so do the
 // (N, D, dm)-sized ones (Q~, dout, dW_o); the Gram terms (O(N dh^2)) stay fp32. Under
-// GraphPrecision::BF16 the (T, T) products read bf16 copies of their operands (GraphOperands:
-// Q~, V, A^p, r, dp, dL, each converted once per call) with fp32 accumulation and output, and the
-// (N, D, dm) ones run on TF32.
+// GraphPrecision::BF16 the (T, T) products read bf16 copies of their operands (GraphOperands of
+// similarity_blocks.cuh: Q~, V, A^p, r, dp, dL, each converted once per call) with fp32
+// accumulation and output, and the (N, D, dm) ones (which read float) run on TF32, as the
+// Similarity graph's projection does (similarity_projection_precision).
 #pragma once
 
 #include <cublas_v2.h>
@@ -106,13 +107,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
-#include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/graph_blas.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
@@ -589,7 +588,9 @@ void attention_gram_terms(const AttentionCache<T, cuda>& c, index_t dm, Tensor<T
                index_t(1), 0, T(0), cvec.data(), index_t(1), dh, nh);
 }
 
-// A causal cache's rows per block of the (T, T) products (the Similarity block path's choice).
+// A causal cache's rows per block of the (T, T) products: the Similarity block path's causal
+// block (which that path widens beyond 2,048 tokens to keep at most 8 blocks and bounds by its
+// scratch; this graph's products write into whole (N, T) buffers, so it keeps 256 at any length).
 inline constexpr index_t kAttentionCausalRows = kSimilarityCausalRows;
 
 // The rows [i0, i0 + rows) of every sequence whose (T, T) products read or write the columns
@@ -608,27 +609,6 @@ inline std::vector<AttentionRowBlock> attention_row_blocks(index_t len, bool cau
   }
   return blocks;
 }
-
-// The Attention graph's (T, T) product operands as In: the tensors themselves (In = T: Exact,
-// TF32) or bf16 copies made once per call and kept until it returns (BF16). The (N, D, dm)
-// products (queries, dout, dW_o) read float and run on TF32 under BF16, as the Similarity graph's
-// projection does (similarity_projection_precision).
-template <class T, class In>
-class GraphOperands {
- public:
-  const In* operator()(const Tensor<T, cuda>& x) {
-    if constexpr (std::is_same_v<In, T>) {
-      return x.data();
-    } else {
-      copies_.emplace_back();
-      convert(x, copies_.back());
-      return copies_.back().data();
-    }
-  }
-
- private:
-  std::deque<Tensor<In, cuda>> copies_;  // a deque: the copies never move
-};
 
 // q~ = mask_heads(H Aout W_o) (N, H dh): row i holds its head's queries q_{h*(i) i} in that head's
 // columns and 0 in the others (a_i . m_hj = q_hi . v_hj + a_i . b_o). On TF32 tensor cores under
