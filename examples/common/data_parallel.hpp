@@ -109,6 +109,14 @@ double max_parameter_divergence(const DataParallel& dp, const graphmoe::Paramete
   return 0.0;
 }
 
+// The communicator over which the routers' after-step hooks sum the step's expert loads
+// (TransformerLM::after_optimizer_step): the ranks' world on the CPU, none otherwise (as above).
+template <class B>
+graphmoe::dist::Communicator* routers_comm(const DataParallel& dp) {
+  if constexpr (std::is_same_v<B, graphmoe::cpu>) return dp.active() ? dp.comm : nullptr;
+  return nullptr;
+}
+
 // The global gradient norm, clipped: over every rank's expert shards with --ep (collective),
 // else this arena's (the same on every rank after average_gradients).
 template <class T, class B>

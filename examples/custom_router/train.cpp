@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
       lm.backward();
       clip_grad_norm(lm.arena(), 1.0);
       adam.step(lm.arena(), sched.at(step));
+      lm.after_optimizer_step();  // stateful router policies (none here; a bias-balanced one would update)
       ema = step == 0 ? loss : 0.95 * ema + 0.05 * loss;
       if ((step + 1) % 50 == 0 || step + 1 == steps)
         std::printf("train: step %4lld  train loss (ema) %.4f\n", static_cast<long long>(step + 1), ema);

@@ -179,6 +179,7 @@ int run(const Options& opt, const Data& data) {
       });
     });
     adam.step(model.arena(), sched.at(step));
+    model.after_optimizer_step(examples::routers_comm<B>(dp));  // stateful router policies (bias balancing)
     ema = step == 0 ? loss : 0.98 * ema + 0.02 * loss;
     const double eps = static_cast<double>((step + 1) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());
     char stats[96];

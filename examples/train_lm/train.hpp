@@ -248,6 +248,7 @@ int run_model(const Options& opt, const Data& data) {
     });
     const double lr = sched.at(step);
     adam.step(lm.arena(), lr, lm.compute_mirror());  // C != T: the bf16 weights in the same pass
+    lm.after_optimizer_step(examples::routers_comm<B>(dp));  // stateful router policies (bias balancing): every rank
     last_loss = loss;
     loss_ema = step == first_step ? loss : 0.98 * loss_ema + 0.02 * loss;
     const double tps = tokens_per_step * static_cast<double>(step + 1 - first_step) /

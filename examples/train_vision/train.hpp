@@ -225,6 +225,7 @@ int run(const Options& opt, const Data& data) {
       });
     });
     adam.step(model.arena(), sched.at(step));
+    model.after_optimizer_step(examples::routers_comm<B>(dp));  // stateful router policies (bias balancing)
     ema = step == first ? loss : 0.98 * ema + 0.02 * loss;
     const double ips = static_cast<double>((step + 1 - first) * opt.batch) / std::max(1e-9, bar.elapsed_seconds());
     char stats[96];

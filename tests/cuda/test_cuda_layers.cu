@@ -272,6 +272,62 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the SMoE-Dropout router (frozen,
   compare_moe<SimilaritySMoEDropoutRouter, T>(rc, 2, 8);
 }
 
+// DeepSeek-V3's routing: sigmoid scores (and gradient), the biased group-limited top-k with
+// scaled gates, and the bias update after a step from loads counted on the device: the same
+// selection and bias on both backends, exactly (counts are integers, the update is host arithmetic).
+TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with sigmoid scores and bias-balanced top-k", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (bool normalize : {true, false}) {
+    CAPTURE(normalize);
+    RouterConfig rc = small_router();
+    rc.causal = true;
+    rc.allow_unused_options = true;  // SigmoidBiasRouter has no Similarity graph
+    rc.options<graphmoe::Similarity>().tau = 2.0;
+    auto& o = rc.options<graphmoe::BiasBalancedTopK>();
+    o.norm_topk_prob = normalize;
+    o.routed_scaling_factor = 2.5;
+    o.n_group = 3;
+    o.topk_group = 2;
+    o.bias_update_rate = 0.05;
+    compare_moe<SigmoidBiasRouter, T>(rc, 2, 9);
+    compare_moe<SimilaritySigmoidBiasRouter, T>(rc, 3, 37);
+
+    MoEConfig cfg;
+    cfg.d_model = 24;
+    cfg.d_ff = 20;
+    cfg.router = rc;
+    using Policy = SimilaritySigmoidBiasRouter;
+    Pair<MoELayer<Policy, T, cpu>, MoELayer<Policy, T, graphmoe::cuda>, T> p(
+        [&](auto& arena, auto& l) { l.declare(arena, "moe.", cfg); },
+        [](auto& l) { Rng r(7); l.init(r); });
+    Rng data(13);
+    GraphContext<T, cpu> hctx{16, nullptr};
+    GraphContext<T, graphmoe::cuda> dctx{16, nullptr};
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      for (int micro = 0; micro < 2; ++micro) {
+        const Tensor<T, cpu> u = random_tensor<T>(Shape{32, cfg.d_model}, data);
+        Tensor<T, cpu> hy;
+        Tensor<T, graphmoe::cuda> yd;
+        p.host.forward(u, hctx, hy);
+        p.dev.forward(to_device(u), dctx, yd);
+        check_equal("indices", p.host.routing().selection.indices,
+                    p.dev.routing().selection.indices);
+        check_equal("step loads", p.host.router().step_loads(), p.dev.router().step_loads());
+      }
+      p.host.router().after_step(p.host_arena);
+      p.dev.router().after_step(p.dev_arena);
+      check_equal("expert bias", p.host_arena.value("moe.router.selector.expert_bias"),
+                  p.dev_arena.value("moe.router.selector.expert_bias"));
+    }
+    const Tensor<T, cpu> bias = to_host(p.dev_arena.value("moe.router.selector.expert_bias"));
+    double moved = 0;
+    for (index_t e = 0; e < bias.numel(); ++e) moved += std::abs(static_cast<double>(bias.data()[e]));
+    CHECK(moved > 0);
+  }
+}
+
 // with_deferred_checks on the GPU (core/deferred_check.hpp): the checks inside report the same
 // errors as outside, the first one in program order wins, also over a later exception, and the
 // scope leaves nothing open behind it.

@@ -30,6 +30,9 @@ std::string name_of() {
   else if constexpr (std::is_same_v<P, SMoEDropoutRouter>) return "smoe-dropout";
   else if constexpr (std::is_same_v<P, SimilaritySMoEDropoutRouter>) return "smoe-dropout-similarity";
   else if constexpr (std::is_same_v<P, AttentionSMoEDropoutRouter>) return "smoe-dropout-attention";
+  else if constexpr (std::is_same_v<P, SigmoidBiasRouter>) return "sigmoid-bias";
+  else if constexpr (std::is_same_v<P, SimilaritySigmoidBiasRouter>) return "sigmoid-bias-similarity";
+  else if constexpr (std::is_same_v<P, AttentionSigmoidBiasRouter>) return "sigmoid-bias-attention";
   else return "?";
 }
 
@@ -57,7 +60,7 @@ std::string capture_stderr(F&& f) {
 }  // namespace
 
 TEST_CASE("registry: every router name selects the policy of that name") {
-  REQUIRE(router_names().size() == 9);
+  REQUIRE(router_names().size() == 12);
   for (const std::string& name : router_names()) {
     CAPTURE(name);
     CHECK(with_router(name, []<class P>() { return name_of<P>(); }) == name);

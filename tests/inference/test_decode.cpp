@@ -202,10 +202,17 @@ TEST_CASE_TEMPLATE("prefill: a 210-token prompt in chunks of 1, 7, 64 and 210 gi
                    "experts of step-by-step decoding and of the full forward, every causal router",
                    Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
                    SimilarityXMoERouter, AttentionXMoERouter, SMoEDropoutRouter,
-                   SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter) {
+                   SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter, SigmoidBiasRouter,
+                   SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter) {
   TransformerLMConfig cfg = decode_config(210);
   TransformerLM<Policy, double> lm(cfg, 3);
   lm.set_mode(Mode::Eval);
+  // bias balancing: a non-zero selection bias, which decoding must apply as the forward does
+  for (const auto& info : lm.arena().params())
+    if (info.name.ends_with("expert_bias")) {
+      Tensor<double> b = lm.arena().value(info.name);
+      for (index_t e = 0; e < b.numel(); ++e) b.data()[e] = 0.01 * static_cast<double>((e * 3) % 5) - 0.02;
+    }
   lm.set_step(4);  // SMoE-Dropout: k = 2 of its 1..3 schedule
   const auto ids = random_ids(210, cfg.vocab_size, 71);
   const auto forward = full_forward(lm, ids);
@@ -347,10 +354,17 @@ TEST_CASE("prefill: bad chunks and prompts are refused with a message naming the
 TEST_CASE_TEMPLATE("decode: every causal router's decoded logits equal the full forward's, in double",
                    Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
                    SimilarityXMoERouter, AttentionXMoERouter, SMoEDropoutRouter,
-                   SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter) {
+                   SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter, SigmoidBiasRouter,
+                   SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter) {
   TransformerLMConfig cfg = decode_config(210);
   TransformerLM<Policy, double> lm(cfg, 3);
   lm.set_mode(Mode::Eval);
+  // bias balancing: a non-zero selection bias, which decoding must apply as the forward does
+  for (const auto& info : lm.arena().params())
+    if (info.name.ends_with("expert_bias")) {
+      Tensor<double> b = lm.arena().value(info.name);
+      for (index_t e = 0; e < b.numel(); ++e) b.data()[e] = 0.01 * static_cast<double>((e * 3) % 5) - 0.02;
+    }
   lm.set_step(4);  // SMoE-Dropout: k = 2 of its 1..3 schedule
   // three slots of different lengths decoded together, one of them 210 tokens (the full context)
   check_decode_matches_forward(lm, {random_ids(210, cfg.vocab_size, 1), random_ids(17, cfg.vocab_size, 2),

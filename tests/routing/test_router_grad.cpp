@@ -35,7 +35,8 @@ RouterConfig small_config(index_t e, index_t k) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("scorer gradient check", Policy, LinearScorer, CosineScorer, FrozenRandomScorer) {
+TEST_CASE_TEMPLATE("scorer gradient check", Policy, LinearScorer, CosineScorer, FrozenRandomScorer,
+                   SigmoidScorer) {
   for (bool learnable : {false, true}) {
     if (learnable && !std::is_same_v<Policy, CosineScorer>) continue;
     CAPTURE(learnable);
@@ -63,6 +64,22 @@ TEST_CASE_TEMPLATE("scorer gradient check", Policy, LinearScorer, CosineScorer, 
     sc.backward(u, w, du);
     check_gradient("du", u, du, loss);
     check_arena(arena, loss);
+    if constexpr (ScorerMapsScores<Policy, double, cpu>) {  // the scorer's own map to r
+      auto loss_r = [&] {
+        Tensor<double> g2, r2;
+        sc.forward(u, g2);
+        sc.scores(g2, r2);
+        return weighted_sum(r2, w);
+      };
+      Tensor<double> r, dgamma;
+      sc.scores(g, r);
+      sc.scores_backward(g, r, w, dgamma);
+      Tensor<double> du2(u.shape());
+      arena.zero_grad();
+      sc.backward(u, dgamma, du2);
+      check_gradient("du (through r)", u, du2, loss_r);
+      check_arena(arena, loss_r);
+    }
     if (std::is_same_v<Policy, FrozenRandomScorer>) {
       CHECK(!arena.params()[0].trainable);
       CHECK(as_vector(arena.grads()).cwiseAbs().maxCoeff() == 0.0);  // never updated
@@ -497,7 +514,8 @@ TEST_CASE("auxiliary losses gradient check: load balancing on p, z-loss on gamma
 
 TEST_CASE_TEMPLATE("whole router gradient check (gates + load balancing + z-loss)", Policy, SoftmaxRouter,
                    SimilarityRouter, AttentionRouter, XMoERouter, SimilarityXMoERouter,
-                   SMoEDropoutRouter, AttentionSMoEDropoutRouter) {
+                   SMoEDropoutRouter, AttentionSMoEDropoutRouter, SigmoidBiasRouter,
+                   SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter) {
   for (bool detach : {false, true}) {
     if (detach && std::is_same_v<typename Policy::graph, Independent>) continue;
     CAPTURE(detach);

@@ -7,11 +7,12 @@
 
 namespace graphmoe::test {
 
-// W ~ N(0, s^2) for the linear and frozen-random scorers (the cosine scorer has its own init).
+// W ~ N(0, s^2) for the linear, sigmoid and frozen-random scorers (the cosine scorer has its own init).
 inline void set_scorer_init_std(RouterConfig& cfg, double s) {
   cfg.allow_unused_options = true;
   cfg.options<LinearScorer>().init_std = s;
   cfg.options<FrozenRandomScorer>().init_std = s;
+  cfg.options<SigmoidScorer>().init_std = s;
 }
 
 // No gradient through S or A^p, for either graph.

@@ -70,6 +70,7 @@ std::vector<float> train_steps(TransformerLM<Policy, float>& lm, AdamW<float>& o
     lm.backward();
     clip_grad_norm(lm.arena(), 1.0);
     opt.step(lm.arena(), sched.at(s));
+    lm.after_optimizer_step();  // bias balancing's update (nothing for the other routers)
   }
   return losses;
 }
@@ -115,33 +116,47 @@ TEST_CASE("training: same seed and thread count give bitwise identical losses") 
   set_num_threads(1);
 }
 
-TEST_CASE("training: a checkpoint with the AdamW state resumes bit for bit") {
+TEST_CASE_TEMPLATE("training: a checkpoint with the AdamW state resumes bit for bit", Policy,
+                   AttentionRouter, SimilaritySigmoidBiasRouter) {
   const Corpus& c = corpus();
   LMBatcher data(c.stream, 4, 32);
   LRSchedule sched{2e-3, 2e-4, 5, 40};
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("graphmoe_resume_" + std::to_string(getpid()) + ".safetensors")).string();
   // uninterrupted
-  TransformerLM<AttentionRouter, float> a(small_lm(c.vocab), 5);
+  TransformerLM<Policy, float> a(small_lm(c.vocab), 5);
   AdamW<float> oa(a.arena(), AdamWConfig{});
   const auto full = train_steps(a, oa, data, 0, 40, sched);
   // interrupted at step 25: save, then continue in a fresh model and optimizer
   std::vector<float> resumed;
   {
-    TransformerLM<AttentionRouter, float> b(small_lm(c.vocab), 5);
+    TransformerLM<Policy, float> b(small_lm(c.vocab), 5);
     AdamW<float> ob(b.arena(), AdamWConfig{});
     train_steps(b, ob, data, 0, 25, sched);
     save_training_state(path, b.arena(), ob, {});
   }
+  Tensor<float> resumed_bias;
   {
-    TransformerLM<AttentionRouter, float> c2(small_lm(c.vocab), 999);  // different init, overwritten
+    TransformerLM<Policy, float> c2(small_lm(c.vocab), 999);  // different init, overwritten
     AdamW<float> oc(c2.arena(), AdamWConfig{});
     load_training_state(load_safetensors(path), c2.arena(), oc);
     resumed = train_steps(c2, oc, data, 25, 40, sched);
+    if constexpr (std::is_same_v<typename Policy::selector, BiasBalancedTopK>)
+      resumed_bias = c2.arena().value("blocks.1.moe.router.selector.expert_bias").clone();
   }
   std::filesystem::remove(path);
   REQUIRE(resumed.size() == 15);
   for (std::size_t i = 0; i < resumed.size(); ++i) CHECK(resumed[i] == full[25 + i]);
+  if constexpr (std::is_same_v<typename Policy::selector, BiasBalancedTopK>) {
+    // the expert bias (a buffer, not trained) moved, and resumed to the same values
+    const Tensor<float> bias = a.arena().value("blocks.1.moe.router.selector.expert_bias");
+    double moved = 0;
+    for (index_t e = 0; e < bias.numel(); ++e) {
+      moved += std::abs(bias.data()[e]);
+      CHECK(bias.data()[e] == resumed_bias.data()[e]);
+    }
+    CHECK(moved > 0);
+  }
 }
 
 TEST_CASE("training: SGD with momentum also lowers the loss") {

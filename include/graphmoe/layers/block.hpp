@@ -218,6 +218,13 @@ void set_router_step(Blocks& blocks, std::int64_t step) {
   for (auto& blk : blocks)
     if (blk.is_moe()) blk.moe().router().set_step(step);
 }
+// After every optimizer step, for every router (RouterImpl::after_step: the step's loads summed
+// over comm's ranks go to each policy's after_step hook; nothing for a router without one).
+template <class Blocks, class T, class B>
+void routers_after_step(Blocks& blocks, ParameterArena<T, B>& arena, dist::Communicator* comm) {
+  for (auto& blk : blocks)
+    if (blk.is_moe()) blk.moe().router().after_step(arena, comm);
+}
 // Train or eval (core/mode.hpp) for every router and, through it, every policy that takes a mode.
 template <class Blocks>
 void set_router_mode(Blocks& blocks, Mode mode) {

@@ -83,6 +83,8 @@ class SequenceClassifier {
   ParameterArena<T, B>& arena() const { return lm_.arena(); }
   TransformerLM<RouterPolicy, T, B>& backbone() { return lm_; }
   void set_step(std::int64_t s) { lm_.set_step(s); }
+  // After every optimizer step (TransformerLM::after_optimizer_step).
+  void after_optimizer_step(dist::Communicator* comm = nullptr) { lm_.after_optimizer_step(comm); }
   // Train (the default) or eval for every router policy that takes a mode (core/mode.hpp).
   void set_mode(Mode mode) { lm_.set_mode(mode); }
   Mode mode() const { return lm_.mode(); }

@@ -520,6 +520,12 @@ class TransformerLM {
   TransformerBlock<RouterPolicy, T, B, C>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   // Sets the training step of every router (ScheduledTopK's k schedule).
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
+  // Call after every optimizer step (a collective over comm, the data-parallel communicator, when
+  // given: every rank calls it): the routers' stateful policies update from the step's expert
+  // loads (BiasBalancedTopK's bias). Nothing for routers without such a policy.
+  void after_optimizer_step(dist::Communicator* comm = nullptr) {
+    routers_after_step(blocks_, arena(), comm);
+  }
   // Train (the default) or eval: passed to every router policy that takes a mode (core/mode.hpp),
   // e.g. a noisy scorer draws no noise in eval. Nothing in graphmoe's own layers depends on it.
   void set_mode(Mode mode) {

@@ -239,6 +239,10 @@ class VisionMoE {
   const Tensor<T, B>& logits() const { return logits_; }
   TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   void set_step(std::int64_t step) { set_router_step(blocks_, step); }
+  // After every optimizer step (TransformerLM::after_optimizer_step).
+  void after_optimizer_step(dist::Communicator* comm = nullptr) {
+    routers_after_step(blocks_, arena(), comm);
+  }
   // Train (the default) or eval for every router policy that takes a mode (core/mode.hpp).
   void set_mode(Mode mode) {
     mode_ = mode;

@@ -19,6 +19,9 @@
 //   normalize_rows_backward(y, norms, eps, dy)
 //                                  y = x / n: dy_i <- (dy_i - y_i (y_i . dy_i)) / n_i, or dy_i / eps
 //                                  where the norm was clamped (y = x / eps is linear in x)
+//   sigmoid_forward(x, y)          y = 1 / (1 + exp(-x))   (y prepared with x's shape; may be x)
+//   sigmoid_backward(y, dy, dx)    dx = dy y (1 - y), from the forward's output y (assigned; dx
+//                                  may be dy)
 //   patchify(images, P, H, W, C, patches)
 //                                  images (B, H, W, C) -> patches (B Np, P P C), Np = (H/P)(W/P):
 //                                  patch (py, px) of image b is row b Np + py (W/P) + px, read
@@ -138,6 +141,21 @@ void normalize_rows_backward(const Tensor<T, B>& y, const Tensor<T, B>& norms, T
                              const Tensor<T, B>& dy) {
   check_shape("normalize_rows_backward", "dy", dy, y.shape());
   normalize_rows_backward(B{}, y, norms, eps, dy);
+}
+
+template <class T, Backend B>
+void sigmoid_forward(const Tensor<T, B>& x, Tensor<T, B>& y) {
+  GRAPHMOE_CHECK(!x.empty(), "sigmoid_forward", "x is empty");
+  prepare_output("sigmoid_forward", "y", y, x.shape());
+  sigmoid_forward(B{}, x, y);
+}
+
+template <class T, Backend B>
+void sigmoid_backward(const Tensor<T, B>& y, const Tensor<T, B>& dy, Tensor<T, B>& dx) {
+  GRAPHMOE_CHECK(!y.empty(), "sigmoid_backward", "y is empty");
+  check_shape("sigmoid_backward", "dy", dy, y.shape());
+  prepare_output("sigmoid_backward", "dx", dx, y.shape());
+  sigmoid_backward(B{}, y, dy, dx);
 }
 
 template <class T, Backend B>

@@ -31,6 +31,16 @@
 //                                       seed fixes every policy's draws)
 //   set_mode(Mode)                      Mode::Train / Mode::Eval (core/mode.hpp), passed down by
 //                                       model.set_mode(): e.g. a noisy scorer draws no noise in Eval
+//   after_step(const RouterStep<T, B>&) once after every optimizer step (the models'
+//                                       after_optimizer_step, which training loops call): the
+//                                       step's expert loads summed over the data-parallel ranks,
+//                                       the communicator and the arena (policies.hpp). A policy's
+//                                       state that is not trained (BiasBalancedTopK's bias) is an
+//                                       arena buffer declared with trainable = false: saved in
+//                                       checkpoints, skipped by optimizers; the policy writes it
+//                                       here and calls step.arena.mark_values_written(). The
+//                                       router counts loads only when one of its policies has
+//                                       this hook.
 // forward / backward (and a selector's current_k / set_step) are required.
 // docs/extending.md walks through an example.
 #pragma once
@@ -89,6 +99,10 @@ template <class P, class T, class B>
 concept PolicyHasMode = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, Mode mode) { s.set_mode(mode); };
 
+template <class P, class T, class B>
+concept PolicyAfterStep = PolicyWithImpl<P, T, B> &&
+    requires(policy_impl_t<P, T, B>& s, const RouterStep<T, B>& step) { s.after_step(step); };
+
 namespace policy_detail {
 // The router's calls of the hooks: each one the policy has, nothing for one it lacks.
 template <class Impl, class T, class B>
@@ -113,6 +127,10 @@ template <class Impl>
 void set_mode(Impl& impl, Mode mode) {
   if constexpr (requires { impl.set_mode(mode); }) impl.set_mode(mode);
 }
+template <class Impl, class T, class B>
+void after_step(Impl& impl, const RouterStep<T, B>& step) {
+  if constexpr (requires { impl.after_step(step); }) impl.after_step(step);
+}
 }  // namespace policy_detail
 
 // ---- scorers: u (N, D) -> gamma (N, E) logits; parameters in the arena -------------------------
@@ -132,6 +150,15 @@ template <class P, class T, class B>
 concept ScorerBackward = PolicyWithImpl<P, T, B> &&
     requires(policy_impl_t<P, T, B>& s, const Tensor<T, B>& u, const Tensor<T, B>& dgamma,
              Tensor<T, B>& du) { s.backward(u, dgamma, du); };
+
+// Optional: the scorer's own map from logits to scores (SigmoidScorer); without it r = softmax(gamma).
+template <class P, class T, class B>
+concept ScorerMapsScores = PolicyWithImpl<P, T, B> &&
+    requires(const policy_impl_t<P, T, B>& s, const Tensor<T, B>& gamma, Tensor<T, B>& r,
+             const Tensor<T, B>& dr, Tensor<T, B>& dgamma) {
+      s.scores(gamma, r);
+      s.scores_backward(gamma, r, dr, dgamma);
+    };
 
 template <class P, class T = float, class B = cpu>
 concept ScorerPolicy = NamedPolicy<P> && PolicyWithImpl<P, T, B> && ScorerForward<P, T, B> &&

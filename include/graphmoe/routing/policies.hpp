@@ -2,7 +2,8 @@
 //
 // A router is Scorer x TokenGraph x Selector, chosen at compile time:
 //
-//   Scorer      u (N, D)  -> affinity logits gamma (N, E), expert scores r = softmax(gamma)
+//   Scorer      u (N, D)  -> affinity logits gamma (N, E), expert scores r = softmax(gamma) (or
+//                            the scorer's own map: SigmoidScorer's r = sigmoid(gamma))
 //   TokenGraph  r (N, E)  -> p = G r, per sequence (G depends on the tokens)
 //   Selector    p (N, E)  -> each token's experts and their gates: a (N, m) table of
 //                            (expert, gate, keep) slots, m = k for token choice (TopK); expert
@@ -26,13 +27,33 @@
 #include <typeindex>
 #include <typeinfo>
 #include <utility>
+#include <vector>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/backend.hpp"
 #include "graphmoe/core/shape.hpp"
 #include "graphmoe/core/token_graph.hpp"
 
 namespace graphmoe {
+
+namespace dist {
+class Communicator;  // core/communicator.hpp
+}  // namespace dist
+
+// What a policy's optional after_step hook receives, once after every optimizer step
+// (RouterImpl::after_step, called by the models' after_optimizer_step; routing/concepts.hpp).
+template <class T, class B = cpu>
+struct RouterStep {
+  // (E) the kept assignments per expert over the step's training forwards (every micro-batch),
+  // summed over the data-parallel ranks of `comm`
+  const std::vector<double>& loads;
+  // the data-parallel communicator the loads were summed over (nullptr: one process)
+  dist::Communicator* comm;
+  // the model's arena: a policy that writes a value (a buffer of its own) calls
+  // arena.mark_values_written() afterwards, so that copies of the values (bf16 mirrors) refresh
+  ParameterArena<T, B>& arena;
+};
 
 // The built-in implementations, one specialisation per policy (and backend where it differs).
 template <class Policy, class T, class B = cpu>
@@ -87,6 +108,23 @@ struct FrozenRandomScorer {
   };
   template <class T, class B>
   using impl = ScorerImpl<FrozenRandomScorer, T, B>;
+};
+
+// DeepSeek-V3 (and Megatron-Core's moe_router_score_function = "sigmoid"): r = sigmoid(W u + b),
+// each expert's score on its own (no competition in the map; the selector's gates normalise over
+// the chosen k or not, TopK::Options). No bias by default (DeepSeek-V3's gate has none).
+struct SigmoidScorer {
+  static constexpr const char* name = "sigmoid";
+  struct Options {
+    bool bias = false;       // b in W u + b
+    double init_std = 0.02;  // W ~ N(0, init_std^2), b = 0
+    void validate() const {
+      GRAPHMOE_CHECK(init_std >= 0, "SigmoidScorer::Options", "init_std must be >= 0, got ",
+                     init_std);
+    }
+  };
+  template <class T, class B>
+  using impl = ScorerImpl<SigmoidScorer, T, B>;
 };
 
 // ---- token graphs -----------------------------------------------------------------------------
@@ -223,11 +261,65 @@ struct Attention {
 };
 
 // ---- selectors --------------------------------------------------------------------------------
-// top-k of p, renormalised (Appendix C.3); RouterConfig::k experts per token
+// How a token-choice selector picks its k experts and weighs them (TopK, BiasBalancedTopK), with
+// Hugging Face's names for the fields (Qwen2/Qwen3-MoE, OLMoE, DeepSeek-V2/V3 configs).
+struct TokenChoiceOptions {
+  // gates = p_sel / sum(p_sel) over the chosen k (true: the paper's Renormalize(TopK^0(p)),
+  // Mixtral, Qwen3-MoE, DeepSeek-V3), or gates = p_sel (false: OLMoE, Qwen2-MoE)
+  bool norm_topk_prob = true;
+  // every gate multiplied by this (DeepSeek-V3: 2.5)
+  double routed_scaling_factor = 1.0;
+  // Group-limited routing (DeepSeek-V2/V3): the E experts form n_group contiguous groups, a
+  // token's group score is the sum of its two largest scores in the group, and its k experts come
+  // from its topk_group best groups only. n_group = 1: every expert is eligible.
+  index_t n_group = 1;
+  index_t topk_group = 1;
+  void validate() const {
+    GRAPHMOE_CHECK(routed_scaling_factor > 0 && routed_scaling_factor < 1e300, "TopK options",
+                   "routed_scaling_factor must be > 0 and finite, got ", routed_scaling_factor);
+    GRAPHMOE_CHECK(n_group >= 1 && topk_group >= 1 && topk_group <= n_group, "TopK options",
+                   "need n_group >= 1 and 1 <= topk_group <= n_group, got n_group = ", n_group,
+                   ", topk_group = ", topk_group);
+  }
+  // The checks that need the router's E and k.
+  void validate_for(index_t num_experts, index_t k) const {
+    validate();
+    GRAPHMOE_CHECK(num_experts % n_group == 0, "TopK options", "n_group = ", n_group,
+                   " does not divide num_experts = ", num_experts);
+    GRAPHMOE_CHECK(k <= topk_group * (num_experts / n_group), "TopK options", "k = ", k,
+                   " experts cannot come from topk_group = ", topk_group, " groups of ",
+                   num_experts / n_group, " experts");
+  }
+};
+
+// top-k of p, renormalised (Appendix C.3); RouterConfig::k experts per token. Options: whether the
+// gates are renormalised, a scale, group-limited routing (TokenChoiceOptions; the defaults are the
+// paper's selector).
 struct TopK {
   static constexpr const char* name = "topk";
+  using Options = TokenChoiceOptions;
   template <class T, class B>
   using impl = SelectorImpl<TopK, T, B>;
+};
+
+// Auxiliary-loss-free load balancing (Wang et al. 2024, DeepSeek-V3): the k experts are the top-k
+// of p + b, b a per-expert bias that only selects (the gates are p at those experts, as TopK's);
+// after every optimizer step b_e += bias_update_rate * sign(mean load - load_e), the loads counted
+// over the step's training forwards and summed over the data-parallel ranks. b is not trained: it is
+// a buffer of the arena ("<router>.selector.expert_bias", trainable = false), saved in checkpoints.
+// Megatron-Core: moe_router_enable_expert_bias, moe_router_bias_update_rate (1e-3).
+struct BiasBalancedTopK {
+  static constexpr const char* name = "bias-balanced-topk";
+  struct Options : TokenChoiceOptions {
+    double bias_update_rate = 1e-3;  // gamma
+    void validate() const {
+      TokenChoiceOptions::validate();
+      GRAPHMOE_CHECK(bias_update_rate >= 0 && bias_update_rate < 1e300, "BiasBalancedTopK::Options",
+                     "bias_update_rate must be >= 0 and finite, got ", bias_update_rate);
+    }
+  };
+  template <class T, class B>
+  using impl = SelectorImpl<BiasBalancedTopK, T, B>;
 };
 // SMoE-Dropout: k rises linearly from k_min to k_max over `schedule_steps` steps:
 // k(t) = clamp(round((k_max - k_min) t / T) + k_min) (RouterConfig::k is not used)

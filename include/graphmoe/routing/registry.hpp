@@ -15,7 +15,8 @@ inline const std::vector<std::string>& router_names() {
   static const std::vector<std::string> names = {
       "softmax",      "similarity",   "attention",   "xmoe",
       "xmoe-similarity", "xmoe-attention", "smoe-dropout", "smoe-dropout-similarity",
-      "smoe-dropout-attention"};
+      "smoe-dropout-attention", "sigmoid-bias", "sigmoid-bias-similarity",
+      "sigmoid-bias-attention"};
   return names;
 }
 
@@ -32,6 +33,9 @@ decltype(auto) with_router(const std::string& name, Fn&& fn) {
   if (name == "smoe-dropout") return fn.template operator()<SMoEDropoutRouter>();
   if (name == "smoe-dropout-similarity") return fn.template operator()<SimilaritySMoEDropoutRouter>();
   if (name == "smoe-dropout-attention") return fn.template operator()<AttentionSMoEDropoutRouter>();
+  if (name == "sigmoid-bias") return fn.template operator()<SigmoidBiasRouter>();
+  if (name == "sigmoid-bias-similarity") return fn.template operator()<SimilaritySigmoidBiasRouter>();
+  if (name == "sigmoid-bias-attention") return fn.template operator()<AttentionSigmoidBiasRouter>();
   std::string valid;
   for (const auto& n : router_names()) valid += (valid.empty() ? "" : ", ") + n;
   detail::throw_error("with_router", "unknown router '", name, "'; valid: ", valid);

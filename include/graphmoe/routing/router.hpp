@@ -1,21 +1,23 @@
 // graphmoe/routing/router.hpp: Router<Scorer, TokenGraph, Selector> and the named routers.
 //
 //   gamma = Scorer(u)            (N, E)  affinity logits
-//   r     = softmax(gamma)       (N, E)  expert scores
+//   r     = softmax(gamma)       (N, E)  expert scores (or the scorer's own map, e.g. sigmoid)
 //   p     = TokenGraph(r; u)     (N, E)  graph-aware scores
 //   (indices, gates) = Selector(p)       (N, m) slots: each token's experts and gates
 //
 // RouterImpl<Router<...>, T, B> holds the parts; forward fills a RouterOutput (which the MoE layer
 // returns for metrics) and backward takes dgates and accumulates du (+=). It drives every policy
 // through the same optional lifecycle (routing/concepts.hpp: declare or configure, bind, init,
-// set_mode) and checks the shape of every policy's output, naming the policy that got it wrong:
+// set_mode, after_step) and checks the shape of every policy's output, naming the policy that got it wrong:
 // a user's scorer that returns too many columns, or a graph that leaves p unfilled, is reported
 // as that policy's error, not as an error of the op that reads its output next.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/communicator.hpp"
 #include "graphmoe/core/mode.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/softmax.hpp"
@@ -57,13 +59,19 @@ using AttentionSMoEDropoutRouter = Router<FrozenRandomScorer, Attention, Schedul
 // Expert choice (Zhou et al. 2022) on the softmax scores, and with either token graph: not in the
 // paper; non-causal models only (policies.hpp).
 using ExpertChoiceRouter = Router<LinearScorer, Independent, ExpertChoice>;
+// DeepSeek-V3's routing: sigmoid scores, auxiliary-loss-free bias balancing (set its
+// TokenChoiceOptions, e.g. routed_scaling_factor, n_group, in cfg.options<BiasBalancedTopK>()),
+// alone and with either token graph mixing the sigmoid scores before selection. Not in the paper.
+using SigmoidBiasRouter = Router<SigmoidScorer, Independent, BiasBalancedTopK>;
+using SimilaritySigmoidBiasRouter = Router<SigmoidScorer, Similarity, BiasBalancedTopK>;
+using AttentionSigmoidBiasRouter = Router<SigmoidScorer, Attention, BiasBalancedTopK>;
 using SimilarityExpertChoiceRouter = Router<LinearScorer, Similarity, ExpertChoice>;
 using AttentionExpertChoiceRouter = Router<LinearScorer, Attention, ExpertChoice>;
 
 template <class T, class B = cpu>
 struct RouterOutput {
   Tensor<T, B> gamma;        // (N, E) scorer logits
-  Tensor<T, B> r;            // (N, E) softmax(gamma)
+  Tensor<T, B> r;            // (N, E) softmax(gamma), or the scorer's own map of gamma
   Tensor<T, B> p;            // (N, E) after the token graph (with Independent: r itself)
   Selection<T, B> selection;  // indices, values, gates, keep (N, m)
   // unscaled values (computed when their coefficient is > 0). On a GPU inside a deferred scope
@@ -138,6 +146,50 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   double graph_entropy() const { return graph_forwarded_ ? graph_.mean_entropy() : 0.0; }
   void set_step(std::int64_t step) { selector_.set_step(step); }
 
+  // Whether a policy has the after_step hook (then training forwards count the expert loads).
+  static constexpr bool kCountsLoads = PolicyAfterStep<Scorer, T, B> ||
+                                       PolicyAfterStep<Graph, T, B> ||
+                                       PolicyAfterStep<Selector, T, B>;
+  // After every optimizer step (the models' after_optimizer_step): the loads counted since the
+  // last call (training forwards only), summed over comm's ranks when comm is given (a collective:
+  // every rank calls it), go to each policy's after_step; then the count restarts. Nothing for a
+  // router without the hook.
+  void after_step(ParameterArena<T, B>& arena, dist::Communicator* comm = nullptr) {
+    if constexpr (kCountsLoads) {
+      const index_t e = cfg_.num_experts;
+      if (step_loads_.empty()) {  // no training forward yet: zero loads (every rank sums them)
+        step_loads_ = Tensor<std::int32_t, B>(Shape{e});
+        fill(step_loads_, std::int32_t{0});
+      }
+      std::vector<double> loads(static_cast<std::size_t>(e), 0.0);
+      if (comm != nullptr && comm->memory_space() == dist::MemorySpace::Device) {
+        GRAPHMOE_CHECK(!B::host_memory, "Router::after_step",
+                       "the communicator moves device memory but the router's tensors are on the "
+                       "host");
+        comm->all_reduce_sum(step_loads_.data(), e, dist::ElementType::I32);
+      }
+      const Tensor<std::int32_t, cpu> host = detail::host_values(step_loads_);
+      for (index_t i = 0; i < e; ++i) loads[static_cast<std::size_t>(i)] = host.data()[i];
+      if (comm != nullptr && comm->memory_space() == dist::MemorySpace::Host) {
+        GRAPHMOE_CHECK(B::host_memory, "Router::after_step",
+                       "the communicator moves host memory but the router's tensors are on a "
+                       "device");
+        comm->all_reduce_sum(loads);
+      }
+      fill(step_loads_, std::int32_t{0});
+      const RouterStep<T, B> step{loads, comm, arena};
+      policy_detail::after_step(scorer_, step);
+      policy_detail::after_step(graph_, step);
+      policy_detail::after_step(selector_, step);
+    } else {
+      (void)arena;
+      (void)comm;
+    }
+  }
+  // The loads counted since the last after_step (empty before the first training forward of a
+  // router that counts).
+  const Tensor<std::int32_t, B>& step_loads() const { return step_loads_; }
+
   // u: (N, D) tokens, N a multiple of ctx.seq_len.
   void forward(const Tensor<T, B>& u, const GraphContext<T, B>& ctx, RouterOutput<T, B>& out) {
     score(u, out);
@@ -150,6 +202,15 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
       selector_.select(out.p, selector_.current_k(), out.selection);
     check_selection(out.selection, n);
     graph_forwarded_ = true;
+    if constexpr (kCountsLoads) {
+      if (mode_ == Mode::Train) {
+        if (step_loads_.empty()) {
+          step_loads_ = Tensor<std::int32_t, B>(Shape{e});
+          fill(step_loads_, std::int32_t{0});
+        }
+        accumulate_expert_counts(out.selection.indices, out.selection.keep, step_loads_);
+      }
+    }
     // (inside a deferred scope on a GPU, the value arrives with the scope's next read)
     out.load_balance_loss = 0.0;
     if (cfg_.load_balance_coef > 0)
@@ -202,7 +263,11 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
       load_balance_loss_backward(out.p, out.selection.indices, cfg_.load_balance_coef, dp);
     graph_.backward(u, out.r, out.p, dp, ctx, dr, du);
     check_policy_output("token graph", Graph::name, "dr (backward)", dr, n, e);
-    softmax_backward(out.r, dr, dgamma);
+    if constexpr (ScorerMapsScores<Scorer, T, B>)
+      scorer_.scores_backward(out.gamma, out.r, dr, dgamma);
+    else
+      softmax_backward(out.r, dr, dgamma);
+    check_policy_output("scorer", Scorer::name, "dgamma (scores_backward)", dgamma, n, e);
     if (cfg_.z_loss_coef > 0) z_loss_backward(out.gamma, cfg_.z_loss_coef, dgamma);
     scorer_.backward(u, dgamma, du);
   }
@@ -219,7 +284,12 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     out.p = Tensor<T, B>();
     scorer_.forward(u, out.gamma);
     check_policy_output("scorer", Scorer::name, "gamma", out.gamma, u.rows(), cfg_.num_experts);
-    softmax_forward(out.gamma, out.r);
+    if constexpr (ScorerMapsScores<Scorer, T, B>) {
+      scorer_.scores(out.gamma, out.r);
+      check_policy_output("scorer", Scorer::name, "r (scores)", out.r, u.rows(), cfg_.num_experts);
+    } else {
+      softmax_forward(out.gamma, out.r);
+    }
   }
 
   // A policy's output must be (n, e): the router names the policy when it is not.
@@ -255,6 +325,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
   }
 
   RouterConfig cfg_;
+  Tensor<std::int32_t, B> step_loads_;  // (E) kept assignments since the last after_step
   bool graph_forwarded_ = false;  // the graph's state is a forward's (not a decode's)
   Mode mode_ = Mode::Train;
   index_t d_model_ = 0;

@@ -1,12 +1,16 @@
 // graphmoe/routing/scorers.hpp: scorer implementations, u (N, D) -> affinity logits gamma (N, E).
 //
-// The router turns gamma into the expert scores r = softmax(gamma) (in router.hpp), so every
-// scorer only produces logits. Every scorer has the same members:
+// The router turns gamma into the expert scores r (in router.hpp): r = softmax(gamma) unless the
+// scorer has its own map (routing/concepts.hpp, ScorerMapsScores: SigmoidScorer's sigmoid). Every
+// scorer has the same members:
 //   declare(arena, prefix, d_model, cfg)   register parameters (options: cfg.options<Policy>())
 //   bind(arena)                             take views of values and gradients
 //   init(rng)                               initial values
 //   forward(u, gamma)                       gamma assigned
 //   backward(u, dgamma, du)                 du accumulated (+=), parameter gradients accumulated
+// and a scorer with its own map also
+//   scores(gamma, r)                        r assigned (N, E)
+//   scores_backward(gamma, r, dr, dgamma)   dgamma assigned (N, E)
 #pragma once
 
 #include <cmath>
@@ -21,11 +25,12 @@
 
 namespace graphmoe {
 
-// gamma = u W^T + b (W: (E, D), b: (E)); with `frozen`, W is a fixed buffer without bias and
-// without gradient (SMoE-Dropout).
-template <class T, class B, bool kFrozen>
+// gamma = u W^T + b (W: (E, D), b: (E)); for FrozenRandomScorer, W is a fixed buffer without bias
+// and without gradient (SMoE-Dropout). Policy: LinearScorer, FrozenRandomScorer or SigmoidScorer
+// (whose options have the same fields).
+template <class T, class B, class Policy>
 class LinearScorerBase {
-  using Policy = std::conditional_t<kFrozen, FrozenRandomScorer, LinearScorer>;
+  static constexpr bool kFrozen = std::is_same_v<Policy, FrozenRandomScorer>;
 
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
@@ -72,9 +77,20 @@ class LinearScorerBase {
 };
 
 template <class T, class B>
-class ScorerImpl<LinearScorer, T, B> : public LinearScorerBase<T, B, false> {};
+class ScorerImpl<LinearScorer, T, B> : public LinearScorerBase<T, B, LinearScorer> {};
 template <class T, class B>
-class ScorerImpl<FrozenRandomScorer, T, B> : public LinearScorerBase<T, B, true> {};
+class ScorerImpl<FrozenRandomScorer, T, B> : public LinearScorerBase<T, B, FrozenRandomScorer> {};
+
+// r = sigmoid(gamma), gamma = u W^T (+ b): the scores map of DeepSeek-V3's gate.
+template <class T, class B>
+class ScorerImpl<SigmoidScorer, T, B> : public LinearScorerBase<T, B, SigmoidScorer> {
+ public:
+  void scores(const Tensor<T, B>& gamma, Tensor<T, B>& r) const { sigmoid_forward(gamma, r); }
+  void scores_backward(const Tensor<T, B>& /*gamma*/, const Tensor<T, B>& r,
+                       const Tensor<T, B>& dr, Tensor<T, B>& dgamma) const {
+    sigmoid_backward(r, dr, dgamma);
+  }
+};
 
 // X-MoE: h = u P^T (P: (d, D)), gamma_e = s * <h / |h|, e_e / |e_e|> (expert embeddings e: (E, d)),
 // s = 1 / temperature, or with a learnable temperature s = exp(min(t, ln 100)), t a parameter

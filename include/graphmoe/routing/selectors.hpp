@@ -24,8 +24,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/capacity.hpp"
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/gates.hpp"
 #include "graphmoe/ops/topk.hpp"
 #include "graphmoe/routing/policies.hpp"
@@ -51,51 +53,140 @@ index_t dropped_count(const Selection<T, B>& sel) {
   return sel.keep.empty() ? 0 : count_dropped(sel.keep);
 }
 
+// Token choice with TokenChoiceOptions (policies.hpp): the k experts are the top-k of p (plus a
+// selection bias, BiasBalancedTopK's, when given), within each token's best groups when n_group >
+// 1; the values are p at those experts and the gates follow GateScaling (renormalised over the k or
+// not, times routed_scaling_factor). With the defaults (no bias, one group) this is the paper's
+// top-k, computed as before: top-k of p, its values, Renormalize.
 template <class T, class B>
 class TopKSelectorBase {
  public:
   void configure(const RouterConfig& cfg) { cfg_ = cfg; }
 
   void select(const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) const {
-    select_with(p, k, cfg_.capacity_factor, sel);
+    select_with(p, k, cfg_.capacity_factor, sel, nullptr);
   }
   // The same without the capacity limit (incremental decoding routes every token to its k
   // experts, RouterImpl::decode).
   void select_dropless(const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) const {
-    select_with(p, k, 0.0, sel);
+    select_with(p, k, 0.0, sel, nullptr);
   }
 
   // dp assigned (N, E): zero except at the selected experts.
   void backward(const Tensor<T, B>& p, const Selection<T, B>& sel, const Tensor<T, B>& dgates,
                 Tensor<T, B>& dp) const {
     renormalized_gates_backward(sel.values, sel.indices, sel.keep, sel.gates, dgates, p.cols(),
-                                dp);
+                                dp, scaling());
   }
+  const TokenChoiceOptions& choice() const { return choice_; }
 
  protected:
-  void select_with(const Tensor<T, B>& p, index_t k, double capacity_factor,
-                   Selection<T, B>& sel) const {
+  // cfg and the choice options (checked against cfg's num_experts and k).
+  void configure_choice(const RouterConfig& cfg, const TokenChoiceOptions& choice) {
+    choice.validate_for(cfg.num_experts, cfg.k);
+    cfg_ = cfg;
+    choice_ = choice;
+  }
+  GateScaling scaling() const {
+    return GateScaling{choice_.norm_topk_prob, choice_.routed_scaling_factor};
+  }
+  void select_with(const Tensor<T, B>& p, index_t k, double capacity_factor, Selection<T, B>& sel,
+                   const Tensor<T, B>* bias) const {
     const index_t n = p.rows(), e = p.cols();
     GRAPHMOE_CHECK(k >= 1 && k <= e, "TopK", "k = ", k, " must be in [1, E = ", e, "]");
     sel.indices = Tensor<std::int32_t, B>();
     sel.values = Tensor<T, B>();
     sel.keep = Tensor<std::uint8_t, B>();
     sel.gates = Tensor<T, B>();
-    topk_forward(p, k, sel.values, sel.indices);
+    const bool grouped = choice_.n_group > 1;
+    if (bias == nullptr && !grouped) {
+      topk_forward(p, k, sel.values, sel.indices);
+    } else {
+      // the scores that choose: p + b, masked to the token's best groups; the values: p there
+      Tensor<T, B> choose = p;
+      if (bias != nullptr) {
+        choose = p.clone();
+        add_row_vector(*bias, choose);
+      }
+      if (grouped) {
+        Tensor<T, B> masked;
+        group_limited_mask(choose, choice_.n_group, choice_.topk_group, masked);
+        choose = masked;
+      }
+      Tensor<T, B> chosen_values;
+      topk_forward(choose, k, chosen_values, sel.indices);
+      gather_columns(p, sel.indices, sel.values);
+    }
     const index_t cap = token_capacity(capacity_factor, n, k, e);
     capacity_mask(sel.indices, e, cap, sel.keep);
     sel.may_drop = cap > 0;
-    renormalized_gates(sel.values, sel.keep, sel.gates);
+    renormalized_gates(sel.values, sel.keep, sel.gates, scaling());
   }
 
   RouterConfig cfg_;
+  TokenChoiceOptions choice_;
 };
 
 template <class T, class B>
 class SelectorImpl<TopK, T, B> : public TopKSelectorBase<T, B> {
  public:
+  void configure(const RouterConfig& cfg) { this->configure_choice(cfg, cfg.options<TopK>()); }
   index_t current_k() const { return this->cfg_.k; }
   void set_step(std::int64_t) {}
+};
+
+// Auxiliary-loss-free balancing (policies.hpp): top-k of p + b, gates from p; b updated after each
+// optimizer step from the step's loads (RouterImpl::after_step counts them in training forwards
+// and sums them over the data-parallel ranks).
+template <class T, class B>
+class SelectorImpl<BiasBalancedTopK, T, B> : public TopKSelectorBase<T, B> {
+ public:
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t /*d_model*/,
+               const RouterConfig& cfg) {
+    opts_ = cfg.options<BiasBalancedTopK>();
+    validate_options(opts_);
+    this->configure_choice(cfg, opts_);
+    id_bias_ = arena.add(prefix + "expert_bias", Shape{cfg.num_experts}, /*trainable=*/false);
+  }
+  void bind(const ParameterArena<T, B>& arena) { bias_ = arena.value(id_bias_); }
+  void init(Rng&) { fill(bias_, T(0)); }
+  index_t current_k() const { return this->cfg_.k; }
+  void set_step(std::int64_t) {}
+
+  void select(const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) const {
+    this->select_with(p, k, this->cfg_.capacity_factor, sel, &bias_);
+  }
+  void select_dropless(const Tensor<T, B>& p, index_t k, Selection<T, B>& sel) const {
+    this->select_with(p, k, 0.0, sel, &bias_);
+  }
+
+  // b_e += rate * sign(mean load - load_e); nothing when the step routed no token (loads all 0).
+  // The arithmetic on the host in double, from the stored T values, so that every backend and
+  // every rank computes the same bias and a resumed run continues bit for bit.
+  void after_step(const RouterStep<T, B>& step) {
+    const index_t e = bias_.numel();
+    GRAPHMOE_CHECK(static_cast<index_t>(step.loads.size()) == e, "BiasBalancedTopK",
+                   "got loads of ", step.loads.size(), " experts; the router has ", e);
+    double total = 0;
+    for (double l : step.loads) total += l;
+    if (!(total > 0)) return;
+    const double mean = total / static_cast<double>(e);
+    Tensor<T, cpu> b = detail::host_values(bias_).clone();
+    for (index_t i = 0; i < e; ++i) {
+      const double l = step.loads[static_cast<std::size_t>(i)];
+      const double sign = l < mean ? 1.0 : (l > mean ? -1.0 : 0.0);
+      b.data()[i] = static_cast<T>(static_cast<double>(b.data()[i]) + opts_.bias_update_rate * sign);
+    }
+    copy_from_host(bias_, b);
+    step.arena.mark_values_written();
+  }
+  const Tensor<T, B>& expert_bias() const { return bias_; }
+  const BiasBalancedTopK::Options& options() const { return opts_; }
+
+ private:
+  BiasBalancedTopK::Options opts_;
+  index_t id_bias_ = -1;
+  Tensor<T, B> bias_;
 };
 
 // SMoE-Dropout's schedule: k(t) = clamp(round((k_max - k_min) t / T) + k_min, k_min, k_max), with

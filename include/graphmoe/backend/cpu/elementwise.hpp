@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/rng.hpp"
@@ -89,6 +90,28 @@ void normalize_rows_backward(cpu, const Tensor<T, cpu>& y, const Tensor<T, cpu>&
     const T nrm = norms.data()[i];
     if (nrm > eps) g.row(i) -= ym.row(i) * ym.row(i).dot(g.row(i));
     g.row(i) /= nrm;
+  }
+}
+
+// The logistic function without overflow: exp of a non-positive argument only.
+template <class T>
+T sigmoid_value(T x) {
+  if (x >= T(0)) return T(1) / (T(1) + std::exp(-x));
+  const T e = std::exp(x);
+  return e / (T(1) + e);
+}
+
+template <class T>
+void sigmoid_forward(cpu, const Tensor<T, cpu>& x, const Tensor<T, cpu>& y) {
+  for (index_t i = 0; i < x.numel(); ++i) y.data()[i] = sigmoid_value(x.data()[i]);
+}
+
+template <class T>
+void sigmoid_backward(cpu, const Tensor<T, cpu>& y, const Tensor<T, cpu>& dy,
+                      const Tensor<T, cpu>& dx) {
+  for (index_t i = 0; i < y.numel(); ++i) {
+    const T v = y.data()[i];
+    dx.data()[i] = dy.data()[i] * v * (T(1) - v);
   }
 }
 

@@ -6,9 +6,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "graphmoe/core/capacity.hpp"
+#include "graphmoe/core/gate_scaling.hpp"
+#include "graphmoe/core/group_routing.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -29,32 +32,50 @@ inline index_t count_dropped(cpu, const Tensor<std::uint8_t, cpu>& keep) {
       std::count(keep.data(), keep.data() + keep.numel(), std::uint8_t{0}));
 }
 
-// gates (values' shape) prepared by ops/gates.hpp; returns the first token whose selected scores
-// do not sum to > 0, with that sum (the gates of earlier tokens are written).
+// gates (values' shape) prepared by ops/gates.hpp; with scaling.normalize, returns the first token
+// whose selected scores do not sum to > 0, with that sum (the gates of earlier tokens are written).
 template <class T>
 Offender renormalized_gates(cpu, const Tensor<T, cpu>& values,
-                            const Tensor<std::uint8_t, cpu>& keep, Tensor<T, cpu>& gates) {
+                            const Tensor<std::uint8_t, cpu>& keep, Tensor<T, cpu>& gates,
+                            GateScaling scaling = {}) {
   const index_t n = values.rows(), k = values.cols();
+  const T scale = static_cast<T>(scaling.scale);
   for (index_t i = 0; i < n; ++i) {
     const T* v = values.data() + i * k;
+    T* g = gates.data() + i * k;
+    const std::uint8_t* kp = keep.data() + i * k;
+    if (!scaling.normalize) {
+      for (index_t j = 0; j < k; ++j) g[j] = kp[j] ? v[j] * scale : T(0);
+      continue;
+    }
     T s = 0;
     for (index_t j = 0; j < k; ++j) s += v[j];
     if (!(s > T(0))) return {i, static_cast<double>(s)};
-    for (index_t j = 0; j < k; ++j) gates.data()[i * k + j] = keep.data()[i * k + j] ? v[j] / s : T(0);
+    for (index_t j = 0; j < k; ++j) g[j] = kp[j] ? v[j] / s * scale : T(0);
   }
   return {};
 }
 
-// dp (N, E) prepared by ops/gates.hpp; assigned.
+// dp (N, E) prepared by ops/gates.hpp; assigned. With normalize (s = sum_j v_j):
+//   dp[t, idx_j] = scale keep_j dg_j / s - sum_l g_l dg_l / s;  without: scale keep_j dg_j.
 template <class T>
 void renormalized_gates_backward(cpu, const Tensor<T, cpu>& values,
                                  const Tensor<std::int32_t, cpu>& indices,
                                  const Tensor<std::uint8_t, cpu>& keep, const Tensor<T, cpu>& gates,
                                  const Tensor<T, cpu>& dgates, index_t num_experts,
-                                 Tensor<T, cpu>& dp) {
+                                 Tensor<T, cpu>& dp, GateScaling scaling = {}) {
   const index_t n = values.rows(), k = values.cols();
+  const T scale = static_cast<T>(scaling.scale);
   dp.zero();
   for (index_t i = 0; i < n; ++i) {
+    if (!scaling.normalize) {
+      for (index_t j = 0; j < k; ++j) {
+        const index_t a = i * k + j;
+        dp.data()[i * num_experts + indices.data()[a]] +=
+            keep.data()[a] ? dgates.data()[a] * scale : T(0);
+      }
+      continue;
+    }
     T s = 0, gdg = 0;
     for (index_t j = 0; j < k; ++j) {
       s += values.data()[i * k + j];
@@ -62,10 +83,60 @@ void renormalized_gates_backward(cpu, const Tensor<T, cpu>& values,
     }
     for (index_t j = 0; j < k; ++j) {
       const index_t a = i * k + j;
-      const T d = (keep.data()[a] ? dgates.data()[a] : T(0)) / s - gdg / s;
+      const T d = (keep.data()[a] ? dgates.data()[a] * scale : T(0)) / s - gdg / s;
       dp.data()[i * num_experts + indices.data()[a]] += d;
     }
   }
+}
+
+// masked (x's shape) prepared by ops/gates.hpp: row i keeps the entries of its topk_group groups
+// of largest score (a group's score: the sum of its two largest entries, or its one entry; ties:
+// the lower group), the others become -inf; a NaN stays NaN (top-k then names it).
+template <class T>
+void group_limited_mask(cpu, const Tensor<T, cpu>& x, index_t n_group, index_t topk_group,
+                        Tensor<T, cpu>& masked) {
+  const index_t n = x.rows(), e = x.cols(), size = e / n_group;
+  std::vector<T> score(static_cast<std::size_t>(n_group));
+  std::vector<std::uint8_t> chosen(static_cast<std::size_t>(n_group));
+  for (index_t i = 0; i < n; ++i) {
+    const T* xr = x.data() + i * e;
+    T* mr = masked.data() + i * e;
+    detail::group_scores(xr, n_group, size, score.data());
+    detail::choose_groups(score.data(), n_group, topk_group, chosen.data());
+    for (index_t c = 0; c < e; ++c)
+      mr[c] = chosen[static_cast<std::size_t>(c / size)] || xr[c] != xr[c]
+                  ? xr[c]
+                  : -std::numeric_limits<T>::infinity();
+  }
+}
+
+// out (indices' shape) prepared by ops/gates.hpp: out[i, j] = x[i, indices[i, j]]; returns the
+// first id outside [0, E).
+template <class T>
+Offender gather_columns(cpu, const Tensor<T, cpu>& x, const Tensor<std::int32_t, cpu>& indices,
+                        Tensor<T, cpu>& out) {
+  const index_t n = indices.rows(), k = indices.cols(), e = x.cols();
+  for (index_t i = 0; i < n; ++i)
+    for (index_t j = 0; j < k; ++j) {
+      const std::int32_t id = indices.data()[i * k + j];
+      if (!(id >= 0 && id < e)) return {i * k + j, static_cast<double>(id)};
+      out.data()[i * k + j] = x.data()[i * e + id];
+    }
+  return {};
+}
+
+// counts (E) += the kept assignments of each expert; returns the first id outside [0, E).
+inline Offender accumulate_expert_counts(cpu, const Tensor<std::int32_t, cpu>& indices,
+                                         const Tensor<std::uint8_t, cpu>& keep,
+                                         Tensor<std::int32_t, cpu>& counts) {
+  const index_t e = counts.numel();
+  for (index_t a = 0; a < indices.numel(); ++a) {
+    if (!keep.data()[a]) continue;
+    const std::int32_t id = indices.data()[a];
+    if (!(id >= 0 && id < e)) return {a, static_cast<double>(id)};
+    ++counts.data()[id];
+  }
+  return {};
 }
 
 // ids (indices' shape) prepared by ops/gates.hpp.

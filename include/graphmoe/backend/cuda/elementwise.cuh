@@ -133,6 +133,31 @@ __global__ void normalize_rows_backward_kernel(const T* y, const T* norms, T* g,
 }
 
 template <class T>
+__global__ void sigmoid_forward_kernel(const T* x, T* y, index_t n) {
+  using A = acc_t<T>;
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    const A v = to_acc(x[i]);
+    A r;
+    if (v >= A(0)) {
+      r = A(1) / (A(1) + exp(-v));
+    } else {
+      const A e = exp(v);
+      r = e / (A(1) + e);
+    }
+    y[i] = from_acc<T>(r);
+  }
+}
+
+template <class T>
+__global__ void sigmoid_backward_kernel(const T* y, const T* dy, T* dx, index_t n) {
+  using A = acc_t<T>;
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    const A v = to_acc(y[i]);
+    dx[i] = from_acc<T>(to_acc(dy[i]) * v * (A(1) - v));
+  }
+}
+
+template <class T>
 __global__ void fill_kernel(T* t, T value, index_t n) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n) { t[i] = value; }
 }
@@ -252,6 +277,25 @@ void normalize_rows_backward(cuda, const Tensor<T, cuda>& y, const Tensor<T, cud
   detail::launch_kernel<detail::normalize_rows_backward_kernel<T>>(
       detail::grid_for_rows(y.rows()), detail::threads_for_row(y.cols()), y.data(), norms.data(),
       dy.data(), y.rows(), y.cols(), eps);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void sigmoid_forward(cuda, const Tensor<T, cuda>& x, const Tensor<T, cuda>& y) {
+  const index_t n = x.numel();
+  if (n == 0) return;
+  detail::launch_kernel<detail::sigmoid_forward_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                           x.data(), y.data(), n);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void sigmoid_backward(cuda, const Tensor<T, cuda>& y, const Tensor<T, cuda>& dy,
+                      const Tensor<T, cuda>& dx) {
+  const index_t n = y.numel();
+  if (n == 0) return;
+  detail::launch_kernel<detail::sigmoid_backward_kernel<T>>(
+      detail::grid_for(n), detail::kThreads, y.data(), dy.data(), dx.data(), n);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -20,10 +20,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
+#include "graphmoe/core/gate_scaling.hpp"
+#include "graphmoe/core/group_routing.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 
@@ -33,16 +36,21 @@ namespace detail {
 
 template <class T>
 __global__ void renormalized_gates_kernel(const T* values, const std::uint8_t* keep, T* gates,
-                                          index_t n, index_t k, unsigned long long* bad_token) {
+                                          index_t n, index_t k, bool normalize, T scale,
+                                          unsigned long long* bad_token) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
     const T* v = values + i * k;
+    if (!normalize) {
+      for (index_t j = 0; j < k; ++j) gates[i * k + j] = keep[i * k + j] ? v[j] * scale : T(0);
+      continue;
+    }
     T s = T(0);
     for (index_t j = 0; j < k; ++j) s += v[j];
     if (!(s > T(0))) {
       flag_index(bad_token, i);
       continue;
     }
-    for (index_t j = 0; j < k; ++j) gates[i * k + j] = keep[i * k + j] ? v[j] / s : T(0);
+    for (index_t j = 0; j < k; ++j) gates[i * k + j] = keep[i * k + j] ? v[j] / s * scale : T(0);
   }
 }
 
@@ -50,19 +58,74 @@ template <class T>
 __global__ void renormalized_gates_backward_kernel(const T* values, const std::int32_t* indices,
                                                    const std::uint8_t* keep, const T* gates,
                                                    const T* dgates, T* dp, index_t n, index_t k,
-                                                   index_t e) {
+                                                   index_t e, bool normalize, T scale) {
   GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    T* row = dp + i * e;
+    for (index_t c = 0; c < e; ++c) row[c] = T(0);
+    if (!normalize) {
+      for (index_t j = 0; j < k; ++j) {
+        const index_t a = i * k + j;
+        row[indices[a]] += keep[a] ? dgates[a] * scale : T(0);
+      }
+      continue;
+    }
     T s = T(0), gdg = T(0);
     for (index_t j = 0; j < k; ++j) {
       s += values[i * k + j];
       gdg += gates[i * k + j] * dgates[i * k + j];
     }
-    T* row = dp + i * e;
-    for (index_t c = 0; c < e; ++c) row[c] = T(0);
     for (index_t j = 0; j < k; ++j) {
       const index_t a = i * k + j;
-      row[indices[a]] += (keep[a] ? dgates[a] : T(0)) / s - gdg / s;
+      row[indices[a]] += (keep[a] ? dgates[a] * scale : T(0)) / s - gdg / s;
     }
+  }
+}
+
+// One thread per row; the group scores and choices in per-thread arrays (n_group <= kMaxGroups,
+// checked by the host function).
+inline constexpr index_t kMaxGroups = 64;
+template <class T>
+__global__ void group_limited_mask_kernel(const T* x, T* masked, index_t n, index_t e,
+                                          index_t n_group, index_t topk_group) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    T score[kMaxGroups];
+    std::uint8_t chosen[kMaxGroups];
+    const index_t size = e / n_group;
+    const T* xr = x + i * e;
+    group_scores(xr, n_group, size, score);
+    choose_groups(score, n_group, topk_group, chosen);
+    constexpr T ninf = -std::numeric_limits<T>::infinity();
+    for (index_t c = 0; c < e; ++c)
+      masked[i * e + c] = chosen[c / size] || xr[c] != xr[c] ? xr[c] : ninf;
+  }
+}
+
+template <class T>
+__global__ void gather_columns_kernel(const T* x, const std::int32_t* indices, T* out, index_t n,
+                                      index_t k, index_t e, unsigned long long* bad_id) {
+  GRAPHMOE_CUDA_GRID_STRIDE(a, n * k) {
+    const std::int32_t id = indices[a];
+    if (!(id >= 0 && id < e)) {
+      flag_index(bad_id, a);
+      out[a] = T(0);
+      continue;
+    }
+    out[a] = x[(a / k) * e + id];
+  }
+}
+
+template <class I>
+__global__ void accumulate_expert_counts_kernel(const I* indices, const std::uint8_t* keep,
+                                                I* counts, index_t n, index_t e,
+                                                unsigned long long* bad_id) {
+  GRAPHMOE_CUDA_GRID_STRIDE(a, n) {
+    if (!keep[a]) continue;
+    const I id = indices[a];
+    if (!(id >= 0 && id < e)) {
+      flag_index(bad_id, a);
+      continue;
+    }
+    atomicAdd(counts + id, I(1));
   }
 }
 
@@ -127,12 +190,13 @@ inline index_t count_dropped(cuda, const Tensor<std::uint8_t, cuda>& keep) {
 // do not sum to > 0, with that sum (recomputed on the host in the CPU system's order).
 template <class T>
 Offender renormalized_gates(cuda, const Tensor<T, cuda>& values,
-                            const Tensor<std::uint8_t, cuda>& keep, Tensor<T, cuda>& gates) {
+                            const Tensor<std::uint8_t, cuda>& keep, Tensor<T, cuda>& gates,
+                            GateScaling scaling = {}) {
   const index_t n = values.rows(), k = values.cols();
   detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
-  detail::launch_kernel<detail::renormalized_gates_kernel<T>>(detail::grid_for(n), detail::kThreads,
-                                                              values.data(), keep.data(),
-                                                              gates.data(), n, k, bad.get());
+  detail::launch_kernel<detail::renormalized_gates_kernel<T>>(
+      detail::grid_for(n), detail::kThreads, values.data(), keep.data(), gates.data(), n, k,
+      scaling.normalize, static_cast<T>(scaling.scale), bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   return bad.result<Offender>("renormalized_gates", [values, k](index_t i) {
     const Tensor<T, cpu> row = to_host(values[i]);
@@ -148,12 +212,59 @@ void renormalized_gates_backward(cuda, const Tensor<T, cuda>& values,
                                  const Tensor<std::int32_t, cuda>& indices,
                                  const Tensor<std::uint8_t, cuda>& keep,
                                  const Tensor<T, cuda>& gates, const Tensor<T, cuda>& dgates,
-                                 index_t num_experts, Tensor<T, cuda>& dp) {
+                                 index_t num_experts, Tensor<T, cuda>& dp,
+                                 GateScaling scaling = {}) {
   const index_t n = values.rows(), k = values.cols();
   detail::launch_kernel<detail::renormalized_gates_backward_kernel<T>>(
       detail::grid_for(n), detail::kThreads, values.data(), indices.data(), keep.data(),
-      gates.data(), dgates.data(), dp.data(), n, k, num_experts);
+      gates.data(), dgates.data(), dp.data(), n, k, num_experts, scaling.normalize,
+      static_cast<T>(scaling.scale));
   GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// masked (x's shape) prepared by ops/gates.hpp; at most detail::kMaxGroups groups.
+template <class T>
+void group_limited_mask(cuda, const Tensor<T, cuda>& x, index_t n_group, index_t topk_group,
+                        Tensor<T, cuda>& masked) {
+  GRAPHMOE_CHECK(n_group <= detail::kMaxGroups, "group_limited_mask", "n_group = ", n_group,
+                 " exceeds the CUDA kernel's ", detail::kMaxGroups, " groups");
+  const index_t n = x.rows(), e = x.cols();
+  detail::launch_kernel<detail::group_limited_mask_kernel<T>>(detail::grid_for(n),
+                                                              detail::kThreads, x.data(),
+                                                              masked.data(), n, e, n_group,
+                                                              topk_group);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+// out (indices' shape) prepared by ops/gates.hpp; the first id outside [0, E) (deferrable).
+template <class T>
+Offender gather_columns(cuda, const Tensor<T, cuda>& x, const Tensor<std::int32_t, cuda>& indices,
+                        Tensor<T, cuda>& out) {
+  const index_t n = indices.rows(), k = indices.cols();
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
+  detail::launch_kernel<detail::gather_columns_kernel<T>>(detail::grid_for(n * k),
+                                                          detail::kThreads, x.data(),
+                                                          indices.data(), out.data(), n, k,
+                                                          x.cols(), bad.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  return bad.result<Offender>("gather_columns",
+                              [indices](index_t a) { return detail::offender_at(indices, a); });
+}
+
+// counts (E) += each expert's kept slots (integer atomics: the same counts in any order); the
+// first id outside [0, E) (deferrable).
+inline Offender accumulate_expert_counts(cuda, const Tensor<std::int32_t, cuda>& indices,
+                                         const Tensor<std::uint8_t, cuda>& keep,
+                                         Tensor<std::int32_t, cuda>& counts) {
+  const index_t n = indices.numel();
+  if (n == 0) return {};
+  detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
+  detail::launch_kernel<detail::accumulate_expert_counts_kernel<std::int32_t>>(
+      detail::grid_for(n), detail::kThreads, indices.data(), keep.data(), counts.data(), n,
+      counts.numel(), bad.get());
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+  return bad.result<Offender>("accumulate_expert_counts",
+                              [indices](index_t a) { return detail::offender_at(indices, a); });
 }
 
 // ids (indices' shape) prepared by ops/gates.hpp.
