@@ -141,14 +141,33 @@ def commands(line):
     return [s for s in re.split(r"\|\||&&|[|;]", line) if s.strip()]
 
 
+PAGE_PROGRAM = re.compile(r"<!--\s*docs-check:\s*flags\s+([\w-]+)((?:\s+not\s+--[\w-]+)*)\s*-->")
+
+
 def program_flags(root, programs):
-    """(page, line, program, flag) for every --flag a page passes to one of the programs."""
+    """(page, line, program, flag) for every --flag a page passes to one of the programs: on a
+    command line that runs the program (a code block's line or an inline `code` span), and, in a
+    page that declares its program (<!-- docs-check: flags NAME [not --flag ...] -->), every
+    --flag of its prose."""
     found = []
     for page in pages(root):
         if os.path.basename(page) == "programs.md":
             continue  # generated from --help; scripts/program-reference.py --check covers it
         pending, start = "", 0
+        page_program, page_skip = None, set()
         for n, line, code, _ in lines_of(page):
+            m = PAGE_PROGRAM.search(line)
+            if m and not code:
+                page_program = m.group(1)
+                page_skip = set(re.findall(r"--[\w-]+", m.group(2)))
+                continue
+            if page_program in programs and not code:
+                for span in re.findall(r"`([^`]+)`", line):
+                    if any(os.path.basename(t) in programs for t in span.split()):
+                        continue  # a command line: handled below
+                    for t in re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", span):
+                        if t not in page_skip:
+                            found.append((page, n, page_program, t))
             texts = []
             if code:
                 if pending:

@@ -67,6 +67,14 @@ expect("links: a missing anchor in the page", [CHECK, "--root", bad, "links"], 1
 bad = variant(**{"README.md": GOOD["README.md"].replace("--steps 3", "--steps 3 --stpes 4")})
 expect("flags: a flag the program lacks",
        [CHECK, "--root", bad, "flags", f"prog={os.path.join(bad, 'bin', 'prog.sh')}"], 1, "--stpes")
+bad = variant(**{"docs/a.md": "<!-- docs-check: flags prog not --other -->\n" + GOOD["docs/a.md"]
+                 + "Use `--steps` and `--other`.\n"})
+expect("flags: a page's declared program, a known flag",
+       [CHECK, "--root", bad, "flags", f"prog={os.path.join(bad, 'bin', 'prog.sh')}"], 0, "2 flags")
+bad = variant(**{"docs/a.md": "<!-- docs-check: flags prog -->\n" + GOOD["docs/a.md"]
+                 + "Use `--stepz`.\n"})
+expect("flags: a page's declared program, a flag it lacks",
+       [CHECK, "--root", bad, "flags", f"prog={os.path.join(bad, 'bin', 'prog.sh')}"], 1, "--stepz")
 bad = variant(**{"README.md": GOOD["README.md"] + "x\n" * 260})
 expect("limits: a long README", [CHECK, "--root", bad, "limits"], 1, "at most 250")
 bad = variant(**{"docs/a.md": GOOD["docs/a.md"] + "Done in sess" + "ion 3.\n"})
