@@ -1,4 +1,4 @@
-// Decode speed (issue 28): tokens/s of a float TransformerLM generating one token per sequence and
+// Decode speed: tokens/s of a float TransformerLM generating one token per sequence and
 // step, incrementally (inference/decoder.hpp: the KV cache and the routing caches) and by the O(t^2)
 // reference that runs a full forward over the context for every new token (what
 // Decoding::FullForward does).

@@ -1,5 +1,5 @@
 // benchmarks/model_hash: hashes the outputs and gradients of the models the benchmarks time, so
-// that a change meant to move code without changing results (issue 27's refactor) can be checked
+// that a change meant to move code without changing results (a refactor) can be checked
 // bit for bit: build it before and after, run both, compare the lines.
 //
 //   cmake --build build --target model_hash && build/benchmarks/model_hash > after.txt

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The LM study of docs/results.md (softmax / Similarity / Attention, 3 seeds) at the paper's medium
-# shape on a GPU, in device calls that each fit a session's budget (issue 26, item 5):
+# shape on a GPU, in device calls that each fit a device call's time limit:
 #   6 blocks, D = 352, 8 heads, E = 16 experts of d_ff = 352, top-2, sequences of T = 512, batch 16
 #   (8,192 tokens a step), EPOCHS (60) epochs of the study's corpus (WikiText-2: train on
 #   wiki.valid.tokens, 206,764 tokens = 25 steps an epoch; validation its last 5%; test

@@ -9,10 +9,10 @@
 #   3. each device resumes the other's step-8 checkpoint for 4 more steps: the same perplexity again
 #   4. the main job again with PRECISION=bf16 (train_lm --precision bf16: every GEMM on bf16
 #      operands, fp32 master weights): each router's validation perplexity within 1% of the fp32
-#      run's (issue 26, item 4's target)
+#      run's (the target)
 #   5. the short run of step 2 with the padded expert layout (capacity 1.25), eager and with
 #      --cuda-graph (the step's forward and backward replayed from a CUDA graph): the same
-#      validation perplexity to float round-off, and each run's training tokens/s (issue 26, item 3)
+#      validation perplexity to float round-off, and each run's training tokens/s
 # Everything is logged to $OUT (or a temporary folder) and summarised in gpu-train-summary.txt.
 # Prepare on a networked machine, then carry both to the GPU machine:
 #   bash scripts/gpu-deps.sh && bash scripts/prepare-kjv.sh runs/data/kjv.tokens

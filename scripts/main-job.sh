@@ -2,7 +2,7 @@
 # The main job: on a fresh Debian 12 machine, install what is needed, build in Release, and train a
 # softmax SMoE LM and a Similarity-Aware SMoE LM of the same shape on the King James Bible
 # (Debian's bible-kjv), then print their validation perplexities side by side.
-# About 4 minutes on 2 cores (248 s from a fresh clone in session 11, build included; the two
+# About 4 minutes on 2 cores (248 s from a fresh clone, build included; the two
 # training runs are most of it). Outputs (metrics.csv, checkpoints) under runs/main/.
 #   STEPS=1200 scripts/main-job.sh      (override the number of training steps)
 #   DEVICE=cuda scripts/main-job.sh     (train on the GPU; needs nvcc and a CUDA device; compiles for

@@ -43,7 +43,7 @@ TARGET_SIM_RATIO = 1.10  # (b): similarity / softmax router layer fwd+bwd time
 # router layers at most 1.05x and 1.07x the softmax layer's time (the paper's Table 8 overheads)
 TARGET_LARGE_FRACTION = 0.50
 TARGET_LARGE_RATIOS = {"similarity": 1.05, "attention": 1.07}
-# issue 26 (large shape): the similarity layer with its tensor-core graph (similarity-tf32 in
+# The targets (large shape): the similarity layer with its tensor-core graph (similarity-tf32 in
 # float, similarity-bf16 in bf16) at most 1.10x the softmax layer, attention at most 1.15x; the
 # Similarity graph alone (bf16, fwd+bwd) at least 150 TFLOP/s counting its causal products
 TARGET_TC_RATIOS = {"float": ("similarity-tf32", 1.10), "bf16": ("similarity-bf16", 1.10)}
@@ -387,7 +387,7 @@ def main():
             v = "" if q is None else (f" (target <= {target:.2f}: " +
                                       ("met" if q <= target else "missed") + ")")
             print(f"    {router} / softmax layer time: {fmt(q, '.3f')}{v}")
-    # issue 26's targets
+    # the tensor-core targets
     for dtype, (router, target) in TARGET_TC_RATIOS.items():
         soft = get(f"moe_large/{dtype}/softmax/fwdbwd")
         r = get(f"moe_large/{dtype}/{router}/fwdbwd")

@@ -6,7 +6,7 @@ process, --repetitions times, and prints a Markdown table of the median CPU time
 backward (the machine is shared: wall time includes other jobs' turns on the cores; the wall
 time is printed beside it) and the median layer peak (layer_peak_MiB: VmHWM during the layer's first forward +
 backward minus VmRSS before it; see bench_moe_long.cpp), each divided by the softmax layer's at
-the same T, with the spread (min-max) over the repetitions, beside the targets of issue #14
+the same T, with the spread (min-max) over the repetitions, beside the targets
 (memory <= 1.1x, time <= 1.3x at T = 8,192). Python 3 standard library only.
 
     /usr/bin/python3 benchmarks/compare/moe_long.py --build-dir build --lengths 8192 --repetitions 3

@@ -540,7 +540,7 @@ void print_census(const char* what, const StepCensus& s) {
 
 }  // namespace
 
-// The launch census of issue 26, item 3 (the medium LM is launch-bound on the GPU): what one
+// The launch census (the medium LM is launch-bound on the GPU): what one
 // training step issues, and how it scales. A step in steady state allocates nothing (the caching
 // allocator serves every tensor: the precondition of capturing it in a CUDA graph); its launches,
 // cuBLAS calls and copies do not grow with the experts and grow linearly with the blocks. Run with

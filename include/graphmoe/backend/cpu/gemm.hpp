@@ -78,7 +78,7 @@ void gemm_matrix(Trans ta, Trans tb, T alpha, const MatrixMap<T>& A, const Matri
   constexpr double kMinFlopsPerThread = 4e6;
   // A skinny product (at most kSkinnyRows rows, a decode step's: one token per sequence) is bound
   // by reading the other operand, not by FLOPs: split it by columns once each thread reads at
-  // least kMinSkinnyValuesPerThread of it (measured on the decode benchmark, session 15: the LM
+  // least kMinSkinnyValuesPerThread of it (measured on the decode benchmark, bench_decode: the LM
   // head and the projections of a batch-1 step were single-threaded below the FLOP rule).
   constexpr index_t kSkinnyRows = 16;
   constexpr double kMinSkinnyValuesPerThread = 32768;

@@ -2,7 +2,7 @@
 // graphmoe::cuda (contract and argument checks: ops/aux_losses.hpp, which calls these through the
 // backend tag).
 //
-// The load-balancing loss as the router uses it runs on the device (session 20):
+// The load-balancing loss as the router uses it runs on the device:
 //   load_balance_value     one block: per expert the column sum of p (double, fixed order) and
 //                          the count of its ids (block reductions), L_lb into a device word that is
 //                          a deferred value of the open batch (deferred_check.cuh): read with the

@@ -1,5 +1,5 @@
-// graphmoe/backend/cuda/graph.cuh: CUDA graphs of the backend's work (issue 26, item 3: a training
-// step without launch overhead).
+// graphmoe/backend/cuda/graph.cuh: CUDA graphs of the backend's work (a training step
+// without launch overhead).
 //
 //   CudaGraph g;
 //   g.capture([&] { lm.forward(ids, targets); lm.backward(); });  // recorded, nothing runs

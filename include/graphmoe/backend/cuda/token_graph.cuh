@@ -57,8 +57,8 @@
 // As on the CPU, the (T, T) products run in the heads' dimensions: a_i . m_hj = q_hi . v_hj +
 // a_i . b_o with Q_h = H Aout W_o,h (N, dh), and a_i . b_o is the same for every j of row i, so it
 // cancels in the row's softmax. Every head's work is done at once, with each row's queries
-// masked to its own head (issue 26, item 1: the earlier form ran one pass per head over (N, T)
-// scratch, H (T, T, dh) products each writing a full (N, T) matrix, H times over):
+// masked to its own head (rather than one pass per head over (N, T) scratch, H (T, T, dh)
+// products each writing a full (N, T) matrix, H times over):
 //   Q~ = mask_heads(H Aout W_o)          (N, D): row i keeps the dh columns of head h*(i), 0 else
 //   G  = Q~ V^T per sequence             (T, T, D) products, one strided-batched call:
 //                                        G_ij = q_{h*(i) i} . v_{h*(i) j} exactly (the masked
