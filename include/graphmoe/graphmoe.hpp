@@ -37,6 +37,7 @@
 #include "graphmoe/ops/gates.hpp"
 #include "graphmoe/ops/gelu.hpp"
 #include "graphmoe/ops/gemm.hpp"
+#include "graphmoe/ops/heads.hpp"
 #include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/ops/optim.hpp"
 #include "graphmoe/ops/softmax.hpp"

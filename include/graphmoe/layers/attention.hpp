@@ -2,9 +2,17 @@
 // an output projection, exposing its cache to the Attention token graph (layer contract in
 // linear.hpp).
 //
-//   q = x Wq^T + bq,  k = x Wk^T + bk,  v = x Wv^T + bv        (N, D), N = B T
+//   q = x Wq^T + bq,  k = x Wk^T + bk,  v = x Wv^T + bv        q (N, D), k, v (N, Hkv dh), N = B T
+//   q, k <- RMSNorm(q), RMSNorm(k)      with qk_norm: over each row (OLMoE) or each head (Qwen3)
+//   q, k <- RoPE(q, t), RoPE(k, t)      with rope_theta > 0, t the token's position in its sequence
+//   k, v <- repeat_heads(k), (v)        with Hkv < H (grouped-query; Hkv = 1 multi-query)
 //   o = concat_h softmax(q_h k_h^T / sqrt(dh) [+ causal mask]) v_h
 //   a = o Wo^T + bo
+//
+// AttentionOptions holds the modern variants (num_kv_heads, rope_theta and layout, qk_norm, the
+// biases); the defaults are GPT-2's attention, computed by the same calls as without them. The
+// Attention graph sees the heads' values after repeat_heads (every query head's v_h), and its
+// gradient into them is summed back over each group.
 //
 // cache() is the AttentionCache an Attention-graph router of the same block reads (probs, v, Wo,
 // bo, a); its gradient sinks (dprobs, dv, dout) are zeroed by forward and folded into backward,
@@ -24,29 +32,93 @@
 #include "graphmoe/ops/attention.hpp"
 #include "graphmoe/ops/decode.hpp"
 #include "graphmoe/ops/elementwise.hpp"
+#include "graphmoe/ops/heads.hpp"
+#include "graphmoe/ops/rmsnorm.hpp"
+#include "graphmoe/ops/rope.hpp"
 
 namespace graphmoe {
+
+// Normalisation of the queries and keys before RoPE.
+enum class QKNorm {
+  None,
+  Full,     // RMSNorm over each row of q (D) and of k (Hkv dh): OLMoE
+  PerHead,  // RMSNorm over each head (dh), one weight shared by the heads: Qwen3
+};
+
+struct AttentionOptions {
+  // Key/value heads: 0 means num_heads (multi-head); a divisor of num_heads shares each key/value
+  // head among num_heads / num_kv_heads query heads (grouped-query; 1: multi-query).
+  index_t num_kv_heads = 0;
+  // > 0: rotary position embeddings of base theta on q and k (then a model has no learned
+  // positions); 0: none.
+  double rope_theta = 0;
+  RopeLayout rope_layout = RopeLayout::HalfSplit;
+  QKNorm qk_norm = QKNorm::None;
+  double qk_norm_eps = 1e-6;
+  bool qkv_bias = true;  // biases of the q, k, v projections (Qwen2: yes; Llama, OLMoE: no)
+  bool out_bias = true;  // bias of the output projection
+
+  bool plain() const { return rope_theta == 0 && qk_norm == QKNorm::None; }
+  void validate(index_t d_model, index_t num_heads) const {
+    const char* op = "AttentionOptions";
+    const index_t kv = num_kv_heads == 0 ? num_heads : num_kv_heads;
+    GRAPHMOE_CHECK(kv >= 1 && num_heads % kv == 0, op, "num_kv_heads = ", num_kv_heads,
+                   " must divide num_heads = ", num_heads, " (0: num_heads)");
+    GRAPHMOE_CHECK(rope_theta >= 0 && rope_theta < 1e300, op,
+                   "rope_theta must be >= 0 and finite (0: no RoPE), got ", rope_theta);
+    GRAPHMOE_CHECK(rope_theta == 0 || (d_model / num_heads) % 2 == 0, op,
+                   "RoPE rotates pairs of a head's dimensions: head_dim = ", d_model / num_heads,
+                   " must be even");
+    GRAPHMOE_CHECK(rope_layout == RopeLayout::HalfSplit || rope_layout == RopeLayout::Interleaved,
+                   op, static_cast<int>(rope_layout), " is not a RopeLayout");
+    GRAPHMOE_CHECK(qk_norm == QKNorm::None || qk_norm == QKNorm::Full ||
+                       qk_norm == QKNorm::PerHead,
+                   op, static_cast<int>(qk_norm), " is not a QKNorm");
+    GRAPHMOE_CHECK(qk_norm_eps > 0 && qk_norm_eps < 1, op, "qk_norm_eps must be in (0, 1), got ",
+                   qk_norm_eps);
+  }
+};
 
 template <class T, class B = cpu, class C = T>
 class MultiHeadAttention {
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
-               index_t num_heads, bool causal) {
+               index_t num_heads, bool causal, const AttentionOptions& opts = {}) {
     GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "MultiHeadAttention",
                    "num_heads = ", num_heads, " must divide d_model = ", d_model);
+    opts.validate(d_model, num_heads);
     d_ = d_model;
     heads_ = num_heads;
     causal_ = causal;
-    q_.declare(arena, prefix + "q_proj.", d_model, d_model);
-    k_.declare(arena, prefix + "k_proj.", d_model, d_model);
-    v_.declare(arena, prefix + "v_proj.", d_model, d_model);
-    o_.declare(arena, prefix + "out_proj.", d_model, d_model);
+    opts_ = opts;
+    kv_heads_ = opts.num_kv_heads == 0 ? num_heads : opts.num_kv_heads;
+    const index_t dh = d_model / num_heads, dkv = kv_heads_ * dh;
+    q_.declare(arena, prefix + "q_proj.", d_model, d_model, opts.qkv_bias);
+    k_.declare(arena, prefix + "k_proj.", d_model, dkv, opts.qkv_bias);
+    v_.declare(arena, prefix + "v_proj.", d_model, dkv, opts.qkv_bias);
+    o_.declare(arena, prefix + "out_proj.", d_model, d_model, opts.out_bias);
+    if (opts.qk_norm != QKNorm::None) {
+      const bool full = opts.qk_norm == QKNorm::Full;
+      id_qn_ = arena.add(prefix + "q_norm.weight", Shape{full ? d_model : dh});
+      id_kn_ = arena.add(prefix + "k_norm.weight", Shape{full ? dkv : dh});
+    }
   }
   void bind(const ParameterArena<T, B>& arena) {
     q_.bind(arena);
     k_.bind(arena);
     v_.bind(arena);
     o_.bind(arena);
+    if (opts_.qk_norm != QKNorm::None) {
+      qn_ = arena.value(id_qn_);
+      dqn_ = arena.grad(id_qn_);
+      kn_ = arena.value(id_kn_);
+      dkn_ = arena.grad(id_kn_);
+    }
+    if (!opts_.out_bias) {  // the Attention graph reads b_o: zeros, and a sink nobody reads
+      zero_bo_ = Tensor<T, B>(Shape{d_});
+      fill(zero_bo_, T(0));
+      dbo_sink_ = Tensor<T, B>(Shape{d_});
+    }
     bound_ = true;
   }
   // The four projections read their C weights from mirror (Linear::attach_mirror). C != T only.
@@ -59,6 +131,10 @@ class MultiHeadAttention {
     k_.init(rng, stddev);
     v_.init(rng, stddev);
     o_.init(rng, stddev * out_scale);
+    if (opts_.qk_norm != QKNorm::None) {
+      fill(qn_, T(1));
+      fill(kn_, T(1));
+    }
   }
   // x (B, T, D) -> a (B, T, D)
   void forward(const Tensor<T, B>& x, Tensor<T, B>& a) {
@@ -71,16 +147,34 @@ class MultiHeadAttention {
     kt_ = Tensor<T, B>();
     Tensor<T, B> xf = x.view(flat);
     cache_.v = Tensor<T, B>();
+    const bool plain = opts_.plain() && kv_heads_ == heads_;
+    // plain: the projections write q, k, v themselves; otherwise their raw outputs, which the
+    // norms, RoPE and the head sharing turn into q, k, v
+    Tensor<T, B> qp, kp, vp;
+    Tensor<T, B>& qdst = plain ? qt_ : qp;
+    Tensor<T, B>& kdst = plain ? kt_ : kp;
+    Tensor<T, B>& vdst = kv_heads_ == heads_ ? cache_.v : vp;
     if constexpr (std::is_same_v<C, T>) {
-      q_.forward(xf, qt_);
-      k_.forward(xf, kt_);
-      v_.forward(xf, cache_.v);
+      q_.forward(xf, qdst);
+      k_.forward(xf, kdst);
+      v_.forward(xf, vdst);
     } else {  // one conversion of x for the three projections, kept for their backward
       if (xc_.shape() != flat) xc_ = new_output<C, B>(flat);
       convert(xf, xc_);
-      q_.forward(xf, xc_, qt_);
-      k_.forward(xf, xc_, kt_);
-      v_.forward(xf, xc_, cache_.v);
+      q_.forward(xf, xc_, qdst);
+      k_.forward(xf, xc_, kdst);
+      v_.forward(xf, xc_, vdst);
+    }
+    if (!plain) {
+      if (opts_.rope_theta > 0) set_positions(s[0], s[1]);
+      Tensor<T, B> kr;
+      modern_qk(qp, kp, positions_, qt_, kr, true);
+      if (kv_heads_ == heads_) {
+        kt_ = kr;
+      } else {
+        repeat_heads(kr, kv_heads_, heads_, kt_);
+        repeat_heads(vp, kv_heads_, heads_, cache_.v);
+      }
     }
     o_att_ = Tensor<T, B>();
     cache_.probs = Tensor<T, B>();
@@ -94,10 +188,15 @@ class MultiHeadAttention {
     cache_.num_heads = heads_;
     cache_.causal = causal_;
     cache_.w_o = o_.weight();
-    cache_.b_o = o_.bias();
+    cache_.b_o = opts_.out_bias ? o_.bias() : zero_bo_;
     cache_.out = af;
     cache_.dw_o = o_.dweight();
-    cache_.db_o = o_.dbias();
+    if (opts_.out_bias) {
+      cache_.db_o = o_.dbias();
+    } else {
+      fill(dbo_sink_, T(0));
+      cache_.db_o = dbo_sink_;
+    }
     for (auto* t : {&cache_.dprobs, &cache_.dv, &cache_.dout}) *t = Tensor<T, B>();
     sinks_ready_ = false;
   }
@@ -127,11 +226,20 @@ class MultiHeadAttention {
                        do_att.view(s), sinks_ready_ ? cache_.dprobs : Tensor<T, B>(), dq, dk, dv);
     Tensor<T, B> dvf = dv.view(flat);
     if (sinks_ready_) axpy(T(1), cache_.dv, dvf);
+    Tensor<T, B> dqf = dq.view(flat), dkf = dk.view(flat);
+    if (kv_heads_ != heads_) {  // the group's query heads' gradients, summed per key/value head
+      Tensor<T, B> dks, dvs;
+      repeat_heads_backward(dkf, kv_heads_, heads_, dks);
+      repeat_heads_backward(dvf, kv_heads_, heads_, dvs);
+      dkf = dks;
+      dvf = dvs;
+    }
+    if (!opts_.plain()) modern_qk_backward(dqf, dkf);
     prepare_output("MultiHeadAttention::backward", "dx", dx, s);
     Tensor<T, B> dxf = dx.view(flat);
-    q_.backward(dq.view(flat), &dxf);
-    k_.backward(dk.view(flat), &dxf, true);  // dx += dk W_k
-    v_.backward(dvf, &dxf, true);            // dx += dv W_v
+    q_.backward(dqf, &dxf);
+    k_.backward(dkf, &dxf, true);  // dx += dk W_k
+    v_.backward(dvf, &dxf, true);  // dx += dv W_v
   }
 
   // Incremental decoding (core/decode.hpp): x (n, D), one new token per row of `rows`; appends
@@ -151,8 +259,29 @@ class MultiHeadAttention {
     q_.forward(x, q);
     k_.forward(x, k);
     v_.forward(x, v);
-    // the step's outputs are kept across steps of the same number of rows
     const index_t n = x.rows();
+    if (!opts_.plain()) {
+      Tensor<std::int32_t, B> pos;
+      if (opts_.rope_theta > 0) {
+        Tensor<std::int32_t, cpu> host(Shape{n});
+        for (index_t i = 0; i < n; ++i)
+          host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
+        pos = Tensor<std::int32_t, B>(Shape{n});
+        copy_from_host(pos, host);
+      }
+      Tensor<T, B> qr, kr;
+      modern_qk(q, k, pos, qr, kr, false);
+      q = qr;
+      k = kr;
+    }
+    if (kv_heads_ != heads_) {  // the cache holds every query head's keys and values
+      Tensor<T, B> kf, vf;
+      repeat_heads(k, kv_heads_, heads_, kf);
+      repeat_heads(v, kv_heads_, heads_, vf);
+      k = kf;
+      v = vf;
+    }
+    // the step's outputs are kept across steps of the same number of rows
     if (step.probs.shape() != Shape{n, heads_, kv.max_len()}) step.probs = Tensor<T, B>();
     if (step.row_entropy.shape() != Shape{n, heads_}) step.row_entropy = Tensor<T, B>();
     attention_decode(q, k, v, rows, kv, step.probs, step.row_entropy, o);
@@ -161,7 +290,7 @@ class MultiHeadAttention {
     step.num_heads = heads_;
     step.out = a;
     step.w_o = o_.weight();
-    step.b_o = o_.bias();
+    step.b_o = opts_.out_bias ? o_.bias() : zero_bo_;
     step.kv = &kv;
   }
   // An empty KV cache of this layer for `slots` sequences of at most max_len tokens.
@@ -172,15 +301,84 @@ class MultiHeadAttention {
   AttentionCache<T, B>& cache() { return cache_; }
   bool causal() const { return causal_; }
   index_t num_heads() const { return heads_; }
+  index_t num_kv_heads() const { return kv_heads_; }
+  const AttentionOptions& options() const { return opts_; }
 
  private:
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
   void check_bound(const char* op) const { detail::require_bound(bound_, "MultiHeadAttention", op); }
-  index_t d_ = 0, heads_ = 1;
+  // positions_ (B T): each row's position in its sequence, for RoPE (rebuilt when the shape changes)
+  void set_positions(index_t b, index_t t) {
+    if (positions_.shape() == Shape{b * t} && positions_t_ == t) return;
+    Tensor<std::int32_t, cpu> host(Shape{b * t});
+    for (index_t i = 0; i < b * t; ++i) host.data()[i] = static_cast<std::int32_t>(i % t);
+    positions_ = Tensor<std::int32_t, B>(Shape{b * t});
+    copy_from_host(positions_, host);
+    positions_t_ = t;
+  }
+  // qp (n, D), kp (n, Hkv dh) the projections' outputs -> q, k after the norms and RoPE. keep:
+  // the forward's caches for backward (the norms' inputs and inverse RMS).
+  void modern_qk(const Tensor<T, B>& qp, const Tensor<T, B>& kp,
+                 const Tensor<std::int32_t, B>& pos, Tensor<T, B>& q, Tensor<T, B>& k, bool keep) {
+    const index_t n = qp.rows(), dh = d_ / heads_;
+    Tensor<T, B> qn = qp, kn = kp;
+    if (opts_.qk_norm != QKNorm::None) {
+      const bool full = opts_.qk_norm == QKNorm::Full;
+      const Shape qs = full ? Shape{n, d_} : Shape{n * heads_, dh};
+      const Shape ks = full ? Shape{n, kv_heads_ * dh} : Shape{n * kv_heads_, dh};
+      Tensor<T, B> qo, ko, qinv, kinv;
+      rmsnorm_forward(qp.view(qs), qn_, opts_.qk_norm_eps, qo, qinv);
+      rmsnorm_forward(kp.view(ks), kn_, opts_.qk_norm_eps, ko, kinv);
+      if (keep) {
+        q_pre_ = qp.view(qs);
+        k_pre_ = kp.view(ks);
+        q_inv_ = qinv;
+        k_inv_ = kinv;
+      }
+      qn = qo.view(qp.shape());
+      kn = ko.view(kp.shape());
+    }
+    if (opts_.rope_theta > 0) {
+      Tensor<T, B> qr, kr;
+      rope_forward(qn, pos, heads_, opts_.rope_theta, opts_.rope_layout, qr);
+      rope_forward(kn, pos, kv_heads_, opts_.rope_theta, opts_.rope_layout, kr);
+      qn = qr;
+      kn = kr;
+    }
+    q = qn;
+    k = kn;
+  }
+  // dq (N, D), dk (N, Hkv dh) with respect to modern_qk's outputs -> with respect to its inputs,
+  // in place (the norms' weights' gradients accumulated).
+  void modern_qk_backward(Tensor<T, B>& dq, Tensor<T, B>& dk) {
+    if (opts_.rope_theta > 0) {
+      Tensor<T, B> dqr, dkr;
+      rope_backward(dq, positions_, heads_, opts_.rope_theta, opts_.rope_layout, dqr);
+      rope_backward(dk, positions_, kv_heads_, opts_.rope_theta, opts_.rope_layout, dkr);
+      dq = dqr;
+      dk = dkr;
+    }
+    if (opts_.qk_norm != QKNorm::None) {
+      Tensor<T, B> dqn, dkn;
+      rmsnorm_backward(q_pre_, qn_, q_inv_, dq.view(q_pre_.shape()), dqn, dqn_);
+      rmsnorm_backward(k_pre_, kn_, k_inv_, dk.view(k_pre_.shape()), dkn, dkn_);
+      dq = dqn.view(dq.shape());
+      dk = dkn.view(dk.shape());
+    }
+  }
+
+  index_t d_ = 0, heads_ = 1, kv_heads_ = 1;
   bool causal_ = true;
+  AttentionOptions opts_;
   Linear<T, B, C> q_, k_, v_, o_;
   Tensor<T, B> qt_, kt_, o_att_;
+  index_t id_qn_ = -1, id_kn_ = -1;
+  Tensor<T, B> qn_, dqn_, kn_, dkn_;             // the q / k norms' weights and gradients
+  Tensor<T, B> q_pre_, k_pre_, q_inv_, k_inv_;   // their forward caches
+  Tensor<std::int32_t, B> positions_;
+  index_t positions_t_ = 0;
+  Tensor<T, B> zero_bo_, dbo_sink_;              // without an output bias (the Attention graph's)
   Tensor<C, B> xc_;  // C != T: the input in C, shared by the q, k, v projections
   AttentionCache<T, B> cache_;
   bool sinks_ready_ = false;

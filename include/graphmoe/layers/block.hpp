@@ -2,6 +2,12 @@
 //
 //   x = LN1(h);  a = MHA(x);  h1 = h + a;  u = LN2(h1);  f = FFN(u) or MoE(u);  out = h1 + f
 //
+// LN is LayerNorm or RMSNorm (BlockConfig::norm); the attention takes AttentionOptions (grouped
+// keys and values, RoPE, QK-norm, biases: layers/attention.hpp). An MoE block may have shared
+// experts beside the routed ones (Qwen2-MoE, DeepSeek): a dense FFN of width shared_d_ff that
+// every token goes through, f = MoE(u) + g(u) Shared(u), with g = sigmoid(u . w_g) when
+// shared_expert_gate (Qwen2-MoE's per-token gate) and 1 otherwise.
+//
 // With an Attention-graph router, the MoE layer reads this block's attention cache (probs,
 // values, output map and output) and its backward sends gradients into them, which the attention
 // backward folds in. Layer contract in linear.hpp; the residual stream's gradient is the sum of
@@ -34,6 +40,13 @@ struct BlockConfig {
   MoEConfig moe_config; // d_model / d_ff are taken from the fields above
   double init_std = 0.02;
   double out_scale = 1.0;  // output projections' init scale (GPT-2: 1 / sqrt(2 layers))
+  NormKind norm = NormKind::LayerNorm;
+  double norm_eps = 1e-5;
+  AttentionOptions attention;
+  // MoE blocks: the shared experts' total width (0: none) and whether a per-token sigmoid gate
+  // scales their output
+  index_t shared_d_ff = 0;
+  bool shared_expert_gate = false;
 };
 
 template <class RouterPolicy, class T, class B = cpu, class C = T>
@@ -49,21 +62,33 @@ class TransformerBlock {
     cfg_ = cfg;
     cfg_.moe_config.d_model = cfg.d_model;
     cfg_.moe_config.d_ff = cfg.d_ff;
-    ln1_.declare(arena, prefix + "ln1.", cfg.d_model);
-    attn_.declare(arena, prefix + "attn.", cfg.d_model, cfg.num_heads, cfg.causal);
-    ln2_.declare(arena, prefix + "ln2.", cfg.d_model);
+    GRAPHMOE_CHECK(cfg.shared_d_ff >= 0 && (cfg.shared_d_ff == 0 || cfg.moe) &&
+                       (cfg.shared_d_ff > 0 || !cfg.shared_expert_gate),
+                   "TransformerBlock", "shared experts (shared_d_ff = ", cfg.shared_d_ff,
+                   ", gate ", cfg.shared_expert_gate, ") need an MoE block and a width > 0");
+    ln1_.declare(arena, prefix + "ln1.", cfg.d_model, cfg.norm, cfg.norm_eps);
+    attn_.declare(arena, prefix + "attn.", cfg.d_model, cfg.num_heads, cfg.causal, cfg.attention);
+    ln2_.declare(arena, prefix + "ln2.", cfg.d_model, cfg.norm, cfg.norm_eps);
     if (cfg.moe && experts != nullptr)
       moe_.declare(arena, prefix + "moe.", cfg_.moe_config, *experts);
     else if (cfg.moe)
       moe_.declare(arena, prefix + "moe.", cfg_.moe_config);
     else
       ffn_.declare(arena, prefix + "ffn.", cfg.d_model, cfg.d_ff, cfg_.moe_config.gelu);
+    if (cfg.shared_d_ff > 0) {
+      shared_.declare(arena, prefix + "shared_expert.", cfg.d_model, cfg.shared_d_ff,
+                      cfg_.moe_config.gelu);
+      if (cfg.shared_expert_gate)
+        gate_.declare(arena, prefix + "shared_expert_gate.", cfg.d_model, 1, /*bias=*/false);
+    }
   }
   void bind(const ParameterArena<T, B>& arena) {
     ln1_.bind(arena);
     attn_.bind(arena);
     ln2_.bind(arena);
     if (cfg_.moe) moe_.bind(arena); else ffn_.bind(arena);
+    if (has_shared()) shared_.bind(arena);
+    if (cfg_.shared_expert_gate) gate_.bind(arena);
     bound_ = true;
   }
   // Every GEMM weight of the block in C read from mirror (layers/compute_mirror.hpp), nullptr:
@@ -71,6 +96,8 @@ class TransformerBlock {
   void attach_mirror(ComputeMirror<T, C, B>* mirror) {
     attn_.attach_mirror(mirror);
     if (cfg_.moe) moe_.attach_mirror(mirror); else ffn_.attach_mirror(mirror);
+    if (has_shared()) shared_.attach_mirror(mirror);
+    if (cfg_.shared_expert_gate) gate_.attach_mirror(mirror);
   }
   void init(Rng& rng) {
     ln1_.init();
@@ -82,6 +109,8 @@ class TransformerBlock {
     } else {
       ffn_.init(rng, cfg_.init_std, cfg_.out_scale);
     }
+    if (has_shared()) shared_.init(rng, cfg_.init_std, cfg_.out_scale);
+    if (cfg_.shared_expert_gate) gate_.init(rng, cfg_.init_std);
   }
 
   // h (B, T, D) -> out (B, T, D)
@@ -104,6 +133,7 @@ class TransformerBlock {
       // inference) never holds them
       if constexpr (RouterPolicy::needs_attention) ctx.attention = &attn_.cache();
       moe_.forward(u_.view(Shape{n, cfg_.d_model}), ctx, f);
+      if (has_shared()) shared_forward(u_.view(Shape{n, cfg_.d_model}), f);
     } else {
       ffn_.forward(u_.view(Shape{n, cfg_.d_model}), f);
     }
@@ -158,6 +188,7 @@ class TransformerBlock {
       ctx.attention = &c.step;
       ctx.weights = weights;
       moe_.decode(u, ctx, c.graph, f);
+      if (has_shared()) shared_forward(u, f);
     } else {
       ffn_.forward(u, f);
       if (weights != nullptr) *weights = Tensor<T, B>();
@@ -177,6 +208,7 @@ class TransformerBlock {
       if (cfg_.moe) attn_.enable_graph_gradients();  // zeroed sinks the MoE backward fills
     }
     if (cfg_.moe) moe_.backward(dflat, du); else ffn_.backward(dflat, du);
+    if (has_shared()) shared_backward(dflat, du);
     Tensor<T, B> dh1;
     ln2_.backward(du.view(s), dh1);
     axpy(T(1), dout, dh1);  // skip path
@@ -187,6 +219,7 @@ class TransformerBlock {
   }
 
   bool is_moe() const { return cfg_.moe; }
+  bool has_shared() const { return cfg_.shared_d_ff > 0; }
   MoELayer<RouterPolicy, T, B, C>& moe() { return moe_; }
   const MoELayer<RouterPolicy, T, B, C>& moe() const { return moe_; }
   MultiHeadAttention<T, B, C>& attention() { return attn_; }
@@ -195,9 +228,46 @@ class TransformerBlock {
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
   void check_bound(const char* op) const { detail::require_bound(bound_, "TransformerBlock", op); }
+  // f += g Shared(u), g = sigmoid(u w_g) or 1 (the gate's values kept for backward)
+  void shared_forward(const Tensor<T, B>& u, Tensor<T, B>& f) {
+    shared_out_ = Tensor<T, B>();
+    shared_.forward(u, shared_out_);
+    if (!cfg_.shared_expert_gate) {
+      add(f, shared_out_, f);
+      return;
+    }
+    Tensor<T, B> logit;
+    gate_.forward(u, logit);  // (n, 1)
+    gate_sig_ = Tensor<T, B>();
+    sigmoid_forward(logit.view(Shape{u.rows()}), gate_sig_);
+    Tensor<T, B> gated;
+    scale_rows(shared_out_, gate_sig_, gated);
+    add(f, gated, f);
+  }
+  // du += the shared branch's gradient, from df (the gradient of f)
+  void shared_backward(const Tensor<T, B>& df, Tensor<T, B>& du) {
+    Tensor<T, B> dshared = df;
+    if (cfg_.shared_expert_gate) {
+      const index_t n = df.rows();
+      dshared = Tensor<T, B>();
+      scale_rows(df, gate_sig_, dshared);
+      Tensor<T, B> dg, dlogit;
+      row_dots(df, shared_out_, dg);
+      sigmoid_backward(gate_sig_, dg, dlogit);
+      Tensor<T, B> dl2 = dlogit.view(Shape{n, 1});
+      gate_.backward(dl2, &du, true);  // du += dlogit w_g
+    }
+    Tensor<T, B> dus;
+    shared_.backward(dshared, dus);
+    axpy(T(1), dus, du);
+  }
+
   BlockConfig cfg_;
-  LayerNorm<T, B> ln1_, ln2_;
+  Norm<T, B> ln1_, ln2_;
   MultiHeadAttention<T, B, C> attn_;
+  FeedForward<T, B, C> shared_;  // the shared experts (has_shared())
+  Linear<T, B, C> gate_;          // their gate (shared_expert_gate)
+  Tensor<T, B> shared_out_, gate_sig_;
   FeedForward<T, B, C> ffn_;
   MoELayer<RouterPolicy, T, B, C> moe_;
   Tensor<T, B> h1_, u_;

@@ -1,8 +1,14 @@
 // graphmoe/models/transformer_lm.hpp: decoder-only transformer LM with MoE FFNs.
 //
-//   h0 = tok_emb[ids] + pos_emb[t]                      (B, T, D)
-//   h_l = Block_l(h_{l-1})  (MoE FFN per the layout)    Switch: every block; GLaM: every other
+//   h0 = tok_emb[ids] + pos_emb[t]                      (B, T, D); no pos_emb with RoPE
+//   h_l = Block_l(h_{l-1})  (MoE FFN per the layout)    Switch: every block; GLaM: every other;
+//                                                       the first first_k_dense blocks dense
 //   logits = LN_f(h_L) W^T                              W = tok_emb (tied) or lm_head
+//
+// The blocks of the families trained today are config fields (TransformerLMConfig): RMSNorm,
+// rotary positions, grouped-query attention, QK-norm, bias-free projections, fine-grained experts
+// (expert_d_ff), shared experts; the presets (llama, mixtral, qwen2_moe, qwen3_moe, olmoe,
+// deepseek_v3) set them as those families do, and every field can be set alone.
 //   loss = mean cross-entropy over targets != ignore_index
 //
 // Plain struct in llm.c's style: forward calls the blocks in order, backward in reverse. All
@@ -72,6 +78,23 @@ struct TransformerLMConfig {
   ExpertLayout expert_layout = ExpertLayout::Compact;
   GeluForm gelu = GeluForm::Tanh;
   double init_std = 0.02;
+  // Normalisation of every block and of the final LN_f (RMSNorm: Llama and the MoE families).
+  NormKind norm = NormKind::LayerNorm;
+  double norm_eps = 1e-5;
+  // Grouped keys and values, RoPE, QK-norm, projection biases (layers/attention.hpp). With
+  // attention.rope_theta > 0 the model has no learned position embedding.
+  AttentionOptions attention;
+  // The experts' width (0: d_ff), so that fine-grained experts (E = 64 to 256, small width) and
+  // the dense blocks' d_ff differ, as in OLMoE / DeepSeek (moe_intermediate_size).
+  index_t expert_d_ff = 0;
+  // Shared experts in every MoE block: their total width (0: none; DeepSeek: n_shared_experts x
+  // moe_intermediate_size) and Qwen2-MoE's per-token sigmoid gate on them.
+  index_t shared_d_ff = 0;
+  bool shared_expert_gate = false;
+  // The first blocks dense (DeepSeek's first_k_dense_replace) and, with the Switch layout, MoE in
+  // every moe_every-th block only ((i + 1) % moe_every == 0, Qwen2-MoE's decoder_sparse_step).
+  index_t first_k_dense = 0;
+  index_t moe_every = 1;
   // > 0: add a sequence-classification head ("cls_head", mean pooling over each sequence's
   // tokens) used by forward_classify; the LM head stays for forward.
   index_t num_classes = 0;
@@ -98,9 +121,13 @@ struct TransformerLMConfig {
     return r;
   }
 
+  bool learned_positions() const { return attention.rope_theta == 0; }
+  index_t experts_width() const { return expert_d_ff > 0 ? expert_d_ff : d_ff; }
+
   bool is_moe_layer(index_t i) const {
+    if (i < first_k_dense) return false;
     switch (layout) {
-      case MoELayout::Switch: return true;
+      case MoELayout::Switch: return (i + 1) % moe_every == 0;
       case MoELayout::GLaM: return (i + 1) % 2 == 0;
       case MoELayout::Dense: return false;
     }
@@ -116,6 +143,15 @@ struct TransformerLMConfig {
     GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "TransformerLMConfig",
                    "num_heads = ", num_heads, " must divide d_model = ", d_model);
     GRAPHMOE_CHECK(num_classes >= 0, "TransformerLMConfig", "num_classes must be >= 0, got ", num_classes);
+    GRAPHMOE_CHECK(expert_d_ff >= 0 && shared_d_ff >= 0 && first_k_dense >= 0 && moe_every >= 1,
+                   "TransformerLMConfig", "need expert_d_ff >= 0, shared_d_ff >= 0, first_k_dense "
+                   ">= 0 and moe_every >= 1, got ", expert_d_ff, ", ", shared_d_ff, ", ",
+                   first_k_dense, ", ", moe_every);
+    GRAPHMOE_CHECK(shared_d_ff > 0 || !shared_expert_gate, "TransformerLMConfig",
+                   "shared_expert_gate needs shared experts (shared_d_ff > 0)");
+    GRAPHMOE_CHECK(norm_eps > 0 && norm_eps < 1, "TransformerLMConfig",
+                   "norm_eps must be in (0, 1), got ", norm_eps);
+    attention.validate(d_model, num_heads);
     GRAPHMOE_CHECK(router.causal, "TransformerLMConfig",
                    "router.causal is false, but the LM is causal: a non-causal token graph lets "
                    "later tokens change how earlier ones are routed (leave it true, the default)");
@@ -188,16 +224,23 @@ class TransformerLM {
     prefix_ = prefix;
     first_param_ = arena.size();
     id_tok_ = arena.add(prefix + "tok_emb.weight", Shape{cfg_.vocab_size, cfg_.d_model});
-    id_pos_ = arena.add(prefix + "pos_emb.weight", Shape{cfg_.max_seq_len, cfg_.d_model});
+    id_pos_ = -1;
+    if (cfg_.learned_positions())
+      id_pos_ = arena.add(prefix + "pos_emb.weight", Shape{cfg_.max_seq_len, cfg_.d_model});
     blocks_.clear();
     blocks_.resize(static_cast<std::size_t>(cfg_.num_layers));
     for (index_t i = 0; i < cfg_.num_layers; ++i) {
       BlockConfig bc;
       bc.d_model = cfg_.d_model;
       bc.num_heads = cfg_.num_heads;
-      bc.d_ff = cfg_.d_ff;
       bc.causal = true;
       bc.moe = cfg_.is_moe_layer(i);
+      bc.d_ff = bc.moe ? cfg_.experts_width() : cfg_.d_ff;
+      bc.norm = cfg_.norm;
+      bc.norm_eps = cfg_.norm_eps;
+      bc.attention = cfg_.attention;
+      bc.shared_d_ff = bc.moe ? cfg_.shared_d_ff : 0;
+      bc.shared_expert_gate = bc.moe && cfg_.shared_expert_gate;
       bc.moe_config.router = cfg_.router;
       bc.moe_config.layout = cfg_.expert_layout;
       bc.moe_config.gelu = cfg_.gelu;
@@ -206,7 +249,7 @@ class TransformerLM {
       blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc,
                                                    experts);
     }
-    ln_f_.declare(arena, prefix + "ln_f.", cfg_.d_model);
+    ln_f_.declare(arena, prefix + "ln_f.", cfg_.d_model, cfg_.norm, cfg_.norm_eps);
     id_head_ = -1;
     if (!cfg_.tie_embeddings) id_head_ = arena.add(prefix + "lm_head.weight", Shape{cfg_.vocab_size, cfg_.d_model});
     if (cfg_.num_classes > 0) cls_head_.declare(arena, prefix + "cls_head.", cfg_.d_model, cfg_.num_classes);
@@ -220,8 +263,10 @@ class TransformerLM {
     detail::check_model_bind(declared_in_, arena, "TransformerLM");
     tok_ = arena.value(id_tok_);
     dtok_ = arena.grad(id_tok_);
-    pos_ = arena.value(id_pos_);
-    dpos_ = arena.grad(id_pos_);
+    if (id_pos_ >= 0) {
+      pos_ = arena.value(id_pos_);
+      dpos_ = arena.grad(id_pos_);
+    }
     for (auto& b : blocks_) b.bind(arena);
     ln_f_.bind(arena);
     if (cfg_.num_classes > 0) cls_head_.bind(arena);
@@ -250,7 +295,7 @@ class TransformerLM {
   void init(Rng& rng) {
     check_bound("init");
     fill_normal(arena_->value(id_tok_), rng, cfg_.init_std);
-    fill_normal(arena_->value(id_pos_), rng, cfg_.init_std);
+    if (id_pos_ >= 0) fill_normal(arena_->value(id_pos_), rng, cfg_.init_std);
     for (auto& b : blocks_) b.init(rng);
     ln_f_.init();
     if (id_head_ >= 0) fill_normal(arena_->value(id_head_), rng, cfg_.init_std);
@@ -481,15 +526,17 @@ class TransformerLM {
       GRAPHMOE_CHECK(logit_rows[j] >= 0 && logit_rows[j] < n, "TransformerLM::decode",
                      "logit row ", logit_rows[j], " (entry ", j, ") is outside the step's ", n,
                      " rows");
-    Tensor<std::int32_t, cpu> pos_host(Shape{n});
-    for (index_t i = 0; i < n; ++i)
-      pos_host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
-    Tensor<std::int32_t, B> pos_ids(Shape{n});
-    copy_from_host(pos_ids, pos_host);
     Tensor<T, B> h, hp;
     embedding_forward(ids, tok_, h);  // (n, D)
-    embedding_forward(pos_ids, pos_, hp);
-    axpy(T(1), hp, h);
+    if (id_pos_ >= 0) {  // learned positions (with RoPE the attention layers rotate q and k)
+      Tensor<std::int32_t, cpu> pos_host(Shape{n});
+      for (index_t i = 0; i < n; ++i)
+        pos_host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
+      Tensor<std::int32_t, B> pos_ids(Shape{n});
+      copy_from_host(pos_ids, pos_host);
+      embedding_forward(pos_ids, pos_, hp);
+      axpy(T(1), hp, h);
+    }
     if (weights != nullptr) weights->assign(blocks_.size(), Tensor<T, B>());
     for (std::size_t l = 0; l < blocks_.size(); ++l) {
       Tensor<T, B> next;
@@ -545,8 +592,9 @@ class TransformerLM {
     Tensor<T, B> h;
     embedding_forward(ids, tok_, h);  // (B, T, D)
     // every sequence += the positions: one broadcast over the (B, T D) view
-    add_row_vector(pos_.slice(0, t).view(Shape{t * cfg_.d_model}),
-                   h.view(Shape{b, t * cfg_.d_model}));
+    if (id_pos_ >= 0)
+      add_row_vector(pos_.slice(0, t).view(Shape{t * cfg_.d_model}),
+                     h.view(Shape{b, t * cfg_.d_model}));
     acts_.assign(blocks_.size() + 1, Tensor<T, B>());
     acts_[0] = h;
     for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
@@ -565,8 +613,9 @@ class TransformerLM {
     }
     embedding_backward(ids_, dh, dtok_);
     // dpos += the sum over sequences, as one column sum over the (B, T D) view
-    accumulate_column_sums(dh.view(Shape{b, t * cfg_.d_model}),
-                           dpos_.slice(0, t).view(Shape{t * cfg_.d_model}));
+    if (id_pos_ >= 0)
+      accumulate_column_sums(dh.view(Shape{b, t * cfg_.d_model}),
+                             dpos_.slice(0, t).view(Shape{t * cfg_.d_model}));
   }
 
   void check_bound(const char* op) const { detail::require_bound(arena_ != nullptr, "TransformerLM", op); }
@@ -604,7 +653,7 @@ class TransformerLM {
   Tensor<T, B> tok_, dtok_, pos_, dpos_;
   std::vector<TransformerBlock<RouterPolicy, T, B, C>> blocks_;
   Mode mode_ = Mode::Train;
-  LayerNorm<T, B> ln_f_;
+  Norm<T, B> ln_f_;
   Linear<T, B> cls_head_;
   // forward cache
   Tensor<std::int32_t, B> ids_, targets_, labels_;

@@ -19,6 +19,9 @@
 //   normalize_rows_backward(y, norms, eps, dy)
 //                                  y = x / n: dy_i <- (dy_i - y_i (y_i . dy_i)) / n_i, or dy_i / eps
 //                                  where the norm was clamped (y = x / eps is linear in x)
+//   scale_rows(x, s, y)            y[i, :] = s[i] x[i, :]   x (N, C), s (N) (y prepared; may be x)
+//   row_dots(a, b, d)              d[i] = sum_j a[i, j] b[i, j]   (d prepared (N); the sum in
+//                                  column order)
 //   sigmoid_forward(x, y)          y = 1 / (1 + exp(-x))   (y prepared with x's shape; may be x)
 //   sigmoid_backward(y, dy, dx)    dx = dy y (1 - y), from the forward's output y (assigned; dx
 //                                  may be dy)
@@ -141,6 +144,24 @@ void normalize_rows_backward(const Tensor<T, B>& y, const Tensor<T, B>& norms, T
                              const Tensor<T, B>& dy) {
   check_shape("normalize_rows_backward", "dy", dy, y.shape());
   normalize_rows_backward(B{}, y, norms, eps, dy);
+}
+
+template <class T, Backend B>
+void scale_rows(const Tensor<T, B>& x, const Tensor<T, B>& s, Tensor<T, B>& y) {
+  GRAPHMOE_CHECK(x.rank() == 2 && !x.empty(), "scale_rows", "x must be a non-empty (N, C) matrix, got ",
+                 (x.empty() ? "an empty tensor" : x.shape().str()));
+  check_shape("scale_rows", "s", s, Shape{x.rows()});
+  prepare_output("scale_rows", "y", y, x.shape());
+  scale_rows(B{}, x, s, y);
+}
+
+template <class T, Backend B>
+void row_dots(const Tensor<T, B>& a, const Tensor<T, B>& b, Tensor<T, B>& d) {
+  GRAPHMOE_CHECK(a.rank() == 2 && !a.empty(), "row_dots", "a must be a non-empty (N, C) matrix, got ",
+                 (a.empty() ? "an empty tensor" : a.shape().str()));
+  check_shape("row_dots", "b", b, a.shape());
+  prepare_output("row_dots", "d", d, Shape{a.rows()});
+  row_dots(B{}, a, b, d);
 }
 
 template <class T, Backend B>

@@ -93,6 +93,25 @@ void normalize_rows_backward(cpu, const Tensor<T, cpu>& y, const Tensor<T, cpu>&
   }
 }
 
+template <class T>
+void scale_rows(cpu, const Tensor<T, cpu>& x, const Tensor<T, cpu>& s, const Tensor<T, cpu>& y) {
+  const index_t n = x.rows(), c = x.cols();
+  for (index_t i = 0; i < n; ++i) {
+    const T si = s.data()[i];
+    for (index_t j = 0; j < c; ++j) y.data()[i * c + j] = x.data()[i * c + j] * si;
+  }
+}
+
+template <class T>
+void row_dots(cpu, const Tensor<T, cpu>& a, const Tensor<T, cpu>& b, const Tensor<T, cpu>& d) {
+  const index_t n = a.rows(), c = a.cols();
+  for (index_t i = 0; i < n; ++i) {
+    T sum = 0;
+    for (index_t j = 0; j < c; ++j) sum += a.data()[i * c + j] * b.data()[i * c + j];
+    d.data()[i] = sum;
+  }
+}
+
 // The logistic function without overflow: exp of a non-positive argument only.
 template <class T>
 T sigmoid_value(T x) {

@@ -133,6 +133,21 @@ __global__ void normalize_rows_backward_kernel(const T* y, const T* norms, T* g,
 }
 
 template <class T>
+__global__ void scale_rows_kernel(const T* x, const T* s, T* y, index_t n, index_t c) {
+  GRAPHMOE_CUDA_GRID_STRIDE(o, n * c) { y[o] = from_acc<T>(to_acc(x[o]) * to_acc(s[o / c])); }
+}
+
+// One thread per row, the sum in column order (the CPU's).
+template <class T>
+__global__ void row_dots_kernel(const T* a, const T* b, T* d, index_t n, index_t c) {
+  GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
+    acc_t<T> sum = acc_t<T>(0);
+    for (index_t j = 0; j < c; ++j) sum += to_acc(a[i * c + j]) * to_acc(b[i * c + j]);
+    d[i] = from_acc<T>(sum);
+  }
+}
+
+template <class T>
 __global__ void sigmoid_forward_kernel(const T* x, T* y, index_t n) {
   using A = acc_t<T>;
   GRAPHMOE_CUDA_GRID_STRIDE(i, n) {
@@ -277,6 +292,24 @@ void normalize_rows_backward(cuda, const Tensor<T, cuda>& y, const Tensor<T, cud
   detail::launch_kernel<detail::normalize_rows_backward_kernel<T>>(
       detail::grid_for_rows(y.rows()), detail::threads_for_row(y.cols()), y.data(), norms.data(),
       dy.data(), y.rows(), y.cols(), eps);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void scale_rows(cuda, const Tensor<T, cuda>& x, const Tensor<T, cuda>& s, const Tensor<T, cuda>& y) {
+  const index_t n = x.rows(), c = x.cols();
+  if (n * c == 0) return;
+  detail::launch_kernel<detail::scale_rows_kernel<T>>(detail::grid_for(n * c), detail::kThreads,
+                                                      x.data(), s.data(), y.data(), n, c);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
+void row_dots(cuda, const Tensor<T, cuda>& a, const Tensor<T, cuda>& b, const Tensor<T, cuda>& d) {
+  const index_t n = a.rows(), c = a.cols();
+  if (n == 0) return;
+  detail::launch_kernel<detail::row_dots_kernel<T>>(detail::grid_for(n), detail::kThreads,
+                                                    a.data(), b.data(), d.data(), n, c);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 

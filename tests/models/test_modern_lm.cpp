@@ -1,0 +1,266 @@
+// The blocks of the MoE families trained today inside the LM: RMSNorm, rotary positions (both
+// layouts), grouped-query and multi-query attention, QK-norm over rows and over heads, bias-free
+// projections, shared experts (gated and not), fine-grained expert widths and dense first
+// blocks. The attention layer against a loop-by-loop evaluation in double, the whole LM by finite
+// differences in double for every router kind, causality, and incremental decoding against the
+// full forward.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "graphmoe/inference/decoder.hpp"
+#include "graphmoe/layers/attention.hpp"
+#include "graphmoe/models/transformer_lm.hpp"
+#include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
+
+using namespace graphmoe;
+using namespace graphmoe::test;
+
+namespace {
+
+// Two variants that together switch every option on.
+TransformerLMConfig modern_config(int variant) {
+  TransformerLMConfig c;
+  c.vocab_size = 9;
+  c.max_seq_len = 12;
+  c.d_model = 8;
+  c.num_layers = 3;
+  c.num_heads = 4;
+  c.d_ff = 5;
+  c.tie_embeddings = variant == 1;
+  c.router.num_experts = 4;
+  c.router.k = 2;
+  c.router.allow_unused_options = true;
+  test::set_scorer_init_std(c.router, 0.5);
+  c.router.options<Similarity>().tau = 2.0;
+  c.router.load_balance_coef = 0.05;
+  c.init_std = 0.4;
+  c.norm = NormKind::RMSNorm;
+  c.norm_eps = 1e-6;
+  c.attention.rope_theta = variant == 0 ? 10000.0 : 500.0;
+  c.attention.rope_layout = variant == 0 ? RopeLayout::HalfSplit : RopeLayout::Interleaved;
+  c.attention.num_kv_heads = variant == 0 ? 2 : 1;
+  c.attention.qk_norm = variant == 0 ? QKNorm::Full : QKNorm::PerHead;
+  c.attention.qkv_bias = variant == 1;
+  c.attention.out_bias = false;
+  c.expert_d_ff = 3;
+  c.shared_d_ff = 4;
+  c.shared_expert_gate = variant == 0;
+  c.first_k_dense = variant == 0 ? 1 : 0;
+  c.moe_every = variant == 0 ? 1 : 2;
+  return c;
+}
+
+Tensor<std::int32_t> random_ids(index_t b, index_t t, index_t vocab, Rng& rng) {
+  Tensor<std::int32_t> x({b, t});
+  for (index_t i = 0; i < x.numel(); ++i)
+    x.data()[i] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(vocab)));
+  return x;
+}
+
+double rms_inv(const double* x, index_t n, double eps) {
+  double s = 0;
+  for (index_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return 1.0 / std::sqrt(s / static_cast<double>(n) + eps);
+}
+
+// RoPE of one head's vector at position p, written out pair by pair.
+void rope_ref(double* v, index_t dh, index_t p, double theta, RopeLayout layout) {
+  std::vector<double> out(v, v + dh);
+  for (index_t i = 0; i < dh / 2; ++i) {
+    const double freq = 1.0 / std::pow(theta, 2.0 * static_cast<double>(i) / static_cast<double>(dh));
+    const double a = static_cast<double>(p) * freq, c = std::cos(a), s = std::sin(a);
+    const index_t i0 = layout == RopeLayout::HalfSplit ? i : 2 * i;
+    const index_t i1 = layout == RopeLayout::HalfSplit ? i + dh / 2 : 2 * i + 1;
+    out[i0] = v[i0] * c - v[i1] * s;
+    out[i1] = v[i1] * c + v[i0] * s;
+  }
+  std::copy(out.begin(), out.end(), v);
+}
+
+}  // namespace
+
+TEST_CASE("attention with GQA, RoPE and QK-norm: matches a loop-by-loop evaluation") {
+  for (int variant : {0, 1}) {
+    CAPTURE(variant);
+    const TransformerLMConfig lc = modern_config(variant);
+    const AttentionOptions& o = lc.attention;
+    const index_t b = 2, t = 5, d = lc.d_model, h = lc.num_heads, kvh = o.num_kv_heads,
+                  dh = d / h;
+    ParameterArena<double> arena;
+    MultiHeadAttention<double> attn;
+    attn.declare(arena, "a.", d, h, true, o);
+    arena.allocate();
+    attn.bind(arena);
+    Rng rng(5);
+    attn.init(rng, 0.5);
+    for (const auto& info : arena.params())  // non-trivial norm weights and biases
+      if (info.name.find("norm") != std::string::npos || info.name.find("bias") != std::string::npos)
+        fill_normal(arena.value(info.name), rng, 0.5);
+    Tensor<double> x = random_normal<double>({b, t, d}, rng), a;
+    attn.forward(x, a);
+
+    auto proj = [&](const std::string& name, index_t out, index_t row) {
+      Tensor<double> w = arena.value(name + ".weight");
+      const bool bias = arena.contains(name + ".bias");
+      std::vector<double> y(static_cast<std::size_t>(out), 0.0);
+      for (index_t i = 0; i < out; ++i) {
+        for (index_t j = 0; j < d; ++j) y[i] += x.data()[row * d + j] * w(i, j);
+        if (bias) y[i] += arena.value(name + ".bias")(i);
+      }
+      return y;
+    };
+    const index_t n = b * t;
+    std::vector<std::vector<double>> q(n), k(n), v(n);
+    for (index_t r = 0; r < n; ++r) {
+      q[r] = proj("a.q_proj", d, r);
+      k[r] = proj("a.k_proj", kvh * dh, r);
+      v[r] = proj("a.v_proj", kvh * dh, r);
+      Tensor<double> qn = arena.value("a.q_norm.weight"), kn = arena.value("a.k_norm.weight");
+      if (o.qk_norm == QKNorm::Full) {
+        const double iq = rms_inv(q[r].data(), d, o.qk_norm_eps);
+        const double ik = rms_inv(k[r].data(), kvh * dh, o.qk_norm_eps);
+        for (index_t i = 0; i < d; ++i) q[r][i] *= iq * qn(i);
+        for (index_t i = 0; i < kvh * dh; ++i) k[r][i] *= ik * kn(i);
+      } else {
+        for (index_t hh = 0; hh < h; ++hh) {
+          const double iq = rms_inv(q[r].data() + hh * dh, dh, o.qk_norm_eps);
+          for (index_t i = 0; i < dh; ++i) q[r][hh * dh + i] *= iq * qn(i);
+        }
+        for (index_t hh = 0; hh < kvh; ++hh) {
+          const double ik = rms_inv(k[r].data() + hh * dh, dh, o.qk_norm_eps);
+          for (index_t i = 0; i < dh; ++i) k[r][hh * dh + i] *= ik * kn(i);
+        }
+      }
+      for (index_t hh = 0; hh < h; ++hh) rope_ref(q[r].data() + hh * dh, dh, r % t, o.rope_theta, o.rope_layout);
+      for (index_t hh = 0; hh < kvh; ++hh) rope_ref(k[r].data() + hh * dh, dh, r % t, o.rope_theta, o.rope_layout);
+    }
+    Tensor<double> wo = arena.value("a.out_proj.weight");
+    REQUIRE_FALSE(arena.contains("a.out_proj.bias"));
+    double worst = 0;
+    for (index_t bb = 0; bb < b; ++bb)
+      for (index_t i = 0; i < t; ++i) {
+        std::vector<double> att(static_cast<std::size_t>(d), 0.0);
+        for (index_t hh = 0; hh < h; ++hh) {
+          const index_t g = hh / (h / kvh);
+          std::vector<double> sc;
+          double mx = -1e300;
+          for (index_t j = 0; j <= i; ++j) {
+            double dot = 0;
+            for (index_t c = 0; c < dh; ++c) dot += q[bb * t + i][hh * dh + c] * k[bb * t + j][g * dh + c];
+            sc.push_back(dot / std::sqrt(static_cast<double>(dh)));
+            mx = std::max(mx, sc.back());
+          }
+          double z = 0;
+          for (double& s : sc) z += (s = std::exp(s - mx));
+          for (index_t j = 0; j <= i; ++j)
+            for (index_t c = 0; c < dh; ++c) att[hh * dh + c] += sc[j] / z * v[bb * t + j][g * dh + c];
+        }
+        for (index_t c = 0; c < d; ++c) {
+          double y = 0;
+          for (index_t j = 0; j < d; ++j) y += att[j] * wo(c, j);
+          worst = std::max(worst, std::abs(y - a(bb, i, c)));
+        }
+      }
+    CHECK(worst < 1e-12);
+    // the layer's gradients, by finite differences
+    Tensor<double> w = random_normal<double>(a.shape(), rng);
+    auto loss = [&] {
+      Tensor<double> y;
+      attn.forward(x, y);
+      return weighted_sum(y, w);
+    };
+    attn.forward(x, a);
+    arena.zero_grad();
+    Tensor<double> dx;
+    attn.backward(w, dx);
+    check_gradient("dx", x, dx, loss);
+    for (const auto& info : arena.params()) {
+      Tensor<double> val = arena.value(info.name);
+      check_gradient(info.name, val, arena.grad(info.name), loss);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole model", Policy,
+                   SoftmaxRouter, SimilarityRouter, AttentionRouter, SimilaritySigmoidBiasRouter) {
+  for (int variant : {0, 1}) {
+    CAPTURE(variant);
+    const TransformerLMConfig cfg = modern_config(variant);
+    TransformerLM<Policy, double> lm(cfg, 3);
+    CHECK_FALSE(lm.arena().contains("pos_emb.weight"));  // RoPE: no learned positions
+    // variant 0: the first block dense (first_k_dense); variant 1: MoE every other block
+    CHECK_FALSE(lm.block(0).is_moe());
+    CHECK(lm.block(1).is_moe());
+    CHECK(lm.block(2).is_moe() == (variant == 0));
+    CHECK(lm.block(1).has_shared());
+    CHECK_FALSE(lm.block(0).has_shared());
+    CHECK(lm.arena().contains("blocks.1.shared_expert_gate.weight") == (variant == 0));
+    Rng rng(4);
+    auto ids = random_ids(2, 6, cfg.vocab_size, rng);
+    auto targets = random_ids(2, 6, cfg.vocab_size, rng);
+    auto loss = [&] { return lm.forward(ids, targets).total(); };
+    CHECK(std::isfinite(loss()));
+    lm.arena().zero_grad();
+    lm.backward();
+    for (const auto& info : lm.arena().params()) {
+      if (!info.trainable) continue;
+      Tensor<double> v = lm.arena().value(info.name);
+      check_gradient(info.name, v, lm.arena().grad(info.name), loss);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("modern LM blocks: causal, and incremental decoding equals the full forward", Policy,
+                   SoftmaxRouter, SimilarityRouter, AttentionRouter, SigmoidBiasRouter) {
+  for (int variant : {0, 1}) {
+    CAPTURE(variant);
+    const TransformerLMConfig cfg = modern_config(variant);
+    TransformerLM<Policy, double> lm(cfg, 7);
+    lm.set_mode(Mode::Eval);
+    Rng rng(9);
+    const index_t t = cfg.max_seq_len;
+    auto ids = random_ids(1, t, cfg.vocab_size, rng);
+    lm.forward(ids, Tensor<std::int32_t>());
+    const Tensor<double> full = lm.logits().clone();
+    // causality: a later token changes no earlier logit
+    auto changed = ids.clone();
+    changed(0, t - 1) = (changed(0, t - 1) + 1) % static_cast<std::int32_t>(cfg.vocab_size);
+    lm.forward(changed, Tensor<std::int32_t>());
+    for (index_t i = 0; i < t - 1; ++i)
+      for (index_t c = 0; c < cfg.vocab_size; ++c) CHECK(lm.logits()(0, i, c) == full(0, i, c));
+    // one token per step
+    auto cache = lm.decode_cache(1);
+    double worst = 0;
+    for (index_t i = 0; i < t; ++i) {
+      Tensor<std::int32_t> one(Shape{1});
+      one.data()[0] = ids(0, i);
+      Tensor<double> logits;
+      lm.decode(one, DecodeRows{{0}, {i}}, cache, logits);
+      for (index_t c = 0; c < cfg.vocab_size; ++c)
+        worst = std::max(worst, std::abs(logits(0, c) - full(0, i, c)));
+    }
+    CHECK(worst < 1e-12);
+  }
+}
+
+TEST_CASE("modern LM blocks: bad options are refused naming the field") {
+  TransformerLMConfig c = modern_config(0);
+  c.attention.num_kv_heads = 3;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("num_kv_heads = 3"), Error);
+  c = modern_config(0);
+  c.num_heads = 8;  // head_dim 1: odd, RoPE needs pairs
+  c.attention.num_kv_heads = 2;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("must be even"), Error);
+  c = modern_config(0);
+  c.shared_d_ff = 0;  // a gate without shared experts
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("shared_expert_gate"), Error);
+  c = modern_config(0);
+  c.moe_every = 0;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("moe_every"), Error);
+  c = modern_config(0);
+  c.attention.rope_theta = -1;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("rope_theta"), Error);
+}
