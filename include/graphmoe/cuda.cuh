@@ -36,7 +36,10 @@
 #include "graphmoe/backend/cuda/heads.cuh"
 #include "graphmoe/backend/cuda/layernorm.cuh"
 #include "graphmoe/backend/cuda/optim.cuh"
+#include "graphmoe/backend/cuda/rmsnorm.cuh"
+#include "graphmoe/backend/cuda/rope.cuh"
 #include "graphmoe/backend/cuda/softmax.cuh"
+#include "graphmoe/backend/cuda/swiglu.cuh"
 #include "graphmoe/backend/cuda/token_graph.cuh"
 #include "graphmoe/backend/cuda/topk.cuh"
 
@@ -56,7 +59,10 @@
 #include "graphmoe/ops/heads.hpp"
 #include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/ops/optim.hpp"
+#include "graphmoe/ops/rmsnorm.hpp"
+#include "graphmoe/ops/rope.hpp"
 #include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/swiglu.hpp"
 #include "graphmoe/ops/token_graph.hpp"
 #include "graphmoe/ops/topk.hpp"
 

@@ -40,7 +40,10 @@
 #include "graphmoe/ops/heads.hpp"
 #include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/ops/optim.hpp"
+#include "graphmoe/ops/rmsnorm.hpp"
+#include "graphmoe/ops/rope.hpp"
 #include "graphmoe/ops/softmax.hpp"
+#include "graphmoe/ops/swiglu.hpp"
 #include "graphmoe/ops/token_graph.hpp"
 #include "graphmoe/ops/topk.hpp"
 

@@ -66,6 +66,12 @@
 #include "graphmoe/backend/cuda/aux_losses.cuh"
 #include "graphmoe/backend/cuda/decode.cuh"
 #include "graphmoe/backend/cuda/decode.cuh"
+#include "graphmoe/backend/cuda/rmsnorm.cuh"
+#include "graphmoe/backend/cuda/rmsnorm.cuh"
+#include "graphmoe/backend/cuda/rope.cuh"
+#include "graphmoe/backend/cuda/rope.cuh"
+#include "graphmoe/backend/cuda/swiglu.cuh"
+#include "graphmoe/backend/cuda/swiglu.cuh"
 #include "graphmoe/cuda.cuh"
 #include "graphmoe/cuda.cuh"
 
