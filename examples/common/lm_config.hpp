@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <initializer_list>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -31,6 +32,39 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   if (sim.projection) j["projection"] = true;
   // SMoE-Dropout's k schedule (k at a checkpoint's step depends on it)
   if (router.rfind("smoe-dropout", 0) == 0) j["schedule_steps"] = sched.schedule_steps;
+  // the modern blocks and token-choice options (docs/reference/architectures.md), each written
+  // only when it differs from GPT-2's default
+  const graphmoe::TransformerLMConfig d;
+  const auto& a = m.attention;
+  if (m.norm != d.norm) j["norm"] = graphmoe::norm_kind_name(m.norm);
+  if (m.norm_eps != d.norm_eps) j["norm_eps"] = m.norm_eps;
+  if (a.num_kv_heads != 0) j["num_kv_heads"] = a.num_kv_heads;
+  if (a.rope_theta != 0) {
+    j["rope_theta"] = a.rope_theta;
+    j["rope_layout"] = a.rope_layout == graphmoe::RopeLayout::Interleaved ? "interleaved" : "half-split";
+  }
+  if (a.qk_norm != graphmoe::QKNorm::None) {
+    j["qk_norm"] = a.qk_norm == graphmoe::QKNorm::Full ? "full" : "per-head";
+    j["qk_norm_eps"] = a.qk_norm_eps;
+  }
+  if (!a.qkv_bias) j["qkv_bias"] = false;
+  if (!a.out_bias) j["out_bias"] = false;
+  if (m.expert_d_ff != 0) j["expert_d_ff"] = m.expert_d_ff;
+  if (m.shared_d_ff != 0) j["shared_d_ff"] = m.shared_d_ff;
+  if (m.shared_expert_gate) j["shared_expert_gate"] = true;
+  if (m.first_k_dense != 0) j["first_k_dense"] = m.first_k_dense;
+  if (m.moe_every != 1) j["moe_every"] = m.moe_every;
+  const auto& tc = r.options<graphmoe::TopK>();
+  const auto& bb = r.options<graphmoe::BiasBalancedTopK>();
+  const bool biased = router.rfind("sigmoid-bias", 0) == 0;
+  const graphmoe::TokenChoiceOptions& choice = biased ? bb : tc;
+  if (!choice.norm_topk_prob) j["norm_topk_prob"] = false;
+  if (choice.routed_scaling_factor != 1.0) j["routed_scaling_factor"] = choice.routed_scaling_factor;
+  if (choice.n_group != 1) {
+    j["n_group"] = choice.n_group;
+    j["topk_group"] = choice.topk_group;
+  }
+  if (biased) j["bias_update_rate"] = bb.bias_update_rate;
   return j;
 }
 
@@ -116,6 +150,55 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
     sched.schedule_steps = config_field<std::int64_t>(j, "schedule_steps", where);
   GRAPHMOE_CHECK(sched.schedule_steps >= 1, "lm_config_from_json", where,
                  ": config field 'schedule_steps' is ", sched.schedule_steps, ", must be >= 1");
+  // the modern blocks (absent: GPT-2's defaults)
+  const auto one_of = [&](const char* key, std::initializer_list<const char*> names) {
+    const std::string v = config_field<std::string>(j, key, where);
+    int i = 0;
+    for (const char* n : names) {
+      if (v == n) return i;
+      ++i;
+    }
+    std::string valid;
+    for (const char* n : names) valid += (valid.empty() ? "" : ", ") + std::string(n);
+    graphmoe::detail::throw_error("lm_config_from_json", where, ": config field '", key, "' is '", v,
+                                  "', not one of ", valid);
+  };
+  if (j.contains("norm"))
+    m.norm = one_of("norm", {"layernorm", "rmsnorm"}) == 1 ? graphmoe::NormKind::RMSNorm
+                                                          : graphmoe::NormKind::LayerNorm;
+  if (j.contains("norm_eps")) m.norm_eps = config_field<double>(j, "norm_eps", where);
+  auto& a = m.attention;
+  if (j.contains("num_kv_heads")) a.num_kv_heads = config_field<index_t>(j, "num_kv_heads", where);
+  if (j.contains("rope_theta")) a.rope_theta = config_field<double>(j, "rope_theta", where);
+  if (j.contains("rope_layout"))
+    a.rope_layout = one_of("rope_layout", {"half-split", "interleaved"}) == 1
+                        ? graphmoe::RopeLayout::Interleaved
+                        : graphmoe::RopeLayout::HalfSplit;
+  if (j.contains("qk_norm"))
+    a.qk_norm = one_of("qk_norm", {"full", "per-head"}) == 0 ? graphmoe::QKNorm::Full
+                                                             : graphmoe::QKNorm::PerHead;
+  if (j.contains("qk_norm_eps")) a.qk_norm_eps = config_field<double>(j, "qk_norm_eps", where);
+  if (j.contains("qkv_bias")) a.qkv_bias = config_field<bool>(j, "qkv_bias", where);
+  if (j.contains("out_bias")) a.out_bias = config_field<bool>(j, "out_bias", where);
+  if (j.contains("expert_d_ff")) m.expert_d_ff = config_field<index_t>(j, "expert_d_ff", where);
+  if (j.contains("shared_d_ff")) m.shared_d_ff = config_field<index_t>(j, "shared_d_ff", where);
+  if (j.contains("shared_expert_gate"))
+    m.shared_expert_gate = config_field<bool>(j, "shared_expert_gate", where);
+  if (j.contains("first_k_dense")) m.first_k_dense = config_field<index_t>(j, "first_k_dense", where);
+  if (j.contains("moe_every")) m.moe_every = config_field<index_t>(j, "moe_every", where);
+  graphmoe::TokenChoiceOptions choice;
+  if (j.contains("norm_topk_prob")) choice.norm_topk_prob = config_field<bool>(j, "norm_topk_prob", where);
+  if (j.contains("routed_scaling_factor"))
+    choice.routed_scaling_factor = config_field<double>(j, "routed_scaling_factor", where);
+  if (j.contains("n_group")) {
+    choice.n_group = config_field<index_t>(j, "n_group", where);
+    choice.topk_group = config_field<index_t>(j, "topk_group", where);
+  }
+  static_cast<graphmoe::TokenChoiceOptions&>(m.router.options<graphmoe::TopK>()) = choice;
+  auto& bb = m.router.options<graphmoe::BiasBalancedTopK>();
+  static_cast<graphmoe::TokenChoiceOptions&>(bb) = choice;
+  if (j.contains("bias_update_rate"))
+    bb.bias_update_rate = config_field<double>(j, "bias_update_rate", where);
   return m;
 }
 

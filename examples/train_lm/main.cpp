@@ -24,13 +24,28 @@ using namespace graphmoe;
 int main(int argc, char** argv) {
   train_lm::Options opt;
   auto& m = opt.model;
-  m.max_seq_len = 128;
-  m.d_model = 128;
-  m.num_layers = 6;
-  m.num_heads = 4;
-  m.d_ff = 512;
-  m.router.num_experts = 8;
-  m.router.k = 2;
+  // --arch: the family's preset (TransformerLMConfig::preset) gives every default below it, so
+  // that the other options override single fields of it (and --help shows the preset's values)
+  std::string arch = "gpt";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--arch" && i + 1 < argc) arch = argv[i + 1];
+    else if (a.rfind("--arch=", 0) == 0) arch = a.substr(7);
+  }
+  const auto& archs = TransformerLMConfig::preset_names();
+  if (arch != "gpt" && std::find(archs.begin(), archs.end(), arch) != archs.end()) {
+    m = TransformerLMConfig::preset(arch, m.vocab_size);
+  } else {
+    m.max_seq_len = 128;
+    m.d_model = 128;
+    m.num_layers = 6;
+    m.num_heads = 4;
+    m.d_ff = 512;
+    m.router.num_experts = 8;
+    m.router.k = 2;
+  }
+  auto& choice = m.router.options<TopK>();  // copied to BiasBalancedTopK's after parsing
+  auto& bias_balanced = m.router.options<BiasBalancedTopK>();
   const std::string wt2 = data_dir() + "/wikitext-2/";
   opt.train_path = wt2 + "wiki.valid.tokens";
   opt.test_path = wt2 + "wiki.test.tokens";
@@ -44,8 +59,31 @@ int main(int argc, char** argv) {
   m.router.allow_unused_options = true;
   auto& sim = m.router.options<Similarity>();
   auto& sched = m.router.options<ScheduledTopK>();
-  std::string layout = "switch", tau_mode = "fixed", graph_precision = "exact",
+  std::string layout = m.layout == MoELayout::GLaM ? "glam" : m.layout == MoELayout::Dense ? "dense" : "switch",
+              tau_mode = "fixed", graph_precision = "exact",
               expert_layout = "compact";
+  std::string norm = norm_kind_name(m.norm), rope_layout = m.attention.rope_layout == RopeLayout::Interleaved ? "interleaved" : "half-split",
+              qk_norm = m.attention.qk_norm == QKNorm::Full ? "full" : m.attention.qk_norm == QKNorm::PerHead ? "per-head" : "none";
+  app.add_option("--arch", arch, "architecture preset, the defaults of every model option below (docs/reference/architectures.md)")->check(CLI::IsMember(archs));
+  app.add_option("--norm", norm, "normalisation: layernorm or rmsnorm")->check(CLI::IsMember({"layernorm", "rmsnorm"}));
+  app.add_option("--norm-eps", m.norm_eps, "the norms' epsilon")->check(examples::real(1e-12, 0.5));
+  app.add_option("--kv-heads", m.attention.num_kv_heads, "key/value heads, dividing --heads (grouped-query; 1: multi-query; 0: --heads)")->check(examples::integer<index_t>(0, examples::kMaxHeads));
+  app.add_option("--rope-theta", m.attention.rope_theta, "rotary position embeddings' base (0: learned positions)")->check(examples::real(0, 1e12));
+  app.add_option("--rope-layout", rope_layout, "RoPE's pairs: half-split (Hugging Face's rotate_half) or interleaved")->check(CLI::IsMember({"half-split", "interleaved"}));
+  app.add_option("--qk-norm", qk_norm, "RMSNorm of queries and keys: none, full (over the projection, OLMoE) or per-head (Qwen3)")->check(CLI::IsMember({"none", "full", "per-head"}));
+  app.add_option("--qkv-bias", m.attention.qkv_bias, "biases of the q, k, v projections (true/false)");
+  app.add_option("--out-bias", m.attention.out_bias, "bias of the attention output projection (true/false)");
+  app.add_option("--tie-embeddings", m.tie_embeddings, "the LM head is the token embedding (true/false)");
+  app.add_option("--expert-d-ff", m.expert_d_ff, "the routed experts' hidden size (0: --d-ff)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
+  app.add_option("--shared-d-ff", m.shared_d_ff, "shared experts' total hidden size in every MoE block (0: none)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
+  app.add_option("--shared-expert-gate", m.shared_expert_gate, "a per-token sigmoid gate on the shared experts (true/false)");
+  app.add_option("--first-dense", m.first_k_dense, "the first N blocks dense")->check(examples::integer<index_t>(0, examples::kMaxLayers));
+  app.add_option("--moe-every", m.moe_every, "switch layout: MoE in every N-th block")->check(examples::integer<index_t>(1, examples::kMaxLayers));
+  app.add_option("--norm-topk-prob", choice.norm_topk_prob, "gates renormalised over the chosen k (true/false)");
+  app.add_option("--routed-scaling-factor", choice.routed_scaling_factor, "every gate times this")->check(examples::positive_real(examples::kMaxCoef));
+  app.add_option("--n-group", choice.n_group, "group-limited routing: expert groups (1: off)")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--topk-group", choice.topk_group, "group-limited routing: groups a token may use")->check(examples::integer<index_t>(1, examples::kMaxExperts));
+  app.add_option("--bias-update-rate", bias_balanced.bias_update_rate, "sigmoid-bias routers: the expert bias's step per optimizer step")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
   app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
   app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
@@ -102,6 +140,14 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
+  m.norm = norm == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
+  m.attention.rope_layout = rope_layout == "interleaved" ? RopeLayout::Interleaved : RopeLayout::HalfSplit;
+  m.attention.qk_norm = qk_norm == "full" ? QKNorm::Full : qk_norm == "per-head" ? QKNorm::PerHead : QKNorm::None;
+  {
+    const double rate = bias_balanced.bias_update_rate;
+    static_cast<TokenChoiceOptions&>(bias_balanced) = choice;
+    bias_balanced.bias_update_rate = rate;
+  }
   m.expert_layout = expert_layout == "padded" ? ExpertLayout::Padded : ExpertLayout::Compact;
   sim.precision = graph_precision == "tf32"   ? GraphPrecision::TF32
                   : graph_precision == "bf16" ? GraphPrecision::BF16

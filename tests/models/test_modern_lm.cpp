@@ -264,3 +264,63 @@ TEST_CASE("modern LM blocks: bad options are refused naming the field") {
   c.attention.rope_theta = -1;
   CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("rope_theta"), Error);
 }
+
+TEST_CASE("presets: every family's switches, a forward, a training step and decoding on a small copy") {
+  CHECK(TransformerLMConfig::preset_names().size() == 7);
+  for (const std::string& arch : TransformerLMConfig::preset_names()) {
+    CAPTURE(arch);
+    TransformerLMConfig c = TransformerLMConfig::preset(arch, 23);
+    c.validate();
+    if (arch == "llama") CHECK(c.layout == MoELayout::Dense);
+    if (arch == "olmoe") {
+      CHECK(c.attention.qk_norm == QKNorm::Full);
+      CHECK_FALSE(c.router.options<TopK>().norm_topk_prob);
+      CHECK(c.router.num_experts == 64);
+      CHECK(c.router.k == 8);
+    }
+    if (arch == "qwen2-moe") CHECK(c.shared_expert_gate);
+    if (arch == "deepseek-v3") {
+      CHECK(c.first_k_dense == 1);
+      CHECK(c.router.options<BiasBalancedTopK>().routed_scaling_factor == 2.5);
+      CHECK(c.router.options<BiasBalancedTopK>().n_group == 8);
+    }
+    // a small copy: the same switches and expert counts, tiny widths
+    c.d_model = 16;
+    c.num_heads = 4;
+    if (c.attention.num_kv_heads > 0) c.attention.num_kv_heads = 2;
+    c.d_ff = 12;
+    c.max_seq_len = 10;
+    c.num_layers = 2;
+    if (c.expert_d_ff > 0) c.expert_d_ff = 4;
+    if (c.shared_d_ff > 0) c.shared_d_ff = 6;
+    c.init_std = 0.3;
+    auto check = [&]<class Policy>() {
+      TransformerLM<Policy, double> lm(c, 5);
+      Rng rng(3);
+      auto ids = random_ids(2, 10, c.vocab_size, rng);
+      const double l0 = lm.forward(ids, ids).total();
+      CHECK(std::isfinite(l0));
+      lm.arena().zero_grad();
+      lm.backward();
+      lm.set_mode(Mode::Eval);
+      Tensor<std::int32_t> row(Shape{1, 10});
+      for (index_t i = 0; i < 10; ++i) row.data()[i] = ids.data()[i];
+      lm.forward(row, Tensor<std::int32_t>());
+      const Tensor<double> full = lm.logits().clone();
+      auto cache = lm.decode_cache(1);
+      double worst = 0;
+      for (index_t i = 0; i < 10; ++i) {
+        Tensor<std::int32_t> one(Shape{1});
+        one.data()[0] = row.data()[i];
+        Tensor<double> logits;
+        lm.decode(one, DecodeRows{{0}, {i}}, cache, logits);
+        for (index_t v = 0; v < c.vocab_size; ++v)
+          worst = std::max(worst, std::abs(logits(0, v) - full(0, i, v)));
+      }
+      CHECK(worst < 1e-12);
+    };
+    check.template operator()<SoftmaxRouter>();
+    check.template operator()<SimilaritySigmoidBiasRouter>();
+  }
+  CHECK_THROWS_WITH_AS(TransformerLMConfig::preset("mixtrall", 10), doctest::Contains("unknown arch 'mixtrall'"), Error);
+}

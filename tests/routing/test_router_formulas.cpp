@@ -752,7 +752,8 @@ TEST_CASE("RouterConfig: each policy's options, by the policy's type") {
   CHECK(ccfg.options<CosineScorer>().dim == 16);
   CHECK(ccfg.options<ScheduledTopK>().k_max == 2);
   CHECK(!cfg.has_options<Similarity>());
-  static_assert(std::is_same_v<policy_options_t<TopK>, NoOptions>);
+  static_assert(std::is_same_v<policy_options_t<Independent>, NoOptions>);
+  static_assert(std::is_same_v<policy_options_t<TopK>, TokenChoiceOptions>);
   static_assert(std::is_same_v<policy_options_t<Similarity>, Similarity::Options>);
   // set: kept per policy; a reference stays valid while other policies' options are added
   Similarity::Options& sim = cfg.options<Similarity>();

@@ -114,6 +114,112 @@ struct TransformerLMConfig {
     return c;
   }
 
+  // ---- presets: the architectures of the families, at a CPU scale -----------------------------
+  // Each sets the switches as the family's Hugging Face config does (norms, RoPE base and layout,
+  // key/value heads, QK-norm, biases, tied or untied embeddings, the experts' count, width and
+  // top-k, gate normalisation and scaling, shared experts, dense first blocks, the auxiliary-loss
+  // coefficients) on a small shape (4 blocks, D = 256, 8 heads; vocab_size given) that trains on 2
+  // cores: every size is a field to change. The router policy is the model's template argument
+  // (softmax top-k for most families, SigmoidBiasRouter for DeepSeek-V3; any graph composes);
+  // the presets set the options of TopK and BiasBalancedTopK alike and allow_unused_options, so
+  // that one preset serves every router. The arch names: preset_names().
+  static TransformerLMConfig gpt(index_t vocab) {
+    TransformerLMConfig c;
+    c.vocab_size = vocab;
+    return c;
+  }
+  // Llama (dense): RMSNorm, RoPE (HalfSplit), grouped-query attention, no biases, untied embeddings.
+  static TransformerLMConfig llama(index_t vocab) {
+    TransformerLMConfig c = modern_base(vocab);
+    c.layout = MoELayout::Dense;
+    c.d_ff = 688;  // about 8/3 D, as Llama's SwiGLU width
+    c.attention.rope_theta = 500000.0;  // Llama 3
+    c.norm_eps = 1e-5;
+    return c;
+  }
+  // Mixtral: Llama's blocks with 8 experts, top-2, renormalised gates, auxiliary loss 0.02.
+  static TransformerLMConfig mixtral(index_t vocab) {
+    TransformerLMConfig c = modern_base(vocab);
+    c.attention.rope_theta = 1e6;
+    c.norm_eps = 1e-5;
+    c.d_ff = 688;
+    set_experts(c, 8, 2, true, 1.0);
+    c.router.load_balance_coef = 0.02;
+    return c;
+  }
+  // Qwen2-MoE: q/k/v biases, 60 fine-grained experts of top-4 with unnormalised gates, one shared
+  // expert of 4x their width behind a per-token sigmoid gate.
+  static TransformerLMConfig qwen2_moe(index_t vocab) {
+    TransformerLMConfig c = modern_base(vocab);
+    c.attention.rope_theta = 1e6;
+    c.attention.qkv_bias = true;
+    set_experts(c, 60, 4, false, 1.0);
+    c.expert_d_ff = 88;
+    c.shared_d_ff = 4 * 88;
+    c.shared_expert_gate = true;
+    c.router.load_balance_coef = 0.001;
+    return c;
+  }
+  // Qwen3-MoE: per-head QK-norm, no biases, 128 experts of top-8 with renormalised gates.
+  static TransformerLMConfig qwen3_moe(index_t vocab) {
+    TransformerLMConfig c = modern_base(vocab);
+    c.attention.rope_theta = 1e6;
+    c.attention.qk_norm = QKNorm::PerHead;
+    set_experts(c, 128, 8, true, 1.0);
+    c.expert_d_ff = 64;
+    c.router.load_balance_coef = 0.001;
+    return c;
+  }
+  // OLMoE: QK-norm over the whole projections, 64 experts of top-8 with unnormalised gates,
+  // auxiliary loss 0.01 and z-loss 0.001, RoPE base 10,000, untied embeddings.
+  static TransformerLMConfig olmoe(index_t vocab) {
+    TransformerLMConfig c = modern_base(vocab);
+    c.attention.rope_theta = 10000.0;
+    c.attention.qk_norm = QKNorm::Full;
+    c.attention.num_kv_heads = 0;  // OLMoE: multi-head attention
+    set_experts(c, 64, 8, false, 1.0);
+    c.expert_d_ff = 128;
+    c.router.load_balance_coef = 0.01;
+    c.router.z_loss_coef = 0.001;
+    return c;
+  }
+  // DeepSeek-V3 with standard attention (its multi-head latent attention is not built): a dense
+  // first block, 64 routed experts of top-8 in 8 groups (4 per token), renormalised gates scaled
+  // by 2.5, one shared expert, no auxiliary loss (the bias balances; use SigmoidBiasRouter).
+  static TransformerLMConfig deepseek_v3(index_t vocab) {
+    TransformerLMConfig c = modern_base(vocab);
+    c.attention.rope_theta = 10000.0;
+    c.attention.num_kv_heads = 0;
+    set_experts(c, 64, 8, true, 2.5);
+    c.expert_d_ff = 128;
+    c.shared_d_ff = 128;
+    c.first_k_dense = 1;
+    c.d_ff = 688;
+    c.router.options<TopK>().n_group = 8;
+    c.router.options<TopK>().topk_group = 4;
+    c.router.options<BiasBalancedTopK>().n_group = 8;
+    c.router.options<BiasBalancedTopK>().topk_group = 4;
+    return c;
+  }
+  // The preset of an arch name (gpt, llama, mixtral, qwen2-moe, qwen3-moe, olmoe, deepseek-v3).
+  static TransformerLMConfig preset(const std::string& arch, index_t vocab) {
+    if (arch == "gpt") return gpt(vocab);
+    if (arch == "llama") return llama(vocab);
+    if (arch == "mixtral") return mixtral(vocab);
+    if (arch == "qwen2-moe") return qwen2_moe(vocab);
+    if (arch == "qwen3-moe") return qwen3_moe(vocab);
+    if (arch == "olmoe") return olmoe(vocab);
+    if (arch == "deepseek-v3") return deepseek_v3(vocab);
+    std::string valid;
+    for (const auto& n : preset_names()) valid += (valid.empty() ? "" : ", ") + n;
+    detail::throw_error("TransformerLMConfig::preset", "unknown arch '", arch, "'; valid: ", valid);
+  }
+  static const std::vector<std::string>& preset_names() {
+    static const std::vector<std::string> names = {"gpt",       "llama", "mixtral",    "qwen2-moe",
+                                                   "qwen3-moe", "olmoe", "deepseek-v3"};
+    return names;
+  }
+
   // The RouterConfig defaults with the router made causal, as a causal LM needs.
   static RouterConfig causal_router() {
     RouterConfig r;
@@ -122,6 +228,40 @@ struct TransformerLMConfig {
   }
 
   bool learned_positions() const { return attention.rope_theta == 0; }
+
+ private:
+  // What the modern presets share: RMSNorm, RoPE (HalfSplit), 4 key/value heads of 8, no biases,
+  // untied embeddings, on 4 blocks of D = 256.
+  static TransformerLMConfig modern_base(index_t vocab) {
+    TransformerLMConfig c;
+    c.vocab_size = vocab;
+    c.max_seq_len = 256;
+    c.d_model = 256;
+    c.num_layers = 4;
+    c.num_heads = 8;
+    c.d_ff = 512;
+    c.tie_embeddings = false;
+    c.norm = NormKind::RMSNorm;
+    c.norm_eps = 1e-6;
+    c.attention.rope_theta = 10000.0;
+    c.attention.rope_layout = RopeLayout::HalfSplit;
+    c.attention.num_kv_heads = 4;
+    c.attention.qkv_bias = false;
+    c.attention.out_bias = false;
+    c.router.allow_unused_options = true;  // TopK's and BiasBalancedTopK's options both set
+    return c;
+  }
+  static void set_experts(TransformerLMConfig& c, index_t e, index_t k, bool norm, double scale) {
+    c.layout = MoELayout::Switch;
+    c.router.num_experts = e;
+    c.router.k = k;
+    c.router.options<TopK>().norm_topk_prob = norm;
+    c.router.options<TopK>().routed_scaling_factor = scale;
+    c.router.options<BiasBalancedTopK>().norm_topk_prob = norm;
+    c.router.options<BiasBalancedTopK>().routed_scaling_factor = scale;
+  }
+
+ public:
   index_t experts_width() const { return expert_d_ff > 0 ? expert_d_ff : d_ff; }
 
   bool is_moe_layer(index_t i) const {
