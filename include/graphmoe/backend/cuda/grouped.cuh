@@ -239,9 +239,10 @@ void accumulate_expert_column_sums(const Tensor<T, cuda>& dy, const CudaDispatch
 // ---- the expert FFNs -------------------------------------------------------------------------
 namespace detail {
 
-// The first layer's epilogue over the experts' rows, one pass: h += b1[expert of the row]
-// (kept for backward), then gelu(h) into a (T, when given) and into ac (the compute type C, when
-// given): the same values as add_expert_rows, gelu_forward and convert one after the other.
+// The first layer's epilogue over the experts' rows, one pass: h += b1[expert of the row] (when
+// b1 is given; kept for backward), then gelu(h) into a (T, when given) and into ac (the compute
+// type C, when given): the same values as add_expert_rows, gelu_forward and convert one after the
+// other.
 template <class T, class C>
 struct ExpertBiasGeluOp {
   GeluForm form;
@@ -254,7 +255,8 @@ struct ExpertBiasGeluOp {
   __device__ void operator()(index_t i) const {
     const index_t e = slot_expert[i / cols];
     T x = h[i];
-    if (b1 != nullptr && e < num_experts) x = from_acc<T>(to_acc(x) + to_acc(b1[e * cols + i % cols]));
+    if (b1 != nullptr && e < num_experts)
+      x = from_acc<T>(to_acc(x) + to_acc(b1[e * cols + i % cols]));
     h[i] = x;
     const T v = gelu_value_of(form, x);
     if (a != nullptr) a[i] = v;
