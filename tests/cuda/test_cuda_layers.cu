@@ -1,7 +1,8 @@
 // Cross-backend tests of the layers, routers and the MoE layer: the same layer class instantiated
 // with graphmoe::cpu (the reference) and graphmoe::cuda, the same parameters (the CPU arena's
 // values copied to the device arena) and inputs; outputs, routing decisions, input gradients and
-// every parameter gradient are compared.
+// every parameter gradient are compared. The FeedForward and the MoE layer run with GELU and with
+// SwiGLU (fused gate | up first projection, with and without biases; fp32, fp64 and bf16 experts).
 //
 //   error metric   max_i |cuda_i - cpu_i| / max_i |cpu_i| per tensor (tests/cuda/cuda_test_support)
 //   tolerance      composite layers (several ops and reductions in other orders, fused
@@ -123,6 +124,34 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Linear, LayerNorm and FeedForward layers", T, f
     check_close("FeedForward dx", hdx, dxd, layer_tolerance<T>());
     check_gradients("FeedForward", p.host_arena, p.dev_arena);
   }
+  // SwiGLU: fc1 (2 d_ff, D), gate rows then up rows; with and without biases (random biases, so
+  // that the adds are exercised)
+  for (bool bias : {true, false}) {
+    CAPTURE(bias);
+    Pair<FeedForward<T, cpu>, FeedForward<T, graphmoe::cuda>, T> p(
+        [bias](auto& arena, auto& l) {
+          l.declare(arena, "ffn.", 12, 20, GeluForm::Tanh, FfnActivation::SwiGLU, bias);
+        },
+        [](auto& l) { Rng r(2); l.init(r, 0.2); });
+    REQUIRE(p.host_arena.value("ffn.fc1.weight").shape() == Shape{40, 12});
+    if (bias) {
+      Rng br(4);
+      auto b = p.host_arena.value("ffn.fc1.bias");
+      b.copy_from(random_tensor<T>(b.shape(), br));
+      copy_parameters(p.host_arena, p.dev_arena);
+    }
+    const Tensor<T, cpu> xf = x.view(Shape{14, 12});
+    const Tensor<T, cpu> dy = random_tensor<T>(xf.shape(), data);
+    Tensor<T, cpu> hy, hdx;
+    Tensor<T, graphmoe::cuda> yd, dxd;
+    p.host.forward(xf, hy);
+    p.dev.forward(to_device(xf), yd);
+    check_close("SwiGLU FeedForward y", hy, yd, layer_tolerance<T>());
+    p.host.backward(dy, hdx);
+    p.dev.backward(to_device(dy), dxd);
+    check_close("SwiGLU FeedForward dx", hdx, dxd, layer_tolerance<T>());
+    check_gradients("SwiGLU FeedForward", p.host_arena, p.dev_arena);
+  }
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: MultiHeadAttention layer and its cache", T, float, double) {
@@ -153,17 +182,34 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MultiHeadAttention layer and its cache", T, flo
 namespace {
 
 // One MoE layer on both backends: routing, output, du and every gradient. C: the device experts'
-// GEMM compute type; tol: the tolerance of the expert outputs and gradients.
+// GEMM compute type; tol: the tolerance of the expert outputs and gradients; activation, bias and
+// layout: MoEConfig's (SwiGLU experts get random biases, so that the bias adds are exercised).
 template <class Policy, class T, class C = T>
 void compare_moe(const RouterConfig& rc, index_t batch, index_t len,
-                 double tol = layer_tolerance<T>()) {
+                 double tol = layer_tolerance<T>(),
+                 FfnActivation activation = FfnActivation::Gelu, bool bias = true,
+                 ExpertLayout layout = ExpertLayout::Compact) {
   MoEConfig cfg;
   cfg.d_model = 24;
   cfg.d_ff = 20;
   cfg.router = rc;
+  cfg.activation = activation;
+  cfg.bias = bias;
+  cfg.layout = layout;
   Pair<MoELayer<Policy, T, cpu>, MoELayer<Policy, T, graphmoe::cuda, C>, T> p(
       [&](auto& arena, auto& l) { l.declare(arena, "moe.", cfg); },
       [](auto& l) { Rng r(7); l.init(r); });
+  if (activation == FfnActivation::SwiGLU) {
+    REQUIRE(p.host_arena.value("moe.experts.w1").shape() == Shape{rc.num_experts, 40, 24});
+    if (bias) {
+      Rng br(8);
+      for (const char* name : {"moe.experts.b1", "moe.experts.b2"}) {
+        auto b = p.host_arena.value(name);
+        b.copy_from(random_tensor<T>(b.shape(), br, -0.5, 0.5));
+      }
+      copy_parameters(p.host_arena, p.dev_arena);
+    }
+  }
   Rng data(11);
   const index_t n = batch * len;
   const Tensor<T, cpu> u = random_tensor<T>(Shape{n, cfg.d_model}, data);
@@ -245,6 +291,36 @@ TEST_CASE("cuda vs cpu: MoE layer with bf16 and fp16 expert compute (fp32 router
   compare_moe<SimilarityRouter, float, __nv_bfloat16>(rc, 3, 37, 2e-2);
   compare_moe<SoftmaxRouter, float, __nv_bfloat16>(small_router(), 2, 9, 2e-2);
   compare_moe<SimilarityRouter, float, __half>(rc, 3, 37, 3e-3);
+}
+
+// SwiGLU experts (w1 (E, 2F, D), gate rows then up rows), with and without biases: the fused
+// bias + swiglu pass and its backward over all experts' rows against the CPU's per-expert loop;
+// compact and padded layouts, capacity drops; bf16 expert compute (tolerance as above).
+TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with SwiGLU experts", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (bool bias : {true, false}) {
+    CAPTURE(bias);
+    compare_moe<SoftmaxRouter, T>(small_router(), 2, 9, layer_tolerance<T>(),
+                                  FfnActivation::SwiGLU, bias);
+    RouterConfig rc = small_router();
+    rc.capacity_factor = 0.5;
+    compare_moe<SoftmaxRouter, T>(rc, 2, 9, layer_tolerance<T>(), FfnActivation::SwiGLU, bias);
+    compare_moe<SoftmaxRouter, T>(rc, 2, 9, layer_tolerance<T>(), FfnActivation::SwiGLU, bias,
+                                  ExpertLayout::Padded);
+    rc.causal = true;
+    rc.options<graphmoe::Similarity>().tau = 2.0;
+    compare_moe<SimilarityRouter, T>(rc, 3, 37, layer_tolerance<T>(), FfnActivation::SwiGLU,
+                                     bias);
+  }
+}
+
+TEST_CASE("cuda vs cpu: MoE layer with SwiGLU experts in bf16 compute (fp32 router)") {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (bool bias : {true, false}) {
+    CAPTURE(bias);
+    compare_moe<SoftmaxRouter, float, __nv_bfloat16>(small_router(), 2, 9, 2e-2,
+                                                     FfnActivation::SwiGLU, bias);
+  }
 }
 
 TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the X-MoE (cosine) routers", T, float, double) {

@@ -1,6 +1,7 @@
 // The MoE layer: finite-difference gradient check with every router, expert choice included (with
 // and without detaching the token graph), causality of the causal similarity graph, grouped
-// dispatch, capacity drops.
+// dispatch, capacity drops; SwiGLU experts and the SwiGLU FeedForward (with and without biases):
+// gradient checks and a naive loop-by-loop evaluation of the experts' output.
 #include <doctest/doctest.h>
 
 #include "graphmoe/layers/block.hpp"
@@ -331,4 +332,175 @@ TEST_CASE_TEMPLATE("MoE layer: 2 threads (both parallelisations) agree with 1 th
     }
   }
   set_num_threads(1);
+}
+
+namespace {
+double naive_silu(double x) { return x / (1 + std::exp(-x)); }
+}  // namespace
+
+// SwiGLU experts, w1 (E, 2F, D) with the gate rows first: every gradient (both parallelisations,
+// with and without biases; without them the arena has no b1, b2).
+TEST_CASE_TEMPLATE("MoE layer with SwiGLU experts: gradient check, with and without biases",
+                   Policy, SoftmaxRouter, SimilarityRouter) {
+  for (bool bias : {true, false})
+    for (auto par : {ExpertParallelism::WithinGemm, ExpertParallelism::AcrossExperts}) {
+      CAPTURE(bias);
+      CAPTURE(static_cast<int>(par));
+      Fixture<Policy> fx(4, 3, 4, 2);
+      fx.cfg.activation = FfnActivation::SwiGLU;
+      fx.cfg.bias = bias;
+      fx.cfg.parallelism = par;
+      fx.cfg.router.causal = true;
+      fx.cfg.router.load_balance_coef = 0.05;
+      fx.build(131);
+      CHECK(fx.arena.value("moe.experts.w1").shape() == Shape{4, 6, 4});
+      CHECK(fx.arena.value("moe.experts.w2").shape() == Shape{4, 4, 3});
+      bool has_b1 = false, has_b2 = false;
+      for (const auto& info : fx.arena.params()) {
+        has_b1 |= info.name == "moe.experts.b1";
+        has_b2 |= info.name == "moe.experts.b2";
+      }
+      CHECK(has_b1 == bias);
+      CHECK(has_b2 == bias);
+      if (bias) {  // non-zero biases, so that their gradients and adds are exercised
+        Rng br(133);
+        auto b1 = fx.arena.value("moe.experts.b1"), b2 = fx.arena.value("moe.experts.b2");
+        b1.copy_from(random_normal<double>(b1.shape(), br, 0.5));
+        b2.copy_from(random_normal<double>(b2.shape(), br, 0.5));
+      }
+      Rng rng(132);
+      const index_t n = 8, d = 4;
+      auto u = random_normal<double>({n, d}, rng);
+      auto w = random_normal<double>({n, d}, rng);
+      auto loss = [&] {
+        Tensor<double> y;
+        fx.layer.forward(u, {4, nullptr}, y);
+        return weighted_sum(y, w) + 0.05 * fx.layer.routing().load_balance_loss;
+      };
+      Tensor<double> y, du;
+      fx.layer.forward(u, {4, nullptr}, y);
+      fx.arena.zero_grad();
+      fx.layer.backward(w, du);
+      fx.check_gradients(u, du, loss);
+    }
+}
+
+// One expert's SwiGLU output evaluated loop by loop: y_i = sum_j g_ij (silu(x Wg^T + bg) *
+// (x Wu^T + bu)) w2^T + b2, Wg = w1[e, :F], Wu = w1[e, F:].
+TEST_CASE("MoE layer: SwiGLU experts against a naive evaluation, with and without biases") {
+  for (bool bias : {true, false}) {
+    CAPTURE(bias);
+    const index_t n = 12, d = 5, f = 4, k = 2;
+    Fixture<SoftmaxRouter> fx(d, f, 3, k);
+    fx.cfg.activation = FfnActivation::SwiGLU;
+    fx.cfg.bias = bias;
+    fx.build(141);
+    Rng rng(142);
+    Tensor<double> b1, b2;
+    if (bias) {
+      b1 = fx.arena.value("moe.experts.b1");
+      b2 = fx.arena.value("moe.experts.b2");
+      b1.copy_from(random_normal<double>(b1.shape(), rng, 0.5));
+      b2.copy_from(random_normal<double>(b2.shape(), rng, 0.5));
+    }
+    auto u = random_normal<double>({n, d}, rng);
+    Tensor<double> y;
+    fx.layer.forward(u, {n, nullptr}, y);
+    const auto& sel = fx.layer.routing().selection;
+    auto w1 = fx.arena.value("moe.experts.w1"), w2 = fx.arena.value("moe.experts.w2");
+    REQUIRE(w1.shape() == Shape{3, 2 * f, d});
+    for (index_t i = 0; i < n; ++i) {
+      std::vector<double> ref(static_cast<std::size_t>(d), 0.0);
+      for (index_t j = 0; j < k; ++j) {
+        const index_t e = sel.indices(i, j);
+        std::vector<double> hid(static_cast<std::size_t>(f));
+        for (index_t h = 0; h < f; ++h) {
+          double gate = bias ? b1(e, h) : 0.0, up = bias ? b1(e, f + h) : 0.0;
+          for (index_t c = 0; c < d; ++c) {
+            gate += w1(e, h, c) * u(i, c);
+            up += w1(e, f + h, c) * u(i, c);
+          }
+          hid[static_cast<std::size_t>(h)] = naive_silu(gate) * up;
+        }
+        for (index_t c = 0; c < d; ++c) {
+          double s = bias ? b2(e, c) : 0.0;
+          for (index_t h = 0; h < f; ++h) s += w2(e, c, h) * hid[static_cast<std::size_t>(h)];
+          ref[static_cast<std::size_t>(c)] += sel.gates(i, j) * s;
+        }
+      }
+      for (index_t c = 0; c < d; ++c)
+        CHECK(y(i, c) == doctest::Approx(ref[static_cast<std::size_t>(c)]).epsilon(1e-12));
+    }
+  }
+}
+
+// The dense FeedForward: fc1 (2F, D) with SwiGLU (gate rows first), with and without biases, and
+// GELU for comparison; every gradient against central differences, and SwiGLU's output against a
+// naive evaluation.
+TEST_CASE("FeedForward with GELU and SwiGLU: gradient check, with and without biases") {
+  const index_t n = 6, d = 4, f = 3;
+  for (auto act : {FfnActivation::Gelu, FfnActivation::SwiGLU})
+    for (bool bias : {true, false}) {
+      CAPTURE(ffn_activation_name(act));
+      CAPTURE(bias);
+      ParameterArena<double> arena;
+      FeedForward<double> ffn;
+      ffn.declare(arena, "ffn.", d, f, GeluForm::Erf, act, bias);
+      arena.allocate();
+      ffn.bind(arena);
+      Rng rng(151);
+      ffn.init(rng, 0.6);
+      CHECK(ffn.activation() == act);
+      const index_t width = act == FfnActivation::SwiGLU ? 2 * f : f;
+      CHECK(arena.value("ffn.fc1.weight").shape() == Shape{width, d});
+      CHECK(arena.params().size() == (bias ? 4u : 2u));
+      if (bias) {
+        auto b = arena.value("ffn.fc1.bias");
+        b.copy_from(random_normal<double>(b.shape(), rng, 0.5));
+      }
+      auto x = random_normal<double>({n, d}, rng);
+      auto w = random_normal<double>({n, d}, rng);
+      auto loss = [&] {
+        Tensor<double> y;
+        ffn.forward(x, y);
+        return weighted_sum(y, w);
+      };
+      Tensor<double> y, dx;
+      ffn.forward(x, y);
+      if (act == FfnActivation::SwiGLU) {
+        auto w1 = arena.value("ffn.fc1.weight"), w2 = arena.value("ffn.fc2.weight");
+        for (index_t i = 0; i < n; ++i)
+          for (index_t c = 0; c < d; ++c) {
+            double s = bias ? arena.value("ffn.fc2.bias")(c) : 0.0;
+            for (index_t h = 0; h < f; ++h) {
+              double gate = bias ? arena.value("ffn.fc1.bias")(h) : 0.0;
+              double up = bias ? arena.value("ffn.fc1.bias")(f + h) : 0.0;
+              for (index_t q = 0; q < d; ++q) {
+                gate += w1(h, q) * x(i, q);
+                up += w1(f + h, q) * x(i, q);
+              }
+              s += w2(c, h) * naive_silu(gate) * up;
+            }
+            CHECK(y(i, c) == doctest::Approx(s).epsilon(1e-12));
+          }
+      }
+      arena.zero_grad();
+      ffn.backward(w, dx);
+      check_gradient("dx", x, dx, loss);
+      for (const auto& info : arena.params()) {
+        Tensor<double> v = arena.value(info.name);
+        check_gradient(info.name, v, arena.grad(info.name), loss);
+      }
+    }
+}
+
+TEST_CASE("FeedForward and the expert bank refuse an unknown activation") {
+  ParameterArena<double> arena;
+  FeedForward<double> ffn;
+  CHECK_THROWS_WITH_AS(ffn.declare(arena, "ffn.", 4, 3, GeluForm::Tanh,
+                                   static_cast<FfnActivation>(5)),
+                       doctest::Contains("unknown FfnActivation 5"), Error);
+  ExpertBank<double> bank;
+  CHECK_THROWS_WITH_AS(bank.declare(arena, "e.", 2, 4, 3, static_cast<FfnActivation>(5)),
+                       doctest::Contains("unknown FfnActivation 5"), Error);
 }

@@ -1,8 +1,13 @@
 // graphmoe/core/expert_ffn.hpp: the tensors of a bank of expert FFNs as the expert FFN op reads and
 // writes them (ops/experts.hpp), and how the CPU spreads the experts over its threads.
+//
+// F below is the hidden width d_ff and F1 the first projection's rows per expert: F with GELU,
+// 2F with SwiGLU (gate rows, then up rows; core/ffn_activation.hpp). The biases are optional:
+// empty b1, b2 (and db1, db2) mean an FFN without them.
 #pragma once
 
 #include "graphmoe/core/dispatch_plan.hpp"
+#include "graphmoe/core/ffn_activation.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -19,13 +24,15 @@ enum class ExpertParallelism {
 template <class T, class C, class B>
 struct ExpertFfn {
   index_t num_experts = 0;    // E; plan experts >= E (the capacity-drop bucket) are skipped
-  Tensor<C, B> w1, w2;        // (E, F, D), (E, D, F): the weights in the compute type
-  Tensor<T, B> b1, b2;        // (E, F), (E, D)
+  Tensor<C, B> w1, w2;        // (E, F1, D), (E, D, F): the weights in the compute type
+  Tensor<T, B> b1, b2;        // (E, F1), (E, D), or both empty (no biases)
   Tensor<T, B> dw1, dw2;      // the weights' gradients (accumulated)
-  Tensor<T, B> db1, db2;      // the biases' gradients (accumulated)
-  Tensor<T, B> h, a;          // (S, F): forward cache, pre-activation and GELU output
+  Tensor<T, B> db1, db2;      // the biases' gradients (accumulated; empty without biases)
+  Tensor<T, B> h;             // (S, F1): forward cache, the first projection (+ b1)
+  Tensor<T, B> a;             // (S, F): forward cache, the activation gelu(h) or swiglu(h)
   Tensor<C, B> xc;            // (S, D): xs in the compute type (xs itself when C = T)
   Tensor<C, B> ac;            // (S, F): a in the compute type (empty when C = T)
+  Tensor<T, B> da;            // (S, F): SwiGLU's backward scratch dy w2 (empty with GELU)
 };
 
 namespace detail {

@@ -11,7 +11,8 @@
 // With an Attention-graph router, the MoE layer reads this block's attention cache (probs,
 // values, output map and output) and its backward sends gradients into them, which the attention
 // backward folds in. Layer contract in linear.hpp; the residual stream's gradient is the sum of
-// the skip path and the branch.
+// the skip path and the branch. The dense FFN takes its activation (GELU or SwiGLU), GELU's form
+// and its bias flag from moe_config (activation, gelu, bias), as the experts do.
 //
 // Compute type C (default T): the GEMM operand type of the block's projections (attention q, k,
 // v, out; the dense FFN) and of its experts (MoELayer's C). With T = float and C =
@@ -74,10 +75,11 @@ class TransformerBlock {
     else if (cfg.moe)
       moe_.declare(arena, prefix + "moe.", cfg_.moe_config);
     else
-      ffn_.declare(arena, prefix + "ffn.", cfg.d_model, cfg.d_ff, cfg_.moe_config.gelu);
-    if (cfg.shared_d_ff > 0) {
+      ffn_.declare(arena, prefix + "ffn.", cfg.d_model, cfg.d_ff, cfg_.moe_config.gelu,
+                   cfg_.moe_config.activation, cfg_.moe_config.bias);
+    if (cfg.shared_d_ff > 0) {  // the shared experts: the experts' activation and bias
       shared_.declare(arena, prefix + "shared_expert.", cfg.d_model, cfg.shared_d_ff,
-                      cfg_.moe_config.gelu);
+                      cfg_.moe_config.gelu, cfg_.moe_config.activation, cfg_.moe_config.bias);
       if (cfg.shared_expert_gate)
         gate_.declare(arena, prefix + "shared_expert_gate.", cfg.d_model, 1, /*bias=*/false);
     }

@@ -1,10 +1,14 @@
-// graphmoe/layers/expert_bank.hpp: E expert FFNs (D -> d_ff -> D, GELU) applied to tokens grouped
-// by expert.
+// graphmoe/layers/expert_bank.hpp: E expert FFNs (D -> d_ff -> D, GELU or SwiGLU) applied to
+// tokens grouped by expert.
 //
 // Parameters (E experts stacked, PyTorch nn.Linear layout per expert):
-//   w1 (E, F, D), b1 (E, F), w2 (E, D, F), b2 (E, D)
+//   GELU:    w1 (E, F, D), b1 (E, F), w2 (E, D, F), b2 (E, D)
+//   SwiGLU:  w1 (E, 2F, D), b1 (E, 2F), w2 (E, D, F), b2 (E, D): w1_e's first F rows are the
+//            gate projection, its last F rows the up projection (core/ffn_activation.hpp)
+// declare(..., bias = false) declares no b1, b2 (the Llama-family experts have none).
 // For expert e and its block of rows X_e of the dispatched tokens xs (see DispatchPlan):
-//   H_e = X_e w1_e^T + b1_e,  A_e = gelu(H_e),  Y_e = A_e w2_e^T + b2_e
+//   H_e = X_e w1_e^T + b1_e,  A_e = gelu(H_e) or silu(H_e[:, :F]) * H_e[:, F:],
+//   Y_e = A_e w2_e^T + b2_e
 // One GEMM pair per expert on its rows only: never a dense all-experts pass. Experts with id >= E
 // in the plan (the capacity-drop bucket) are skipped and their rows of ys set to zero. The
 // schedule is the backend's (ops/experts.hpp): on the CPU the experts run one after another or
@@ -48,46 +52,56 @@ class ExpertBank {
                 "graphmoe::ExpertBank: a compute type other than T needs the cuda backend");
 
  public:
+  // activation: GELU (w1 has F rows per expert) or SwiGLU (2F: gate | up); bias: declare b1, b2.
+  // The activation is fixed here (the parameters' shapes depend on it); GELU's form is set_gelu's.
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t num_experts,
-               index_t d_model, index_t d_ff) {
+               index_t d_model, index_t d_ff, FfnActivation activation = FfnActivation::Gelu,
+               bool bias = true) {
     GRAPHMOE_CHECK(num_experts >= 1 && d_model >= 1 && d_ff >= 1, "ExpertBank",
                    "num_experts, d_model and d_ff must be >= 1, got ", num_experts, ", ", d_model,
                    ", ", d_ff);
+    set_activation(activation, bias);
     e_ = num_experts;
     d_ = d_model;
     f_ = d_ff;
     total_ = num_experts;
     first_ = 0;
-    id_w1_ = arena.add(prefix + "w1", Shape{e_, f_, d_});
-    id_b1_ = arena.add(prefix + "b1", Shape{e_, f_});
+    id_w1_ = arena.add(prefix + "w1", Shape{e_, f1(), d_});
+    if (bias_) id_b1_ = arena.add(prefix + "b1", Shape{e_, f1()});
     id_w2_ = arena.add(prefix + "w2", Shape{e_, d_, f_});
-    id_b2_ = arena.add(prefix + "b2", Shape{e_, d_});
+    if (bias_) id_b2_ = arena.add(prefix + "b2", Shape{e_, d_});
   }
   // Expert parallel: this bank holds experts [first, first + count) of a layer of total_experts
   // (its parameters are shards of the whole layer's, ParameterInfo::sharded, under the same
   // names); the plans it is given number its experts 0 .. count - 1.
   void declare_shard(ParameterArena<T, B>& arena, const std::string& prefix,
                      index_t total_experts, index_t first, index_t count, index_t d_model,
-                     index_t d_ff) {
+                     index_t d_ff, FfnActivation activation = FfnActivation::Gelu,
+                     bool bias = true) {
     GRAPHMOE_CHECK(total_experts >= 1 && count >= 1 && first >= 0 &&
                        first + count <= total_experts && d_model >= 1 && d_ff >= 1,
                    "ExpertBank", "experts [", first, ", ", first + count, ") of ", total_experts,
                    " with d_model ", d_model, " and d_ff ", d_ff, " are not a valid shard");
+    set_activation(activation, bias);
     e_ = count;
     d_ = d_model;
     f_ = d_ff;
     total_ = total_experts;
     first_ = first;
-    id_w1_ = arena.add_shard(prefix + "w1", Shape{e_, f_, d_}, total_, first_);
-    id_b1_ = arena.add_shard(prefix + "b1", Shape{e_, f_}, total_, first_);
+    id_w1_ = arena.add_shard(prefix + "w1", Shape{e_, f1(), d_}, total_, first_);
+    if (bias_) id_b1_ = arena.add_shard(prefix + "b1", Shape{e_, f1()}, total_, first_);
     id_w2_ = arena.add_shard(prefix + "w2", Shape{e_, d_, f_}, total_, first_);
-    id_b2_ = arena.add_shard(prefix + "b2", Shape{e_, d_}, total_, first_);
+    if (bias_) id_b2_ = arena.add_shard(prefix + "b2", Shape{e_, d_}, total_, first_);
   }
   void bind(const ParameterArena<T, B>& arena) {
     w1_ = arena.value(id_w1_); dw1_ = arena.grad(id_w1_);
-    b1_ = arena.value(id_b1_); db1_ = arena.grad(id_b1_);
+    if (bias_) {
+      b1_ = arena.value(id_b1_); db1_ = arena.grad(id_b1_);
+    }
     w2_ = arena.value(id_w2_); dw2_ = arena.grad(id_w2_);
-    b2_ = arena.value(id_b2_); db2_ = arena.grad(id_b2_);
+    if (bias_) {
+      b2_ = arena.value(id_b2_); db2_ = arena.grad(id_b2_);
+    }
     bound_ = true;
   }
   // w ~ N(0, init_std^2), biases 0.
@@ -98,13 +112,17 @@ class ExpertBank {
       fill_normal(w1_, rng, init_std);
       fill_normal(w2_, rng, init_std);
     } else {
-      init_rows(w1_, Shape{total_, f_, d_}, rng, init_std);
+      init_rows(w1_, Shape{total_, f1(), d_}, rng, init_std);
       init_rows(w2_, Shape{total_, d_, f_}, rng, init_std);
     }
-    b1_.zero();
-    b2_.zero();
+    if (bias_) {
+      b1_.zero();
+      b2_.zero();
+    }
   }
   void set_gelu(GeluForm form) { gelu_ = form; }
+  FfnActivation activation() const { return activation_; }
+  bool has_bias() const { return bias_; }
   void set_parallelism(ExpertParallelism p) { par_ = p; }
   index_t num_experts() const { return e_; }
 
@@ -116,7 +134,7 @@ class ExpertBank {
                    "xs has shape ", xs.shape(), ", expected (", plan.num_slots(), ", ", d_, ")");
     prepare_output("ExpertBank", "ys", ys, xs.shape());
     if (h_.empty() || h_.rows() != s) {
-      h_ = Tensor<T, B>(Shape{s, f_});
+      h_ = Tensor<T, B>(Shape{s, f1()});
       a_ = Tensor<T, B>(Shape{s, f_});
     }
     xc_ = to_compute(xs, xc_);
@@ -134,7 +152,7 @@ class ExpertBank {
     if constexpr (!std::is_same_v<C, T>) {
       if (ac_.empty() || ac_.rows() != s) ac_ = Tensor<C, B>(Shape{s, f_});
     }
-    expert_ffn_forward(plan, tensors(), gelu_, par_, ys);
+    expert_ffn_forward(plan, tensors(), form(), par_, ys);
     if (plan.num_experts > e_) {  // drop bucket
       const index_t r0 = plan.offset(e_), r1 = plan.offset(plan.num_experts);
       if (r1 > r0) ys.slice(r0, r1).zero();
@@ -153,11 +171,12 @@ class ExpertBank {
     }
     // scratch kept between steps (allocated, and zero-filled, only when the slot count changes)
     if (dh_.empty() || dh_.rows() != xs.rows()) {
-      dh_ = Tensor<T, B>(Shape{xs.rows(), f_});
-      if constexpr (!std::is_same_v<C, T>) dhc_ = Tensor<C, B>(Shape{xs.rows(), f_});
+      dh_ = Tensor<T, B>(Shape{xs.rows(), f1()});
+      if constexpr (!std::is_same_v<C, T>) dhc_ = Tensor<C, B>(Shape{xs.rows(), f1()});
+      if (activation_ == FfnActivation::SwiGLU) da_ = Tensor<T, B>(Shape{xs.rows(), f_});
     }
     dyc_ = to_compute(dys, dyc_);
-    expert_ffn_backward(plan, tensors(), gelu_, par_, dys, dyc_, dxs, dh_, dhc_);
+    expert_ffn_backward(plan, tensors(), form(), par_, dys, dyc_, dxs, dh_, dhc_);
   }
 
   // w1, w2 in C read from mirror (of the arena this bank is bound to) from the next forward on;
@@ -179,6 +198,15 @@ class ExpertBank {
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
   void check_bound(const char* op) const { detail::require_bound(bound_, "ExpertBank", op); }
+  void set_activation(FfnActivation activation, bool bias) {
+    GRAPHMOE_CHECK(activation == FfnActivation::Gelu || activation == FfnActivation::SwiGLU,
+                   "ExpertBank", "unknown FfnActivation ", static_cast<int>(activation));
+    activation_ = activation;
+    bias_ = bias;
+  }
+  // The first projection's rows per expert: F (GELU) or 2F (SwiGLU's gate | up).
+  index_t f1() const { return ffn_first_width(activation_) * f_; }
+  FfnActivationForm form() const { return FfnActivationForm(activation_, gelu_); }
   void init_rows(const Tensor<T, B>& local, const Shape& full, Rng& rng, double init_std) {
     Tensor<T, cpu> all(full);
     fill_normal(all, rng, init_std);
@@ -212,6 +240,7 @@ class ExpertBank {
     f.a = a_;
     f.xc = xc_;
     f.ac = ac_;
+    f.da = da_;
     return f;
   }
 
@@ -219,14 +248,17 @@ class ExpertBank {
   index_t e_ = 0, d_ = 0, f_ = 0;
   index_t id_w1_ = -1, id_b1_ = -1, id_w2_ = -1, id_b2_ = -1;
   Tensor<T, B> w1_, dw1_, b1_, db1_, w2_, dw2_, b2_, db2_;
-  Tensor<T, B> h_, a_;  // forward cache (S, F)
+  Tensor<T, B> h_, a_;  // forward cache (S, F1), (S, F); F1 = F (GELU) or 2F (SwiGLU)
   // The GEMM operands in the compute type C (with C = T, handles of the tensors themselves).
   Tensor<C, B> xc_, w1c_, w2c_, ac_;
   ComputeMirror<T, C, B>* mirror_ = nullptr;  // C != T: w1, w2 in C from here when set
-  // Backward scratch (S, F): dh, its compute-type copy and dy's (C = T: dhc_ stays empty)
-  Tensor<T, B> dh_;
+  // Backward scratch (S, F1): dh, its compute-type copy and dy's (C = T: dhc_ stays empty); da_
+  // (S, F): SwiGLU's dy w2 (empty with GELU)
+  Tensor<T, B> dh_, da_;
   Tensor<C, B> dhc_, dyc_;
   GeluForm gelu_ = GeluForm::Tanh;
+  FfnActivation activation_ = FfnActivation::Gelu;
+  bool bias_ = true;  // b1, b2 declared
   ExpertParallelism par_ = ExpertParallelism::WithinGemm;
 };
 

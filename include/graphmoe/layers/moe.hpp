@@ -43,7 +43,11 @@ struct MoEConfig {
   index_t d_model = 352;
   index_t d_ff = 352;
   RouterConfig router;
-  GeluForm gelu = GeluForm::Tanh;
+  GeluForm gelu = GeluForm::Tanh;  // GELU's form (activation Gelu)
+  // The experts' activation: GELU (w1 (E, F, D)) or SwiGLU (w1 (E, 2F, D), gate rows then up
+  // rows; core/ffn_activation.hpp). A TransformerBlock's dense FFN takes both fields too.
+  FfnActivation activation = FfnActivation::Gelu;
+  bool bias = true;  // the experts' (and a dense block FFN's) biases b1, b2; false: none
   double init_std = 0.02;  // expert weights ~ N(0, init_std^2)
   ExpertParallelism parallelism = ExpertParallelism::AcrossExperts;  // measured: docs/benchmarks.md
   ExpertLayout layout = ExpertLayout::Compact;
@@ -61,7 +65,8 @@ class MoELayer {
     check_layout(cfg);
     cfg_ = cfg;
     router_.declare(arena, prefix + "router.", cfg.d_model, cfg.router);
-    experts_.declare(arena, prefix + "experts.", cfg.router.num_experts, cfg.d_model, cfg.d_ff);
+    experts_.declare(arena, prefix + "experts.", cfg.router.num_experts, cfg.d_model, cfg.d_ff,
+                     cfg.activation, cfg.bias);
     experts_.set_gelu(cfg.gelu);
     experts_.set_parallelism(cfg.parallelism);
   }
@@ -88,7 +93,7 @@ class MoELayer {
     cfg_ = cfg;
     router_.declare(arena, prefix + "router.", cfg.d_model, cfg.router);
     experts_.declare_shard(arena, prefix + "experts.", cfg.router.num_experts, shard.first,
-                           shard.count, cfg.d_model, cfg.d_ff);
+                           shard.count, cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias);
     experts_.set_gelu(cfg.gelu);
     experts_.set_parallelism(cfg.parallelism);
     ep_ = &comm;

@@ -3,12 +3,15 @@
 //
 // One GEMM pair per expert on its rows only. The experts run one after another (each GEMM
 // multi-threaded) or across the threads (each GEMM single-threaded), as ExpertParallelism says.
-// The compute type is T (ExpertBank refuses another one on the CPU).
+// The compute type is T (ExpertBank refuses another one on the CPU). GELU: gelu between the
+// GEMMs; SwiGLU: swiglu of the first GEMM's (rows, 2F) output (backend/cpu/swiglu.hpp), its
+// backward through the (rows, F) scratch f.da. Empty biases: no bias add, no bias gradient.
 #pragma once
 
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gelu.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
+#include "graphmoe/backend/cpu/swiglu.hpp"
 #include "graphmoe/core/dispatch_plan.hpp"
 #include "graphmoe/core/expert_ffn.hpp"
 #include "graphmoe/core/tensor.hpp"
@@ -31,38 +34,50 @@ void for_each_expert_cpu(const DispatchPlan<cpu>& plan, index_t num_experts,
 }
 }  // namespace detail
 
-// H_e = X_e w1_e^T + b1_e, A_e = gelu(H_e), Y_e = A_e w2_e^T + b2_e for each expert's rows.
+// H_e = X_e w1_e^T + b1_e, A_e = act(H_e), Y_e = A_e w2_e^T + b2_e for each expert's rows.
 template <class T>
 void expert_ffn_forward(cpu, const DispatchPlan<cpu>& plan, const ExpertFfn<T, T, cpu>& f,
-                        GeluForm gelu, ExpertParallelism par, Tensor<T, cpu>& ys) {
+                        FfnActivationForm act, ExpertParallelism par, Tensor<T, cpu>& ys) {
+  const bool bias = !f.b1.empty();
   detail::for_each_expert_cpu(plan, f.num_experts, par, [&](index_t e, index_t r0, index_t r1) {
     Tensor<T, cpu> h = f.h.slice(r0, r1), a = f.a.slice(r0, r1), y = ys.slice(r0, r1);
     gemm(Trans::N, Trans::T, T(1), f.xc.slice(r0, r1), f.w1[e], T(0), h);
-    add_row_vector(f.b1[e], h);
-    gelu_forward(gelu, h, a);
+    if (bias) add_row_vector(f.b1[e], h);
+    if (act.swiglu())
+      swiglu_forward(cpu{}, h, a);
+    else
+      gelu_forward(act.gelu, h, a);
     const Tensor<T, cpu> ac = a;
     gemm(Trans::N, Trans::T, T(1), ac, f.w2[e], T(0), y);
-    add_row_vector(f.b2[e], y);
+    if (bias) add_row_vector(f.b2[e], y);
   });
 }
 
-// Each expert's rows: dxs assigned, the parameter gradients accumulated; dh (S, F) scratch.
+// Each expert's rows: dxs assigned, the parameter gradients accumulated; dh (S, F1) scratch, and
+// f.da (S, F) with SwiGLU.
 template <class T>
 void expert_ffn_backward(cpu, const DispatchPlan<cpu>& plan, const ExpertFfn<T, T, cpu>& f,
-                         GeluForm gelu, ExpertParallelism par, const Tensor<T, cpu>& dys,
+                         FfnActivationForm act, ExpertParallelism par, const Tensor<T, cpu>& dys,
                          const Tensor<T, cpu>& dyc_all, Tensor<T, cpu>& dxs,
                          Tensor<T, cpu>& dh_all, Tensor<T, cpu>& /*dhc_all: C = T*/) {
+  const bool bias = !f.b1.empty();
   detail::for_each_expert_cpu(plan, f.num_experts, par, [&](index_t e, index_t r0, index_t r1) {
     Tensor<T, cpu> h = f.h.slice(r0, r1), dy = dys.slice(r0, r1), dx = dxs.slice(r0, r1);
     Tensor<T, cpu> dh = dh_all.slice(r0, r1), dw1 = f.dw1[e], dw2 = f.dw2[e];
     const Tensor<T, cpu> dyc = dyc_all.slice(r0, r1), xc = f.xc.slice(r0, r1);
     Tensor<T, cpu> ac = f.a.slice(r0, r1);
     // y = a w2^T + b2
-    accumulate_column_sums(dy, f.db2[e]);
+    if (bias) accumulate_column_sums(dy, f.db2[e]);
     gemm(Trans::T, Trans::N, T(1), dyc, ac, T(1), dw2);       // dw2 += dy^T a
-    gemm(Trans::N, Trans::N, T(1), dyc, f.w2[e], T(0), dh);   // da = dy w2 (into dh)
-    gelu_backward(gelu, h, dh, dh);                           // dh = gelu'(h) da
-    accumulate_column_sums(dh, f.db1[e]);
+    if (act.swiglu()) {
+      Tensor<T, cpu> da = f.da.slice(r0, r1);
+      gemm(Trans::N, Trans::N, T(1), dyc, f.w2[e], T(0), da);  // da = dy w2
+      swiglu_backward(cpu{}, h, da, dh);                       // dh = [dgate | dup]
+    } else {
+      gemm(Trans::N, Trans::N, T(1), dyc, f.w2[e], T(0), dh);  // da = dy w2 (into dh)
+      gelu_backward(act.gelu, h, dh, dh);                      // dh = gelu'(h) da
+    }
+    if (bias) accumulate_column_sums(dh, f.db1[e]);
     Tensor<T, cpu> dhc = dh;
     gemm(Trans::T, Trans::N, T(1), dhc, xc, T(1), dw1);       // dw1 += dh^T x
     gemm(Trans::N, Trans::N, T(1), dhc, f.w1[e], T(0), dx);   // dx = dh w1

@@ -17,12 +17,16 @@
 // With them, the GPU's expert FFNs over the dispatched rows (contract and argument checks:
 // ops/experts.hpp, which calls expert_ffn_forward / expert_ffn_backward through the backend tag):
 // the same math as the CPU's per-expert loop (backend/cpu/experts.hpp) with every step for all
-// experts at once: grouped GEMMs over the experts' row blocks, one fused bias + GELU (+ conversion)
-// launch over all their rows, so that the launches per layer do not grow with E.
+// experts at once: grouped GEMMs over the experts' row blocks, one fused bias + activation (+
+// conversion) launch over all their rows, so that the launches per layer do not grow with E.
+// The activation is GELU, or SwiGLU on the (rows, 2F) gate | up output of the first GEMM (the
+// bias of both halves, silu(gate) * up and its conversion in the same one pass; its backward
+// reads da = dy w2 from f.da and writes both halves of dh). Without biases (f.b1, f.b2 empty)
+// the bias adds and bias gradients are skipped.
 // ExpertParallelism (a CPU schedule) is ignored. Compute type C: T, or __nv_bfloat16 / __half
 // with T = float (mixed precision): the GEMMs read C, accumulate in fp32 and write fp32, so bias,
-// GELU and every reduction stay fp32; the activations A are written in C only (into ac: the
-// fp32 a is not written), dh in both (dh for the bias gradient, dhc for the GEMMs).
+// the activation and every reduction stay fp32; the activations A are written in C only (into
+// ac: the fp32 a is not written), dh in both (dh for the bias gradient, dhc for the GEMMs).
 #pragma once
 
 #include <cublas_v2.h>
@@ -41,6 +45,7 @@
 #include "graphmoe/backend/cuda/dispatch.cuh"
 #include "graphmoe/backend/cuda/gelu.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
+#include "graphmoe/backend/cuda/swiglu.cuh"
 #include "graphmoe/core/dispatch_plan.hpp"
 #include "graphmoe/core/expert_ffn.hpp"
 #include "graphmoe/core/tensor.hpp"
@@ -234,9 +239,10 @@ void accumulate_expert_column_sums(const Tensor<T, cuda>& dy, const CudaDispatch
 // ---- the expert FFNs -------------------------------------------------------------------------
 namespace detail {
 
-// The first layer's epilogue over the experts' rows, one pass: h += b1[expert of the row]
-// (kept for backward), then gelu(h) into a (T, when given) and into ac (the compute type C, when
-// given): the same values as add_expert_rows, gelu_forward and convert one after the other.
+// The first layer's epilogue over the experts' rows, one pass: h += b1[expert of the row] (when
+// b1 is given; kept for backward), then gelu(h) into a (T, when given) and into ac (the compute
+// type C, when given): the same values as add_expert_rows, gelu_forward and convert one after the
+// other.
 template <class T, class C>
 struct ExpertBiasGeluOp {
   GeluForm form;
@@ -249,7 +255,8 @@ struct ExpertBiasGeluOp {
   __device__ void operator()(index_t i) const {
     const index_t e = slot_expert[i / cols];
     T x = h[i];
-    if (e < num_experts) x = from_acc<T>(to_acc(x) + to_acc(b1[e * cols + i % cols]));
+    if (b1 != nullptr && e < num_experts)
+      x = from_acc<T>(to_acc(x) + to_acc(b1[e * cols + i % cols]));
     h[i] = x;
     const T v = gelu_value_of(form, x);
     if (a != nullptr) a[i] = v;
@@ -269,6 +276,64 @@ struct ExpertGeluBackwardOp {
     const T v = dh[i] * gelu_derivative_of(form, h[i]);
     dh[i] = v;
     if (dhc != nullptr) dhc[i] = value_cast<C>(v);
+  }
+};
+
+// SwiGLU's epilogue of the first layer, one pass over (rows, F): for row r and unit j, gate g =
+// h[r, j] and up u = h[r, F + j] get their b1 entries (when b1 is given; h keeps the sums for
+// backward), then silu(g) * u into a (T, when given) and into ac (C, when given): the same
+// formula as swiglu_forward (backend/cuda/swiglu.cuh, whose sigmoid it calls).
+template <class T, class C>
+struct ExpertBiasSwigluOp {
+  const T* b1;  // (E, 2F) or nullptr
+  const std::int32_t* slot_expert;
+  T* h;         // (rows, 2F)
+  T* a;         // (rows, F)
+  C* ac;        // (rows, F)
+  index_t f, num_experts;
+  __device__ void operator()(index_t i) const {
+    const index_t r = i / f, j = i % f;
+    T* hr = h + r * 2 * f;
+    T g = hr[j], u = hr[f + j];
+    if (b1 != nullptr) {
+      const index_t e = slot_expert[r];
+      if (e < num_experts) {
+        const T* br = b1 + e * 2 * f;
+        g = from_acc<T>(to_acc(g) + to_acc(br[j]));
+        u = from_acc<T>(to_acc(u) + to_acc(br[f + j]));
+        hr[j] = g;
+        hr[f + j] = u;
+      }
+    }
+    const acc_t<T> x = to_acc(g);
+    const T v = from_acc<T>(x * swiglu_sigmoid_of(x) * to_acc(u));
+    if (a != nullptr) a[i] = v;
+    if (ac != nullptr) ac[i] = value_cast<C>(v);
+  }
+};
+
+// SwiGLU's backward step, one pass over (rows, F): from h = [g | u] and da (rows, F),
+// dh[r, j] = da u silu'(g) and dh[r, F + j] = da silu(g), and both in the compute type into dhc
+// (when given).
+template <class T, class C>
+struct ExpertSwigluBackwardOp {
+  const T* h;   // (rows, 2F)
+  const T* da;  // (rows, F)
+  T* dh;        // (rows, 2F)
+  C* dhc;       // (rows, 2F)
+  index_t f;
+  __device__ void operator()(index_t i) const {
+    const index_t r = i / f, j = i % f, o = r * 2 * f + j;
+    const acc_t<T> g = to_acc(h[o]), u = to_acc(h[o + f]), d = to_acc(da[i]);
+    const acc_t<T> s = swiglu_sigmoid_of(g);
+    const T dg = from_acc<T>(d * u * (s * (acc_t<T>(1) + g * (acc_t<T>(1) - s))));
+    const T du = from_acc<T>(d * (g * s));
+    dh[o] = dg;
+    dh[o + f] = du;
+    if (dhc != nullptr) {
+      dhc[o] = value_cast<C>(dg);
+      dhc[o + f] = value_cast<C>(du);
+    }
   }
 };
 
@@ -340,37 +405,48 @@ void expert_gemm(const DispatchPlan<cuda>& plan, index_t num_experts, Trans ta, 
 // The forward for all experts at once (rows of the drop bucket untouched).
 template <class T, class C>
 void expert_ffn_forward(cuda, const DispatchPlan<cuda>& plan, const ExpertFfn<T, C, cuda>& f,
-                        GeluForm gelu, ExpertParallelism, Tensor<T, cuda>& ys) {
+                        FfnActivationForm act, ExpertParallelism, Tensor<T, cuda>& ys) {
   const index_t e_ = f.num_experts;
   const index_t rows = plan.offset(e_);  // the experts' slots; the drop bucket follows
   if (rows == 0) return;
   detail::expert_gemm<T, C>(plan, e_, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
     return std::tuple{f.xc.slice(r0, r1), f.w1[e], f.h.slice(r0, r1)};  // H_e = X_e w1_e^T
   });
-  // h += b1, a = gelu(h) (or its compute-type copy only, which is all backward reads: mixed
+  // h += b1, a = act(h) (or its compute-type copy only, which is all backward reads: mixed
   // precision writes no fp32 a), in one pass
   Tensor<C, cuda> ac;
   if constexpr (std::is_same_v<C, T>)
     ac = f.a.slice(0, rows);
   else
     ac = f.ac.slice(0, rows);
-  detail::check_expert_rows("expert_ffn_forward", "h", plan, rows, f.b1.rows());
-  detail::for_each_index(
-      rows * f.h.cols(),
-      detail::ExpertBiasGeluOp<T, C>{gelu, f.b1.data(), plan.slot_expert.data(), f.h.data(),
-                                     std::is_same_v<C, T> ? reinterpret_cast<T*>(ac.data()) : nullptr,
-                                     std::is_same_v<C, T> ? nullptr : ac.data(), f.h.cols(),
-                                     f.b1.rows()});
+  const bool bias = !f.b1.empty();
+  const index_t bias_experts = bias ? f.b1.rows() : e_;
+  detail::check_expert_rows("expert_ffn_forward", "h", plan, rows, bias_experts);
+  T* const a_out = std::is_same_v<C, T> ? reinterpret_cast<T*>(ac.data()) : nullptr;
+  C* const ac_out = std::is_same_v<C, T> ? nullptr : ac.data();
+  if (act.swiglu()) {
+    const index_t hidden = f.h.cols() / 2;
+    detail::for_each_index(rows * hidden, detail::ExpertBiasSwigluOp<T, C>{
+                                              bias ? f.b1.data() : nullptr,
+                                              plan.slot_expert.data(), f.h.data(), a_out, ac_out,
+                                              hidden, bias_experts});
+  } else {
+    detail::for_each_index(
+        rows * f.h.cols(),
+        detail::ExpertBiasGeluOp<T, C>{act.gelu, bias ? f.b1.data() : nullptr,
+                                       plan.slot_expert.data(), f.h.data(), a_out, ac_out,
+                                       f.h.cols(), bias_experts});
+  }
   detail::expert_gemm<T, C>(plan, e_, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {
     return std::tuple{ac.slice(r0, r1), f.w2[e], ys.slice(r0, r1)};  // Y_e = A_e w2_e^T
   });
-  add_expert_rows(f.b2, plan, ys.slice(0, rows));
+  if (bias) add_expert_rows(f.b2, plan, ys.slice(0, rows));
 }
 
 // The backward for all experts at once, grouped like the forward.
 template <class T, class C>
 void expert_ffn_backward(cuda, const DispatchPlan<cuda>& plan, const ExpertFfn<T, C, cuda>& f,
-                         GeluForm gelu, ExpertParallelism, const Tensor<T, cuda>& dys,
+                         FfnActivationForm act, ExpertParallelism, const Tensor<T, cuda>& dys,
                          const Tensor<C, cuda>& dyc_all, Tensor<T, cuda>& dxs,
                          Tensor<T, cuda>& dh_all, Tensor<C, cuda>& dhc_all) {
   const index_t e_ = f.num_experts;
@@ -382,13 +458,16 @@ void expert_ffn_backward(cuda, const DispatchPlan<cuda>& plan, const ExpertFfn<T
   } else {
     ac_all = f.ac;
   }
+  const bool bias = !f.b1.empty();
   // y = a w2^T + b2
-  accumulate_expert_column_sums(dys.slice(0, rows), plan, f.db2);
+  if (bias) accumulate_expert_column_sums(dys.slice(0, rows), plan, f.db2);
   detail::expert_gemm<T, C>(plan, e_, Trans::T, Trans::N, T(1), [&](index_t e, index_t r0, index_t r1) {
     return std::tuple{dyc_all.slice(r0, r1), ac_all.slice(r0, r1), f.dw2[e]};  // dw2 += dy^T a
   });
+  // da = dy w2: into dh (GELU, in place there next) or into f.da (SwiGLU: dh is twice as wide)
+  const Tensor<T, cuda> da_all = act.swiglu() ? f.da : dh_all;
   detail::expert_gemm<T, C>(plan, e_, Trans::N, Trans::N, T(0), [&](index_t e, index_t r0, index_t r1) {
-    return std::tuple{dyc_all.slice(r0, r1), f.w2[e], dh_all.slice(r0, r1)};  // da = dy w2
+    return std::tuple{dyc_all.slice(r0, r1), f.w2[e], da_all.slice(r0, r1)};  // da = dy w2
   });
   Tensor<T, cuda> dh = dh_all.slice(0, rows);
   Tensor<C, cuda> dhc;
@@ -396,11 +475,19 @@ void expert_ffn_backward(cuda, const DispatchPlan<cuda>& plan, const ExpertFfn<T
     dhc = dh_all;
   else
     dhc = dhc_all;
-  // dh = gelu'(h) da, and its compute-type copy, in one pass
-  detail::for_each_index(rows * dh.cols(), detail::ExpertGeluBackwardOp<T, C>{
-                                               gelu, f.h.data(), dh.data(),
-                                               std::is_same_v<C, T> ? nullptr : dhc.data()});
-  accumulate_expert_column_sums(dh, plan, f.db1);
+  C* const dhc_out = std::is_same_v<C, T> ? nullptr : dhc.data();
+  if (act.swiglu()) {
+    // dh = [da up silu'(gate) | da silu(gate)], and its compute-type copy, in one pass
+    const index_t hidden = dh.cols() / 2;
+    detail::for_each_index(rows * hidden, detail::ExpertSwigluBackwardOp<T, C>{
+                                              f.h.data(), da_all.data(), dh.data(), dhc_out,
+                                              hidden});
+  } else {
+    // dh = gelu'(h) da, and its compute-type copy, in one pass
+    detail::for_each_index(rows * dh.cols(), detail::ExpertGeluBackwardOp<T, C>{
+                                                 act.gelu, f.h.data(), dh.data(), dhc_out});
+  }
+  if (bias) accumulate_expert_column_sums(dh, plan, f.db1);
   detail::expert_gemm<T, C>(plan, e_, Trans::T, Trans::N, T(1), [&](index_t e, index_t r0, index_t r1) {
     return std::tuple{dhc.slice(r0, r1), f.xc.slice(r0, r1), f.dw1[e]};  // dw1 += dh^T x
   });
