@@ -15,6 +15,8 @@
 //   opt.sampling.temperature = 0.8;            // inference/sampling.hpp
 //   opt.sampling.top_k = 40;
 //   opt.sampling.seed = 1;
+//   opt.sampling.repeat_penalty = 1.1;         // over the last repeat_last_n tokens
+//   opt.sampling.banned = {unk};
 //   opt.stop_ids = {eos};
 //   GenerateResult r = generate(lm, prompt_ids, opt, [](std::int32_t id) { print(id); });
 //   // several prompts of different lengths, decoded together (one row per sequence and step once
@@ -31,13 +33,14 @@
 // forward of one context has no capacity to exceed unless capacity_factor is set, in which case
 // the two decoders may differ: see inference/decoder.hpp).
 //
-// Each step: the logits of the context's last position -> Sampler::sample -> on_token(id). A stop
-// id is emitted (returned and passed to on_token) and then ends that sequence. Sequence i of a
+// Each step: the logits of the context's last position -> Sampler::sample (the context so far as
+// its history, for the penalties) -> on_token(id). A stop id is emitted (returned and passed to
+// on_token) and then ends that sequence; so does a token for which opt.stop_when is true. Sequence i of a
 // batch samples with seed opt.sampling.seed + i, so it draws what generate() would draw for that
 // prompt alone with that seed. The model is put in Mode::Eval for the generation and its previous
 // mode is restored on return, also when an error or a callback throws. Bad input throws
 // graphmoe::Error before any forward: an empty prompt, a prompt longer than max_seq_len, a prompt
-// or stop id outside [0, vocab_size), a negative max_new_tokens, bad SamplingOptions.
+// stop or banned id outside [0, vocab_size), a negative max_new_tokens, bad SamplingOptions.
 //
 // opt.explain (incremental decoding only): each generated token is also fed back once more at the
 // end so that on_routed reports how every generated token was routed (RoutedToken: per MoE block
@@ -50,6 +53,8 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "graphmoe/core/mode.hpp"
@@ -72,11 +77,64 @@ struct GenerateOptions {
   bool explain = false;                 // report each generated token's routing (on_routed)
   index_t explain_sources = 3;          // earlier positions reported per graph row (>= 1)
   index_t prefill_chunk = 256;          // prompt tokens per sequence and step (>= 1), incremental
+  // Called with (sequence, id) after each generated token (after on_token); true ends that
+  // sequence there (StopReason::StopCondition). StopStrings below makes one from stop texts.
+  std::function<bool(index_t, std::int32_t)> stop_when;
 };
 
 enum class StopReason {
   MaxNewTokens,  // max_new_tokens were generated
   StopToken,     // the last generated token is one of stop_ids
+  StopCondition, // stop_when returned true for the last generated token
+};
+
+// Stop strings over streamed text: feed() each generated token's text, in order; once the text
+// fed so far contains one of the strings, feed() returns how many bytes of the last piece reach
+// the end of its first occurrence (the text to keep: everything before, and that prefix), and
+// stopped() is true. A string may span any number of pieces; the earliest end wins. Empty
+// strings are refused.
+class StopStrings {
+ public:
+  StopStrings() = default;
+  explicit StopStrings(std::vector<std::string> stops) : stops_(std::move(stops)) {
+    for (const std::string& s : stops_) {
+      GRAPHMOE_CHECK(!s.empty(), "StopStrings", "a stop string is empty: it would match anywhere");
+      longest_ = std::max(longest_, s.size());
+    }
+  }
+  bool empty() const { return stops_.empty(); }
+  bool stopped() const { return matched_ >= 0; }
+  // The string matched (stopped() only).
+  const std::string& matched() const { return stops_.at(static_cast<std::size_t>(matched_)); }
+
+  // The bytes of piece up to the end of the first stop string completed in it, or piece.size()
+  // when none is (then stopped() stays false). Once stopped, every further piece keeps 0 bytes.
+  std::size_t feed(std::string_view piece) {
+    if (stopped()) return 0;
+    const std::size_t tail = tail_.size();
+    tail_.append(piece);
+    std::size_t best = std::string::npos;
+    for (std::size_t i = 0; i < stops_.size(); ++i) {
+      // an occurrence that ends inside piece starts at or after tail - (size - 1)
+      const std::string& s = stops_[i];
+      const std::size_t from = tail + 1 > s.size() ? tail + 1 - s.size() : 0;
+      const std::size_t at = tail_.find(s, from);
+      if (at != std::string::npos && (best == std::string::npos || at + s.size() < best)) {
+        best = at + s.size();
+        matched_ = static_cast<std::ptrdiff_t>(i);
+      }
+    }
+    if (best != std::string::npos) return best - tail;
+    // keep the bytes a later match could start in (all but the last longest - 1 are settled)
+    if (tail_.size() >= longest_) tail_.erase(0, tail_.size() - (longest_ - 1));
+    return piece.size();
+  }
+
+ private:
+  std::vector<std::string> stops_;
+  std::size_t longest_ = 1;
+  std::string tail_;  // the last longest - 1 bytes fed, at most, before the piece
+  std::ptrdiff_t matched_ = -1;
 };
 
 struct GenerateResult {
@@ -144,6 +202,9 @@ inline void check_generate_input(const TransformerLMConfig& cfg,
       GRAPHMOE_CHECK(prompt[i] >= 0 && prompt[i] < vocab, op, "prompt", which, " token ", i,
                      " is id ", prompt[i], ", not in the model's vocabulary [0, ", vocab, ")");
   }
+  for (std::int32_t s : opt.sampling.banned)
+    GRAPHMOE_CHECK(s < vocab, op, "banned id ", s, " is not in the model's vocabulary [0, ", vocab,
+                   ")");
   for (std::int32_t s : opt.stop_ids)
     GRAPHMOE_CHECK(s >= 0 && s < vocab, op, "stop id ", s, " is not in the model's vocabulary [0, ",
                    vocab, ")");
@@ -206,13 +267,16 @@ std::vector<GenerateResult> generate_batch(
   // Draws sequence b's next token from its logits; false once b is done.
   auto emit = [&](index_t b, const T* logits) {
     const auto ub = static_cast<std::size_t>(b);
-    const std::int32_t next =
-        samplers[ub].sample(std::span<const T>(logits, static_cast<std::size_t>(vocab)));
+    const std::int32_t next = samplers[ub].sample(
+        std::span<const T>(logits, static_cast<std::size_t>(vocab)), context[ub]);
     context[ub].push_back(next);
     results[ub].tokens.push_back(next);
     if (on_token) on_token(b, next);
     if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), next) != opt.stop_ids.end()) {
       results[ub].reason = StopReason::StopToken;
+      done[ub] = 1;
+    } else if (opt.stop_when && opt.stop_when(b, next)) {
+      results[ub].reason = StopReason::StopCondition;
       done[ub] = 1;
     } else if (static_cast<index_t>(results[ub].tokens.size()) == opt.max_new_tokens) {
       done[ub] = 1;
