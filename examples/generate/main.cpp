@@ -41,13 +41,15 @@ namespace {
 
 inline constexpr index_t kMaxNewTokens = 1'000'000;
 inline constexpr double kMaxTemperature = 1000.0;  // beyond, every kept token is equally likely
+inline constexpr double kMaxPenalty = 1000.0;      // --repeat-penalty, |--frequency/presence-penalty|
 
 // The prompt's ids and the text of generated ids, for the checkpoint's kind of vocabulary.
 struct Vocabulary {
   std::size_t size = 0;
   std::string prompt_text;                // the prompt as the model reads it (unknowns as <unk>)
   std::size_t unknown = 0;                // prompt tokens outside the vocabulary
-  std::vector<std::int32_t> prompt, stop;
+  std::vector<std::int32_t> prompt, banned;
+  std::vector<std::string> stop;          // --stop texts as printed (<eos>: a line break)
   std::function<std::string(std::int32_t)> text;
   std::function<std::string(std::int32_t)> label;  // an id quoted, for --explain
 };
@@ -65,7 +67,7 @@ std::string quoted(const std::string& s) {
 }
 
 Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops) {
+                           const std::vector<std::string>& stops, const std::vector<std::string>& bans) {
   auto tok = std::make_shared<const WordTokenizer>(WordTokenizer::load(path));
   Vocabulary v;
   v.size = tok->size();
@@ -83,9 +85,22 @@ Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
   for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
   v.prompt_text = tok->decode(v.prompt);
   for (const std::string& s : stops) {
-    GRAPHMOE_CHECK(tok->contains(s), "generate", "--stop '", s, "' is not a word of the vocabulary '",
-                   path, "' (", tok->size(), " words; the end of a line is <eos>)");
-    v.stop.push_back(tok->id(s));
+    // <eos> is printed as a line break: a stop text holding it matches that line break
+    std::string t;
+    for (std::size_t i = 0; i < s.size();) {
+      if (s.compare(i, WordTokenizer::kEos.size(), WordTokenizer::kEos) == 0) {
+        t += '\n';
+        i += WordTokenizer::kEos.size();
+      } else {
+        t += s[i++];
+      }
+    }
+    v.stop.push_back(std::move(t));
+  }
+  for (const std::string& b : bans) {
+    GRAPHMOE_CHECK(tok->contains(b), "generate", "--ban '", b, "' is not a word of the vocabulary '",
+                   path, "' (", tok->size(), " words; <unk> and <eos> are words too)");
+    v.banned.push_back(tok->id(b));
   }
   // words separated by spaces, <eos> as a line break; the first continues the prompt's line
   auto line_start = std::make_shared<bool>(v.prompt.empty() || v.prompt.back() == tok->eos());
@@ -103,18 +118,19 @@ Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
 }
 
 Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops) {
+                           const std::vector<std::string>& stops, const std::vector<std::string>& bans) {
   auto tok = std::make_shared<const CharTokenizer>(CharTokenizer::load(path));
   Vocabulary v;
   v.size = tok->size();
   v.prompt = tok->encode(prompt);
   for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
   v.prompt_text = tok->decode(v.prompt);
-  for (const std::string& s : stops) {
-    GRAPHMOE_CHECK(s.size() == 1 && tok->id(s[0]) != tok->unk(), "generate", "--stop '", s,
-                   "' is not one character of the vocabulary '", path,
-                   "' (a character-level model stops at single bytes it knows)");
-    v.stop.push_back(tok->id(s[0]));
+  v.stop = stops;
+  for (const std::string& b : bans) {
+    const bool unk = b == "<unk>";
+    GRAPHMOE_CHECK(unk || (b.size() == 1 && tok->id(b[0]) != tok->unk()), "generate", "--ban '", b,
+                   "' is not one character of the vocabulary '", path, "' (nor <unk>)");
+    v.banned.push_back(unk ? tok->unk() : tok->id(b[0]));
   }
   v.text = [tok](std::int32_t id) { return tok->decode(id); };
   v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
@@ -125,7 +141,7 @@ Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
 
 int main(int argc, char** argv) {
   std::string checkpoint, vocab, prompt;
-  std::vector<std::string> stops;
+  std::vector<std::string> stops, bans;
   GenerateOptions gen;
   gen.max_new_tokens = 50;
   gen.sampling.seed = 1;
@@ -140,7 +156,15 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", gen.sampling.temperature, "softmax temperature (1: the model's distribution)")->check(examples::positive_real(kMaxTemperature))->excludes(greedy);
   app.add_option("--top-k", gen.sampling.top_k, "sample among the k most probable tokens (0: all)")->check(examples::integer<index_t>(0, examples::kMaxCount))->excludes(greedy);
   app.add_option("--top-p", gen.sampling.top_p, "sample among the smallest set of most probable tokens of mass >= p (1: all)")->check(examples::positive_real(1.0))->excludes(greedy);
-  app.add_option("--stop", stops, "stop after generating this token (a word, <eos> for a line break, or one character; repeatable)");
+  app.add_option("--stop", stops, "stop once the generated text holds this text (any text, <eos> a line break in a word model; repeatable); the output ends with it")
+      ->check(CLI::Validator([](std::string& t) { return t.empty() ? std::string("an empty --stop would match anywhere") : std::string(); }, "TEXT"));
+  auto& so = gen.sampling;
+  app.add_option("--repeat-penalty", so.repeat_penalty, "divide the positive logits, multiply the negative ones, of the tokens in the last --repeat-last-n by this (1: off)")->check(examples::positive_real(kMaxPenalty));
+  app.add_option("--repeat-last-n", so.repeat_last_n, "the window of the penalties: the last n tokens of the context, prompt included (0: penalties off, -1: the whole context)")->check(examples::integer<index_t>(-1, examples::kMaxCount));
+  app.add_option("--frequency-penalty", so.frequency_penalty, "subtract this x the count of each token in the window from its logit (0: off)")->check(examples::real(-kMaxPenalty, kMaxPenalty));
+  app.add_option("--presence-penalty", so.presence_penalty, "subtract this from the logit of each token in the window (0: off)")->check(examples::real(-kMaxPenalty, kMaxPenalty));
+  app.add_option("--min-p", so.min_p, "drop the tokens less probable than p x the most probable one (0: off)")->check(examples::real(0.0, 1.0))->excludes(greedy);
+  app.add_option("--ban", bans, "never generate this token (a word, <unk>, <eos>, or one character; repeatable)");
   app.add_option("--threads", threads, "CPU threads")->check(examples::threads());
   std::string device = "cpu";
   app.add_option("--device", device, "where to run the model: " + examples::device_help())
@@ -178,7 +202,8 @@ int main(int argc, char** argv) {
     check_weight_values<float>(f, "model.", "generate", "a checkpoint's");
 
     const bool char_level = examples::detail::config_field<bool>(cfg, "char_level", where);
-    Vocabulary v = char_level ? char_vocabulary(vocab, prompt, stops) : word_vocabulary(vocab, prompt, stops);
+    Vocabulary v = char_level ? char_vocabulary(vocab, prompt, stops, bans)
+                              : word_vocabulary(vocab, prompt, stops, bans);
     GRAPHMOE_CHECK(static_cast<index_t>(v.size) == in.config.vocab_size, "generate", "the vocabulary '",
                    vocab, "' has ", v.size, " entries, the model ", where, " ", in.config.vocab_size,
                    ": pass the vocab.txt train_lm wrote beside the checkpoint");
@@ -195,7 +220,8 @@ int main(int argc, char** argv) {
                  v.unknown > 0 ? (", " + std::to_string(v.unknown) + " not in the vocabulary, read as <unk>").c_str() : "",
                  v.prompt_text.c_str());
     in.prompt = std::move(v.prompt);
-    gen.stop_ids = std::move(v.stop);
+    in.stop = std::move(v.stop);
+    gen.sampling.banned = std::move(v.banned);
     in.options = gen;
     in.text = v.text;
     in.label = v.label;

@@ -18,7 +18,8 @@ struct Input {
   std::string router;                               // its router's name
   std::int64_t step = 0;                            // its training step (SMoE-Dropout's k)
   std::vector<std::int32_t> prompt;                 // the prompt's ids
-  graphmoe::GenerateOptions options;                // max_new_tokens, sampling, stop ids
+  graphmoe::GenerateOptions options;                // max_new_tokens, sampling
+  std::vector<std::string> stop;                    // stop texts, matched against the printed text
   std::function<std::string(std::int32_t)> text;    // the text printed for a generated id
   // the text of any id in an --explain line (a word, "<eos>", or a character, quoted)
   std::function<std::string(std::int32_t)> label;

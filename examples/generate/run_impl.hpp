@@ -34,12 +34,17 @@ int run(const Input& in) {
   std::vector<std::int32_t> context = in.prompt;  // for the --explain lines' sources
   const auto start = std::chrono::steady_clock::now();
   const bool explain = in.options.explain;
+  GenerateOptions options = in.options;
+  StopStrings stops(in.stop);
+  // the text of each token, cut at the end of a stop text: matched on what would be printed
+  if (!stops.empty()) options.stop_when = [&](index_t, std::int32_t) { return stops.stopped(); };
   const GenerateResult r = generate(
-      lm, in.prompt, in.options,
+      lm, in.prompt, options,
       [&](std::int32_t id) {
         context.push_back(id);
+        std::string s = in.text(id);
+        s.resize(stops.feed(s));
         if (explain) return;  // the routing line shows it
-        const std::string s = in.text(id);
         std::fwrite(s.data(), 1, s.size(), stdout);
         std::fflush(stdout);  // streamed: each token as soon as it is drawn
       },
@@ -75,8 +80,9 @@ int run(const Input& in) {
                r.tokens.size(), seconds, seconds > 0 ? n / seconds : 0.0,
                in.options.decoding == Decoding::Incremental ? "incremental: KV and routing caches"
                                                             : "a full forward per token",
-               r.reason == StopReason::StopToken ? "stopped at a --stop token"
-                                                 : "reached --max-new-tokens");
+               r.reason == StopReason::MaxNewTokens
+                   ? "reached --max-new-tokens"
+                   : ("stopped at --stop '" + stops.matched() + "'").c_str());
   return 0;
 }
 

@@ -4,6 +4,7 @@
 // broken checkpoints with a non-zero exit and a message naming the option, file or field.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -151,7 +152,7 @@ TEST_CASE("generate: --stop ends at the first stop token, and a character-level 
   INFO(st.text());
   CHECK(st.status == 0);
   CHECK(st.err.find("generate: 1 tokens in ") != std::string::npos);
-  CHECK(st.err.find("stopped at a --stop token") != std::string::npos);
+  CHECK(st.err.find("stopped at --stop '") != std::string::npos);
   CHECK(st.out == (eos_first ? "\n\n" : " " + first + "\n"));
 
   const std::string cdir = s / "char";
@@ -247,7 +248,15 @@ TEST_CASE("generate: absurd command lines and broken checkpoints are refused, na
   refused({"--top-k", "1000"}, "--top-k 1000 exceeds the vocabulary of 17 tokens");
   refused({"--seed", "-1"}, "--seed: value '-1' is negative");
   refused({"--greedy", "--temperature", "0.5"}, "--greedy excludes --temperature");
-  refused({"--stop", "zebra"}, "--stop 'zebra' is not a word of the vocabulary");
+  refused({"--stop", ""}, "--stop: an empty --stop would match anywhere");
+  refused({"--ban", "zebra"}, "--ban 'zebra' is not a word of the vocabulary");
+  refused({"--repeat-penalty", "0"}, "--repeat-penalty: value 0 is out of range");
+  refused({"--repeat-penalty", "nan"}, "--repeat-penalty: value 'nan' is out of range");
+  refused({"--repeat-last-n", "-2"}, "--repeat-last-n: value -2 is out of range; expected an integer in [-1, ");
+  refused({"--frequency-penalty", "inf"}, "--frequency-penalty: value 'inf' is out of range");
+  refused({"--presence-penalty", "1e9"}, "--presence-penalty: value 1e9 is out of range");
+  refused({"--min-p", "1.5"}, "--min-p: value 1.5 is out of range; expected a number in [0, 1]");
+  refused({"--greedy", "--min-p", "0.1"}, "--greedy excludes --min-p");
   refused({}, "--prompt is 9 words, longer than the model's context of max_seq_len = 8",
           "the cat sat on a mat the dog ran");
   refused({}, "--prompt holds no word", "   ");
@@ -313,4 +322,81 @@ TEST_CASE("generate: every router built into the examples generates past the con
     }
   }
   CHECK(built >= 1);
+}
+
+// The tokens of generated word-level text in order, <eos> for a line break (the final one left out).
+std::vector<std::string> tokens_of(const std::string& out) {
+  std::vector<std::string> t;
+  std::string w;
+  for (char c : out.substr(0, out.size() - 1) + " ") {
+    if (c == ' ' || c == '\n') {
+      if (!w.empty()) t.push_back(w);
+      w.clear();
+      if (c == '\n') t.push_back("<eos>");
+    } else {
+      w += c;
+    }
+  }
+  return t;
+}
+
+TEST_CASE("generate: penalties, --min-p and --ban change what is drawn as defined, and --stop text spanning tokens ends the output at its end") {
+  Scratch s("generate_sampling");
+  const std::string dir = s / "lm";
+  train(s, dir, false);
+  const Result g = run(s, kGenerate, gen_args(dir, "the cat", {"--greedy", "--max-new-tokens", "10"}));
+  INFO(g.text());
+  REQUIRE(g.status == 0);
+  const std::vector<std::string> greedy = tokens_of(g.out);
+  REQUIRE(greedy.size() == 10);
+  // a presence penalty of 1000 over the whole context: no token twice, the prompt's included
+  const Result p = run(s, kGenerate, gen_args(dir, "the cat", {"--greedy", "--max-new-tokens", "10", "--presence-penalty", "1000", "--repeat-last-n", "-1"}));
+  INFO(p.text());
+  REQUIRE(p.status == 0);
+  std::vector<std::string> seen = tokens_of(p.out);
+  REQUIRE(seen.size() == 10);
+  seen.insert(seen.end(), {"the", "cat"});
+  std::set<std::string> distinct(seen.begin(), seen.end());
+  CHECK(distinct.size() == seen.size());
+  // the greedy loop repeats itself (else the check above shows nothing)
+  std::set<std::string> greedy_distinct(greedy.begin(), greedy.end());
+  CHECK(greedy_distinct.size() < greedy.size());
+  // --repeat-penalty changes greedy text; --repeat-last-n 0 turns it off
+  const Result rp = run(s, kGenerate, gen_args(dir, "the cat", {"--greedy", "--max-new-tokens", "10", "--repeat-penalty", "50"}));
+  CHECK(rp.status == 0);
+  CHECK(rp.out != g.out);
+  const Result off = run(s, kGenerate, gen_args(dir, "the cat", {"--greedy", "--max-new-tokens", "10", "--repeat-penalty", "50", "--repeat-last-n", "0"}));
+  CHECK(off.out == g.out);
+  // --min-p 1 keeps the most probable token only: the greedy text at any temperature and seed
+  const Result m = run(s, kGenerate, gen_args(dir, "the cat", {"--min-p", "1", "--temperature", "3", "--seed", "9", "--max-new-tokens", "10"}));
+  CHECK(m.status == 0);
+  CHECK(m.out == g.out);
+  // --ban the most frequent token of 40 hot draws: never drawn in 40 hot draws with it banned
+  const Result unbanned = run(s, kGenerate, gen_args(dir, "the cat", {"--temperature", "2", "--max-new-tokens", "40", "--seed", "2"}));
+  REQUIRE(unbanned.status == 0);
+  const std::vector<std::string> hot2 = tokens_of(unbanned.out);
+  std::map<std::string, int> counts;
+  for (const std::string& t : hot2) ++counts[t];
+  std::string banned = "<eos>";
+  for (const auto& [t, c] : counts)
+    if (c > counts[banned]) banned = t;
+  REQUIRE(counts[banned] > 0);
+  const Result b = run(s, kGenerate, gen_args(dir, "the cat", {"--ban", banned, "--ban", "<unk>", "--temperature", "2", "--max-new-tokens", "40", "--seed", "2"}));
+  INFO(b.text());
+  REQUIRE(b.status == 0);
+  const std::vector<std::string> hot = tokens_of(b.out);
+  CHECK(hot.size() == 40);
+  CHECK(std::count(hot.begin(), hot.end(), banned) == 0);
+  CHECK(std::count(hot.begin(), hot.end(), "<unk>") == 0);
+  // --stop: the last letter of the 3rd word, the space, the first letter of the 4th
+  const std::string text = g.out.substr(0, g.out.size() - 1);
+  std::size_t at = 0;
+  for (int w = 0; w < 3; ++w) at = text.find_first_of(" \n", at + 1);
+  const std::string stop = text.substr(at - 1, 3);
+  const std::size_t end = text.find(stop) + stop.size();
+  const Result st = run(s, kGenerate, gen_args(dir, "the cat", {"--greedy", "--max-new-tokens", "10", "--stop", "nothing like it", "--stop", stop}));
+  INFO(st.text());
+  CHECK(st.status == 0);
+  CHECK(st.out == text.substr(0, end) + "\n");
+  CHECK(st.err.find("stopped at --stop '" + stop + "'") != std::string::npos);
 }
