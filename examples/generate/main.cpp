@@ -22,6 +22,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@
 #include "common/cli_checks.hpp"
 #include "common/device_dispatch.hpp"
 #include "common/lm_config.hpp"
+#include "common/vocabulary.hpp"
 #include "generate/run.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/tokenizers.hpp"
@@ -52,7 +54,32 @@ struct Vocabulary {
   std::vector<std::string> stop;          // --stop texts as printed (<eos>: a line break)
   std::function<std::string(std::int32_t)> text;
   std::function<std::string(std::int32_t)> label;  // an id quoted, for --explain
+  std::string fingerprint;                // the tokenizer's (with the normalisation it reads with)
 };
+
+// A --stop text as the printed text shows it: normalised as the prompt is (a word model's words
+// then joined by single spaces, a line break kept; leading or trailing blanks kept as one).
+std::string normalised_stop(const std::string& s, const TextNormalisation& norm) {
+  if (norm.none()) return s;
+  std::string out;
+  std::size_t begin = 0;
+  while (true) {
+    const std::size_t end = s.find('\n', begin);
+    const std::string seg = s.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    std::string joined;
+    graphmoe::detail::for_each_word(norm.apply(seg), [&](std::string_view w) {
+      if (!joined.empty()) joined += ' ';
+      joined.append(w);
+    });
+    if (!seg.empty() && graphmoe::detail::is_space(seg.front())) out += ' ';
+    out += joined;
+    if (!joined.empty() && graphmoe::detail::is_space(seg.back())) out += ' ';
+    if (end == std::string::npos) break;
+    out += '\n';
+    begin = end + 1;
+  }
+  return out;
+}
 
 // s in double quotes, with line breaks, tabs, quotes and backslashes escaped (--explain lines).
 std::string quoted(const std::string& s) {
@@ -67,10 +94,14 @@ std::string quoted(const std::string& s) {
 }
 
 Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops, const std::vector<std::string>& bans) {
-  auto tok = std::make_shared<const WordTokenizer>(WordTokenizer::load(path));
+                           const std::vector<std::string>& stops, const std::vector<std::string>& bans,
+                           const TextNormalisation& norm) {
+  auto loaded = WordTokenizer::load(path);
+  loaded.set_normalisation(norm);  // prompts read as the training text was
+  auto tok = std::make_shared<const WordTokenizer>(std::move(loaded));
   Vocabulary v;
   v.size = tok->size();
+  v.fingerprint = tok->fingerprint();
   // the prompt's lines, each but the last followed by <eos> (as train_lm reads a text file)
   std::size_t begin = 0;
   while (true) {
@@ -95,7 +126,7 @@ Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
         t += s[i++];
       }
     }
-    v.stop.push_back(std::move(t));
+    v.stop.push_back(normalised_stop(t, norm));
   }
   for (const std::string& b : bans) {
     GRAPHMOE_CHECK(tok->contains(b), "generate", "--ban '", b, "' is not a word of the vocabulary '",
@@ -118,14 +149,18 @@ Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
 }
 
 Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops, const std::vector<std::string>& bans) {
-  auto tok = std::make_shared<const CharTokenizer>(CharTokenizer::load(path));
+                           const std::vector<std::string>& stops, const std::vector<std::string>& bans,
+                           const TextNormalisation& norm) {
+  auto loaded = CharTokenizer::load(path);
+  loaded.set_normalisation(norm);
+  auto tok = std::make_shared<const CharTokenizer>(std::move(loaded));
   Vocabulary v;
   v.size = tok->size();
+  v.fingerprint = tok->fingerprint();
   v.prompt = tok->encode(prompt);
   for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
   v.prompt_text = tok->decode(v.prompt);
-  v.stop = stops;
+  for (const std::string& s : stops) v.stop.push_back(normalised_stop(s, norm));
   for (const std::string& b : bans) {
     const bool unk = b == "<unk>";
     GRAPHMOE_CHECK(unk || (b.size() == 1 && tok->id(b[0]) != tok->unk()), "generate", "--ban '", b,
@@ -202,8 +237,24 @@ int main(int argc, char** argv) {
     check_weight_values<float>(f, "model.", "generate", "a checkpoint's");
 
     const bool char_level = examples::detail::config_field<bool>(cfg, "char_level", where);
-    Vocabulary v = char_level ? char_vocabulary(vocab, prompt, stops, bans)
-                              : word_vocabulary(vocab, prompt, stops, bans);
+    const std::optional<examples::VocabularyRecord> rec = examples::vocabulary_record(f, where);
+    GRAPHMOE_CHECK(!rec || rec->char_level == char_level, "generate", where, ": its config says ",
+                   char_level ? "char" : "word", "-level and its vocabulary record ",
+                   rec && rec->char_level ? "char" : "word", "-level");
+    const TextNormalisation norm = rec ? rec->normalisation : TextNormalisation{};
+    Vocabulary v = char_level ? char_vocabulary(vocab, prompt, stops, bans, norm)
+                              : word_vocabulary(vocab, prompt, stops, bans, norm);
+    if (!rec) {
+      std::fprintf(stderr, "generate: warning: %s records no vocabulary fingerprint (written before "
+                   "train_lm recorded one): that '%s' is its vocabulary is not checked, and the "
+                   "prompt is read without normalisation\n", where.c_str(), vocab.c_str());
+    } else {
+      GRAPHMOE_CHECK(v.fingerprint == rec->fingerprint, "generate", "the vocabulary '", vocab,
+                     "' (", v.size, " entries, ", v.fingerprint, ") is not the one the model ",
+                     where, " was trained with (", rec->size, " entries, ", rec->fingerprint,
+                     ", normalisation ", rec->normalisation.name(), ", written to '", rec->file,
+                     "'): pass the vocab.txt train_lm wrote beside the checkpoint");
+    }
     GRAPHMOE_CHECK(static_cast<index_t>(v.size) == in.config.vocab_size, "generate", "the vocabulary '",
                    vocab, "' has ", v.size, " entries, the model ", where, " ", in.config.vocab_size,
                    ": pass the vocab.txt train_lm wrote beside the checkpoint");

@@ -51,6 +51,8 @@ int main(int argc, char** argv) {
   app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
   app.add_option("--valid-fraction", opt.valid_fraction, "share of the training stream held out when no --valid")->check(examples::real(0.001, 0.5));
   app.add_flag("--char", opt.char_level, "character-level tokens instead of words");
+  std::string normalise = "none";
+  app.add_option("--normalise", normalise, "how the text is read before it is split, recorded in the checkpoint so that generate reads prompts the same way: none, lower (ASCII lowercase), punct (word level: . , ; : ! ? ( ) and 's split off as words, as scripts/prepare-kjv.sh did), lower,punct")->check(CLI::IsMember({"none", "lower", "punct", "lower,punct"}));
   app.add_option("--max-vocab", opt.max_vocab, "word level: keep the most frequent words (0 = all)")->check(examples::integer<std::size_t>(0, examples::kMaxCount));
   app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
   app.add_option("--layout", layout, "MoE layout: switch (every FFN), glam (every other), dense")->check(CLI::IsMember({"switch", "glam", "dense"}));
@@ -193,14 +195,21 @@ int main(int argc, char** argv) {
                      st.replaced, st.attackable, word_text, static_cast<int>(word),
                      static_cast<unsigned long long>(opt.attack_seed));
     };
+    const TextNormalisation norm = TextNormalisation::parse(normalise);
+    GRAPHMOE_CHECK(!opt.char_level || !norm.split_punct, "train_lm", "--normalise ", normalise,
+                   " splits punctuation into words: with --char use none or lower");
+    data.vocabulary.char_level = opt.char_level;
+    data.vocabulary.normalisation = norm;
+    data.vocabulary.file = (std::filesystem::absolute(opt.out_dir) / "vocab.txt").lexically_normal().string();
     if (opt.char_level) {
-      const auto tokp = std::make_shared<const CharTokenizer>(CharTokenizer::build(opt.train_path));
+      const auto tokp = std::make_shared<const CharTokenizer>(CharTokenizer::build(opt.train_path, norm));
       const CharTokenizer& tok = *tokp;
       data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
       data.train = tok.encode_file(opt.train_path);
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
       data.vocab_size = tok.size();
+      data.vocabulary.fingerprint = tok.fingerprint();
       if (opt.dp.root()) {  // the other ranks write nothing
         std::filesystem::create_directories(opt.out_dir);
         tok.save(opt.out_dir + "/vocab.txt");
@@ -212,13 +221,14 @@ int main(int argc, char** argv) {
       const std::vector<std::int32_t> newline = tok.encode("\n");
       if (opt.attack_rate > 0.0) attack(w.front(), newline, opt.attack_word.c_str());
     } else {
-      const auto tokp = std::make_shared<const WordTokenizer>(WordTokenizer::build(opt.train_path, opt.max_vocab));
+      const auto tokp = std::make_shared<const WordTokenizer>(WordTokenizer::build(opt.train_path, opt.max_vocab, 1, norm));
       const WordTokenizer& tok = *tokp;
       data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
       data.train = tok.encode_file(opt.train_path);
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
       data.vocab_size = tok.size();
+      data.vocabulary.fingerprint = tok.fingerprint();
       if (opt.dp.root()) {  // the other ranks write nothing
         std::filesystem::create_directories(opt.out_dir);
         tok.save(opt.out_dir + "/vocab.txt");
@@ -229,6 +239,7 @@ int main(int argc, char** argv) {
       if (opt.attack_rate > 0.0)
         attack(w.front(), {tok.eos()}, tok.contains(opt.attack_word) ? opt.attack_word.c_str() : "<unk>");
     }
+    data.vocabulary.size = data.vocab_size;
     split_valid();
     if (opt.dp.root())
       std::fprintf(stderr, "train_lm: router %s, %zu train / %zu valid / %zu test tokens, vocabulary %zu\n",

@@ -141,6 +141,13 @@ int run_model(const Options& opt, const Data& data) {
     GRAPHMOE_CHECK(saved == config_json(opt, mc), "train_lm --resume", "'", ckpt,
                    "': the checkpoint's configuration (metadata field 'config') differs from "
                    "this run's: ", saved.dump(), " vs ", config_json(opt, mc).dump());
+    // the vocabulary: a training text changed since the checkpoint gives other ids
+    if (const auto rec = examples::vocabulary_record(f, "'" + ckpt + "'"))
+      GRAPHMOE_CHECK(rec->fingerprint == data.vocabulary.fingerprint, "train_lm --resume", "'", ckpt,
+                     "' was trained with the vocabulary ", rec->fingerprint, " (", rec->size,
+                     " entries, normalisation ", rec->normalisation.name(), "), this run's --train "
+                     "gives ", data.vocabulary.fingerprint, " (", data.vocabulary.size,
+                     " entries, normalisation ", data.vocabulary.normalisation.name(), ")");
     // the step is checked before load_training_state changes anything
     step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
     load_training_state(f, lm.arena(), adam);
@@ -168,7 +175,8 @@ int run_model(const Options& opt, const Data& data) {
   auto save = [&](std::int64_t at_step) {
     const std::map<std::string, std::string> meta = {
         {"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
-        {"format", "graphmoe-lm-1"}, {"precision", opt.precision}};
+        {"format", "graphmoe-lm-1"}, {"precision", opt.precision},
+        {"vocabulary", data.vocabulary.json()}};
     // rank 0 writes (with --ep every rank takes part: the experts are gathered to rank 0)
     if (opt.keep_checkpoints)
       examples::save_training_state(dp, (fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +

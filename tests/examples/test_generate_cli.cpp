@@ -400,3 +400,136 @@ TEST_CASE("generate: penalties, --min-p and --ban change what is drawn as define
   CHECK(st.out == text.substr(0, end) + "\n");
   CHECK(st.err.find("stopped at --stop '" + stop + "'") != std::string::npos);
 }
+
+namespace {
+
+// A tiny word-level train_lm run on `corpus` (as train(), with extra arguments).
+void train_on(const Scratch& s, const std::string& out, const std::string& corpus,
+              const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> args = {
+      "--train", corpus, "--test", "", "--valid-fraction", "0.5", "--layers", "1", "--d-model", "8",
+      "--heads", "2", "--d-ff", "8", "--experts", "2", "--top-k", "1", "--seq", "8", "--batch", "2",
+      "--steps", "20", "--warmup", "0", "--eval-every", "0", "--threads", "1", "--out", out};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const Result r = run(s, kTrainLM, args);
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+}
+
+// Each line of `src` rewritten by f into `dst`.
+void rewrite_lines(const std::string& src, const std::string& dst,
+                   const std::function<std::string(const std::string&)>& f) {
+  std::ifstream in(src);
+  std::ofstream out(dst);
+  for (std::string line; std::getline(in, line);) out << f(line) << "\n";
+}
+
+nlohmann::json vocabulary_of(const std::string& ckpt) {
+  return nlohmann::json::parse(load_safetensors(ckpt).metadata.at("vocabulary"));
+}
+
+}  // namespace
+
+TEST_CASE("generate: a vocabulary other than the checkpoint's, of the same size, is refused naming both, either way, and a checkpoint without the record loads with a warning") {
+  Scratch s("generate_vocab");
+  const std::string a = s / "a", b = s / "b";
+  train(s, a, false);
+  // the same words, each renamed to the next: the same size, other ids
+  rewrite_lines(s / "corpus.txt", s / "renamed.txt", [](const std::string& line) {
+    std::istringstream in(line);
+    std::string out, w;
+    while (in >> w) {
+      const auto it = std::find(test::kCorpusWords.begin(), test::kCorpusWords.end(), w);
+      const std::size_t i = static_cast<std::size_t>(it - test::kCorpusWords.begin());
+      out += (out.empty() ? "" : " ") + test::kCorpusWords[(i + 1) % test::kCorpusWords.size()];
+    }
+    return out;
+  });
+  train_on(s, b, s / "renamed.txt");
+  const nlohmann::json va = vocabulary_of(a + "/checkpoint.safetensors"), vb = vocabulary_of(b + "/checkpoint.safetensors");
+  CHECK(va.at("size") == 17);
+  CHECK(vb.at("size") == 17);
+  CHECK(va.at("kind") == "word");
+  CHECK(va.at("normalisation") == "none");
+  const std::string fa = va.at("fingerprint"), fb = vb.at("fingerprint");
+  CHECK(fa != fb);
+  CHECK(std::string(va.at("file")).find("/a/vocab.txt") != std::string::npos);
+  // A's model with B's vocabulary, and B's with A's
+  check_refused(run(s, kGenerate, {"--checkpoint", a + "/checkpoint.safetensors", "--vocab", b + "/vocab.txt", "--prompt", "the"}),
+                {"the vocabulary '" + b + "/vocab.txt' (17 entries, " + fb + ") is not the one the model '" + a +
+                     "/checkpoint.safetensors' was trained with (17 entries, " + fa, "pass the vocab.txt train_lm wrote"});
+  check_refused(run(s, kGenerate, {"--checkpoint", b + "/checkpoint.safetensors", "--vocab", a + "/vocab.txt", "--prompt", "the"}),
+                {"the vocabulary '" + a + "/vocab.txt' (17 entries, " + fa + ") is not the one the model '" + b +
+                     "/checkpoint.safetensors' was trained with (17 entries, " + fb});
+  // the right pair generates, with no warning
+  const Result ok = run(s, kGenerate, gen_args(b, "the", {"--max-new-tokens", "3"}));
+  CHECK(ok.status == 0);
+  CHECK(ok.err.find("warning") == std::string::npos);
+  // a checkpoint written before the record: loads, with a warning (any vocabulary of its size)
+  const std::string old = s / "old.safetensors";
+  rewrite(a + "/checkpoint.safetensors", old, [](auto&, auto& meta) { meta.erase("vocabulary"); });
+  const Result o = run(s, kGenerate, {"--checkpoint", old, "--vocab", a + "/vocab.txt", "--prompt", "the", "--max-new-tokens", "3"});
+  INFO(o.text());
+  CHECK(o.status == 0);
+  CHECK(o.err.find("generate: warning: '" + old + "' records no vocabulary fingerprint") != std::string::npos);
+  // hostile records
+  const std::string bad = s / "bad.safetensors";
+  auto refused_record = [&](const std::string& record, const std::string& message) {
+    CAPTURE(record);
+    rewrite(a + "/checkpoint.safetensors", bad, [&](auto&, auto& meta) { meta["vocabulary"] = record; });
+    check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", a + "/vocab.txt", "--prompt", "the"}), {message});
+  };
+  refused_record("{", "metadata field 'vocabulary' is not JSON");
+  refused_record("[1]", "metadata field 'vocabulary' is not a JSON object");
+  nlohmann::json r = va;
+  r["normalisation"] = "upper";
+  refused_record(r.dump(), "unknown normalisation 'upper'");
+  r = va;
+  r["kind"] = "char";
+  refused_record(r.dump(), "its config says word-level and its vocabulary record char-level");
+  r = va;
+  r.erase("fingerprint");
+  refused_record(r.dump(), "has no text field 'fingerprint'");
+  // --resume on another training text of the same vocabulary size is refused
+  check_refused(run(s, kTrainLM, {"--train", s / "renamed.txt", "--test", "", "--valid-fraction", "0.5", "--layers", "1",
+                                  "--d-model", "8", "--heads", "2", "--d-ff", "8", "--experts", "2", "--top-k", "1",
+                                  "--seq", "8", "--batch", "2", "--steps", "20", "--warmup", "0", "--eval-every", "0",
+                                  "--threads", "1", "--out", a, "--resume"}),
+                {"was trained with the vocabulary " + fa, "this run's --train gives " + fb});
+}
+
+TEST_CASE("generate: the normalisation train_lm recorded is applied to the prompt and --stop, so plain text reads as the training text") {
+  Scratch s("generate_normalise");
+  test::write_word_corpus(s / "plain.txt");
+  // capitalised lines ending with a full stop, a comma after the third word
+  rewrite_lines(s / "plain.txt", s / "prose.txt", [](const std::string& line) {
+    std::istringstream in(line);
+    std::string out, w;
+    for (int i = 0; in >> w; ++i) {
+      if (i == 0) w[0] = static_cast<char>(w[0] - 'a' + 'A');
+      out += (out.empty() ? "" : " ") + w + (i == 2 ? "," : "");
+    }
+    return out + ".";
+  });
+  const std::string n = s / "norm", raw = s / "raw";
+  train_on(s, n, s / "prose.txt", {"--normalise", "lower,punct"});
+  CHECK(vocabulary_of(n + "/checkpoint.safetensors").at("normalisation") == "lower,punct");
+  const Result r = run(s, kGenerate, gen_args(n, "The CAT, sat.", {"--max-new-tokens", "4"}));
+  INFO(r.text());
+  CHECK(r.status == 0);
+  CHECK(r.err.find("generate: prompt (5 words): the cat , sat .") != std::string::npos);
+  // without: the words as typed are not in the vocabulary
+  train_on(s, raw, s / "prose.txt");
+  const Result u = run(s, kGenerate, gen_args(raw, "The CAT, sat.", {"--max-new-tokens", "4"}));
+  CHECK(u.status == 0);
+  CHECK(u.err.find("generate: prompt (3 words, ") != std::string::npos);
+  CHECK(u.err.find(" not in the vocabulary, read as <unk>)") != std::string::npos);
+  // --stop on the normalised output: "." is printed as a word of its own
+  const Result g = run(s, kGenerate, gen_args(n, "The cat", {"--greedy", "--max-new-tokens", "30"}));
+  REQUIRE(g.status == 0);
+  const std::size_t dot = g.out.find('.');
+  if (dot != std::string::npos) {
+    const Result st = run(s, kGenerate, gen_args(n, "The cat", {"--greedy", "--max-new-tokens", "30", "--stop", "."}));
+    CHECK(st.out == g.out.substr(0, dot + 1) + "\n");
+  }
+}
