@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/inference/generate.hpp"
@@ -352,4 +353,56 @@ TEST_CASE("generate: stop_when with StopStrings ends at the token that completes
   CHECK(std::equal(r.tokens.begin(), r.tokens.end(), full.tokens.begin()));
   CHECK(kept == all.substr(0, end));
   CHECK(kept.size() % 2 == 1);  // it stopped in the middle of a token's text
+}
+
+TEST_CASE_TEMPLATE("generate: explain reports every generated token past the context window, and the prompt on request", Policy,
+                   SimilarityRouter, SoftmaxRouter) {
+  TransformerLM<Policy, double> lm(tiny_config(), 13);  // max_seq_len 8
+  const index_t window = lm.config().max_seq_len;
+  for (const std::vector<std::int32_t>& prompt : {std::vector<std::int32_t>{1, 2, 3},
+                                                  std::vector<std::int32_t>{1, 2, 3, 4, 5, 6, 7, 8}}) {
+    for (bool with_prompt : {false, true}) {
+      CAPTURE(prompt.size());
+      CAPTURE(with_prompt);
+      GenerateOptions o;
+      o.max_new_tokens = 12;
+      o.sampling.seed = 3;
+      o.sampling.temperature = 1.2;
+      o.explain = true;
+      o.explain_prompt = with_prompt;
+      o.explain_sources = 2;
+      std::vector<RoutedToken> seen;
+      const GenerateResult r = generate(lm, prompt, o, {}, [&](const RoutedToken& t) { seen.push_back(t); });
+      REQUIRE(r.tokens.size() == 12);
+      const std::size_t first = with_prompt ? 0 : prompt.size();
+      REQUIRE(seen.size() == prompt.size() + 12 - first);
+      for (std::size_t i = 0; i < seen.size(); ++i) {
+        CAPTURE(i);
+        const index_t pos = static_cast<index_t>(first + i);
+        CHECK(seen[i].position == pos);
+        CHECK(seen[i].id == (static_cast<std::size_t>(pos) < prompt.size() ? prompt[static_cast<std::size_t>(pos)]
+                                                                            : r.tokens[static_cast<std::size_t>(pos) - prompt.size()]));
+        REQUIRE(seen[i].layers.size() == 2);
+        for (const auto& l : seen[i].layers) {
+          CHECK(l.experts.size() == 2);
+          if (std::is_same_v<Policy, SimilarityRouter>) {
+            REQUIRE(l.sources.size() == static_cast<std::size_t>(std::min<index_t>(2, pos + 1)));
+            CHECK(l.own_experts.size() == 2);
+            for (const auto& src : l.sources) {
+              // a position of the window the token was read in
+              CHECK(src.position <= pos);
+              CHECK(src.position > pos - window);
+            }
+          } else {
+            CHECK(l.sources.empty());
+            CHECK(l.own_experts.empty());
+          }
+        }
+      }
+      // explaining changes nothing that is drawn
+      GenerateOptions plain = o;
+      plain.explain = false;
+      CHECK(generate(lm, prompt, plain).tokens == r.tokens);
+    }
+  }
 }

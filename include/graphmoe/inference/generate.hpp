@@ -42,10 +42,13 @@
 // graphmoe::Error before any forward: an empty prompt, a prompt longer than max_seq_len, a prompt
 // stop or banned id outside [0, vocab_size), a negative max_new_tokens, bad SamplingOptions.
 //
-// opt.explain (incremental decoding only): each generated token is also fed back once more at the
-// end so that on_routed reports how every generated token was routed (RoutedToken: per MoE block
-// its experts and gates and, for graph routers, the earlier positions with the largest graph
-// weights).
+// opt.explain (incremental decoding only): on_routed reports how every generated token was routed
+// as an input (RoutedToken: per MoE block its experts and gates and, for graph routers, the
+// earlier positions with the largest graph weights and the experts the token's own scores would
+// have chosen without the graph); the last generated token is fed once more at the end for it.
+// Past the context the window's forward runs through the decoder (reset per token), so a token's
+// sources are positions of the slid window (reported as positions of the sequence). With
+// opt.explain_prompt the prompt's tokens are reported too.
 #pragma once
 
 #include <algorithm>
@@ -76,6 +79,7 @@ struct GenerateOptions {
   Decoding decoding = Decoding::Incremental;
   bool explain = false;                 // report each generated token's routing (on_routed)
   index_t explain_sources = 3;          // earlier positions reported per graph row (>= 1)
+  bool explain_prompt = false;          // explain the prompt's tokens too
   index_t prefill_chunk = 256;          // prompt tokens per sequence and step (>= 1), incremental
   // Called with (sequence, id) after each generated token (after on_token); true ends that
   // sequence there (StopReason::StopCondition). StopStrings below makes one from stop texts.
@@ -153,9 +157,12 @@ struct RoutedToken {
     std::vector<std::int32_t> experts;  // chosen experts, by descending score
     std::vector<double> gates;          // their gates
     std::vector<Source> sources;        // graph routers: the largest weights, descending
+    // graph routers: the experts the token's own scores (softmax(gamma), before the graph) would
+    // have chosen, as many as were chosen, by descending score
+    std::vector<std::int32_t> own_experts;
   };
   index_t sequence = 0;  // the prompt's index in the batch
-  index_t position = 0;  // the token's position in its sequence (prompt included)
+  index_t position = 0;  // the token's position in its sequence (prompt included, from 0)
   std::int32_t id = 0;
   std::vector<Layer> layers;  // one per MoE block
 };
@@ -291,34 +298,67 @@ std::vector<GenerateResult> generate_batch(
   Decoder<Policy, T, B, C> dec(lm, nseq, window);
   // fed[b]: the tokens of context[b] in the cache; the logits of the last one predict the next
   std::vector<index_t> fed(static_cast<std::size_t>(nseq), 0);
-  auto report = [&](const DecodeRows& rows) {
+  // explain: on_routed for rows of the last step (only_row >= 0: that row alone); offset: the
+  // sequence position of the step's position 0 (past the context the step is the slid window)
+  auto report = [&](const DecodeRows& rows, index_t offset, index_t only_row) {
     if (!opt.explain || !on_routed) return;
+    struct Block {
+      index_t l;
+      Tensor<std::int32_t, cpu> ex;
+      Tensor<T, cpu> g, sc;
+    };
+    std::vector<Block> blocks;
+    for (index_t l = 0; l < lm.num_layers(); ++l)
+      if (lm.block(l).is_moe()) {
+        const bool graph = !dec.weights()[static_cast<std::size_t>(l)].empty();
+        blocks.push_back({l, dec.experts(l), dec.gates(l), graph ? dec.scores(l) : Tensor<T, cpu>()});
+      }
     for (index_t r = 0; r < rows.size(); ++r) {
-      const index_t b = rows.slot[static_cast<std::size_t>(r)], pos = rows.pos[static_cast<std::size_t>(r)];
+      if (only_row >= 0 && r != only_row) continue;
+      const index_t b = rows.slot[static_cast<std::size_t>(r)];
+      const index_t wpos = rows.pos[static_cast<std::size_t>(r)], pos = wpos + offset;
       const auto ub = static_cast<std::size_t>(b);
-      if (pos < static_cast<index_t>(prompts[ub].size())) continue;  // a prompt token
+      if (pos < static_cast<index_t>(prompts[ub].size()) && !opt.explain_prompt) continue;
       RoutedToken rt;
       rt.sequence = b;
       rt.position = pos;
       rt.id = context[ub][static_cast<std::size_t>(pos)];
-      for (index_t l = 0; l < lm.num_layers(); ++l) {
-        if (!lm.block(l).is_moe()) continue;
+      for (const Block& blk : blocks) {
         RoutedToken::Layer layer;
-        layer.block = l;
-        const Tensor<std::int32_t, cpu> ex = dec.experts(l);
-        const Tensor<T, cpu> g = dec.gates(l);
-        const index_t m = ex.dim(1);
+        layer.block = blk.l;
+        const index_t m = blk.ex.dim(1);
         for (index_t j = 0; j < m; ++j) {
-          layer.experts.push_back(ex.data()[r * m + j]);
-          layer.gates.push_back(static_cast<double>(g.data()[r * m + j]));
+          layer.experts.push_back(blk.ex.data()[r * m + j]);
+          layer.gates.push_back(static_cast<double>(blk.g.data()[r * m + j]));
         }
-        const Tensor<T, cpu>& w = dec.weights()[static_cast<std::size_t>(l)];
-        if (!w.empty())
-          layer.sources = detail::top_sources(w.data() + r * w.dim(1), pos + 1, opt.explain_sources);
+        const Tensor<T, cpu>& w = dec.weights()[static_cast<std::size_t>(blk.l)];
+        if (!w.empty()) {
+          layer.sources = detail::top_sources(w.data() + r * w.dim(1), wpos + 1, opt.explain_sources);
+          for (auto& src : layer.sources) src.position += offset;
+          const index_t e = blk.sc.dim(1);
+          for (const auto& o : detail::top_sources(blk.sc.data() + r * e, e, m))
+            layer.own_experts.push_back(static_cast<std::int32_t>(o.position));
+        }
         rt.layers.push_back(std::move(layer));
       }
       on_routed(rt);
     }
+  };
+  // explain past the context: the slid window ending at context[b][upto - 1] through the decoder
+  // (slot b reset: positions 0..window-1, as a full forward reads them), its last row reported;
+  // the logits of that row
+  std::vector<index_t> window_slots;
+  auto slid_step = [&](index_t b, index_t upto) -> const T* {
+    const auto ub = static_cast<std::size_t>(b);
+    dec.reset(b);
+    window_slots.assign(static_cast<std::size_t>(window), b);
+    const std::vector<std::int32_t> win(context[ub].begin() + (upto - window), context[ub].begin() + upto);
+    const index_t last = window - 1;
+    const Tensor<T, cpu>& lg = dec.step(std::span<const index_t>(window_slots),
+                                        std::span<const std::int32_t>(win), true,
+                                        std::span<const index_t>(&last, 1));
+    report(dec.rows(), upto - window, last);
+    return lg.data();
   };
   std::vector<index_t> slots;
   std::vector<std::int32_t> ids;
@@ -336,8 +376,10 @@ std::vector<GenerateResult> generate_batch(
       any = true;
       const index_t have = static_cast<index_t>(context[ub].size());
       if (have > window) {
-        // past the context: the window slides, a full forward per token (the header comment)
-        emit(b, detail::last_logits_full_forward(lm, context[ub]).data());
+        // past the context: the window slides, a full forward per token (the header comment);
+        // with explain the same forward through the decoder, whose routing caches hold the graph
+        if (opt.explain && on_routed) emit(b, slid_step(b, have));
+        else emit(b, detail::last_logits_full_forward(lm, context[ub]).data());
         continue;
       }
       // what is not fed yet: the prompt (in chunks, as Decoder::prefill feeds it), then one token
@@ -353,7 +395,7 @@ std::vector<GenerateResult> generate_batch(
     if (slots.empty()) continue;
     // the logits of each sequence's last row only (row j: sequence stepped[j])
     const Tensor<T, cpu>& logits = dec.step(slots, ids, opt.explain, last_row);
-    report(dec.rows());
+    report(dec.rows(), 0, -1);
     for (std::size_t j = 0; j < stepped.size(); ++j) {
       const auto ub = static_cast<std::size_t>(stepped[j]);
       fed[ub] = dec.length(stepped[j]);
@@ -367,15 +409,17 @@ std::vector<GenerateResult> generate_batch(
     ids.clear();
     for (index_t b = 0; b < nseq; ++b) {
       const auto ub = static_cast<std::size_t>(b);
-      if (fed[ub] < static_cast<index_t>(context[ub].size()) &&
-          static_cast<index_t>(context[ub].size()) <= window) {
+      const index_t have = static_cast<index_t>(context[ub].size());
+      if (have > window) {
+        (void)slid_step(b, have);  // past the context: its own slid window
+      } else if (fed[ub] < have) {
         slots.push_back(b);
         ids.push_back(context[ub][static_cast<std::size_t>(fed[ub])]);
       }
     }
     if (!slots.empty()) {
       (void)dec.step(slots, ids, true);
-      report(dec.rows());
+      report(dec.rows(), 0, -1);
     }
   }
   return results;
