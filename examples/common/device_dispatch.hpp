@@ -27,8 +27,20 @@ inline std::string device_help() {
 #if defined(GRAPHMOE_EXAMPLES_CUDA)
   return std::string("cpu or cuda (built for cuda: ") + cuda_router_list + ")";
 #else
-  return "cpu (this binary has no CUDA loops: GRAPHMOE_ENABLE_CUDA and GRAPHMOE_CUDA_EXAMPLES)";
+  return "cpu (this binary was built without CUDA: GRAPHMOE_ENABLE_CUDA and GRAPHMOE_CUDA_EXAMPLES)";
 #endif
+}
+
+// --device cuda on a binary built without CUDA code: refused before any work, saying so.
+inline void require_device_built(const char* program, const std::string& device) {
+#if !defined(GRAPHMOE_EXAMPLES_CUDA)
+  GRAPHMOE_CHECK(device != "cuda", program, "--device cuda: this ", program,
+                 " was built without CUDA (GRAPHMOE_ENABLE_CUDA off, or ", program,
+                 " not in GRAPHMOE_CUDA_EXAMPLES): use --device cpu, or reconfigure with "
+                 "-DGRAPHMOE_ENABLE_CUDA=ON and ", program, " in -DGRAPHMOE_CUDA_EXAMPLES");
+#endif
+  (void)program;
+  (void)device;
 }
 
 // Throws graphmoe::Error when this binary has no CPU loop for Policy (GRAPHMOE_EXAMPLE_ROUTERS).
@@ -70,9 +82,7 @@ int on_device(const char* program, const std::string& device, const std::string&
   }
 #else
   (void)router;
-  GRAPHMOE_CHECK(false, program,
-                 "--device cuda: this binary has no CUDA training loops (configure with nvcc on "
-                 "the PATH or -DGRAPHMOE_ENABLE_CUDA=ON, and list it in GRAPHMOE_CUDA_EXAMPLES)");
+  require_device_built(program, device);
 #endif
   return 1;
 }

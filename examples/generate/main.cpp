@@ -5,24 +5,37 @@
 //
 // Loads any train_lm checkpoint (its router, shape and word or character vocabulary come from the
 // checkpoint's metadata; the router must be one this binary is built for, GRAPHMOE_EXAMPLE_ROUTERS),
-// encodes the prompt with the vocabulary train_lm wrote beside it, and samples with
-// graphmoe::generate (graphmoe/inference/generate.hpp): by default the incremental decoder (a KV
-// cache per attention layer and a routing cache per MoE layer, O(t) per token); --decoder full runs
-// a full forward over the context per token (the O(t^2) reference; the same tokens). stdout
-// receives the generated text only, each token as soon as it is drawn (words: separated by
-// spaces, <eos> as a line break; characters: the bytes); stderr the prompt as the model reads it,
-// and the count, time and tokens/s. --explain prints instead one line per generated token: its
+// checks that --vocab is the vocabulary it was trained with (the fingerprint train_lm recorded;
+// checkpoints without one load with a warning), reads the prompt with the normalisation recorded
+// with it, and samples with graphmoe::generate (graphmoe/inference/generate.hpp): by default the
+// incremental decoder (a KV cache per attention layer and a routing cache per MoE layer, O(t) per
+// token); --decoder full runs a full forward over the context per token (the O(t^2) reference;
+// the same tokens). The prompt is --prompt TEXT, --prompt-file FILE, or either with "-" for stdin
+// (a file's final line break is dropped; its other line breaks are <eos> in a word model). One
+// prompt and one sample: stdout receives the generated text only, each token as soon as it is
+// drawn (words: separated by spaces, <eos> as a line break; characters: the bytes). Several
+// (--num-samples N, --prompts-file FILE: one prompt a line) are decoded as one batch
+// (generate_batch; sample i of a prompt draws with seed + i) and printed when done, one line per
+// output in order (prompt by prompt, sample by sample), line breaks written \n and backslashes
+// \\. stderr receives the prompt as the model reads it, the seed when it was not given (drawn at
+// random), the time to first token with the prompt's tokens/s, and the decode tokens/s.
+// --explain prints instead one line per generated token (past the context window too): its
 // position and text, and per MoE block the experts it was routed to with their gates and, for a
-// graph router, the earlier tokens with the largest weights in its row of S or A^p:
-//   [7] "king" | block 0: experts 3 (0.61) 1 (0.39); from [6] "the" 0.42 [2] "said" 0.18 ...
+// graph router, the experts its own scores would have chosen and the earlier tokens with the
+// largest weights in its row of S or A^p (a legend on stderr; --explain-prompt: the prompt's
+// tokens too; in a batch each line starts with the output's index):
+//   [7] "king" | block 0: experts 3 (0.61) 1 (0.39); alone 3 2; from [6] "the" 0.42 [2] "said" 0.18
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -34,6 +47,7 @@
 #include "common/vocabulary.hpp"
 #include "generate/run.hpp"
 #include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/files.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 #include "graphmoe/train/training_state.hpp"
 
@@ -44,18 +58,34 @@ namespace {
 inline constexpr index_t kMaxNewTokens = 1'000'000;
 inline constexpr double kMaxTemperature = 1000.0;  // beyond, every kept token is equally likely
 inline constexpr double kMaxPenalty = 1000.0;      // --repeat-penalty, |--frequency/presence-penalty|
+inline constexpr index_t kMaxBatch = 4096;         // prompts x --num-samples decoded together
 
-// The prompt's ids and the text of generated ids, for the checkpoint's kind of vocabulary.
+// A vocabulary as generate reads it, for the checkpoint's kind (words or characters).
 struct Vocabulary {
   std::size_t size = 0;
-  std::string prompt_text;                // the prompt as the model reads it (unknowns as <unk>)
-  std::size_t unknown = 0;                // prompt tokens outside the vocabulary
-  std::vector<std::int32_t> prompt, banned;
-  std::vector<std::string> stop;          // --stop texts as printed (<eos>: a line break)
-  std::function<std::string(std::int32_t)> text;
-  std::function<std::string(std::int32_t)> label;  // an id quoted, for --explain
+  bool char_level = false;
+  std::int32_t unk = 0;
   std::string fingerprint;                // the tokenizer's (with the normalisation it reads with)
+  std::vector<std::int32_t> banned;
+  std::vector<std::string> stop;          // --stop texts as printed (<eos>: a line break)
+  std::function<std::vector<std::int32_t>(const std::string&)> encode;  // a prompt's ids
+  std::function<std::string(const std::vector<std::int32_t>&)> decode;  // the prompt as read
+  // the printer of one output: the text of each generated id after that prompt
+  std::function<std::function<std::string(std::int32_t)>(const std::vector<std::int32_t>&)> printer;
+  std::function<std::string(std::int32_t)> label;  // an id quoted, for --explain
 };
+
+// s in double quotes, with line breaks, tabs, quotes and backslashes escaped (--explain lines).
+std::string quoted(const std::string& s) {
+  std::string q = "\"";
+  for (char c : s) {
+    if (c == '\n') q += "\\n";
+    else if (c == '\t') q += "\\t";
+    else if (c == '"' || c == '\\') q += std::string("\\") + c;
+    else q += c;
+  }
+  return q + "\"";
+}
 
 // A --stop text as the printed text shows it: normalised as the prompt is (a word model's words
 // then joined by single spaces, a line break kept; leading or trailing blanks kept as one).
@@ -81,40 +111,31 @@ std::string normalised_stop(const std::string& s, const TextNormalisation& norm)
   return out;
 }
 
-// s in double quotes, with line breaks, tabs, quotes and backslashes escaped (--explain lines).
-std::string quoted(const std::string& s) {
-  std::string q = "\"";
-  for (char c : s) {
-    if (c == '\n') q += "\\n";
-    else if (c == '\t') q += "\\t";
-    else if (c == '"' || c == '\\') q += std::string("\\") + c;
-    else q += c;
-  }
-  return q + "\"";
-}
-
-Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops, const std::vector<std::string>& bans,
-                           const TextNormalisation& norm) {
+Vocabulary word_vocabulary(const std::string& path, const std::vector<std::string>& stops,
+                           const std::vector<std::string>& bans, const TextNormalisation& norm) {
   auto loaded = WordTokenizer::load(path);
   loaded.set_normalisation(norm);  // prompts read as the training text was
   auto tok = std::make_shared<const WordTokenizer>(std::move(loaded));
   Vocabulary v;
   v.size = tok->size();
+  v.unk = tok->unk();
   v.fingerprint = tok->fingerprint();
   // the prompt's lines, each but the last followed by <eos> (as train_lm reads a text file)
-  std::size_t begin = 0;
-  while (true) {
-    const std::size_t end = prompt.find('\n', begin);
-    const std::string line = prompt.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-    const std::vector<std::int32_t> ids = tok->encode_line(line);
-    v.prompt.insert(v.prompt.end(), ids.begin(), ids.end());
-    if (end == std::string::npos) break;
-    v.prompt.push_back(tok->eos());
-    begin = end + 1;
-  }
-  for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
-  v.prompt_text = tok->decode(v.prompt);
+  v.encode = [tok](const std::string& prompt) {
+    std::vector<std::int32_t> ids;
+    std::size_t begin = 0;
+    while (true) {
+      const std::size_t end = prompt.find('\n', begin);
+      const std::vector<std::int32_t> line = tok->encode_line(
+          std::string_view(prompt).substr(begin, end == std::string::npos ? std::string::npos : end - begin));
+      ids.insert(ids.end(), line.begin(), line.end());
+      if (end == std::string::npos) break;
+      ids.push_back(tok->eos());
+      begin = end + 1;
+    }
+    return ids;
+  };
+  v.decode = [tok](const std::vector<std::int32_t>& ids) { return tok->decode(ids); };
   for (const std::string& s : stops) {
     // <eos> is printed as a line break: a stop text holding it matches that line break
     std::string t;
@@ -134,32 +155,34 @@ Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
     v.banned.push_back(tok->id(b));
   }
   // words separated by spaces, <eos> as a line break; the first continues the prompt's line
-  auto line_start = std::make_shared<bool>(v.prompt.empty() || v.prompt.back() == tok->eos());
-  v.text = [tok, line_start](std::int32_t id) {
-    if (id == tok->eos()) {
-      *line_start = true;
-      return std::string("\n");
-    }
-    std::string s = *line_start ? "" : " ";
-    *line_start = false;
-    return s + tok->decode(id);
+  v.printer = [tok](const std::vector<std::int32_t>& prompt) {
+    auto line_start = std::make_shared<bool>(prompt.empty() || prompt.back() == tok->eos());
+    return std::function<std::string(std::int32_t)>([tok, line_start](std::int32_t id) {
+      if (id == tok->eos()) {
+        *line_start = true;
+        return std::string("\n");
+      }
+      std::string s = *line_start ? "" : " ";
+      *line_start = false;
+      return s + tok->decode(id);
+    });
   };
   v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
 }
 
-Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops, const std::vector<std::string>& bans,
-                           const TextNormalisation& norm) {
+Vocabulary char_vocabulary(const std::string& path, const std::vector<std::string>& stops,
+                           const std::vector<std::string>& bans, const TextNormalisation& norm) {
   auto loaded = CharTokenizer::load(path);
   loaded.set_normalisation(norm);
   auto tok = std::make_shared<const CharTokenizer>(std::move(loaded));
   Vocabulary v;
   v.size = tok->size();
+  v.char_level = true;
+  v.unk = tok->unk();
   v.fingerprint = tok->fingerprint();
-  v.prompt = tok->encode(prompt);
-  for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
-  v.prompt_text = tok->decode(v.prompt);
+  v.encode = [tok](const std::string& prompt) { return tok->encode(prompt); };
+  v.decode = [tok](const std::vector<std::int32_t>& ids) { return tok->decode(ids); };
   for (const std::string& s : stops) v.stop.push_back(normalised_stop(s, norm));
   for (const std::string& b : bans) {
     const bool unk = b == "<unk>";
@@ -167,32 +190,55 @@ Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
                    "' is not one character of the vocabulary '", path, "' (nor <unk>)");
     v.banned.push_back(unk ? tok->unk() : tok->id(b[0]));
   }
-  v.text = [tok](std::int32_t id) { return tok->decode(id); };
+  v.printer = [tok](const std::vector<std::int32_t>&) {
+    return std::function<std::string(std::int32_t)>([tok](std::int32_t id) { return tok->decode(id); });
+  };
   v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
+}
+
+// The text of --prompt / --prompt-file: "-" reads stdin; a file's final line break is dropped.
+std::string read_prompt(const std::string& value, bool is_file, const char* flag) {
+  if (!is_file && value != "-") return value;
+  std::string text;
+  if (value == "-") {
+    std::ostringstream all;
+    all << std::cin.rdbuf();
+    GRAPHMOE_CHECK(!std::cin.bad(), "generate", flag, " -: error while reading stdin");
+    text = all.str();
+  } else {
+    text = graphmoe::detail::read_file("generate", value);
+  }
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  return text;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, vocab, prompt;
+  std::string checkpoint, vocab, prompt, prompt_file, prompts_file;
   std::vector<std::string> stops, bans;
   GenerateOptions gen;
   gen.max_new_tokens = 50;
-  gen.sampling.seed = 1;
   int threads = 2;
+  index_t num_samples = 1;
   CLI::App app{"Generate text from a train_lm checkpoint (graphmoe)"};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   app.add_option("--checkpoint", checkpoint, "the model (a train_lm checkpoint.safetensors)")->required()->check(CLI::ExistingFile);
   app.add_option("--vocab", vocab, "its vocabulary (the vocab.txt train_lm wrote beside it)")->required()->check(CLI::ExistingFile);
-  app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model)")->required();
+  auto* p_text = app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model; - reads stdin)");
+  auto* p_file = app.add_option("--prompt-file", prompt_file, "read the prompt from this file (- for stdin; its line breaks are <eos> in a word model)")->excludes(p_text);
+  auto* p_many = app.add_option("--prompts-file", prompts_file, "one prompt a line (- for stdin), decoded as one batch; one output line each, in order")->excludes(p_text)->excludes(p_file);
+  app.add_option("--num-samples", num_samples, "outputs per prompt, decoded as one batch (sample i draws with --seed + i)")->check(examples::integer<index_t>(1, kMaxBatch));
   app.add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate at most")->check(examples::integer<index_t>(1, kMaxNewTokens));
-  app.add_option("--seed", gen.sampling.seed, "random seed of the draws")->check(examples::seed());
+  auto* seed_opt = app.add_option("--seed", gen.sampling.seed, "random seed of the draws (default: drawn at random, and printed)")->check(examples::seed());
   auto* greedy = app.add_flag("--greedy", gen.sampling.greedy, "always the most probable token (no sampling)");
   app.add_option("--temperature", gen.sampling.temperature, "softmax temperature (1: the model's distribution)")->check(examples::positive_real(kMaxTemperature))->excludes(greedy);
   app.add_option("--top-k", gen.sampling.top_k, "sample among the k most probable tokens (0: all)")->check(examples::integer<index_t>(0, examples::kMaxCount))->excludes(greedy);
   app.add_option("--top-p", gen.sampling.top_p, "sample among the smallest set of most probable tokens of mass >= p (1: all)")->check(examples::positive_real(1.0))->excludes(greedy);
   app.add_option("--stop", stops, "stop once the generated text holds this text (any text, <eos> a line break in a word model; repeatable); the output ends with it")
-      ->check(CLI::Validator([](std::string& t) { return t.empty() ? std::string("an empty --stop would match anywhere") : std::string(); }, "TEXT"));
+      ->check(CLI::Validator([](std::string& t) { return t.empty() ? std::string("an empty --stop would match anywhere") : std::string(); }, ""));
   auto& so = gen.sampling;
   app.add_option("--repeat-penalty", so.repeat_penalty, "divide the positive logits, multiply the negative ones, of the tokens in the last --repeat-last-n by this (1: off)")->check(examples::positive_real(kMaxPenalty));
   app.add_option("--repeat-last-n", so.repeat_last_n, "the window of the penalties: the last n tokens of the context, prompt included (0: penalties off, -1: the whole context)")->check(examples::integer<index_t>(-1, examples::kMaxCount));
@@ -209,8 +255,47 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"incremental", "full"}));
   app.add_flag("--explain", gen.explain, "one line per generated token: its experts and, for graph routers, the earlier tokens it was routed by");
   app.add_option("--explain-sources", gen.explain_sources, "earlier tokens shown per MoE block with --explain")->check(examples::integer<index_t>(1, 64));
+  app.add_flag("--explain-prompt", gen.explain_prompt, "with --explain, a line for each prompt token too");
+  // defaults computed at run time are not captured: said in the text above
+  seed_opt->default_str("");
   CLI11_PARSE(app, argc, argv);
   try {
+    GRAPHMOE_CHECK(p_text->count() + p_file->count() + p_many->count() == 1, "generate",
+                   "give the prompt: --prompt TEXT, --prompt-file FILE or --prompts-file FILE "
+                   "(- reads stdin)");
+    GRAPHMOE_CHECK(!gen.explain_prompt || gen.explain, "generate", "--explain-prompt needs --explain");
+    examples::require_device_built("generate", device);
+    if (seed_opt->count() == 0) {
+      std::random_device rd;
+      gen.sampling.seed = (static_cast<std::uint64_t>(rd()) << 32) | rd();
+      std::fprintf(stderr, "generate: seed %llu (drawn at random: --seed %llu repeats this run)\n",
+                   static_cast<unsigned long long>(gen.sampling.seed),
+                   static_cast<unsigned long long>(gen.sampling.seed));
+    }
+    std::vector<std::string> texts;  // the prompts' text
+    if (p_many->count()) {
+      const std::string all = read_prompt(prompts_file, true, "--prompts-file");
+      std::size_t begin = 0, line = 1;
+      while (true) {
+        const std::size_t end = all.find('\n', begin);
+        std::string t = all.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+        if (!t.empty() && t.back() == '\r') t.pop_back();
+        GRAPHMOE_CHECK(!t.empty(), "generate", "--prompts-file '", prompts_file, "': line ", line,
+                       " is empty (one prompt a line)");
+        texts.push_back(std::move(t));
+        if (end == std::string::npos) break;
+        begin = end + 1;
+        ++line;
+      }
+    } else {
+      texts.push_back(p_file->count() ? read_prompt(prompt_file, true, "--prompt-file")
+                                      : read_prompt(prompt, false, "--prompt"));
+    }
+    GRAPHMOE_CHECK(static_cast<index_t>(texts.size()) * num_samples <= kMaxBatch, "generate",
+                   texts.size(), " prompts x --num-samples ", num_samples, " = ",
+                   static_cast<index_t>(texts.size()) * num_samples,
+                   " outputs, more than one batch of ", kMaxBatch, " decodes");
+    const char* prompt_flag = p_many->count() ? "--prompts-file" : p_file->count() ? "--prompt-file" : "--prompt";
     set_num_threads(threads);
     gen.decoding = decoder == "full" ? Decoding::FullForward : Decoding::Incremental;
     GRAPHMOE_CHECK(!gen.explain || gen.decoding == Decoding::Incremental, "generate",
@@ -242,8 +327,8 @@ int main(int argc, char** argv) {
                    char_level ? "char" : "word", "-level and its vocabulary record ",
                    rec && rec->char_level ? "char" : "word", "-level");
     const TextNormalisation norm = rec ? rec->normalisation : TextNormalisation{};
-    Vocabulary v = char_level ? char_vocabulary(vocab, prompt, stops, bans, norm)
-                              : word_vocabulary(vocab, prompt, stops, bans, norm);
+    Vocabulary v = char_level ? char_vocabulary(vocab, stops, bans, norm)
+                              : word_vocabulary(vocab, stops, bans, norm);
     if (!rec) {
       std::fprintf(stderr, "generate: warning: %s records no vocabulary fingerprint (written before "
                    "train_lm recorded one): that '%s' is its vocabulary is not checked, and the "
@@ -258,24 +343,31 @@ int main(int argc, char** argv) {
     GRAPHMOE_CHECK(static_cast<index_t>(v.size) == in.config.vocab_size, "generate", "the vocabulary '",
                    vocab, "' has ", v.size, " entries, the model ", where, " ", in.config.vocab_size,
                    ": pass the vocab.txt train_lm wrote beside the checkpoint");
-    GRAPHMOE_CHECK(!v.prompt.empty(), "generate", "--prompt holds no ",
-                   char_level ? "character" : "word", ": give at least one");
-    GRAPHMOE_CHECK(static_cast<index_t>(v.prompt.size()) <= in.config.max_seq_len, "generate",
-                   "--prompt is ", v.prompt.size(), char_level ? " characters" : " words",
-                   ", longer than the model's context of max_seq_len = ", in.config.max_seq_len);
     GRAPHMOE_CHECK(gen.sampling.top_k <= in.config.vocab_size, "generate", "--top-k ",
                    gen.sampling.top_k, " exceeds the vocabulary of ", in.config.vocab_size,
                    " tokens (0 samples among all of them)");
-    std::fprintf(stderr, "generate: prompt (%zu %s%s): %s\n", v.prompt.size(),
-                 char_level ? "characters" : "words",
-                 v.unknown > 0 ? (", " + std::to_string(v.unknown) + " not in the vocabulary, read as <unk>").c_str() : "",
-                 v.prompt_text.c_str());
-    in.prompt = std::move(v.prompt);
+    const char* unit = char_level ? "characters" : "words";
+    for (std::size_t i = 0; i < texts.size(); ++i) {
+      std::vector<std::int32_t> ids = v.encode(texts[i]);
+      const std::string which = texts.size() > 1 ? " line " + std::to_string(i + 1) : "";
+      GRAPHMOE_CHECK(!ids.empty(), "generate", prompt_flag, which, " holds no ",
+                     char_level ? "character" : "word", ": give at least one");
+      GRAPHMOE_CHECK(static_cast<index_t>(ids.size()) <= in.config.max_seq_len, "generate",
+                     prompt_flag, which, " is ", ids.size(), " ", unit,
+                     ", longer than the model's context of max_seq_len = ", in.config.max_seq_len);
+      const std::size_t unknown = static_cast<std::size_t>(std::count(ids.begin(), ids.end(), v.unk));
+      std::fprintf(stderr, "generate: prompt%s (%zu %s%s): %s\n",
+                   texts.size() > 1 ? (" " + std::to_string(i)).c_str() : "", ids.size(), unit,
+                   unknown > 0 ? (", " + std::to_string(unknown) + " not in the vocabulary, read as <unk>").c_str() : "",
+                   v.decode(ids).c_str());
+      for (index_t k = 0; k < num_samples; ++k) in.prompts.push_back(ids);
+    }
     in.stop = std::move(v.stop);
     gen.sampling.banned = std::move(v.banned);
     in.options = gen;
-    in.text = v.text;
+    in.printer = v.printer;
     in.label = v.label;
+    in.batch = in.prompts.size() > 1;
     return with_router(in.router, [&]<class Policy>() {
       return examples::on_device<Policy>("generate", device, in.router, [&]<class B>() {
         return generate_cli::run<Policy, B>(in);

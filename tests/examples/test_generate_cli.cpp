@@ -261,7 +261,7 @@ TEST_CASE("generate: absurd command lines and broken checkpoints are refused, na
           "the cat sat on a mat the dog ran");
   refused({}, "--prompt holds no word", "   ");
   check_refused(run(s, kGenerate, {"--checkpoint", ckpt, "--vocab", dir + "/vocab.txt"}),
-                {"--prompt is required"});
+                {"give the prompt: --prompt TEXT, --prompt-file FILE or --prompts-file FILE"});
   // files: a text file as the checkpoint, the corpus as the vocabulary, a char vocabulary
   check_refused(run(s, kGenerate, {"--checkpoint", s / "corpus.txt", "--vocab", dir + "/vocab.txt", "--prompt", "the"}),
                 {"corpus.txt"});
@@ -532,4 +532,196 @@ TEST_CASE("generate: the normalisation train_lm recorded is applied to the promp
     const Result st = run(s, kGenerate, gen_args(n, "The cat", {"--greedy", "--max-new-tokens", "30", "--stop", "."}));
     CHECK(st.out == g.out.substr(0, dot + 1) + "\n");
   }
+}
+
+namespace {
+
+// As run(), with stdin read from the file `input`.
+Result run_with_stdin(const Scratch& s, const std::vector<std::string>& args, const std::string& input) {
+  std::string cmd = "timeout -k 5 120 ";
+  cmd.append(test::quote(kGenerate));
+  for (const auto& a : args) cmd.append(" ").append(test::quote(a));
+  Result r;
+  r.command = cmd + " <" + test::quote(input);
+  const std::string out = s / "stdin_out.txt", err = s / "stdin_err.txt";
+  cmd.append(" >").append(test::quote(out)).append(" 2>").append(test::quote(err));
+  cmd.append(" <").append(test::quote(input));
+  const int raw = std::system(cmd.c_str());
+  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  std::ifstream o(out), e(err);
+  std::stringstream so, se;
+  so << o.rdbuf();
+  se << e.rdbuf();
+  r.out = so.str();
+  r.err = se.str();
+  return r;
+}
+
+void write_file(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+// A batch's line for the output of a single run: line breaks as \n, backslashes as \\.
+std::string as_line(const std::string& single_out) {
+  std::string out;
+  for (char c : single_out.substr(0, single_out.size() - 1)) {
+    if (c == '\n') out += "\\n";
+    else if (c == '\\') out += "\\\\";
+    else out += c;
+  }
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> l;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) l.push_back(line);
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("generate: --prompt-file, --prompt - and --prompt-file - read the same prompt, and a seed not given is drawn and printed") {
+  Scratch s("generate_prompt_files");
+  const std::string dir = s / "lm";
+  train(s, dir, false);
+  const std::vector<std::string> opts = {"--max-new-tokens", "8", "--seed", "3", "--temperature", "0.9"};
+  const Result a = run(s, kGenerate, gen_args(dir, "the cat", opts));
+  REQUIRE(a.status == 0);
+  const std::string file = s / "prompt.txt";
+  write_file(file, "the cat\n");  // the final line break is not an <eos>
+  std::vector<std::string> args = {"--checkpoint", dir + "/checkpoint.safetensors", "--vocab", dir + "/vocab.txt", "--threads", "1"};
+  args.insert(args.end(), opts.begin(), opts.end());
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = args;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  const Result f = run(s, kGenerate, with({"--prompt-file", file}));
+  INFO(f.text());
+  CHECK(f.status == 0);
+  CHECK(f.out == a.out);
+  CHECK(f.err.find("generate: prompt (2 words): the cat") != std::string::npos);
+  const Result in1 = run_with_stdin(s, with({"--prompt", "-"}), file);
+  INFO(in1.text());
+  CHECK(in1.status == 0);
+  CHECK(in1.out == a.out);
+  const Result in2 = run_with_stdin(s, with({"--prompt-file", "-"}), file);
+  CHECK(in2.out == a.out);
+  // a file's inner line breaks are <eos>
+  write_file(file, "the cat\nsat on");
+  const Result two = run(s, kGenerate, with({"--prompt-file", file}));
+  CHECK(two.err.find("generate: prompt (5 words): the cat\nsat on") != std::string::npos);
+  // refusals: no such file, two prompts, none
+  check_refused(run(s, kGenerate, with({"--prompt-file", s / "absent.txt"})), {"absent.txt"});
+  check_refused(run(s, kGenerate, with({"--prompt-file", file, "--prompt", "the"})), {"--prompt excludes --prompt-file"});
+  check_refused(run(s, kGenerate, with({})), {"give the prompt"});
+  check_refused(run(s, kGenerate, gen_args(dir, "the", {"--explain-prompt"})), {"--explain-prompt needs --explain"});
+  // no --seed: one is drawn, printed, and repeats the run
+  const Result r = run(s, kGenerate, gen_args(dir, "the cat", {"--max-new-tokens", "8", "--temperature", "0.9"}));
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+  const std::size_t at = r.err.find("generate: seed ");
+  REQUIRE(at != std::string::npos);
+  const std::string seed = r.err.substr(at + 15, r.err.find(' ', at + 15) - (at + 15));
+  CHECK(r.err.find("--seed " + seed + " repeats this run") != std::string::npos);
+  const Result again = run(s, kGenerate, gen_args(dir, "the cat", {"--max-new-tokens", "8", "--temperature", "0.9", "--seed", seed}));
+  CHECK(again.out == r.out);
+  CHECK(again.err.find("generate: seed ") == std::string::npos);
+  // the timings: time to first token with the prompt's rate, then the decode rate, in microseconds
+  for (const char* part : {"generate: prompt 2 tokens, time to first token ", " prompt tokens/s)",
+                           "generate: 8 tokens in ", "(decode ", " tokens/s after the first"})
+    CHECK(a.err.find(part) != std::string::npos);
+  const std::size_t ttft = a.err.find("time to first token ") + 20;
+  const std::string secs = a.err.substr(ttft, a.err.find(' ', ttft) - ttft);
+  CAPTURE(secs);
+  CHECK(secs.size() == 8);  // "0.000123": six decimals
+  CHECK(secs[1] == '.');
+}
+
+TEST_CASE("generate: --num-samples and --prompts-file decode one batch whose outputs, in order, are what each draws alone with its seed") {
+  Scratch s("generate_batch");
+  const std::string dir = s / "lm";
+  train(s, dir, false);
+  const std::string file = s / "prompts.txt";
+  const std::vector<std::string> prompts = {"the cat", "a dog ran", "the"};
+  write_file(file, "the cat\na dog ran\nthe\n");
+  const std::vector<std::string> opts = {"--max-new-tokens", "6", "--temperature", "0.9"};
+  std::vector<std::string> args = {"--checkpoint", dir + "/checkpoint.safetensors", "--vocab", dir + "/vocab.txt",
+                                   "--threads", "1", "--prompts-file", file, "--seed", "7"};
+  args.insert(args.end(), opts.begin(), opts.end());
+  const Result b = run(s, kGenerate, args);
+  INFO(b.text());
+  REQUIRE(b.status == 0);
+  const std::vector<std::string> got = lines_of(b.out);
+  REQUIRE(got.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    std::vector<std::string> one = opts;
+    one.insert(one.end(), {"--seed", std::to_string(7 + i)});
+    const Result r = run(s, kGenerate, gen_args(dir, prompts[i], one));
+    REQUIRE(r.status == 0);
+    CHECK(got[i] == as_line(r.out));
+  }
+  CHECK(got[0] != got[2]);
+  CHECK(b.err.find("generate: prompt 1 (3 words): a dog ran") != std::string::npos);
+  // --num-samples: seeds 4, 5, 6 of one prompt
+  const Result n = run(s, kGenerate, gen_args(dir, "the cat", {"--max-new-tokens", "6", "--temperature", "0.9", "--seed", "4", "--num-samples", "3"}));
+  INFO(n.text());
+  REQUIRE(n.status == 0);
+  const std::vector<std::string> samples = lines_of(n.out);
+  REQUIRE(samples.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    const Result r = run(s, kGenerate, gen_args(dir, "the cat", {"--max-new-tokens", "6", "--temperature", "0.9", "--seed", std::to_string(4 + i)}));
+    CHECK(samples[i] == as_line(r.out));
+  }
+  CHECK(samples[0] != samples[1]);
+  // an empty line, a line too long
+  write_file(file, "the cat\n\nthe\n");
+  std::vector<std::string> bad = args;
+  check_refused(run(s, kGenerate, bad), {"--prompts-file '" + file + "': line 2 is empty"});
+  write_file(file, "the cat\nthe cat sat on a mat the dog ran\n");
+  check_refused(run(s, kGenerate, bad), {"--prompts-file line 2 is 9 words, longer than the model's context"});
+}
+
+TEST_CASE("generate: --explain prints a line for every generated token past the context window, and the prompt's with --explain-prompt") {
+  Scratch s("generate_explain_window");
+  std::string router;
+  for (const std::string& r : router_names())
+    if (router.empty() && r.find("similarity") != std::string::npos &&
+        with_router(r, []<class P>() { return examples::built_for_cpu<P>; }))
+      router = r;
+  REQUIRE(!router.empty());
+  const std::string dir = s / "lm";
+  train(s, dir, false, router);  // --seq 8
+  for (const std::string& prompt : {std::string("the cat sat"), std::string("the cat sat on a mat the dog")}) {
+    for (bool with_prompt : {false, true}) {
+      CAPTURE(prompt);
+      CAPTURE(with_prompt);
+      std::vector<std::string> extra = {"--max-new-tokens", "12", "--seed", "2", "--explain"};
+      if (with_prompt) extra.push_back("--explain-prompt");
+      const Result r = run(s, kGenerate, gen_args(dir, prompt, extra));
+      INFO(r.text());
+      REQUIRE(r.status == 0);
+      CHECK(r.err.find("generate: explain: [position]") != std::string::npos);  // the legend
+      const std::size_t words = static_cast<std::size_t>(std::count(prompt.begin(), prompt.end(), ' ') + 1);
+      const std::vector<std::string> lines = lines_of(r.out);
+      const std::size_t first = with_prompt ? 0 : words;
+      REQUIRE(lines.size() == words + 12 - first);
+      for (std::size_t i = 0; i < lines.size(); ++i) {
+        CAPTURE(lines[i]);
+        CHECK(lines[i].rfind("[" + std::to_string(first + i) + "] \"", 0) == 0);
+        CHECK(lines[i].find(" | block 0: experts ") != std::string::npos);
+        CHECK(lines[i].find("; alone ") != std::string::npos);
+        CHECK(lines[i].find("; from [") != std::string::npos);
+      }
+    }
+  }
+}
+
+TEST_CASE("generate: --device cuda on a binary without CUDA says so") {
+  if (GRAPHMOE_GENERATE_CUDA) return;  // this build has generate's CUDA path
+  Scratch s("generate_no_cuda");
+  const std::string dir = s / "lm";
+  train(s, dir, false);
+  check_refused(run(s, kGenerate, gen_args(dir, "the", {"--device", "cuda"})),
+                {"--device cuda: this generate was built without CUDA", "use --device cpu"});
 }
