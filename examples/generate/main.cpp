@@ -15,7 +15,7 @@
 // prompt and one sample: stdout receives the generated text only, each token as soon as it is
 // drawn (words: separated by spaces, <eos> as a line break; characters: the bytes). Several
 // (--num-samples N, --prompts-file FILE: one prompt a line) are decoded as one batch
-// (generate_batch; sample i of a prompt draws with seed + i) and printed when done, one line per
+// (generate_batch; output j of the batch draws with --seed + j) and printed when done, one line per
 // output in order (prompt by prompt, sample by sample), line breaks written \n and backslashes
 // \\. stderr receives the prompt as the model reads it, the seed when it was not given (drawn at
 // random), the time to first token with the prompt's tokens/s, and the decode tokens/s.
@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
   auto* p_text = app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model; - reads stdin)");
   auto* p_file = app.add_option("--prompt-file", prompt_file, "read the prompt from this file (- for stdin; its line breaks are <eos> in a word model)")->excludes(p_text);
   auto* p_many = app.add_option("--prompts-file", prompts_file, "one prompt a line (- for stdin), decoded as one batch; one output line each, in order")->excludes(p_text)->excludes(p_file);
-  app.add_option("--num-samples", num_samples, "outputs per prompt, decoded as one batch (sample i draws with --seed + i)")->check(examples::integer<index_t>(1, kMaxBatch));
+  app.add_option("--num-samples", num_samples, "outputs per prompt, decoded as one batch (output j of the batch draws with --seed + j)")->check(examples::integer<index_t>(1, kMaxBatch));
   app.add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate at most")->check(examples::integer<index_t>(1, kMaxNewTokens));
   auto* seed_opt = app.add_option("--seed", gen.sampling.seed, "random seed of the draws (default: drawn at random, and printed)")->check(examples::seed());
   auto* greedy = app.add_flag("--greedy", gen.sampling.greedy, "always the most probable token (no sampling)");

@@ -15,7 +15,6 @@
 #include "common/data_parallel_world.hpp"
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
-#include "graphmoe/train/files.hpp"
 #include "graphmoe/train/text_attack.hpp"
 #include "train_lm/options.hpp"
 
@@ -31,13 +30,11 @@ int main(int argc, char** argv) {
   m.d_ff = 512;
   m.router.num_experts = 8;
   m.router.k = 2;
-  const std::string wt2 = data_dir() + "/wikitext-2/";
-  opt.train_path = wt2 + "wiki.valid.tokens";
-  opt.test_path = wt2 + "wiki.test.tokens";
 
   CLI::App app{"Train a graph-routed MoE transformer language model (graphmoe)"};
   std::string routers;
-  for (const auto& n : router_names()) routers += (routers.empty() ? "" : ", ") + n;
+  const std::vector<std::string> built = examples::built_router_names();  // only these: --help and the check
+  routers = examples::joined(built);
   // the options of the policies train_lm's routers use (the Similarity and Attention graphs,
   // SMoE-Dropout's schedule); a router ignores those of policies it does not have, since the one
   // command line configures every router (allow_unused_options)
@@ -46,15 +43,19 @@ int main(int argc, char** argv) {
   auto& sched = m.router.options<ScheduledTopK>();
   std::string layout = "switch", tau_mode = "fixed", graph_precision = "exact",
               expert_layout = "compact";
-  app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
-  app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
-  app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
+  app.option_defaults()->always_capture_default();  // --help shows every default
+  // a file that exists, or "" for none
+  const CLI::Validator optional_file(
+      [](std::string& t) { return t.empty() ? std::string() : CLI::ExistingFile(t); }, "FILE");
+  app.add_option("--train", opt.train_path, "training text (WikiText format, e.g. WikiText-2's wiki.valid.tokens, or any text with --char)")->required()->check(CLI::ExistingFile);
+  app.add_option("--valid", opt.valid_path, "validation text (none: the last --valid-fraction of --train)")->check(optional_file);
+  app.add_option("--test", opt.test_path, "test text, reported at the end (none: no test)")->check(optional_file);
   app.add_option("--valid-fraction", opt.valid_fraction, "share of the training stream held out when no --valid")->check(examples::real(0.001, 0.5));
   app.add_flag("--char", opt.char_level, "character-level tokens instead of words");
   std::string normalise = "none";
   app.add_option("--normalise", normalise, "how the text is read before it is split, recorded in the checkpoint so that generate reads prompts the same way: none, lower (ASCII lowercase), punct (word level: . , ; : ! ? ( ) and 's split off as words, as scripts/prepare-kjv.sh did), lower,punct")->check(CLI::IsMember({"none", "lower", "punct", "lower,punct"}));
   app.add_option("--max-vocab", opt.max_vocab, "word level: keep the most frequent words (0 = all)")->check(examples::integer<std::size_t>(0, examples::kMaxCount));
-  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
+  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(built));
   app.add_option("--layout", layout, "MoE layout: switch (every FFN), glam (every other), dense")->check(CLI::IsMember({"switch", "glam", "dense"}));
   app.add_option("--layers", m.num_layers, "transformer blocks")->check(examples::integer<index_t>(1, examples::kMaxLayers));
   app.add_option("--d-model", m.d_model, "model width D")->check(examples::integer<index_t>(1, examples::kMaxWidth));

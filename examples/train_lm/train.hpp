@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -107,6 +108,7 @@ void print_sample(Model& lm, const Options& opt, const Data& data) {
 template <class Policy, class B, class C>
 int run_model(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
+  const auto run_start = std::chrono::steady_clock::now();
   set_num_threads(opt.threads);
   examples::require_device<B>("train_lm");
   TransformerLMConfig mc = opt.model;
@@ -220,6 +222,7 @@ int run_model(const Options& opt, const Data& data) {
   // evaluation (which runs the model at its own shapes) and captured again after it
   examples::StepGraph<B> step_graph(opt.cuda_graph);
   Tensor<std::int32_t, B> graph_inputs, graph_targets;
+  const auto train_start = std::chrono::steady_clock::now();
   for (; step < opt.steps; ++step) {
     if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
     // with --dp, this rank's shard of the global batch every rank draws
@@ -298,6 +301,8 @@ int run_model(const Options& opt, const Data& data) {
     if ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last)
       save(step + 1);  // on every rank: rank 0 writes
   }
+  const double train_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count();
   if (root) bar.finish();
   step_graph.reset();
   if (root && step_graph.enabled())
@@ -346,6 +351,16 @@ int run_model(const Options& opt, const Data& data) {
   }
   if (root) std::printf("\n");
   if (root && opt.sample_tokens > 0 && data.detokenize) print_sample(lm, opt, data);
+  // the last line: the run's time, the training steps' tokens/s, and the checkpoint written
+  if (root) {
+    const double total =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double trained = tokens_per_step * static_cast<double>(opt.steps - first_step);
+    std::printf("train_lm: %lld steps in %.2f s (%.2f s in all), %.0f tokens/s, checkpoint %s\n",
+                static_cast<long long>(opt.steps - first_step), train_seconds, total,
+                train_seconds > 0 ? trained / train_seconds : 0.0, ckpt.c_str());
+    std::fflush(stdout);
+  }
   return 0;
 }
 

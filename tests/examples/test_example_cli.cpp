@@ -22,7 +22,9 @@
 #include <string>
 #include <vector>
 
+#include "examples_routers.hpp"  // generated: built_for_cpu<Policy>, the examples' CPU routers
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/checkpoint.hpp"
 #include "support/processes.hpp"
 
@@ -273,7 +275,10 @@ TEST_CASE("examples: train_lm --cuda-graph is refused where a graph cannot repla
   check_refused(run(s, kTrainLM, args), {"--cuda-graph needs --expert-layout padded"});
   args.insert(args.end(), {"--expert-layout", "padded", "--capacity-factor", "1.25"});
   *std::find(args.begin(), args.end(), "softmax") = "smoe-dropout";  // lm_args' --router
-  check_refused(run(s, kTrainLM, args), {"--cuda-graph needs a router with a fixed k"});
+  // a router this binary lacks is refused by --router's own check, naming it
+  const bool built = with_router("smoe-dropout", []<class P>() { return examples::built_for_cpu<P>; });
+  check_refused(run(s, kTrainLM, args), {built ? "--cuda-graph needs a router with a fixed k"
+                                               : "--router: smoe-dropout not in {"});
   CHECK(!fs::exists(dir + "/metrics.csv"));
 }
 

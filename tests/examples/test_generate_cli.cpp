@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -293,6 +294,10 @@ TEST_CASE("generate: every router built into the examples generates past the con
   const std::string soft = s / "softmax";
   train(s, soft, false);
   int built = 0;
+  std::string built_names;  // as the user types them
+  for (const std::string& r : router_names())
+    if (with_router(r, []<class P>() { return examples::built_for_cpu<P>; }))
+      built_names += (built_names.empty() ? "" : ", ") + r;
   for (const std::string& router : router_names()) {
     CAPTURE(router);
     const bool is_built = with_router(router, []<class P>() { return examples::built_for_cpu<P>; });
@@ -317,8 +322,7 @@ TEST_CASE("generate: every router built into the examples generates past the con
         meta["config"] = cfg.dump();
       });
       check_refused(run(s, kGenerate, {"--checkpoint", bad, "--vocab", soft + "/vocab.txt", "--prompt", "the"}),
-                    {"router '" + router + "' is not built in this binary (built: " +
-                     std::string(examples::cpu_router_list)});
+                    {"router '" + router + "' is not built in this binary (built: " + built_names});
     }
   }
   CHECK(built >= 1);
@@ -724,4 +728,50 @@ TEST_CASE("generate: --device cuda on a binary without CUDA says so") {
   train(s, dir, false);
   check_refused(run(s, kGenerate, gen_args(dir, "the", {"--device", "cuda"})),
                 {"--device cuda: this generate was built without CUDA", "use --device cpu"});
+}
+
+TEST_CASE("train_lm: --help lists only the routers built in, refusals name what was typed, no default data path, and a last line with time, tokens/s and the checkpoint") {
+  Scratch s("train_lm_cli");
+  std::vector<std::string> built, missing;
+  for (const std::string& r : router_names())
+    (with_router(r, []<class P>() { return examples::built_for_cpu<P>; }) ? built : missing).push_back(r);
+  std::string list;
+  for (const std::string& r : built) list += (list.empty() ? "" : ", ") + r;
+  const Result h = run(s, kTrainLM, {"--help"});
+  REQUIRE(h.status == 0);
+  const std::size_t at = h.out.find("router: ");
+  REQUIRE(at != std::string::npos);
+  const std::string routers = h.out.substr(at, h.out.find('\n', at) - at);
+  CHECK(routers == "router: " + list);
+  CHECK(h.out.find("--steps INT:[1, 1000000000]=1000") != std::string::npos);  // defaults shown
+  const std::string corpus = s / "corpus.txt";
+  test::write_word_corpus(corpus);
+  for (const std::string& r : missing) {
+    CAPTURE(r);
+    check_refused(run(s, kTrainLM, {"--train", corpus, "--router", r}), {"--router: " + r + " not in {"});
+    const Result m = run(s, kTrainLM, {"--router", r});
+    CHECK(m.err.find("Router") == std::string::npos);  // no C++ class names
+  }
+  // no default data: --train is required, --test and --valid are optional files
+  check_refused(run(s, kTrainLM, {"--steps", "3"}), {"--train is required"});
+  check_refused(run(s, kTrainLM, {"--train", corpus, "--test", s / "absent.txt"}), {"--test", "absent.txt"});
+  // a run from another folder without --test: trains, and ends with the summary line
+  const std::string out = s / "lm";
+  const Result r = test::run_program(s, "env -C " + test::quote(s.dir.string()), kTrainLM,
+                                     {"--train", corpus, "--valid-fraction", "0.5", "--layers", "1", "--d-model", "8",
+                                      "--heads", "2", "--d-ff", "8", "--experts", "2", "--top-k", "1", "--seq", "8",
+                                      "--batch", "2", "--steps", "6", "--warmup", "0", "--eval-every", "0",
+                                      "--threads", "1", "--sample-tokens", "3", "--out", out},
+                                     120);
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+  CHECK(r.out.find("test_ppl") == std::string::npos);
+  REQUIRE(r.out.size() > 1);
+  const std::size_t last = r.out.rfind('\n', r.out.size() - 2);
+  const std::string line = r.out.substr(last + 1);
+  CAPTURE(line);
+  CHECK(line.rfind("train_lm: 6 steps in ", 0) == 0);
+  CHECK(line.find(" s in all), ") != std::string::npos);
+  CHECK(line.find(" tokens/s, checkpoint " + out + "/checkpoint.safetensors\n") != std::string::npos);
+  CHECK(std::filesystem::exists(out + "/checkpoint.safetensors"));
 }
