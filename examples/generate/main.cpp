@@ -58,7 +58,7 @@ namespace {
 inline constexpr index_t kMaxNewTokens = 1'000'000;
 inline constexpr double kMaxTemperature = 1000.0;  // beyond, every kept token is equally likely
 inline constexpr double kMaxPenalty = 1000.0;      // --repeat-penalty, |--frequency/presence-penalty|
-inline constexpr index_t kMaxBatch = 4096;         // prompts x --num-samples decoded together
+inline constexpr index_t kMaxBatch = 1024;         // prompts x --num-samples decoded together
 
 // A vocabulary as generate reads it, for the checkpoint's kind (words or characters).
 struct Vocabulary {
