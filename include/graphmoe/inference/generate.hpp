@@ -35,12 +35,13 @@
 //
 // Each step: the logits of the context's last position -> Sampler::sample (the context so far as
 // its history, for the penalties) -> on_token(id). A stop id is emitted (returned and passed to
-// on_token) and then ends that sequence; so does a token for which opt.stop_when is true. Sequence i of a
-// batch samples with seed opt.sampling.seed + i, so it draws what generate() would draw for that
-// prompt alone with that seed. The model is put in Mode::Eval for the generation and its previous
-// mode is restored on return, also when an error or a callback throws. Bad input throws
-// graphmoe::Error before any forward: an empty prompt, a prompt longer than max_seq_len, a prompt
-// stop or banned id outside [0, vocab_size), a negative max_new_tokens, bad SamplingOptions.
+// on_token) and then ends that sequence; so does a token for which opt.stop_when is true.
+// Sequence i of a batch samples with seed opt.sampling.seed + i, so it draws what generate() would
+// draw for that prompt alone with that seed. The model is put in Mode::Eval for the generation and
+// its previous mode is restored on return, also when an error or a callback throws. Bad input
+// throws graphmoe::Error before any forward: an empty prompt, a prompt longer than max_seq_len, a
+// prompt, stop or banned id outside [0, vocab_size), a negative max_new_tokens, bad
+// SamplingOptions.
 //
 // opt.explain (incremental decoding only): on_routed reports how every generated token was routed
 // as an input (RoutedToken: per MoE block its experts and gates and, for graph routers, the
