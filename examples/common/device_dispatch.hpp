@@ -11,6 +11,7 @@
 
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "examples_routers.hpp"  // generated: built_for_cpu<Policy>, cpu_router_list
 #include "graphmoe/config.hpp"
@@ -23,12 +24,48 @@
 
 namespace examples {
 
+// The names (as --router takes them) of the routers whose loops this binary has: on the CPU
+// (device "cpu"), on the GPU ("cuda"), or on either ("").
+inline std::vector<std::string> built_router_names(const std::string& device = "") {
+  std::vector<std::string> out;
+  for (const std::string& n : graphmoe::router_names()) {
+    const bool built = graphmoe::with_router(n, [&]<class P>() {
+      bool on_gpu = false;
+#if defined(GRAPHMOE_EXAMPLES_CUDA)
+      on_gpu = built_for_cuda<P>;
+#endif
+      return device == "cpu" ? built_for_cpu<P> : device == "cuda" ? on_gpu : built_for_cpu<P> || on_gpu;
+    });
+    if (built) out.push_back(n);
+  }
+  return out;
+}
+
+// names joined by ", " ("none" for no name).
+inline std::string joined(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s.empty() ? "none" : s;
+}
+
 inline std::string device_help() {
 #if defined(GRAPHMOE_EXAMPLES_CUDA)
-  return std::string("cpu or cuda (built for cuda: ") + cuda_router_list + ")";
+  return "cpu or cuda (built for cuda: " + joined(built_router_names("cuda")) + ")";
 #else
-  return "cpu (this binary has no CUDA loops: GRAPHMOE_ENABLE_CUDA and GRAPHMOE_CUDA_EXAMPLES)";
+  return "cpu (this binary was built without CUDA: GRAPHMOE_ENABLE_CUDA and GRAPHMOE_CUDA_EXAMPLES)";
 #endif
+}
+
+// --device cuda on a binary built without CUDA code: refused before any work, saying so.
+inline void require_device_built(const char* program, const std::string& device) {
+#if !defined(GRAPHMOE_EXAMPLES_CUDA)
+  GRAPHMOE_CHECK(device != "cuda", program, "--device cuda: this ", program,
+                 " was built without CUDA (GRAPHMOE_ENABLE_CUDA off, or ", program,
+                 " not in GRAPHMOE_CUDA_EXAMPLES): use --device cpu, or reconfigure with "
+                 "-DGRAPHMOE_ENABLE_CUDA=ON and ", program, " in -DGRAPHMOE_CUDA_EXAMPLES");
+#endif
+  (void)program;
+  (void)device;
 }
 
 // Throws graphmoe::Error when this binary has no CPU loop for Policy (GRAPHMOE_EXAMPLE_ROUTERS).
@@ -36,7 +73,8 @@ template <class Policy>
 void require_cpu_router(const char* program, const std::string& router) {
   if constexpr (!built_for_cpu<Policy>)
     GRAPHMOE_CHECK(false, program, "router '", router, "' is not built in this binary (built: ",
-                   cpu_router_list, "; configure with -DGRAPHMOE_EXAMPLE_ROUTERS=... to add it)");
+                   joined(built_router_names("cpu")),
+                   "; configure with -DGRAPHMOE_EXAMPLE_ROUTERS=... to add it)");
   (void)program;
   (void)router;
 }
@@ -65,14 +103,13 @@ int on_device(const char* program, const std::string& device, const std::string&
     return fn.template operator()<graphmoe::cuda>();
   } else {
     GRAPHMOE_CHECK(false, program, "router '", router,
-                   "' is not built for --device cuda in this binary (built: ", cuda_router_list,
+                   "' is not built for --device cuda in this binary (built: ",
+                   joined(built_router_names("cuda")),
                    "; configure with -DGRAPHMOE_CUDA_EXAMPLE_ROUTERS=...)");
   }
 #else
   (void)router;
-  GRAPHMOE_CHECK(false, program,
-                 "--device cuda: this binary has no CUDA training loops (configure with nvcc on "
-                 "the PATH or -DGRAPHMOE_ENABLE_CUDA=ON, and list it in GRAPHMOE_CUDA_EXAMPLES)");
+  require_device_built(program, device);
 #endif
   return 1;
 }

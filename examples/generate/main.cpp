@@ -5,23 +5,37 @@
 //
 // Loads any train_lm checkpoint (its router, shape and word or character vocabulary come from the
 // checkpoint's metadata; the router must be one this binary is built for, GRAPHMOE_EXAMPLE_ROUTERS),
-// encodes the prompt with the vocabulary train_lm wrote beside it, and samples with
-// graphmoe::generate (graphmoe/inference/generate.hpp): by default the incremental decoder (a KV
-// cache per attention layer and a routing cache per MoE layer, O(t) per token); --decoder full runs
-// a full forward over the context per token (the O(t^2) reference; the same tokens). stdout
-// receives the generated text only, each token as soon as it is drawn (words: separated by
-// spaces, <eos> as a line break; characters: the bytes); stderr the prompt as the model reads it,
-// and the count, time and tokens/s. --explain prints instead one line per generated token: its
+// checks that --vocab is the vocabulary it was trained with (the fingerprint train_lm recorded;
+// checkpoints without one load with a warning), reads the prompt with the normalisation recorded
+// with it, and samples with graphmoe::generate (graphmoe/inference/generate.hpp): by default the
+// incremental decoder (a KV cache per attention layer and a routing cache per MoE layer, O(t) per
+// token); --decoder full runs a full forward over the context per token (the O(t^2) reference;
+// the same tokens). The prompt is --prompt TEXT, --prompt-file FILE, or either with "-" for stdin
+// (a file's final line break is dropped; its other line breaks are <eos> in a word model). One
+// prompt and one sample: stdout receives the generated text only, each token as soon as it is
+// drawn (words: separated by spaces, <eos> as a line break; characters: the bytes). Several
+// (--num-samples N, --prompts-file FILE: one prompt a line) are decoded as one batch
+// (generate_batch; output j of the batch draws with --seed + j) and printed when done, one line per
+// output in order (prompt by prompt, sample by sample), line breaks written \n and backslashes
+// \\. stderr receives the prompt as the model reads it, the seed when it was not given (drawn at
+// random), the time to first token with the prompt's tokens/s, and the decode tokens/s.
+// --explain prints instead one line per generated token (past the context window too): its
 // position and text, and per MoE block the experts it was routed to with their gates and, for a
-// graph router, the earlier tokens with the largest weights in its row of S or A^p:
-//   [7] "king" | block 0: experts 3 (0.61) 1 (0.39); from [6] "the" 0.42 [2] "said" 0.18 ...
+// graph router, the experts its own scores would have chosen and the earlier tokens with the
+// largest weights in its row of S or A^p (a legend on stderr; --explain-prompt: the prompt's
+// tokens too; in a batch each line starts with the output's index):
+//   [7] "king" | block 0: experts 3 (0.61) 1 (0.39); alone 3 2; from [6] "the" 0.42 [2] "said" 0.18
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,8 +44,10 @@
 #include "common/cli_checks.hpp"
 #include "common/device_dispatch.hpp"
 #include "common/lm_config.hpp"
+#include "common/vocabulary.hpp"
 #include "generate/run.hpp"
 #include "graphmoe/routing/registry.hpp"
+#include "graphmoe/train/files.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 #include "graphmoe/train/training_state.hpp"
 
@@ -41,14 +57,21 @@ namespace {
 
 inline constexpr index_t kMaxNewTokens = 1'000'000;
 inline constexpr double kMaxTemperature = 1000.0;  // beyond, every kept token is equally likely
+inline constexpr double kMaxPenalty = 1000.0;      // --repeat-penalty, |--frequency/presence-penalty|
+inline constexpr index_t kMaxBatch = 1024;         // prompts x --num-samples decoded together
 
-// The prompt's ids and the text of generated ids, for the checkpoint's kind of vocabulary.
+// A vocabulary as generate reads it, for the checkpoint's kind (words or characters).
 struct Vocabulary {
   std::size_t size = 0;
-  std::string prompt_text;                // the prompt as the model reads it (unknowns as <unk>)
-  std::size_t unknown = 0;                // prompt tokens outside the vocabulary
-  std::vector<std::int32_t> prompt, stop;
-  std::function<std::string(std::int32_t)> text;
+  bool char_level = false;
+  std::int32_t unk = 0;
+  std::string fingerprint;                // the tokenizer's (with the normalisation it reads with)
+  std::vector<std::int32_t> banned;
+  std::vector<std::string> stop;          // --stop texts as printed (<eos>: a line break)
+  std::function<std::vector<std::int32_t>(const std::string&)> encode;  // a prompt's ids
+  std::function<std::string(const std::vector<std::int32_t>&)> decode;  // the prompt as read
+  // the printer of one output: the text of each generated id after that prompt
+  std::function<std::function<std::string(std::int32_t)>(const std::vector<std::int32_t>&)> printer;
   std::function<std::string(std::int32_t)> label;  // an id quoted, for --explain
 };
 
@@ -64,83 +87,165 @@ std::string quoted(const std::string& s) {
   return q + "\"";
 }
 
-Vocabulary word_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops) {
-  auto tok = std::make_shared<const WordTokenizer>(WordTokenizer::load(path));
-  Vocabulary v;
-  v.size = tok->size();
-  // the prompt's lines, each but the last followed by <eos> (as train_lm reads a text file)
+// A --stop text as the printed text shows it: normalised as the prompt is (a word model's words
+// then joined by single spaces, a line break kept; leading or trailing blanks kept as one).
+std::string normalised_stop(const std::string& s, const TextNormalisation& norm) {
+  if (norm.none()) return s;
+  std::string out;
   std::size_t begin = 0;
   while (true) {
-    const std::size_t end = prompt.find('\n', begin);
-    const std::string line = prompt.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-    const std::vector<std::int32_t> ids = tok->encode_line(line);
-    v.prompt.insert(v.prompt.end(), ids.begin(), ids.end());
+    const std::size_t end = s.find('\n', begin);
+    const std::string seg = s.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    std::string joined;
+    graphmoe::detail::for_each_word(norm.apply(seg), [&](std::string_view w) {
+      if (!joined.empty()) joined += ' ';
+      joined.append(w);
+    });
+    if (!seg.empty() && graphmoe::detail::is_space(seg.front())) out += ' ';
+    out += joined;
+    if (!joined.empty() && graphmoe::detail::is_space(seg.back())) out += ' ';
     if (end == std::string::npos) break;
-    v.prompt.push_back(tok->eos());
+    out += '\n';
     begin = end + 1;
   }
-  for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
-  v.prompt_text = tok->decode(v.prompt);
+  return out;
+}
+
+Vocabulary word_vocabulary(const std::string& path, const std::vector<std::string>& stops,
+                           const std::vector<std::string>& bans, const TextNormalisation& norm) {
+  auto loaded = WordTokenizer::load(path);
+  loaded.set_normalisation(norm);  // prompts read as the training text was
+  auto tok = std::make_shared<const WordTokenizer>(std::move(loaded));
+  Vocabulary v;
+  v.size = tok->size();
+  v.unk = tok->unk();
+  v.fingerprint = tok->fingerprint();
+  // the prompt's lines, each but the last followed by <eos> (as train_lm reads a text file)
+  v.encode = [tok](const std::string& prompt) {
+    std::vector<std::int32_t> ids;
+    std::size_t begin = 0;
+    while (true) {
+      const std::size_t end = prompt.find('\n', begin);
+      const std::vector<std::int32_t> line = tok->encode_line(
+          std::string_view(prompt).substr(begin, end == std::string::npos ? std::string::npos : end - begin));
+      ids.insert(ids.end(), line.begin(), line.end());
+      if (end == std::string::npos) break;
+      ids.push_back(tok->eos());
+      begin = end + 1;
+    }
+    return ids;
+  };
+  v.decode = [tok](const std::vector<std::int32_t>& ids) { return tok->decode(ids); };
   for (const std::string& s : stops) {
-    GRAPHMOE_CHECK(tok->contains(s), "generate", "--stop '", s, "' is not a word of the vocabulary '",
-                   path, "' (", tok->size(), " words; the end of a line is <eos>)");
-    v.stop.push_back(tok->id(s));
+    // <eos> is printed as a line break: a stop text holding it matches that line break
+    std::string t;
+    for (std::size_t i = 0; i < s.size();) {
+      if (s.compare(i, WordTokenizer::kEos.size(), WordTokenizer::kEos) == 0) {
+        t += '\n';
+        i += WordTokenizer::kEos.size();
+      } else {
+        t += s[i++];
+      }
+    }
+    v.stop.push_back(normalised_stop(t, norm));
+  }
+  for (const std::string& b : bans) {
+    GRAPHMOE_CHECK(tok->contains(b), "generate", "--ban '", b, "' is not a word of the vocabulary '",
+                   path, "' (", tok->size(), " words; <unk> and <eos> are words too)");
+    v.banned.push_back(tok->id(b));
   }
   // words separated by spaces, <eos> as a line break; the first continues the prompt's line
-  auto line_start = std::make_shared<bool>(v.prompt.empty() || v.prompt.back() == tok->eos());
-  v.text = [tok, line_start](std::int32_t id) {
-    if (id == tok->eos()) {
-      *line_start = true;
-      return std::string("\n");
-    }
-    std::string s = *line_start ? "" : " ";
-    *line_start = false;
-    return s + tok->decode(id);
+  v.printer = [tok](const std::vector<std::int32_t>& prompt) {
+    auto line_start = std::make_shared<bool>(prompt.empty() || prompt.back() == tok->eos());
+    return std::function<std::string(std::int32_t)>([tok, line_start](std::int32_t id) {
+      if (id == tok->eos()) {
+        *line_start = true;
+        return std::string("\n");
+      }
+      std::string s = *line_start ? "" : " ";
+      *line_start = false;
+      return s + tok->decode(id);
+    });
   };
   v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
 }
 
-Vocabulary char_vocabulary(const std::string& path, const std::string& prompt,
-                           const std::vector<std::string>& stops) {
-  auto tok = std::make_shared<const CharTokenizer>(CharTokenizer::load(path));
+Vocabulary char_vocabulary(const std::string& path, const std::vector<std::string>& stops,
+                           const std::vector<std::string>& bans, const TextNormalisation& norm) {
+  auto loaded = CharTokenizer::load(path);
+  loaded.set_normalisation(norm);
+  auto tok = std::make_shared<const CharTokenizer>(std::move(loaded));
   Vocabulary v;
   v.size = tok->size();
-  v.prompt = tok->encode(prompt);
-  for (std::int32_t id : v.prompt) v.unknown += id == tok->unk();
-  v.prompt_text = tok->decode(v.prompt);
-  for (const std::string& s : stops) {
-    GRAPHMOE_CHECK(s.size() == 1 && tok->id(s[0]) != tok->unk(), "generate", "--stop '", s,
-                   "' is not one character of the vocabulary '", path,
-                   "' (a character-level model stops at single bytes it knows)");
-    v.stop.push_back(tok->id(s[0]));
+  v.char_level = true;
+  v.unk = tok->unk();
+  v.fingerprint = tok->fingerprint();
+  v.encode = [tok](const std::string& prompt) { return tok->encode(prompt); };
+  v.decode = [tok](const std::vector<std::int32_t>& ids) { return tok->decode(ids); };
+  for (const std::string& s : stops) v.stop.push_back(normalised_stop(s, norm));
+  for (const std::string& b : bans) {
+    const bool unk = b == "<unk>";
+    GRAPHMOE_CHECK(unk || (b.size() == 1 && tok->id(b[0]) != tok->unk()), "generate", "--ban '", b,
+                   "' is not one character of the vocabulary '", path, "' (nor <unk>)");
+    v.banned.push_back(unk ? tok->unk() : tok->id(b[0]));
   }
-  v.text = [tok](std::int32_t id) { return tok->decode(id); };
+  v.printer = [tok](const std::vector<std::int32_t>&) {
+    return std::function<std::string(std::int32_t)>([tok](std::int32_t id) { return tok->decode(id); });
+  };
   v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
+}
+
+// The text of --prompt / --prompt-file: "-" reads stdin; a file's final line break is dropped.
+std::string read_prompt(const std::string& value, bool is_file, const char* flag) {
+  if (!is_file && value != "-") return value;
+  std::string text;
+  if (value == "-") {
+    std::ostringstream all;
+    all << std::cin.rdbuf();
+    GRAPHMOE_CHECK(!std::cin.bad(), "generate", flag, " -: error while reading stdin");
+    text = all.str();
+  } else {
+    text = graphmoe::detail::read_file("generate", value);
+  }
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  return text;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, vocab, prompt;
-  std::vector<std::string> stops;
+  std::string checkpoint, vocab, prompt, prompt_file, prompts_file;
+  std::vector<std::string> stops, bans;
   GenerateOptions gen;
   gen.max_new_tokens = 50;
-  gen.sampling.seed = 1;
   int threads = 2;
+  index_t num_samples = 1;
   CLI::App app{"Generate text from a train_lm checkpoint (graphmoe)"};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   app.add_option("--checkpoint", checkpoint, "the model (a train_lm checkpoint.safetensors)")->required()->check(CLI::ExistingFile);
   app.add_option("--vocab", vocab, "its vocabulary (the vocab.txt train_lm wrote beside it)")->required()->check(CLI::ExistingFile);
-  app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model)")->required();
+  auto* p_text = app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model; - reads stdin)");
+  auto* p_file = app.add_option("--prompt-file", prompt_file, "read the prompt from this file (- for stdin; its line breaks are <eos> in a word model)")->excludes(p_text);
+  auto* p_many = app.add_option("--prompts-file", prompts_file, "one prompt a line (- for stdin), decoded as one batch; one output line each, in order")->excludes(p_text)->excludes(p_file);
+  app.add_option("--num-samples", num_samples, "outputs per prompt, decoded as one batch (output j of the batch draws with --seed + j)")->check(examples::integer<index_t>(1, kMaxBatch));
   app.add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate at most")->check(examples::integer<index_t>(1, kMaxNewTokens));
-  app.add_option("--seed", gen.sampling.seed, "random seed of the draws")->check(examples::seed());
+  auto* seed_opt = app.add_option("--seed", gen.sampling.seed, "random seed of the draws (default: drawn at random, and printed)")->check(examples::seed());
   auto* greedy = app.add_flag("--greedy", gen.sampling.greedy, "always the most probable token (no sampling)");
   app.add_option("--temperature", gen.sampling.temperature, "softmax temperature (1: the model's distribution)")->check(examples::positive_real(kMaxTemperature))->excludes(greedy);
   app.add_option("--top-k", gen.sampling.top_k, "sample among the k most probable tokens (0: all)")->check(examples::integer<index_t>(0, examples::kMaxCount))->excludes(greedy);
   app.add_option("--top-p", gen.sampling.top_p, "sample among the smallest set of most probable tokens of mass >= p (1: all)")->check(examples::positive_real(1.0))->excludes(greedy);
-  app.add_option("--stop", stops, "stop after generating this token (a word, <eos> for a line break, or one character; repeatable)");
+  app.add_option("--stop", stops, "stop once the generated text holds this text (any text, <eos> a line break in a word model; repeatable); the output ends with it")
+      ->check(CLI::Validator([](std::string& t) { return t.empty() ? std::string("an empty --stop would match anywhere") : std::string(); }, ""));
+  auto& so = gen.sampling;
+  app.add_option("--repeat-penalty", so.repeat_penalty, "divide the positive logits, multiply the negative ones, of the tokens in the last --repeat-last-n by this (1: off)")->check(examples::positive_real(kMaxPenalty));
+  app.add_option("--repeat-last-n", so.repeat_last_n, "the window of the penalties: the last n tokens of the context, prompt included (0: penalties off, -1: the whole context)")->check(examples::integer<index_t>(-1, examples::kMaxCount));
+  app.add_option("--frequency-penalty", so.frequency_penalty, "subtract this x the count of each token in the window from its logit (0: off)")->check(examples::real(-kMaxPenalty, kMaxPenalty));
+  app.add_option("--presence-penalty", so.presence_penalty, "subtract this from the logit of each token in the window (0: off)")->check(examples::real(-kMaxPenalty, kMaxPenalty));
+  app.add_option("--min-p", so.min_p, "drop the tokens less probable than p x the most probable one (0: off)")->check(examples::real(0.0, 1.0))->excludes(greedy);
+  app.add_option("--ban", bans, "never generate this token (a word, <unk>, <eos>, or one character; repeatable)");
   app.add_option("--threads", threads, "CPU threads")->check(examples::threads());
   std::string device = "cpu";
   app.add_option("--device", device, "where to run the model: " + examples::device_help())
@@ -150,8 +255,47 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"incremental", "full"}));
   app.add_flag("--explain", gen.explain, "one line per generated token: its experts and, for graph routers, the earlier tokens it was routed by");
   app.add_option("--explain-sources", gen.explain_sources, "earlier tokens shown per MoE block with --explain")->check(examples::integer<index_t>(1, 64));
+  app.add_flag("--explain-prompt", gen.explain_prompt, "with --explain, a line for each prompt token too");
+  // defaults computed at run time are not captured: said in the text above
+  seed_opt->default_str("");
   CLI11_PARSE(app, argc, argv);
   try {
+    GRAPHMOE_CHECK(p_text->count() + p_file->count() + p_many->count() == 1, "generate",
+                   "give the prompt: --prompt TEXT, --prompt-file FILE or --prompts-file FILE "
+                   "(- reads stdin)");
+    GRAPHMOE_CHECK(!gen.explain_prompt || gen.explain, "generate", "--explain-prompt needs --explain");
+    examples::require_device_built("generate", device);
+    if (seed_opt->count() == 0) {
+      std::random_device rd;
+      gen.sampling.seed = (static_cast<std::uint64_t>(rd()) << 32) | rd();
+      std::fprintf(stderr, "generate: seed %llu (drawn at random: --seed %llu repeats this run)\n",
+                   static_cast<unsigned long long>(gen.sampling.seed),
+                   static_cast<unsigned long long>(gen.sampling.seed));
+    }
+    std::vector<std::string> texts;  // the prompts' text
+    if (p_many->count()) {
+      const std::string all = read_prompt(prompts_file, true, "--prompts-file");
+      std::size_t begin = 0, line = 1;
+      while (true) {
+        const std::size_t end = all.find('\n', begin);
+        std::string t = all.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+        if (!t.empty() && t.back() == '\r') t.pop_back();
+        GRAPHMOE_CHECK(!t.empty(), "generate", "--prompts-file '", prompts_file, "': line ", line,
+                       " is empty (one prompt a line)");
+        texts.push_back(std::move(t));
+        if (end == std::string::npos) break;
+        begin = end + 1;
+        ++line;
+      }
+    } else {
+      texts.push_back(p_file->count() ? read_prompt(prompt_file, true, "--prompt-file")
+                                      : read_prompt(prompt, false, "--prompt"));
+    }
+    GRAPHMOE_CHECK(static_cast<index_t>(texts.size()) * num_samples <= kMaxBatch, "generate",
+                   texts.size(), " prompts x --num-samples ", num_samples, " = ",
+                   static_cast<index_t>(texts.size()) * num_samples,
+                   " outputs, more than one batch of ", kMaxBatch, " decodes");
+    const char* prompt_flag = p_many->count() ? "--prompts-file" : p_file->count() ? "--prompt-file" : "--prompt";
     set_num_threads(threads);
     gen.decoding = decoder == "full" ? Decoding::FullForward : Decoding::Incremental;
     GRAPHMOE_CHECK(!gen.explain || gen.decoding == Decoding::Incremental, "generate",
@@ -178,27 +322,52 @@ int main(int argc, char** argv) {
     check_weight_values<float>(f, "model.", "generate", "a checkpoint's");
 
     const bool char_level = examples::detail::config_field<bool>(cfg, "char_level", where);
-    Vocabulary v = char_level ? char_vocabulary(vocab, prompt, stops) : word_vocabulary(vocab, prompt, stops);
+    const std::optional<examples::VocabularyRecord> rec = examples::vocabulary_record(f, where);
+    GRAPHMOE_CHECK(!rec || rec->char_level == char_level, "generate", where, ": its config says ",
+                   char_level ? "char" : "word", "-level and its vocabulary record ",
+                   rec && rec->char_level ? "char" : "word", "-level");
+    const TextNormalisation norm = rec ? rec->normalisation : TextNormalisation{};
+    Vocabulary v = char_level ? char_vocabulary(vocab, stops, bans, norm)
+                              : word_vocabulary(vocab, stops, bans, norm);
+    if (!rec) {
+      std::fprintf(stderr, "generate: warning: %s records no vocabulary fingerprint (written before "
+                   "train_lm recorded one): that '%s' is its vocabulary is not checked, and the "
+                   "prompt is read without normalisation\n", where.c_str(), vocab.c_str());
+    } else {
+      GRAPHMOE_CHECK(v.fingerprint == rec->fingerprint, "generate", "the vocabulary '", vocab,
+                     "' (", v.size, " entries, ", v.fingerprint, ") is not the one the model ",
+                     where, " was trained with (", rec->size, " entries, ", rec->fingerprint,
+                     ", normalisation ", rec->normalisation.name(), ", written to '", rec->file,
+                     "'): pass the vocab.txt train_lm wrote beside the checkpoint");
+    }
     GRAPHMOE_CHECK(static_cast<index_t>(v.size) == in.config.vocab_size, "generate", "the vocabulary '",
                    vocab, "' has ", v.size, " entries, the model ", where, " ", in.config.vocab_size,
                    ": pass the vocab.txt train_lm wrote beside the checkpoint");
-    GRAPHMOE_CHECK(!v.prompt.empty(), "generate", "--prompt holds no ",
-                   char_level ? "character" : "word", ": give at least one");
-    GRAPHMOE_CHECK(static_cast<index_t>(v.prompt.size()) <= in.config.max_seq_len, "generate",
-                   "--prompt is ", v.prompt.size(), char_level ? " characters" : " words",
-                   ", longer than the model's context of max_seq_len = ", in.config.max_seq_len);
     GRAPHMOE_CHECK(gen.sampling.top_k <= in.config.vocab_size, "generate", "--top-k ",
                    gen.sampling.top_k, " exceeds the vocabulary of ", in.config.vocab_size,
                    " tokens (0 samples among all of them)");
-    std::fprintf(stderr, "generate: prompt (%zu %s%s): %s\n", v.prompt.size(),
-                 char_level ? "characters" : "words",
-                 v.unknown > 0 ? (", " + std::to_string(v.unknown) + " not in the vocabulary, read as <unk>").c_str() : "",
-                 v.prompt_text.c_str());
-    in.prompt = std::move(v.prompt);
-    gen.stop_ids = std::move(v.stop);
+    const char* unit = char_level ? "characters" : "words";
+    for (std::size_t i = 0; i < texts.size(); ++i) {
+      std::vector<std::int32_t> ids = v.encode(texts[i]);
+      const std::string which = texts.size() > 1 ? " line " + std::to_string(i + 1) : "";
+      GRAPHMOE_CHECK(!ids.empty(), "generate", prompt_flag, which, " holds no ",
+                     char_level ? "character" : "word", ": give at least one");
+      GRAPHMOE_CHECK(static_cast<index_t>(ids.size()) <= in.config.max_seq_len, "generate",
+                     prompt_flag, which, " is ", ids.size(), " ", unit,
+                     ", longer than the model's context of max_seq_len = ", in.config.max_seq_len);
+      const std::size_t unknown = static_cast<std::size_t>(std::count(ids.begin(), ids.end(), v.unk));
+      std::fprintf(stderr, "generate: prompt%s (%zu %s%s): %s\n",
+                   texts.size() > 1 ? (" " + std::to_string(i)).c_str() : "", ids.size(), unit,
+                   unknown > 0 ? (", " + std::to_string(unknown) + " not in the vocabulary, read as <unk>").c_str() : "",
+                   v.decode(ids).c_str());
+      for (index_t k = 0; k < num_samples; ++k) in.prompts.push_back(ids);
+    }
+    in.stop = std::move(v.stop);
+    gen.sampling.banned = std::move(v.banned);
     in.options = gen;
-    in.text = v.text;
+    in.printer = v.printer;
     in.label = v.label;
+    in.batch = in.prompts.size() > 1;
     return with_router(in.router, [&]<class Policy>() {
       return examples::on_device<Policy>("generate", device, in.router, [&]<class B>() {
         return generate_cli::run<Policy, B>(in);

@@ -107,7 +107,7 @@ Model load_and_probe(const std::string& path, const std::string& vocab_override,
 
 int main(int argc, char** argv) {
   std::string checkpoint, compare, baseline, vocab, out = "report.csv", load_out;
-  std::string text = data_dir() + "/wikitext-2/wiki.test.tokens";
+  std::string text;
   index_t probe_batches = 8, batch = 16;
   int threads = 2;
   CLI::App app{"Per-layer routing report of a train_lm checkpoint (graphmoe)"};
@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
   app.add_option("--compare", compare, "another checkpoint of the same model (e.g. the previous epoch's): top-1 / top-k fluctuation")->check(CLI::ExistingFile);
   app.add_option("--baseline", baseline, "a baseline model of the same shape (e.g. softmax): entropy ratios")->check(CLI::ExistingFile);
   app.add_option("--vocab", vocab, "tokenizer (default: vocab.txt beside each checkpoint)");
-  app.add_option("--text", text, "probe text (WikiText format; default WikiText-2 test)")->check(CLI::ExistingFile);
+  app.add_option("--text", text, "probe text (WikiText format, e.g. WikiText-2's wiki.test.tokens)")->required()->check(CLI::ExistingFile);
   app.add_option("--probe-batches", probe_batches, "probe batches from the start of --text (0 = all)")->check(examples::integer<index_t>(0, index_t{1} << 20));
   app.add_option("--batch", batch, "sequences per probe batch")->check(examples::integer<index_t>(1, 4096));
   app.add_option("--out", out, "per-layer CSV");

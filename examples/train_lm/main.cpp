@@ -15,7 +15,6 @@
 #include "common/data_parallel_world.hpp"
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
-#include "graphmoe/train/files.hpp"
 #include "graphmoe/train/text_attack.hpp"
 #include "train_lm/options.hpp"
 
@@ -46,13 +45,11 @@ int main(int argc, char** argv) {
   }
   auto& choice = m.router.options<TopK>();  // copied to BiasBalancedTopK's after parsing
   auto& bias_balanced = m.router.options<BiasBalancedTopK>();
-  const std::string wt2 = data_dir() + "/wikitext-2/";
-  opt.train_path = wt2 + "wiki.valid.tokens";
-  opt.test_path = wt2 + "wiki.test.tokens";
 
   CLI::App app{"Train a graph-routed MoE transformer language model (graphmoe)"};
   std::string routers;
-  for (const auto& n : router_names()) routers += (routers.empty() ? "" : ", ") + n;
+  const std::vector<std::string> built = examples::built_router_names();  // only these: --help and the check
+  routers = examples::joined(built);
   // the options of the policies train_lm's routers use (the Similarity and Attention graphs,
   // SMoE-Dropout's schedule); a router ignores those of policies it does not have, since the one
   // command line configures every router (allow_unused_options)
@@ -62,6 +59,10 @@ int main(int argc, char** argv) {
   std::string layout = m.layout == MoELayout::GLaM ? "glam" : m.layout == MoELayout::Dense ? "dense" : "switch",
               tau_mode = "fixed", graph_precision = "exact",
               expert_layout = "compact";
+  app.option_defaults()->always_capture_default();  // --help shows every default
+  // a file that exists, or "" for none
+  const CLI::Validator optional_file(
+      [](std::string& t) { return t.empty() ? std::string() : CLI::ExistingFile(t); }, "FILE");
   std::string norm = norm_kind_name(m.norm), rope_layout = m.attention.rope_layout == RopeLayout::Interleaved ? "interleaved" : "half-split",
               qk_norm = m.attention.qk_norm == QKNorm::Full ? "full" : m.attention.qk_norm == QKNorm::PerHead ? "per-head" : "none";
   app.add_option("--arch", arch, "architecture preset, the defaults of every model option below (docs/reference/architectures.md)")->check(CLI::IsMember(archs));
@@ -84,13 +85,15 @@ int main(int argc, char** argv) {
   app.add_option("--n-group", choice.n_group, "group-limited routing: expert groups (1: off)")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--topk-group", choice.topk_group, "group-limited routing: groups a token may use")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--bias-update-rate", bias_balanced.bias_update_rate, "sigmoid-bias routers: the expert bias's step per optimizer step")->check(examples::real(0, examples::kMaxCoef));
-  app.add_option("--train", opt.train_path, "training text (WikiText format, or any text with --char)")->check(CLI::ExistingFile);
-  app.add_option("--valid", opt.valid_path, "validation text; default: the last --valid-fraction of --train");
-  app.add_option("--test", opt.test_path, "test text, reported at the end ('' to skip)");
+  app.add_option("--train", opt.train_path, "training text (WikiText format, e.g. WikiText-2's wiki.valid.tokens, or any text with --char)")->required()->check(CLI::ExistingFile);
+  app.add_option("--valid", opt.valid_path, "validation text (none: the last --valid-fraction of --train)")->check(optional_file);
+  app.add_option("--test", opt.test_path, "test text, reported at the end (none: no test)")->check(optional_file);
   app.add_option("--valid-fraction", opt.valid_fraction, "share of the training stream held out when no --valid")->check(examples::real(0.001, 0.5));
   app.add_flag("--char", opt.char_level, "character-level tokens instead of words");
+  std::string normalise = "none";
+  app.add_option("--normalise", normalise, "how the text is read before it is split, recorded in the checkpoint so that generate reads prompts the same way: none, lower (ASCII lowercase), punct (word level: . , ; : ! ? ( ) and 's split off as words, as scripts/prepare-kjv.sh did), lower,punct")->check(CLI::IsMember({"none", "lower", "punct", "lower,punct"}));
   app.add_option("--max-vocab", opt.max_vocab, "word level: keep the most frequent words (0 = all)")->check(examples::integer<std::size_t>(0, examples::kMaxCount));
-  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
+  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(built));
   app.add_option("--layout", layout, "MoE layout: switch (every FFN), glam (every other), dense")->check(CLI::IsMember({"switch", "glam", "dense"}));
   app.add_option("--layers", m.num_layers, "transformer blocks")->check(examples::integer<index_t>(1, examples::kMaxLayers));
   app.add_option("--d-model", m.d_model, "model width D")->check(examples::integer<index_t>(1, examples::kMaxWidth));
@@ -239,14 +242,21 @@ int main(int argc, char** argv) {
                      st.replaced, st.attackable, word_text, static_cast<int>(word),
                      static_cast<unsigned long long>(opt.attack_seed));
     };
+    const TextNormalisation norm = TextNormalisation::parse(normalise);
+    GRAPHMOE_CHECK(!opt.char_level || !norm.split_punct, "train_lm", "--normalise ", normalise,
+                   " splits punctuation into words: with --char use none or lower");
+    data.vocabulary.char_level = opt.char_level;
+    data.vocabulary.normalisation = norm;
+    data.vocabulary.file = (std::filesystem::absolute(opt.out_dir) / "vocab.txt").lexically_normal().string();
     if (opt.char_level) {
-      const auto tokp = std::make_shared<const CharTokenizer>(CharTokenizer::build(opt.train_path));
+      const auto tokp = std::make_shared<const CharTokenizer>(CharTokenizer::build(opt.train_path, norm));
       const CharTokenizer& tok = *tokp;
       data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
       data.train = tok.encode_file(opt.train_path);
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
       data.vocab_size = tok.size();
+      data.vocabulary.fingerprint = tok.fingerprint();
       if (opt.dp.root()) {  // the other ranks write nothing
         std::filesystem::create_directories(opt.out_dir);
         tok.save(opt.out_dir + "/vocab.txt");
@@ -258,13 +268,14 @@ int main(int argc, char** argv) {
       const std::vector<std::int32_t> newline = tok.encode("\n");
       if (opt.attack_rate > 0.0) attack(w.front(), newline, opt.attack_word.c_str());
     } else {
-      const auto tokp = std::make_shared<const WordTokenizer>(WordTokenizer::build(opt.train_path, opt.max_vocab));
+      const auto tokp = std::make_shared<const WordTokenizer>(WordTokenizer::build(opt.train_path, opt.max_vocab, 1, norm));
       const WordTokenizer& tok = *tokp;
       data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
       data.train = tok.encode_file(opt.train_path);
       if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
       if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
       data.vocab_size = tok.size();
+      data.vocabulary.fingerprint = tok.fingerprint();
       if (opt.dp.root()) {  // the other ranks write nothing
         std::filesystem::create_directories(opt.out_dir);
         tok.save(opt.out_dir + "/vocab.txt");
@@ -275,6 +286,7 @@ int main(int argc, char** argv) {
       if (opt.attack_rate > 0.0)
         attack(w.front(), {tok.eos()}, tok.contains(opt.attack_word) ? opt.attack_word.c_str() : "<unk>");
     }
+    data.vocabulary.size = data.vocab_size;
     split_valid();
     if (opt.dp.root())
       std::fprintf(stderr, "train_lm: router %s, %zu train / %zu valid / %zu test tokens, vocabulary %zu\n",

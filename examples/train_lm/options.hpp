@@ -8,6 +8,7 @@
 
 #include "common/data_parallel.hpp"
 #include "common/divergence.hpp"
+#include "common/vocabulary.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 
@@ -59,6 +60,7 @@ struct Data {
   std::vector<std::int32_t> train, valid, test;
   std::vector<std::int32_t> attacked_test;  // test with attacked inputs (empty: no attack)
   std::size_t vocab_size = 0;
+  examples::VocabularyRecord vocabulary;  // recorded in every checkpoint (metadata "vocabulary")
   // ids -> text (words joined by spaces, <eos> a line break; or the characters), for the sample
   std::function<std::string(const std::vector<std::int32_t>&)> detokenize;
 };

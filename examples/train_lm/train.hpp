@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -107,6 +108,7 @@ void print_sample(Model& lm, const Options& opt, const Data& data) {
 template <class Policy, class B, class C>
 int run_model(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
+  const auto run_start = std::chrono::steady_clock::now();
   set_num_threads(opt.threads);
   examples::require_device<B>("train_lm");
   TransformerLMConfig mc = opt.model;
@@ -141,6 +143,13 @@ int run_model(const Options& opt, const Data& data) {
     GRAPHMOE_CHECK(saved == config_json(opt, mc), "train_lm --resume", "'", ckpt,
                    "': the checkpoint's configuration (metadata field 'config') differs from "
                    "this run's: ", saved.dump(), " vs ", config_json(opt, mc).dump());
+    // the vocabulary: a training text changed since the checkpoint gives other ids
+    if (const auto rec = examples::vocabulary_record(f, "'" + ckpt + "'"))
+      GRAPHMOE_CHECK(rec->fingerprint == data.vocabulary.fingerprint, "train_lm --resume", "'", ckpt,
+                     "' was trained with the vocabulary ", rec->fingerprint, " (", rec->size,
+                     " entries, normalisation ", rec->normalisation.name(), "), this run's --train "
+                     "gives ", data.vocabulary.fingerprint, " (", data.vocabulary.size,
+                     " entries, normalisation ", data.vocabulary.normalisation.name(), ")");
     // the step is checked before load_training_state changes anything
     step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
     load_training_state(f, lm.arena(), adam);
@@ -168,7 +177,8 @@ int run_model(const Options& opt, const Data& data) {
   auto save = [&](std::int64_t at_step) {
     const std::map<std::string, std::string> meta = {
         {"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
-        {"format", "graphmoe-lm-1"}, {"precision", opt.precision}};
+        {"format", "graphmoe-lm-1"}, {"precision", opt.precision},
+        {"vocabulary", data.vocabulary.json()}};
     // rank 0 writes (with --ep every rank takes part: the experts are gathered to rank 0)
     if (opt.keep_checkpoints)
       examples::save_training_state(dp, (fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +
@@ -212,6 +222,7 @@ int run_model(const Options& opt, const Data& data) {
   // evaluation (which runs the model at its own shapes) and captured again after it
   examples::StepGraph<B> step_graph(opt.cuda_graph);
   Tensor<std::int32_t, B> graph_inputs, graph_targets;
+  const auto train_start = std::chrono::steady_clock::now();
   for (; step < opt.steps; ++step) {
     if (step % nb == 0 && step > 0) order = order_for_epoch(step / nb);
     // with --dp, this rank's shard of the global batch every rank draws
@@ -291,6 +302,8 @@ int run_model(const Options& opt, const Data& data) {
     if ((opt.checkpoint_every > 0 && (step + 1) % opt.checkpoint_every == 0) || last)
       save(step + 1);  // on every rank: rank 0 writes
   }
+  const double train_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count();
   if (root) bar.finish();
   step_graph.reset();
   if (root && step_graph.enabled())
@@ -339,6 +352,16 @@ int run_model(const Options& opt, const Data& data) {
   }
   if (root) std::printf("\n");
   if (root && opt.sample_tokens > 0 && data.detokenize) print_sample(lm, opt, data);
+  // the last line: the run's time, the training steps' tokens/s, and the checkpoint written
+  if (root) {
+    const double total =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double trained = tokens_per_step * static_cast<double>(opt.steps - first_step);
+    std::printf("train_lm: %lld steps in %.2f s (%.2f s in all), %.0f tokens/s, checkpoint %s\n",
+                static_cast<long long>(opt.steps - first_step), train_seconds, total,
+                train_seconds > 0 ? trained / train_seconds : 0.0, ckpt.c_str());
+    std::fflush(stdout);
+  }
   return 0;
 }
 

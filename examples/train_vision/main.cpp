@@ -33,10 +33,11 @@ int main(int argc, char** argv) {
   std::string dataset = "fashion-mnist", dir = "/usr/share/datasets/fashion-mnist", layout = "last";
   CLI::App app{"Train a vision MoE transformer (graphmoe)"};
   std::string routers;
-  for (const auto& n : router_names()) routers += (routers.empty() ? "" : ", ") + n;
+  const std::vector<std::string> built = examples::built_router_names();  // only these: --help and the check
+  routers = examples::joined(built);
   app.add_option("--dataset", dataset, "fashion-mnist or digits")->check(CLI::IsMember({"fashion-mnist", "digits"}));
   app.add_option("--data-dir", dir, "directory of the Fashion-MNIST idx files");
-  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(router_names()));
+  app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(built));
   app.add_option("--layout", layout, "MoE blocks: last (the last --moe-last blocks) or alternating")->check(CLI::IsMember({"last", "alternating"}));
   app.add_option("--moe-last", m.moe_last, "number of final blocks with MoE (layout last)")->check(examples::integer<index_t>(0, examples::kMaxLayers));
   app.add_option("--patch", m.patch, "patch size")->check(examples::integer<index_t>(1, examples::kMaxSeq));

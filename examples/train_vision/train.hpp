@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -126,6 +127,7 @@ void write_layer_loads(Model& m, const ImageDataset& ds, index_t n, const Vision
 template <class Policy, class B>
 int run(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
+  const auto run_start = std::chrono::steady_clock::now();
   set_num_threads(opt.threads);
   examples::require_device<B>("train_vision");
   VisionMoEConfig mc = opt.model;
@@ -177,9 +179,11 @@ int run(const Options& opt, const Data& data) {
             steps[0], ": every rank must see the same '", ckpt, "' (a shared output directory)");
     examples::broadcast_parameters(dp, model.arena());  // everyone starts from rank 0's values
   }
+  std::int64_t saved_at = -1;  // the step of the last checkpoint this run wrote
   auto save = [&](std::int64_t at) {  // on every rank: rank 0 writes
     examples::save_training_state(dp, ckpt, model.arena(), adam,
                                   {{"config", config.dump()}, {"step", std::to_string(at)}});
+    saved_at = at;
   };
   std::optional<CsvLog> csv;  // rank 0's
   if (root)
@@ -204,6 +208,7 @@ int run(const Options& opt, const Data& data) {
   // never updates the weights and never overwrites the last checkpoint
   DivergenceGuard guard(examples::divergence_config(opt.divergence, static_cast<double>(mc.num_classes)),
                         "train_vision");
+  const auto train_start = std::chrono::steady_clock::now();
   for (; step < total; ++step) {
     if (step % steps_per_epoch == 0) order = epoch_order(step / steps_per_epoch);
     Tensor<Scalar, cpu> x;
@@ -243,6 +248,8 @@ int run(const Options& opt, const Data& data) {
       save(step + 1);
     }
   }
+  const double train_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count();
   if (root) bar.finish();
   if (dp.active()) {
     // the ranks must still hold the same parameters (checked once: it broadcasts the arena)
@@ -279,6 +286,16 @@ int run(const Options& opt, const Data& data) {
     std::printf("\n");
     write_layer_loads<B>(model, data.test, std::min<index_t>(256, data.test.count), mc,
                          (fs::path(opt.out_dir) / "load.csv").string());
+    // the last line: the run's time, the training steps' images/s, and the checkpoint written
+    const double all =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double images = static_cast<double>((total - first) * opt.batch);
+    const std::string written = saved_at < 0 ? "no checkpoint written"
+                                             : "checkpoint " + ckpt + " (step " + std::to_string(saved_at) + ")";
+    std::printf("train_vision: %lld steps in %.2f s (%.2f s in all), %.0f images/s, %s\n",
+                static_cast<long long>(total - first), train_seconds, all,
+                train_seconds > 0 ? images / train_seconds : 0.0, written.c_str());
+    std::fflush(stdout);
   }
   return 0;
 }

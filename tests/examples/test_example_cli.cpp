@@ -22,7 +22,9 @@
 #include <string>
 #include <vector>
 
+#include "examples_routers.hpp"  // generated: built_for_cpu<Policy>, the examples' CPU routers
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/checkpoint.hpp"
 #include "support/processes.hpp"
 
@@ -273,7 +275,10 @@ TEST_CASE("examples: train_lm --cuda-graph is refused where a graph cannot repla
   check_refused(run(s, kTrainLM, args), {"--cuda-graph needs --expert-layout padded"});
   args.insert(args.end(), {"--expert-layout", "padded", "--capacity-factor", "1.25"});
   *std::find(args.begin(), args.end(), "softmax") = "smoe-dropout";  // lm_args' --router
-  check_refused(run(s, kTrainLM, args), {"--cuda-graph needs a router with a fixed k"});
+  // a router this binary lacks is refused by --router's own check, naming it
+  const bool built = with_router("smoe-dropout", []<class P>() { return examples::built_for_cpu<P>; });
+  check_refused(run(s, kTrainLM, args), {built ? "--cuda-graph needs a router with a fixed k"
+                                               : "--router: smoe-dropout not in {"});
   CHECK(!fs::exists(dir + "/metrics.csv"));
 }
 
@@ -647,4 +652,55 @@ TEST_CASE("examples: a metric not computable yet prints n/a, never nan (one eval
   const std::string both = slurp(s / "both.csv");
   CHECK(csv_field(both, "fluct_topk", 1) == "0");
   CHECK(csv_field(both, "entropy_p_ratio", 1) == "1");
+}
+
+namespace {
+
+std::string be32(std::uint32_t v) {
+  return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+          static_cast<char>(v)};
+}
+
+// A Fashion-MNIST folder in miniature (plain idx files under Debian's .gz names): 8x8 images,
+// labels 0..9, 40 train and 20 test.
+void write_images(const std::string& dir) {
+  fs::create_directories(dir);
+  std::uint32_t x = 12345;
+  for (const auto& [prefix, count] : {std::pair<std::string, std::uint32_t>{"train", 40}, {"t10k", 20}}) {
+    std::string img = be32(2051) + be32(count) + be32(8) + be32(8), lab = be32(2049) + be32(count);
+    for (std::uint32_t i = 0; i < count; ++i) {
+      lab += static_cast<char>(i % 10);
+      for (int p = 0; p < 64; ++p) {
+        x = x * 1664525u + 1013904223u;
+        img += static_cast<char>((p % 8 == static_cast<int>(i % 8) ? 160u : 0u) + ((x >> 24) % 96u));
+      }
+    }
+    std::ofstream(dir + "/" + prefix + "-images-idx3-ubyte.gz", std::ios::binary) << img;
+    std::ofstream(dir + "/" + prefix + "-labels-idx1-ubyte.gz", std::ios::binary) << lab;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("examples: train_vision ends with a line of time, images/s and the checkpoint, and routing_report needs --text") {
+  Scratch s("last_lines");
+  const std::string data = s / "images", out = s / "vision";
+  write_images(data);
+  const Result r = run(s, kTrainVision, {"--data-dir", data, "--router", "softmax", "--patch", "4", "--layers", "1",
+                                         "--moe-last", "1", "--d-model", "8", "--heads", "2", "--d-ff", "8",
+                                         "--experts", "2", "--top-k", "1", "--batch", "4", "--epochs", "1",
+                                         "--train-limit", "20", "--warmup", "0", "--threads", "1", "--out", out});
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+  REQUIRE(r.out.size() > 1);
+  const std::string line = r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1);
+  CAPTURE(line);
+  CHECK(line.rfind("train_vision: 5 steps in ", 0) == 0);
+  CHECK(line.find(" s in all), ") != std::string::npos);
+  CHECK(line.find(" images/s, checkpoint " + out + "/checkpoint.safetensors (step 5)\n") != std::string::npos);
+  CHECK(r.out.find("router=softmax test_accuracy=") != std::string::npos);
+  // routing_report: no default probe text
+  const std::string file = s / "any.txt";
+  std::ofstream(file) << "x\n";
+  check_refused(run(s, kReport, {"--checkpoint", file}), {"--text is required"});
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/inference/generate.hpp"
@@ -282,5 +283,126 @@ TEST_CASE("generate: explain reports how each generated token was routed") {
     o.decoding = Decoding::FullForward;
     CHECK_THROWS_WITH_AS(generate(lm, std::vector<std::int32_t>{4}, o),
                          doctest::Contains("explain needs the incremental decoder"), Error);
+  }
+}
+
+TEST_CASE("generate: penalties read the prompt and the generated tokens, as a naive greedy loop over the full forward does") {
+  TransformerLM<SoftmaxRouter, double> lm(tiny_config(), 21);
+  GenerateOptions o = greedy_options(12);  // past the window of 8 too
+  o.sampling.repeat_penalty = 1.8;
+  o.sampling.presence_penalty = 0.4;
+  o.sampling.frequency_penalty = 0.3;
+  o.sampling.repeat_last_n = 5;
+  o.sampling.banned = {0};
+  const std::vector<std::int32_t> prompt = {3, 3, 7};
+  const GenerateResult r = generate(lm, prompt, o);
+  // naive: the full forward over the last 8 tokens, the penalties over the last 5, no id 0
+  std::vector<std::int32_t> ctx = prompt, naive;
+  const index_t v = lm.config().vocab_size, window = lm.config().max_seq_len;
+  for (int step = 0; step < 12; ++step) {
+    const std::vector<std::int32_t> in(ctx.end() - std::min<std::ptrdiff_t>(window, ctx.size()), ctx.end());
+    forward_on(lm, in);
+    const double* row = lm.logits().data() + (static_cast<index_t>(in.size()) - 1) * v;
+    std::int32_t best = -1;
+    double best_l = 0;
+    for (std::int32_t id = 1; id < v; ++id) {
+      int c = 0;
+      for (std::size_t j = ctx.size() - std::min<std::size_t>(5, ctx.size()); j < ctx.size(); ++j) c += ctx[j] == id;
+      double l = row[id];
+      if (c > 0) l = (l > 0 ? l / 1.8 : l * 1.8) - 0.3 * c - 0.4;
+      if (best < 0 || l > best_l) best = id, best_l = l;
+    }
+    ctx.push_back(best);
+    naive.push_back(best);
+  }
+  CHECK(r.tokens == naive);
+  CHECK(std::find(r.tokens.begin(), r.tokens.end(), 0) == r.tokens.end());
+  // the penalties changed the text (else the comparison proves little)
+  o.sampling = SamplingOptions{};
+  o.sampling.greedy = true;
+  CHECK(generate(lm, prompt, o).tokens != r.tokens);
+  // a banned id outside the vocabulary is refused before any forward
+  o.sampling.banned = {11};
+  CHECK_THROWS_WITH_AS(generate(lm, prompt, o), doctest::Contains("banned id 11 is not in the model's vocabulary"), Error);
+}
+
+TEST_CASE("generate: stop_when with StopStrings ends at the token that completes a stop string spanning tokens") {
+  TransformerLM<SoftmaxRouter, double> lm(tiny_config(), 7);
+  const std::vector<std::int32_t> prompt = {2, 9};
+  const GenerateResult full = generate(lm, prompt, greedy_options(10));
+  REQUIRE(full.tokens.size() == 10);
+  // each id's text is two letters: a stop string of the last letter of token 4 and the first of 5
+  auto text = [](std::int32_t id) { return std::string{static_cast<char>('a' + id), static_cast<char>('A' + id)}; };
+  std::string all;
+  for (std::int32_t id : full.tokens) all += text(id);
+  const std::string stop = all.substr(9, 2);
+  // where it first ends in the whole text: the token that holds that byte
+  const std::size_t end = all.find(stop) + stop.size();
+  const std::size_t last = (end - 1) / 2;
+  GenerateOptions o = greedy_options(10);
+  StopStrings matcher({stop});
+  std::string kept;
+  o.stop_when = [&](index_t, std::int32_t id) {
+    const std::string piece = text(id);
+    kept += piece.substr(0, matcher.feed(piece));
+    return matcher.stopped();
+  };
+  const GenerateResult r = generate(lm, prompt, o);
+  CHECK(r.reason == StopReason::StopCondition);
+  CHECK(r.tokens.size() == last + 1);
+  CHECK(std::equal(r.tokens.begin(), r.tokens.end(), full.tokens.begin()));
+  CHECK(kept == all.substr(0, end));
+  CHECK(kept.size() % 2 == 1);  // it stopped in the middle of a token's text
+}
+
+TEST_CASE_TEMPLATE("generate: explain reports every generated token past the context window, and the prompt on request", Policy,
+                   SimilarityRouter, SoftmaxRouter) {
+  TransformerLM<Policy, double> lm(tiny_config(), 13);  // max_seq_len 8
+  const index_t window = lm.config().max_seq_len;
+  for (const std::vector<std::int32_t>& prompt : {std::vector<std::int32_t>{1, 2, 3},
+                                                  std::vector<std::int32_t>{1, 2, 3, 4, 5, 6, 7, 8}}) {
+    for (bool with_prompt : {false, true}) {
+      CAPTURE(prompt.size());
+      CAPTURE(with_prompt);
+      GenerateOptions o;
+      o.max_new_tokens = 12;
+      o.sampling.seed = 3;
+      o.sampling.temperature = 1.2;
+      o.explain = true;
+      o.explain_prompt = with_prompt;
+      o.explain_sources = 2;
+      std::vector<RoutedToken> seen;
+      const GenerateResult r = generate(lm, prompt, o, {}, [&](const RoutedToken& t) { seen.push_back(t); });
+      REQUIRE(r.tokens.size() == 12);
+      const std::size_t first = with_prompt ? 0 : prompt.size();
+      REQUIRE(seen.size() == prompt.size() + 12 - first);
+      for (std::size_t i = 0; i < seen.size(); ++i) {
+        CAPTURE(i);
+        const index_t pos = static_cast<index_t>(first + i);
+        CHECK(seen[i].position == pos);
+        CHECK(seen[i].id == (static_cast<std::size_t>(pos) < prompt.size() ? prompt[static_cast<std::size_t>(pos)]
+                                                                            : r.tokens[static_cast<std::size_t>(pos) - prompt.size()]));
+        REQUIRE(seen[i].layers.size() == 2);
+        for (const auto& l : seen[i].layers) {
+          CHECK(l.experts.size() == 2);
+          if (std::is_same_v<Policy, SimilarityRouter>) {
+            REQUIRE(l.sources.size() == static_cast<std::size_t>(std::min<index_t>(2, pos + 1)));
+            CHECK(l.own_experts.size() == 2);
+            for (const auto& src : l.sources) {
+              // a position of the window the token was read in
+              CHECK(src.position <= pos);
+              CHECK(src.position > pos - window);
+            }
+          } else {
+            CHECK(l.sources.empty());
+            CHECK(l.own_experts.empty());
+          }
+        }
+      }
+      // explaining changes nothing that is drawn
+      GenerateOptions plain = o;
+      plain.explain = false;
+      CHECK(generate(lm, prompt, plain).tokens == r.tokens);
+    }
   }
 }

@@ -174,6 +174,13 @@ class Decoder {
                    "block ", l, " is not an MoE block of this model");
     return detail::host_values(lm_.block(l).moe().routing().selection.gates);
   }
+  // The router's own scores of the last step in block l, softmax(gamma) before any token graph,
+  // (n, E) on the host: the experts each row would have chosen alone are their largest.
+  Tensor<T, cpu> scores(index_t l) {
+    GRAPHMOE_CHECK(l >= 0 && l < lm_.num_layers() && lm_.block(l).is_moe(), "Decoder::scores",
+                   "block ", l, " is not an MoE block of this model");
+    return detail::host_values(lm_.block(l).moe().routing().r);
+  }
   const typename Model::DecodeCache& cache() const { return cache_; }
   Model& model() { return lm_; }
 

@@ -14,6 +14,19 @@
 // increasing byte order. Bytes not in the vocabulary encode as 0. Saved as text: the line
 // "graphmoe::CharTokenizer v1 <size>", then the byte value (decimal) of ids 1.. one per line.
 //
+// TextNormalisation: how a line is read before it is split (both tokenizers apply it to what they
+// build from and encode, so that a prompt typed as plain text reads as the training text did):
+//   lowercase    ASCII A-Z become a-z
+//   split_punct  (word level) each of . , ; : ! ? ( ) becomes a word of its own, and "'s" at the
+//                end of a word is split off as the word "'s" (as scripts/prepare-kjv.sh prepared
+//                the King James Bible: text already split that way reads the same)
+// Its name() is "none", "lower", "punct" or "lower,punct"; parse() reads those back.
+//
+// fingerprint() (either tokenizer): "fnv1a64:" and 16 hex digits of the FNV-1a hash of its kind,
+// its normalisation's name and its entries in id order: two vocabularies of the same size but other
+// words, or another normalisation, have different fingerprints (train_lm records it in every
+// checkpoint, generate checks it against the --vocab it is given).
+//
 // Files are read as bytes; "word" and "character" mean byte strings and bytes (UTF-8 text keeps
 // its multi-byte characters as several byte ids in CharTokenizer). Every error is a
 // graphmoe::Error naming the file, and the line (1-based) for malformed vocabulary files.
@@ -59,6 +72,30 @@ void for_each_file_line(const char* op, const std::string& path, F&& f) {
   GRAPHMOE_CHECK(!in.bad(), op, "error while reading '", path, "'");
 }
 
+// FNV-1a, 64 bits (the vocabularies' fingerprints).
+class Fnv1a64 {
+ public:
+  void add(std::string_view s) {
+    for (char c : s) {
+      h_ ^= static_cast<unsigned char>(c);
+      h_ *= 0x100000001b3ull;
+    }
+  }
+  std::string hex() const {
+    static constexpr char digits[] = "0123456789abcdef";
+    std::string out = "fnv1a64:";
+    for (int shift = 60; shift >= 0; shift -= 4) out += digits[(h_ >> shift) & 0xf];
+    return out;
+  }
+
+ private:
+  std::uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
+inline bool is_word_byte(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
 // The header line of a saved vocabulary: "<magic> v1 <size>"; returns size.
 inline std::size_t parse_vocab_header(const char* op, const std::string& path,
                                       std::string_view line, std::string_view magic) {
@@ -73,6 +110,55 @@ inline std::size_t parse_vocab_header(const char* op, const std::string& path,
 
 }  // namespace detail
 
+struct TextNormalisation {
+  bool lowercase = false;
+  bool split_punct = false;
+
+  bool none() const { return !lowercase && !split_punct; }
+  std::string name() const {
+    if (none()) return "none";
+    if (lowercase && split_punct) return "lower,punct";
+    return lowercase ? "lower" : "punct";
+  }
+  // "none", "lower", "punct", "lower,punct" (or "punct,lower"); anything else throws naming it.
+  static TextNormalisation parse(std::string_view name) {
+    TextNormalisation n;
+    if (name == "none") return n;
+    n.lowercase = name == "lower" || name == "lower,punct" || name == "punct,lower";
+    n.split_punct = name == "punct" || name == "lower,punct" || name == "punct,lower";
+    GRAPHMOE_CHECK(!n.none(), "TextNormalisation", "unknown normalisation '", name,
+                   "': expected none, lower, punct or lower,punct");
+    return n;
+  }
+  // The line as the tokenizer reads it (see the header comment).
+  std::string apply(std::string_view line) const {
+    std::string out;
+    out.reserve(line.size() + line.size() / 4);
+    for (std::size_t i = 0; i < line.size(); ++i) {
+      char c = line[i];
+      if (lowercase && c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+      if (split_punct) {
+        if (std::string_view(".,;:!?()").find(c) != std::string_view::npos) {
+          out += ' ';
+          out += c;
+          out += ' ';
+          continue;
+        }
+        // "'s" ending a word: split off (followed by a byte that is not a letter, digit or _)
+        if (c == '\'' && i + 1 < line.size() && (line[i + 1] == 's' || (lowercase && line[i + 1] == 'S')) &&
+            (i + 2 == line.size() || !detail::is_word_byte(line[i + 2]))) {
+          out += " 's";
+          ++i;
+          continue;
+        }
+      }
+      out += c;
+    }
+    return out;
+  }
+  bool operator==(const TextNormalisation&) const = default;
+};
+
 class WordTokenizer {
  public:
   static constexpr std::string_view kUnk = "<unk>";
@@ -82,13 +168,15 @@ class WordTokenizer {
 
   // The vocabulary of the training file at `train_path` (see the header comment).
   static WordTokenizer build(const std::string& train_path, std::size_t max_size = 0,
-                             std::size_t min_count = 1) {
+                             std::size_t min_count = 1, TextNormalisation norm = {}) {
     GRAPHMOE_CHECK(max_size == 0 || max_size >= 2, "WordTokenizer::build", "max_size ", max_size,
                    " leaves no room for <unk> and <eos> (use 0 for no limit)");
     GRAPHMOE_CHECK(min_count >= 1, "WordTokenizer::build", "min_count must be at least 1");
     std::unordered_map<std::string, std::size_t, detail::StringHash, std::equal_to<>> counts;
     std::vector<const std::string*> order;  // words by first occurrence
+    std::string normalised;
     detail::for_each_file_line("WordTokenizer::build", train_path, [&](std::string_view line) {
+      if (!norm.none()) line = normalised = norm.apply(line);
       detail::for_each_word(line, [&](std::string_view w) {
         if (w == kUnk || w == kEos) return;
         auto it = counts.find(w);
@@ -109,6 +197,7 @@ class WordTokenizer {
     std::stable_sort(words.begin(), words.end(),
                      [](const auto& a, const auto& b) { return a.second > b.second; });
     WordTokenizer tok;
+    tok.norm_ = norm;
     for (const auto& entry : words) {
       if (max_size != 0 && tok.size() >= max_size) break;
       tok.add(*entry.first);
@@ -162,6 +251,20 @@ class WordTokenizer {
   std::int32_t unk() const { return 0; }
   std::int32_t eos() const { return 1; }
   const std::vector<std::string>& words() const { return words_; }
+  // The normalisation encode_file and encode_line apply (a loaded vocabulary file does not hold
+  // it: train_lm records it in the checkpoint, and generate sets it from there).
+  const TextNormalisation& normalisation() const { return norm_; }
+  void set_normalisation(TextNormalisation n) { norm_ = n; }
+  std::string fingerprint() const {
+    detail::Fnv1a64 h;
+    h.add("graphmoe::WordTokenizer\n");
+    h.add(norm_.name());
+    for (const std::string& w : words_) {
+      h.add("\n");
+      h.add(w);
+    }
+    return h.hex();
+  }
 
   void save(const std::string& path) const {
     std::ofstream out(path, std::ios::binary);
@@ -212,9 +315,15 @@ class WordTokenizer {
     words_.push_back(std::move(w));
   }
   void append(std::string_view line, std::vector<std::int32_t>& ids) const {
+    if (!norm_.none()) {
+      const std::string n = norm_.apply(line);
+      detail::for_each_word(n, [&](std::string_view w) { ids.push_back(id(w)); });
+      return;
+    }
     detail::for_each_word(line, [&](std::string_view w) { ids.push_back(id(w)); });
   }
 
+  TextNormalisation norm_;
   std::vector<std::string> words_;
   std::unordered_map<std::string, std::int32_t, detail::StringHash, std::equal_to<>> ids_;
 };
@@ -224,11 +333,16 @@ class CharTokenizer {
   CharTokenizer() { table_.fill(0); }
 
   // Vocabulary: <unk> and the distinct bytes of the file at `train_path`.
-  static CharTokenizer build(const std::string& train_path) {
+  // norm: lowercase only (splitting punctuation is word level).
+  static CharTokenizer build(const std::string& train_path, TextNormalisation norm = {}) {
+    GRAPHMOE_CHECK(!norm.split_punct, "CharTokenizer::build",
+                   "the normalisation '", norm.name(), "' splits punctuation into words: a "
+                   "character-level vocabulary takes none or lower");
     const std::string text = detail::read_file("CharTokenizer::build", train_path);
     std::array<bool, 256> seen{};
-    for (char c : text) seen[static_cast<unsigned char>(c)] = true;
+    for (char c : text) seen[static_cast<unsigned char>(lower(norm, c))] = true;
     CharTokenizer tok;
+    tok.norm_ = norm;
     for (int b = 0; b < 256; ++b)
       if (seen[static_cast<std::size_t>(b)]) tok.add(static_cast<unsigned char>(b));
     return tok;
@@ -240,8 +354,22 @@ class CharTokenizer {
   }
   std::vector<std::int32_t> encode(std::string_view text) const {
     std::vector<std::int32_t> ids(text.size());
-    for (std::size_t i = 0; i < text.size(); ++i) ids[i] = id(text[i]);
+    for (std::size_t i = 0; i < text.size(); ++i) ids[i] = id(lower(norm_, text[i]));
     return ids;
+  }
+  const TextNormalisation& normalisation() const { return norm_; }
+  void set_normalisation(TextNormalisation n) {
+    GRAPHMOE_CHECK(!n.split_punct, "CharTokenizer", "the normalisation '", n.name(),
+                   "' splits punctuation into words: a character-level vocabulary takes none or lower");
+    norm_ = n;
+  }
+  std::string fingerprint() const {
+    detail::Fnv1a64 h;
+    h.add("graphmoe::CharTokenizer\n");
+    h.add(norm_.name());
+    h.add("\n");
+    for (unsigned char b : bytes_) h.add(std::string_view(reinterpret_cast<const char*>(&b), 1));
+    return h.hex();
   }
   // The byte of `id` as a one-byte string; "<unk>" for unk().
   std::string decode(std::int32_t id) const {
@@ -303,6 +431,11 @@ class CharTokenizer {
     table_[b] = static_cast<std::int32_t>(bytes_.size());
   }
 
+  static char lower(const TextNormalisation& n, char c) {
+    return n.lowercase && c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c;
+  }
+
+  TextNormalisation norm_;
   std::vector<unsigned char> bytes_;           // bytes_[id - 1]
   std::array<std::int32_t, 256> table_{};      // byte -> id, 0 when absent
 };
