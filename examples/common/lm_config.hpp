@@ -36,6 +36,8 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   // only when it differs from GPT-2's default
   const graphmoe::TransformerLMConfig d;
   const auto& a = m.attention;
+  if (m.activation != d.activation) j["activation"] = graphmoe::ffn_activation_name(m.activation);
+  if (!m.ffn_bias) j["ffn_bias"] = false;
   if (m.norm != d.norm) j["norm"] = graphmoe::norm_kind_name(m.norm);
   if (m.norm_eps != d.norm_eps) j["norm_eps"] = m.norm_eps;
   if (a.num_kv_heads != 0) j["num_kv_heads"] = a.num_kv_heads;
@@ -167,6 +169,10 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
     m.norm = one_of("norm", {"layernorm", "rmsnorm"}) == 1 ? graphmoe::NormKind::RMSNorm
                                                           : graphmoe::NormKind::LayerNorm;
   if (j.contains("norm_eps")) m.norm_eps = config_field<double>(j, "norm_eps", where);
+  if (j.contains("activation"))
+    m.activation = one_of("activation", {"gelu", "swiglu"}) == 1 ? graphmoe::FfnActivation::SwiGLU
+                                                                 : graphmoe::FfnActivation::Gelu;
+  if (j.contains("ffn_bias")) m.ffn_bias = config_field<bool>(j, "ffn_bias", where);
   auto& a = m.attention;
   if (j.contains("num_kv_heads")) a.num_kv_heads = config_field<index_t>(j, "num_kv_heads", where);
   if (j.contains("rope_theta")) a.rope_theta = config_field<double>(j, "rope_theta", where);

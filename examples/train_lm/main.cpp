@@ -66,6 +66,9 @@ int main(int argc, char** argv) {
   std::string norm = norm_kind_name(m.norm), rope_layout = m.attention.rope_layout == RopeLayout::Interleaved ? "interleaved" : "half-split",
               qk_norm = m.attention.qk_norm == QKNorm::Full ? "full" : m.attention.qk_norm == QKNorm::PerHead ? "per-head" : "none";
   app.add_option("--arch", arch, "architecture preset, the defaults of every model option below (docs/reference/architectures.md)")->check(CLI::IsMember(archs));
+  std::string activation = ffn_activation_name(m.activation);
+  app.add_option("--activation", activation, "feed-forward activation: gelu, or swiglu (fused gate|up projection)")->check(CLI::IsMember({"gelu", "swiglu"}));
+  app.add_option("--ffn-bias", m.ffn_bias, "biases of the feed-forward networks and experts (true/false)");
   app.add_option("--norm", norm, "normalisation: layernorm or rmsnorm")->check(CLI::IsMember({"layernorm", "rmsnorm"}));
   app.add_option("--norm-eps", m.norm_eps, "the norms' epsilon")->check(examples::real(1e-12, 0.5));
   app.add_option("--kv-heads", m.attention.num_kv_heads, "key/value heads, dividing --heads (grouped-query; 1: multi-query; 0: --heads)")->check(examples::integer<index_t>(0, examples::kMaxHeads));
@@ -144,6 +147,7 @@ int main(int argc, char** argv) {
 
   m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
   m.norm = norm == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
+  m.activation = activation == "swiglu" ? FfnActivation::SwiGLU : FfnActivation::Gelu;
   m.attention.rope_layout = rope_layout == "interleaved" ? RopeLayout::Interleaved : RopeLayout::HalfSplit;
   m.attention.qk_norm = qk_norm == "full" ? QKNorm::Full : qk_norm == "per-head" ? QKNorm::PerHead : QKNorm::None;
   {

@@ -165,6 +165,8 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM with the modern blocks, each rout
       c.shared_expert_gate = variant == 0;
       c.first_k_dense = variant == 0 ? 1 : 0;
       c.num_layers = 3;
+      c.activation = variant == 0 ? FfnActivation::SwiGLU : FfnActivation::Gelu;
+      c.ffn_bias = variant == 1;
       c.router.options<graphmoe::BiasBalancedTopK>().bias_update_rate = 0.01;
       c.router.options<graphmoe::BiasBalancedTopK>().routed_scaling_factor = 2.0;
     };

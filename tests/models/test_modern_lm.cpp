@@ -50,6 +50,8 @@ TransformerLMConfig modern_config(int variant) {
   c.shared_expert_gate = variant == 0;
   c.first_k_dense = variant == 0 ? 1 : 0;
   c.moe_every = variant == 0 ? 1 : 2;
+  c.activation = variant == 0 ? FfnActivation::SwiGLU : FfnActivation::Gelu;
+  c.ffn_bias = variant == 1;
   return c;
 }
 
@@ -196,6 +198,9 @@ TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole m
     CHECK(lm.block(1).is_moe());
     CHECK(lm.block(2).is_moe() == (variant == 0));
     CHECK(lm.block(1).has_shared());
+    // SwiGLU: the fused gate|up projection (2F rows), no biases
+    CHECK(lm.arena().value("blocks.1.moe.experts.w1").dim(1) == (variant == 0 ? 6 : 3));
+    CHECK(lm.arena().contains("blocks.1.moe.experts.b1") == (variant == 1));
     CHECK_FALSE(lm.block(0).has_shared());
     CHECK(lm.arena().contains("blocks.1.shared_expert_gate.weight") == (variant == 0));
     Rng rng(4);

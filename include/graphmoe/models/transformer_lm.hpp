@@ -77,6 +77,10 @@ struct TransformerLMConfig {
   // router.capacity_factor > 0 and takes no read back to the host per layer on a GPU.
   ExpertLayout expert_layout = ExpertLayout::Compact;
   GeluForm gelu = GeluForm::Tanh;
+  // The feed-forward networks' activation (dense blocks, experts, shared experts): GELU or SwiGLU
+  // (a fused gate|up first projection), and whether they have biases.
+  FfnActivation activation = FfnActivation::Gelu;
+  bool ffn_bias = true;
   double init_std = 0.02;
   // Normalisation of every block and of the final LN_f (RMSNorm: Llama and the MoE families).
   NormKind norm = NormKind::LayerNorm;
@@ -230,8 +234,8 @@ struct TransformerLMConfig {
   bool learned_positions() const { return attention.rope_theta == 0; }
 
  private:
-  // What the modern presets share: RMSNorm, RoPE (HalfSplit), 4 key/value heads of 8, no biases,
-  // untied embeddings, on 4 blocks of D = 256.
+  // What the modern presets share: RMSNorm, RoPE (HalfSplit), 4 key/value heads of 8, SwiGLU
+  // feed-forward networks, no biases, untied embeddings, on 4 blocks of D = 256.
   static TransformerLMConfig modern_base(index_t vocab) {
     TransformerLMConfig c;
     c.vocab_size = vocab;
@@ -248,6 +252,8 @@ struct TransformerLMConfig {
     c.attention.num_kv_heads = 4;
     c.attention.qkv_bias = false;
     c.attention.out_bias = false;
+    c.activation = FfnActivation::SwiGLU;
+    c.ffn_bias = false;
     c.router.allow_unused_options = true;  // TopK's and BiasBalancedTopK's options both set
     return c;
   }
@@ -384,6 +390,8 @@ class TransformerLM {
       bc.moe_config.router = cfg_.router;
       bc.moe_config.layout = cfg_.expert_layout;
       bc.moe_config.gelu = cfg_.gelu;
+      bc.moe_config.activation = cfg_.activation;
+      bc.moe_config.bias = cfg_.ffn_bias;
       bc.init_std = cfg_.init_std;
       bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
       blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc,
