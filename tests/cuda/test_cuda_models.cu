@@ -189,8 +189,13 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM, GLaM and dense layouts", T, floa
 TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM with the padded expert layout and a capacity", T,
                    float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  compare_lm<SoftmaxRouter, T>(MoELayout::Switch, ExpertLayout::Padded);
-  compare_lm<SimilarityRouter, T>(MoELayout::Switch, ExpertLayout::Padded);
+  // float: 3x the model tolerance. The CPU side's sgemm is OpenBLAS's kernel for the machine's
+  // core, so the two backends' round-off differs by machine: 2.4e-4 relative at most measured on
+  // an Intel Xeon (an expert's w1 gradient after one AdamW step; the same on the tree before the
+  // modern blocks), under 1e-4 on an AMD EPYC.
+  const double f = std::is_same_v<T, float> ? 3.0 : 1.0;
+  compare_lm<SoftmaxRouter, T>(MoELayout::Switch, ExpertLayout::Padded, {}, f);
+  compare_lm<SimilarityRouter, T>(MoELayout::Switch, ExpertLayout::Padded, {}, f);
 }
 
 // TransformerLM::forward defers the content checks of the whole forward (a GPU reads them with
