@@ -54,6 +54,7 @@ KVCache<T, graphmoe::cuda> to_device(const KVCache<T, cpu>& c) {
   KVCache<T, graphmoe::cuda> d;
   d.k = graphmoe::to_device(c.k);
   d.v = graphmoe::to_device(c.v);
+  d.query_heads = c.query_heads;
   return d;
 }
 
@@ -72,17 +73,23 @@ Tensor<T, cpu> random_rows_of_probs(index_t rows, index_t cols, Rng& rng) {
 TEST_CASE_TEMPLATE("cuda vs cpu: attention_decode appends k, v and attends over positions 0..t", T,
                    float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  const index_t nh = 2, dh = 4, width = nh * dh;
+  const index_t nh = 4, dh = 4, width = nh * dh;
+  index_t nkv = nh;  // multi-head, grouped-query (2 query heads per cached head), multi-query
+  SUBCASE("multi-head") {}
+  SUBCASE("grouped-query") { nkv = 2; }
+  SUBCASE("multi-query") { nkv = 1; }
+  CAPTURE(nkv);
   const DecodeRows rows = step_rows();
   const index_t n = rows.size();
   Rng rng(3);
-  KVCache<T, cpu> kv(kSlots, nh, kMaxLen, dh);
+  KVCache<T, cpu> kv(kSlots, nh, nkv, kMaxLen, dh);
+  REQUIRE(kv.kv_heads() == nkv);
   kv.k = random_normal<T>(kv.k.shape(), rng);  // earlier positions (and stale later ones)
   kv.v = random_normal<T>(kv.v.shape(), rng);
   KVCache<T, graphmoe::cuda> dkv = to_device(kv);
   const Tensor<T, cpu> q = random_normal<T>(Shape{n, width}, rng, 1.5);
-  const Tensor<T, cpu> k = random_normal<T>(Shape{n, width}, rng);
-  const Tensor<T, cpu> v = random_normal<T>(Shape{n, width}, rng);
+  const Tensor<T, cpu> k = random_normal<T>(Shape{n, nkv * dh}, rng);
+  const Tensor<T, cpu> v = random_normal<T>(Shape{n, nkv * dh}, rng);
   Tensor<T, cpu> probs, ent, out;
   attention_decode(q, k, v, rows, kv, probs, ent, out);
   Tensor<T, graphmoe::cuda> dprobs, dent, dout;
@@ -164,12 +171,13 @@ template <class T>
 struct AttentionGraphCase {
   static constexpr index_t nh = 3, dh = 4, d = nh * dh, e = 5;
   DecodeRows rows = step_rows();
-  KVCache<T, cpu> kv{kSlots, nh, kMaxLen, dh};
+  KVCache<T, cpu> kv;
   AttentionStep<T, cpu> step;
   AttentionDecodeCache<T, cpu> cache;
   Tensor<T, cpu> r;
 
-  AttentionGraphCase(bool bias, Rng& rng) {
+  // nkv: the cached key/value heads (nh, or 1: multi-query, every query head reads one V)
+  AttentionGraphCase(bool bias, Rng& rng, index_t nkv = nh) : kv(kSlots, nh, nkv, kMaxLen, dh) {
     const index_t n = rows.size();
     kv.k = random_normal<T>(kv.k.shape(), rng, 0.5);
     kv.v = random_normal<T>(kv.v.shape(), rng, 0.5);
@@ -240,11 +248,14 @@ TEST_CASE_TEMPLATE("cuda vs cpu: attention_graph_decode: h* from the prefix, the
                    T, float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();
   bool bias = true;
+  index_t nkv = AttentionGraphCase<T>::nh;
   SUBCASE("with the output bias") {}
   SUBCASE("without it") { bias = false; }
+  SUBCASE("multi-query: one cached value head") { nkv = 1; }
   CAPTURE(bias);
+  CAPTURE(nkv);
   Rng rng(11);
-  AttentionGraphCase<T> c(bias, rng);
+  AttentionGraphCase<T> c(bias, rng, nkv);
   const KVCache<T, graphmoe::cuda> dkv = to_device(c.kv);
   const AttentionStep<T, graphmoe::cuda> dstep = to_device(c.step, dkv);
   AttentionDecodeCache<T, graphmoe::cuda> dcache = to_device(c.cache);

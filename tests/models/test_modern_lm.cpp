@@ -12,6 +12,8 @@
 #include "graphmoe/inference/decoder.hpp"
 #include "graphmoe/layers/attention.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
+#include "graphmoe/ops/decode.hpp"
+#include "graphmoe/ops/heads.hpp"
 #include "support/gradcheck.hpp"
 #include "support/router_options.hpp"
 
@@ -80,6 +82,14 @@ void rope_ref(double* v, index_t dh, index_t p, double theta, RopeLayout layout)
     out[i1] = v[i1] * c + v[i0] * s;
   }
   std::copy(out.begin(), out.end(), v);
+}
+
+// max |a - b| over two tensors of one shape (0 exactly when they are bit-identical)
+double max_abs_diff(const Tensor<double>& a, const Tensor<double>& b) {
+  REQUIRE(a.shape() == b.shape());
+  double m = 0;
+  for (index_t i = 0; i < a.numel(); ++i) m = std::max(m, std::abs(a.data()[i] - b.data()[i]));
+  return m;
 }
 
 }  // namespace
@@ -236,8 +246,14 @@ TEST_CASE_TEMPLATE("modern LM blocks: causal, and incremental decoding equals th
     lm.forward(changed, Tensor<std::int32_t>());
     for (index_t i = 0; i < t - 1; ++i)
       for (index_t c = 0; c < cfg.vocab_size; ++c) CHECK(lm.logits()(0, i, c) == full(0, i, c));
-    // one token per step
+    // one token per step; the KV cache holds the num_kv_heads heads only
     auto cache = lm.decode_cache(1);
+    const index_t dh = cfg.d_model / cfg.num_heads;
+    for (const auto& b : cache.blocks) {
+      CHECK(b.kv.kv_heads() == cfg.attention.num_kv_heads);
+      CHECK(b.kv.heads() == cfg.num_heads);
+    }
+    CHECK(cache.kv_values_per_token() == cfg.num_layers * 2 * cfg.attention.num_kv_heads * dh);
     double worst = 0;
     for (index_t i = 0; i < t; ++i) {
       Tensor<std::int32_t> one(Shape{1});
@@ -249,6 +265,69 @@ TEST_CASE_TEMPLATE("modern LM blocks: causal, and incremental decoding equals th
     }
     CHECK(worst < 1e-12);
   }
+}
+
+TEST_CASE("decode ops: a grouped KV cache gives exactly what the repeated heads give") {
+  // H = 4 query heads over Hkv = 2 cached heads (and 1: multi-query): attention_decode and the
+  // Attention graph's decode read cached head h / g; the same step on a cache of the repeated
+  // heads (what a multi-head cache of repeat_heads(k), repeat_heads(v) holds) is the reference.
+  const index_t nh = 4, dh = 3, slots = 2, max_len = 6, e = 5;
+  for (index_t nkv : {2, 1}) {
+    CAPTURE(nkv);
+    Rng rng(17);
+    KVCache<double, cpu> grouped(slots, nh, nkv, max_len, dh), full(slots, nh, max_len, dh);
+    CHECK(grouped.values_per_token() == 2 * nkv * dh);
+    CHECK(grouped.group() == nh / nkv);
+    AttentionDecodeCache<double, cpu> gcache, fcache;
+    for (auto* c : {&gcache, &fcache}) {
+      c->r = Tensor<double>(Shape{slots, max_len, e});
+      c->msq = Tensor<double>(Shape{slots, nh, max_len});
+      c->entropy_prefix.assign(static_cast<std::size_t>(slots * max_len * nh), 0.0);
+    }
+    const Tensor<double> w_o = random_normal<double>(Shape{nh * dh, nh * dh}, rng, 0.4);
+    const Tensor<double> b_o = random_normal<double>(Shape{nh * dh}, rng, 0.2);
+    AttentionGraphArgs args;
+    args.causal_heads = true;
+    args.sigma = 1.1;
+    args.d_model = nh * dh;
+    // three steps: slot 0 one token at a time, slot 1 a chunk of two
+    const std::vector<DecodeRows> steps = {DecodeRows{{0, 1, 1}, {0, 0, 1}}, DecodeRows{{0}, {1}},
+                                           DecodeRows{{1, 0}, {2, 2}}};
+    for (const DecodeRows& rows : steps) {
+      const index_t n = rows.size();
+      const Tensor<double> q = random_normal<double>(Shape{n, nh * dh}, rng);
+      const Tensor<double> k = random_normal<double>(Shape{n, nkv * dh}, rng);
+      const Tensor<double> v = random_normal<double>(Shape{n, nkv * dh}, rng);
+      Tensor<double> kr, vr, pg, eg, og, pf, ef, of;
+      repeat_heads(k, nkv, nh, kr);
+      repeat_heads(v, nkv, nh, vr);
+      attention_decode(q, k, v, rows, grouped, pg, eg, og);
+      attention_decode(q, kr, vr, rows, full, pf, ef, of);
+      CHECK(max_abs_diff(pg, pf) == 0.0);
+      CHECK(max_abs_diff(eg, ef) == 0.0);
+      CHECK(max_abs_diff(og, of) == 0.0);
+      // the Attention graph's step reads the V cache through the same head map
+      Tensor<double> r(Shape{n, e});
+      for (index_t i = 0; i < n; ++i) {
+        double sum = 0;
+        for (index_t c = 0; c < e; ++c) sum += (r(i, c) = rng.uniform(0.1, 1.0));
+        for (index_t c = 0; c < e; ++c) r(i, c) /= sum;
+      }
+      AttentionStep<double, cpu> sg{nh, pg, eg, og, w_o, b_o, &grouped};
+      AttentionStep<double, cpu> sf{nh, pf, ef, of, w_o, b_o, &full};
+      Tensor<double> p_g, p_f, w_g, w_f;
+      std::vector<int> h_g, h_f;
+      attention_graph_decode(r, rows, sg, args, gcache, p_g, h_g, &w_g);
+      attention_graph_decode(r, rows, sf, args, fcache, p_f, h_f, &w_f);
+      CHECK(h_g == h_f);
+      CHECK(max_abs_diff(p_g, p_f) == 0.0);
+      CHECK(max_abs_diff(w_g, w_f) == 0.0);
+      CHECK(max_abs_diff(gcache.msq, fcache.msq) == 0.0);
+    }
+  }
+  // a cache whose heads do not divide the query heads is refused
+  CHECK_THROWS_WITH_AS((KVCache<double, cpu>(1, 4, 3, 4, 2)), doctest::Contains("must divide heads"),
+                       std::exception);
 }
 
 TEST_CASE("modern LM blocks: bad options are refused naming the field") {
@@ -286,8 +365,8 @@ TEST_CASE("presets: every family's switches, a forward, a training step and deco
     if (arch == "qwen2-moe") CHECK(c.shared_expert_gate);
     if (arch == "deepseek-v3") {
       CHECK(c.first_k_dense == 1);
-      CHECK(c.router.options<BiasBalancedTopK>().routed_scaling_factor == 2.5);
-      CHECK(c.router.options<BiasBalancedTopK>().n_group == 8);
+      CHECK(c.router.options<TopK>().routed_scaling_factor == 2.5);
+      CHECK(c.router.options<TopK>().n_group == 8);
     }
     // a small copy: the same switches and expert counts, tiny widths
     c.d_model = 16;

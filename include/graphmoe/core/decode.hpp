@@ -61,21 +61,36 @@ struct DecodeRows {
 };
 
 // The keys and values of one attention layer for every slot, head by head so that a head's
-// cached rows are one contiguous (len, dh) matrix.
+// cached rows are one contiguous (len, dh) matrix. Under grouped-query attention the cache holds
+// the Hkv key/value heads only (Hkv = kv_heads() divides H = heads()); query head h reads key/value
+// head h / (H / Hkv), as repeat_heads maps them (ops/heads.hpp).
 template <class T, class B>
 struct KVCache {
-  Tensor<T, B> k;  // (S, H, max_len, dh)
-  Tensor<T, B> v;  // (S, H, max_len, dh)
+  Tensor<T, B> k;  // (S, Hkv, max_len, dh)
+  Tensor<T, B> v;  // (S, Hkv, max_len, dh)
+  index_t query_heads = 0;  // H; 0: H = Hkv (multi-head attention)
 
   KVCache() = default;
   KVCache(index_t slots, index_t heads, index_t max_len, index_t head_dim)
       : k(Shape{slots, heads, max_len, head_dim}), v(Shape{slots, heads, max_len, head_dim}) {}
+  // Grouped-query: H query heads over kv_heads cached heads (kv_heads divides heads).
+  KVCache(index_t slots, index_t heads, index_t kv_heads, index_t max_len, index_t head_dim)
+      : k(Shape{slots, kv_heads, max_len, head_dim}), v(Shape{slots, kv_heads, max_len, head_dim}),
+        query_heads(heads) {
+    GRAPHMOE_CHECK(kv_heads >= 1 && heads >= kv_heads && heads % kv_heads == 0, "KVCache",
+                   "kv_heads = ", kv_heads, " must divide heads = ", heads);
+  }
   index_t slots() const { return k.empty() ? 0 : k.dim(0); }
-  index_t heads() const { return k.empty() ? 0 : k.dim(1); }
+  // The query heads H (what the attention rows and probs are indexed by).
+  index_t heads() const { return query_heads > 0 ? query_heads : kv_heads(); }
+  // The cached key/value heads Hkv.
+  index_t kv_heads() const { return k.empty() ? 0 : k.dim(1); }
+  // The query heads per cached head (H / Hkv; 1 without grouping).
+  index_t group() const { return kv_heads() == 0 ? 1 : heads() / kv_heads(); }
   index_t max_len() const { return k.empty() ? 0 : k.dim(2); }
   index_t head_dim() const { return k.empty() ? 0 : k.dim(3); }
-  // The values the cache holds per token (2 D: a key and a value of width D).
-  index_t values_per_token() const { return 2 * heads() * head_dim(); }
+  // The values the cache holds per token (a key and a value per cached head).
+  index_t values_per_token() const { return 2 * kv_heads() * head_dim(); }
 };
 
 // What an attention layer computed for the rows of a decode step: the Attention graph of the

@@ -12,7 +12,8 @@
 // AttentionOptions holds the modern variants (num_kv_heads, rope_theta and layout, qk_norm, the
 // biases); the defaults are GPT-2's attention, computed by the same calls as without them. The
 // Attention graph sees the heads' values after repeat_heads (every query head's v_h), and its
-// gradient into them is summed back over each group.
+// gradient into them is summed back over each group. Incremental decoding caches the Hkv heads
+// only (kv_cache()); query head h reads cached head h / (H / Hkv), with the same values.
 //
 // cache() is the AttentionCache an Attention-graph router of the same block reads (probs, v, Wo,
 // bo, a); its gradient sinks (dprobs, dv, dout) are zeroed by forward and folded into backward,
@@ -243,7 +244,7 @@ class MultiHeadAttention {
   }
 
   // Incremental decoding (core/decode.hpp): x (n, D), one new token per row of `rows`; appends
-  // each row's key and value to kv (allocated (S, H, max_len, D / H), kv_cache()) and attends over
+  // each row's key and value to kv (allocated (S, Hkv, max_len, D / H), kv_cache()) and attends over
   // its slot's positions 0..t (a causal layer only) -> a (n, D). step receives what the Attention
   // graph of the block reads (probs, row entropies, a, w_o, b_o, the cache). Overwrites the
   // projections' forward cache (run forward again before a backward).
@@ -274,13 +275,6 @@ class MultiHeadAttention {
       q = qr;
       k = kr;
     }
-    if (kv_heads_ != heads_) {  // the cache holds every query head's keys and values
-      Tensor<T, B> kf, vf;
-      repeat_heads(k, kv_heads_, heads_, kf);
-      repeat_heads(v, kv_heads_, heads_, vf);
-      k = kf;
-      v = vf;
-    }
     // the step's outputs are kept across steps of the same number of rows
     if (step.probs.shape() != Shape{n, heads_, kv.max_len()}) step.probs = Tensor<T, B>();
     if (step.row_entropy.shape() != Shape{n, heads_}) step.row_entropy = Tensor<T, B>();
@@ -294,8 +288,9 @@ class MultiHeadAttention {
     step.kv = &kv;
   }
   // An empty KV cache of this layer for `slots` sequences of at most max_len tokens.
+  // It holds the num_kv_heads key/value heads (grouped-query attention's saving at decode time).
   KVCache<T, B> kv_cache(index_t slots, index_t max_len) const {
-    return KVCache<T, B>(slots, heads_, max_len, d_ / heads_);
+    return KVCache<T, B>(slots, heads_, kv_heads_, max_len, d_ / heads_);
   }
 
   AttentionCache<T, B>& cache() { return cache_; }

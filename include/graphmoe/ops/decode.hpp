@@ -4,9 +4,10 @@
 // rows' cache entries (below: the assignments to K, V, U, R, msq) before any row reads the cache,
 // so the row at t of a chunk reads what the chunk's earlier rows wrote.
 //
-//   attention_decode        row i (slot s, position t): K_h[s, t] = k_ih, V_h[s, t] = v_ih, then
-//                           for every head  A = softmax_j(q_ih . K_h[s, j] / sqrt(dh)), j <= t,
-//                           o_ih = A V_h[s, 0..t]; probs and the row entropies are outputs (the
+//   attention_decode        row i (slot s, position t): K_c[s, t] = k_ic, V_c[s, t] = v_ic for
+//                           every cached head c, then for every query head h (c = h / g, g =
+//                           H / Hkv)  A = softmax_j(q_ih . K_c[s, j] / sqrt(dh)), j <= t,
+//                           o_ih = A V_c[s, 0..t]; probs and the row entropies are outputs (the
 //                           Attention graph reads them), as in attention_forward.
 //   similarity_graph_decode U[s, t] = u_i, R[s, t] = r_i, then S_i = softmax_j(q_i . u_j / tau)
 //                           over j <= t (q_i = u_i, or u_i W_s under projection; exclude_self
@@ -51,20 +52,24 @@ void prepare_decode_weights(const char* op, Tensor<T, B>* weights, index_t n, in
 }
 }  // namespace detail
 
-// q, k, v (n, H dh) of the step's rows; kv allocated (S, H, max_len, dh) with H dh = q's width.
-// probs (n, H, max_len), row_entropy (n, H) and out (n, H dh) are prepared (allocated when empty).
+// q (n, H dh), k, v (n, Hkv dh) of the step's rows; kv allocated (S, Hkv, max_len, dh) for H
+// query heads (KVCache: Hkv = H without grouping). probs (n, H, max_len), row_entropy (n, H) and
+// out (n, H dh) are prepared (allocated when empty).
 template <class T, Backend B>
 void attention_decode(const Tensor<T, B>& q, const Tensor<T, B>& k, const Tensor<T, B>& v,
                       const DecodeRows& rows, KVCache<T, B>& kv, Tensor<T, B>& probs,
                       Tensor<T, B>& row_entropy, Tensor<T, B>& out) {
   constexpr const char* op = "attention_decode";
   GRAPHMOE_CHECK(!kv.k.empty() && kv.k.rank() == 4 && kv.v.shape() == kv.k.shape(), op,
-                 "the KV cache is not allocated as (S, H, max_len, dh)");
+                 "the KV cache is not allocated as (S, Hkv, max_len, dh)");
+  GRAPHMOE_CHECK(kv.heads() % kv.kv_heads() == 0, op, "the KV cache's ", kv.kv_heads(),
+                 " key/value heads do not divide its ", kv.heads(), " query heads");
   rows.validate(op, kv.slots(), kv.max_len());
-  const index_t n = rows.size(), width = kv.heads() * kv.head_dim();
+  const index_t n = rows.size(), width = kv.heads() * kv.head_dim(),
+                kv_width = kv.kv_heads() * kv.head_dim();
   detail::check_decode_rows(op, "q", q, n, width);
-  detail::check_decode_rows(op, "k", k, n, width);
-  detail::check_decode_rows(op, "v", v, n, width);
+  detail::check_decode_rows(op, "k", k, n, kv_width);
+  detail::check_decode_rows(op, "v", v, n, kv_width);
   prepare_output(op, "probs", probs, Shape{n, kv.heads(), kv.max_len()});
   probs.zero();
   prepare_output(op, "row_entropy", row_entropy, Shape{n, kv.heads()});

@@ -33,32 +33,34 @@ template <class T>
 using ConstRowVectorMap = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>, Eigen::Unaligned>;
 }  // namespace detail
 
-// q, k, v (n, H dh); kv (S, H, L, dh); probs (n, H, L), row_entropy (n, H), out (n, H dh) prepared
-// by ops/decode.hpp (probs zeroed beyond each row's position).
+// q (n, H dh), k, v (n, Hkv dh); kv (S, Hkv, L, dh); probs (n, H, L), row_entropy (n, H), out
+// (n, H dh) prepared by ops/decode.hpp (probs zeroed beyond each row's position). Query head h
+// reads cached head h / g (g = H / Hkv).
 template <class T>
 void attention_decode(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
                       const Tensor<T, cpu>& v, const DecodeRows& rows, KVCache<T, cpu>& kv,
                       Tensor<T, cpu>& probs, Tensor<T, cpu>& row_entropy, Tensor<T, cpu>& out) {
-  const index_t n = rows.size(), nh = kv.heads(), len_max = kv.max_len(), dh = kv.head_dim();
-  const index_t width = nh * dh;
+  const index_t n = rows.size(), nh = kv.heads(), nkv = kv.kv_heads(), g = kv.group(),
+                len_max = kv.max_len(), dh = kv.head_dim();
+  const index_t width = nh * dh, kv_width = nkv * dh;
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
-  auto base_of = [&](index_t i, index_t h) {
-    return (rows.slot[static_cast<std::size_t>(i)] * nh + h) * len_max * dh;
+  auto base_of = [&](index_t i, index_t c) {  // slot of row i, cached head c
+    return (rows.slot[static_cast<std::size_t>(i)] * nkv + c) * len_max * dh;
   };
   // (1) every row's k and v into the cache (a chunk's later rows read its earlier rows' entries)
   parallel_items(n, [&](index_t i) {
     const index_t t = rows.pos[static_cast<std::size_t>(i)];
-    for (index_t h = 0; h < nh; ++h) {
-      std::copy_n(k.data() + i * width + h * dh, dh, kv.k.data() + base_of(i, h) + t * dh);
-      std::copy_n(v.data() + i * width + h * dh, dh, kv.v.data() + base_of(i, h) + t * dh);
+    for (index_t c = 0; c < nkv; ++c) {
+      std::copy_n(k.data() + i * kv_width + c * dh, dh, kv.k.data() + base_of(i, c) + t * dh);
+      std::copy_n(v.data() + i * kv_width + c * dh, dh, kv.v.data() + base_of(i, c) + t * dh);
     }
   });
   // (2) per (row, head): the scores over positions 0..t, the softmax and o = A V
   parallel_items(n * nh, [&](index_t item) {
     const index_t i = item / nh, h = item % nh;
     const index_t len = rows.pos[static_cast<std::size_t>(i)] + 1;
-    const MatrixMap<T> K(kv.k.data() + base_of(i, h), len, dh),
-        V(kv.v.data() + base_of(i, h), len, dh);
+    const MatrixMap<T> K(kv.k.data() + base_of(i, h / g), len, dh),
+        V(kv.v.data() + base_of(i, h / g), len, dh);
     const detail::ConstRowVectorMap<T> qh(q.data() + i * width + h * dh, dh);
     detail::RowVectorMap<T> p(probs.data() + (i * nh + h) * len_max, len);
     p.noalias() = qh * K.transpose();  // raw scores; the scale is applied inside the softmax
@@ -131,8 +133,9 @@ void similarity_graph_decode(cpu, const Tensor<T, cpu>& u, const Tensor<T, cpu>&
   });
 }
 
-// r (n, E); step from the attention layer of the same block; cache.r (S, L, E), cache.msq
-// (S, H, L), cache.entropy_prefix (S L H); p (n, E) and weights (null or (n, L), zeroed) prepared by
+// r (n, E); step from the attention layer of the same block (its KV cache of Hkv heads: query
+// head h's values are cached head h / g); cache.r (S, L, E), cache.msq (S, H, L),
+// cache.entropy_prefix (S L H); p (n, E) and weights (null or (n, L), zeroed) prepared by
 // ops/decode.hpp; heads (n) assigned. Returns the first row whose chosen head's attention row is
 // all at or below the prior floor (-1: none), as the forward reports such a row.
 template <class T>
@@ -143,6 +146,7 @@ index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& r
   const index_t n = rows.size(), e = r.cols(), nh = step.num_heads;
   const KVCache<T, cpu>& kv = *step.kv;
   const index_t len_max = kv.max_len(), dh = kv.head_dim(), d = step.w_o.rows();
+  const index_t nkv = kv.kv_heads(), g = kv.group();  // query head h reads cached head h / g
   const T fh = static_cast<T>(nh);
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -158,7 +162,7 @@ index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& r
     std::copy_n(r.data() + i * e, e, cache.r.data() + (s * len_max + t) * e);
     Eigen::Matrix<T, Eigen::Dynamic, 1> y(d);
     for (index_t h = 0; h < nh; ++h) {
-      const T* vt = kv.v.data() + ((s * nh + h) * len_max + t) * dh;
+      const T* vt = kv.v.data() + ((s * nkv + h / g) * len_max + t) * dh;
       y.noalias() = Wo.middleCols(h * dh, dh) * VectorMap<T>(const_cast<T*>(vt), dh);
       T msq = fh * fh * y.squaredNorm();
       if (!step.b_o.empty()) msq += T(2) * fh * y.dot(as_vector(step.b_o));
@@ -179,7 +183,7 @@ index_t attention_graph_decode(cpu, const Tensor<T, cpu>& r, const DecodeRows& r
     // q = H a W_o,h (dh); logits log A + (q . v_j - msq_j / 2) / sigma^2, -inf at or below the floor
     const detail::ConstRowVectorMap<T> a(step.out.data() + i * d, d);
     const Eigen::Matrix<T, 1, Eigen::Dynamic> q = fh * a * Wo.middleCols(h * dh, dh);
-    const MatrixMap<T> V(kv.v.data() + (s * nh + h) * len_max * dh, len, dh);
+    const MatrixMap<T> V(kv.v.data() + (s * nkv + h / g) * len_max * dh, len, dh);
     const T* A = step.probs.data() + (i * nh + h) * len_max;
     const T* msq = cache.msq.data() + (s * nh + h) * len_max;
     Eigen::Matrix<T, 1, Eigen::Dynamic> row(len);

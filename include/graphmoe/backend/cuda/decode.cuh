@@ -93,37 +93,38 @@ __device__ T decode_dot(const T* x, const T* y, index_t n) {
   return acc;
 }
 
-// Block row i: k_i and v_i (every head) at position t of the slot's cache. kc, vc (S, H, L, dh);
-// k, v (n, H dh); rows (2, n).
+// Block row i: k_i and v_i (every cached head) at position t of the slot's cache. kc, vc
+// (S, Hkv, L, dh); k, v (n, Hkv dh); rows (2, n).
 template <class T>
 __global__ void attention_decode_append_kernel(const T* k, const T* v, const index_t* rows, T* kc,
-                                               T* vc, index_t n, index_t nh, index_t len_max,
+                                               T* vc, index_t n, index_t nkv, index_t len_max,
                                                index_t dh) {
-  const index_t width = nh * dh;
+  const index_t width = nkv * dh;
   for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
     const index_t s = rows[i], t = rows[n + i];
     for (index_t c = threadIdx.x; c < width; c += blockDim.x) {
-      const index_t h = c / dh, at = ((s * nh + h) * len_max + t) * dh + c % dh;
+      const index_t h = c / dh, at = ((s * nkv + h) * len_max + t) * dh + c % dh;
       kc[at] = k[i * width + c];
       vc[at] = v[i * width + c];
     }
   }
 }
 
-// Block (row i, head h), item = i H + h, after the append kernel. kc, vc (S, H, L, dh); probs
-// (n, H, L); entropy (n, H); q, out (n, H dh); rows (2, n).
+// Block (row i, query head h), item = i H + h, after the append kernel. kc, vc (S, Hkv, L, dh)
+// (query head h reads cached head h / g); probs (n, H, L); entropy (n, H); q, out (n, H dh);
+// rows (2, n).
 template <class T>
 __global__ void attention_decode_kernel(const T* q, const index_t* rows, const T* kc, const T* vc,
                                         T* probs, T* entropy, T* out, index_t n, index_t nh,
-                                        index_t len_max, index_t dh, T scale) {
+                                        index_t g, index_t len_max, index_t dh, T scale) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   const index_t width = nh * dh;
   for (index_t item = blockIdx.x; item < n * nh; item += gridDim.x) {
     const index_t i = item / nh, h = item % nh;
     const index_t s = rows[i], t = rows[n + i], len = t + 1;
     const index_t at = i * width + h * dh;  // row i, head h of q and out
-    const T* kh = kc + (s * nh + h) * len_max * dh;
-    const T* vh = vc + (s * nh + h) * len_max * dh;
+    const T* kh = kc + (s * (nh / g) + h / g) * len_max * dh;
+    const T* vh = vc + (s * (nh / g) + h / g) * len_max * dh;
     T* row = probs + item * len_max;
     T m = ninf;
     for (index_t j = threadIdx.x; j < len; j += blockDim.x) {
@@ -210,12 +211,13 @@ __global__ void similarity_decode_kernel(const T* qs, const index_t* rows, const
 
 // Block (row i, head h), item = i H + h: r_i into rc (S, L, E) (head 0's block) and
 // msq[s, h, t] = H^2 |y|^2 + 2 H y . b_o with y = W_o,h v_ht (D) (|m_ht|^2 less |b_o|^2, which
-// cancels in the posterior). v (S, H, L, dh); w_o (D, H dh); b_o (D) or null; rows (2+, n).
+// cancels in the posterior). v (S, Hkv, L, dh) (head h reads cached head h / g); w_o (D, H dh);
+// b_o (D) or null; rows (2+, n).
 template <class T>
 __global__ void attention_graph_decode_append_kernel(const T* r, const index_t* rows, const T* v,
                                                      const T* w_o, const T* b_o, T* rc, T* msq,
-                                                     index_t n, index_t nh, index_t len_max,
-                                                     index_t dh, index_t e, T fh) {
+                                                     index_t n, index_t nh, index_t g,
+                                                     index_t len_max, index_t dh, index_t e, T fh) {
   const index_t d = nh * dh;
   for (index_t item = blockIdx.x; item < n * nh; item += gridDim.x) {
     const index_t i = item / nh, h = item % nh;
@@ -223,7 +225,7 @@ __global__ void attention_graph_decode_append_kernel(const T* r, const index_t* 
     if (h == 0)
       for (index_t c = threadIdx.x; c < e; c += blockDim.x)
         rc[(s * len_max + t) * e + c] = r[i * e + c];
-    const T* vt = v + ((s * nh + h) * len_max + t) * dh;
+    const T* vt = v + ((s * (nh / g) + h / g) * len_max + t) * dh;
     T sq = T(0), yb = T(0);
     for (index_t k = threadIdx.x; k < d; k += blockDim.x) {
       const T y = decode_dot(w_o + k * d + h * dh, vt, dh);
@@ -243,14 +245,15 @@ __global__ void attention_graph_decode_append_kernel(const T* r, const index_t* 
 // Block row i with head h = rows[2 n + i]: q = H a_i W_o,h (dh, into q (n, dh)), the logits
 // log A_j + (q . v_hj - msq_hj / 2) / sigma^2 for A_j above the floor (-inf at or below it), over
 // j <= t into w (n, L), their softmax in place and p_i = A^p R. a (n, D); probs (n, H, L);
-// v (S, H, L, dh); msq (S, H, L); rc (S, L, E). A row without a finite logit flags i.
+// v (S, Hkv, L, dh) (head h reads cached head h / g); msq (S, H, L); rc (S, L, E). A row without
+// a finite logit flags i.
 template <class T>
 __global__ void attention_graph_decode_rows_kernel(const index_t* rows, const T* a, const T* w_o,
                                                    const T* v, const T* probs, const T* msq,
                                                    const T* rc, T* q, T* w, T* p,
                                                    unsigned long long* bad, index_t n, index_t nh,
-                                                   index_t len_max, index_t dh, index_t e, T fh,
-                                                   T inv_var) {
+                                                   index_t g, index_t len_max, index_t dh,
+                                                   index_t e, T fh, T inv_var) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   constexpr T prior_floor = attention_prior_floor<T>();
   const index_t d = nh * dh;
@@ -258,7 +261,7 @@ __global__ void attention_graph_decode_rows_kernel(const index_t* rows, const T*
     const index_t s = rows[i], t = rows[n + i], h = rows[2 * n + i], len = t + 1;
     decode_row_times_matrix(a + i * d, w_o + h * dh, d, d, dh, fh, q + i * dh);
     __syncthreads();  // q complete
-    const T* vh = v + (s * nh + h) * len_max * dh;
+    const T* vh = v + (s * (nh / g) + h / g) * len_max * dh;
     const T* arow = probs + (i * nh + h) * len_max;
     const T* ms = msq + (s * nh + h) * len_max;
     T* row = w + i * len_max;
@@ -301,25 +304,25 @@ constexpr void check_decode_type() {
 
 }  // namespace detail
 
-// q, k, v (n, H dh); kv (S, H, L, dh); probs (n, H, L), row_entropy (n, H), out (n, H dh)
-// prepared by ops/decode.hpp (probs zeroed beyond each row's position).
+// q (n, H dh), k, v (n, Hkv dh); kv (S, Hkv, L, dh); probs (n, H, L), row_entropy (n, H), out
+// (n, H dh) prepared by ops/decode.hpp (probs zeroed beyond each row's position).
 template <class T>
 void attention_decode(cuda, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
                       const Tensor<T, cuda>& v, const DecodeRows& rows, KVCache<T, cuda>& kv,
                       Tensor<T, cuda>& probs, Tensor<T, cuda>& row_entropy, Tensor<T, cuda>& out) {
   detail::check_decode_type<T>();
-  const index_t n = rows.size(), nh = kv.heads(), dh = kv.head_dim();
+  const index_t n = rows.size(), nh = kv.heads(), nkv = kv.kv_heads(), dh = kv.head_dim();
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
   const Tensor<index_t, cuda> dev_rows = detail::decode_rows_to_device(rows);
   // every row's k and v first: a chunk's rows read each other's (the header comment)
   detail::launch_kernel<detail::attention_decode_append_kernel<T>>(
-      detail::grid_for_rows(n), detail::threads_for_row(nh * dh), k.data(), v.data(),
-      dev_rows.data(), kv.k.data(), kv.v.data(), n, nh, kv.max_len(), dh);
+      detail::grid_for_rows(n), detail::threads_for_row(nkv * dh), k.data(), v.data(),
+      dev_rows.data(), kv.k.data(), kv.v.data(), n, nkv, kv.max_len(), dh);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   detail::launch_kernel<detail::attention_decode_kernel<T>>(
       detail::grid_for_rows(n * nh), detail::decode_threads(rows, dh), q.data(), dev_rows.data(),
-      kv.k.data(), kv.v.data(), probs.data(), row_entropy.data(), out.data(), n, nh, kv.max_len(),
-      dh, scale);
+      kv.k.data(), kv.v.data(), probs.data(), row_entropy.data(), out.data(), n, nh, kv.group(),
+      kv.max_len(), dh, scale);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -381,7 +384,7 @@ index_t attention_graph_decode(cuda, const Tensor<T, cuda>& r, const DecodeRows&
   detail::launch_kernel<detail::attention_graph_decode_append_kernel<T>>(
       detail::grid_for_rows(n * nh), detail::threads_for_row(std::max(d, e)), r.data(),
       dev_rows.data(), kv.v.data(), step.w_o.data(), b_o, cache.r.data(), cache.msq.data(), n,
-      nh, len_max, dh, e, fh);
+      nh, kv.group(), len_max, dh, e, fh);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   Tensor<T, cuda> q(Shape{n, dh});
   Tensor<T, cuda> scratch = weights == nullptr ? Tensor<T, cuda>(Shape{n, len_max})
@@ -391,7 +394,8 @@ index_t attention_graph_decode(cuda, const Tensor<T, cuda>& r, const DecodeRows&
   detail::launch_kernel<detail::attention_graph_decode_rows_kernel<T>>(
       detail::grid_for_rows(n), detail::decode_threads(rows, std::max(dh, e)), dev_rows.data(),
       step.out.data(), step.w_o.data(), kv.v.data(), step.probs.data(), cache.msq.data(),
-      cache.r.data(), q.data(), w, p.data(), bad.get(), n, nh, len_max, dh, e, fh, inv_var);
+      cache.r.data(), q.data(), w, p.data(), bad.get(), n, nh, kv.group(), len_max, dh, e, fh,
+      inv_var);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   return bad.read();
 }
