@@ -56,17 +56,15 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   if (m.shared_expert_gate) j["shared_expert_gate"] = true;
   if (m.first_k_dense != 0) j["first_k_dense"] = m.first_k_dense;
   if (m.moe_every != 1) j["moe_every"] = m.moe_every;
-  const auto& tc = r.options<graphmoe::TopK>();
-  const auto& bb = r.options<graphmoe::BiasBalancedTopK>();
+  const graphmoe::TokenChoiceOptions& choice = r.options<graphmoe::TopK>();  // BiasBalancedTopK's too
   const bool biased = router.rfind("sigmoid-bias", 0) == 0;
-  const graphmoe::TokenChoiceOptions& choice = biased ? bb : tc;
   if (!choice.norm_topk_prob) j["norm_topk_prob"] = false;
   if (choice.routed_scaling_factor != 1.0) j["routed_scaling_factor"] = choice.routed_scaling_factor;
   if (choice.n_group != 1) {
     j["n_group"] = choice.n_group;
     j["topk_group"] = choice.topk_group;
   }
-  if (biased) j["bias_update_rate"] = bb.bias_update_rate;
+  if (biased) j["bias_update_rate"] = r.options<graphmoe::BiasBalancedTopK>().bias_update_rate;
   return j;
 }
 
@@ -200,11 +198,10 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
     choice.n_group = config_field<index_t>(j, "n_group", where);
     choice.topk_group = config_field<index_t>(j, "topk_group", where);
   }
-  static_cast<graphmoe::TokenChoiceOptions&>(m.router.options<graphmoe::TopK>()) = choice;
-  auto& bb = m.router.options<graphmoe::BiasBalancedTopK>();
-  static_cast<graphmoe::TokenChoiceOptions&>(bb) = choice;
+  m.router.options<graphmoe::TopK>() = choice;  // BiasBalancedTopK reads TopK's token choice
   if (j.contains("bias_update_rate"))
-    bb.bias_update_rate = config_field<double>(j, "bias_update_rate", where);
+    m.router.options<graphmoe::BiasBalancedTopK>().bias_update_rate =
+        config_field<double>(j, "bias_update_rate", where);
   return m;
 }
 

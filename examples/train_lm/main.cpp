@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     m.router.num_experts = 8;
     m.router.k = 2;
   }
-  auto& choice = m.router.options<TopK>();  // copied to BiasBalancedTopK's after parsing
+  auto& choice = m.router.options<TopK>();  // TopK's token choice, read by BiasBalancedTopK too
   auto& bias_balanced = m.router.options<BiasBalancedTopK>();
 
   CLI::App app{"Train a graph-routed MoE transformer language model (graphmoe)"};
@@ -150,11 +150,6 @@ int main(int argc, char** argv) {
   m.activation = activation == "swiglu" ? FfnActivation::SwiGLU : FfnActivation::Gelu;
   m.attention.rope_layout = rope_layout == "interleaved" ? RopeLayout::Interleaved : RopeLayout::HalfSplit;
   m.attention.qk_norm = qk_norm == "full" ? QKNorm::Full : qk_norm == "per-head" ? QKNorm::PerHead : QKNorm::None;
-  {
-    const double rate = bias_balanced.bias_update_rate;
-    static_cast<TokenChoiceOptions&>(bias_balanced) = choice;
-    bias_balanced.bias_update_rate = rate;
-  }
   m.expert_layout = expert_layout == "padded" ? ExpertLayout::Padded : ExpertLayout::Compact;
   sim.precision = graph_precision == "tf32"   ? GraphPrecision::TF32
                   : graph_precision == "bf16" ? GraphPrecision::BF16

@@ -360,12 +360,12 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with sigmoid scores and bias-balanced
     rc.causal = true;
     rc.allow_unused_options = true;  // SigmoidBiasRouter has no Similarity graph
     rc.options<graphmoe::Similarity>().tau = 2.0;
-    auto& o = rc.options<graphmoe::BiasBalancedTopK>();
+    auto& o = rc.options<graphmoe::TopK>();  // BiasBalancedTopK's token choice
     o.norm_topk_prob = normalize;
     o.routed_scaling_factor = 2.5;
     o.n_group = 3;
     o.topk_group = 2;
-    o.bias_update_rate = 0.05;
+    rc.options<graphmoe::BiasBalancedTopK>().bias_update_rate = 0.05;
     compare_moe<SigmoidBiasRouter, T>(rc, 2, 9);
     compare_moe<SimilaritySigmoidBiasRouter, T>(rc, 3, 37);
 

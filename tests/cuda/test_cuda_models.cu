@@ -168,7 +168,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM with the modern blocks, each rout
       c.activation = variant == 0 ? FfnActivation::SwiGLU : FfnActivation::Gelu;
       c.ffn_bias = variant == 1;
       c.router.options<graphmoe::BiasBalancedTopK>().bias_update_rate = 0.01;
-      c.router.options<graphmoe::BiasBalancedTopK>().routed_scaling_factor = 2.0;
+      c.router.options<graphmoe::TopK>().routed_scaling_factor = 2.0;
     };
     // float: 3x the plain model's tolerance (the norms and rotations add rounding steps; the
     // largest error measured under the emulation was 1.4e-4 relative, an expert's w2 gradient)

@@ -67,12 +67,12 @@ RouterConfig deepseek_config(index_t e, index_t k) {
   RouterConfig cfg;
   cfg.num_experts = e;
   cfg.k = k;
-  auto& o = cfg.options<BiasBalancedTopK>();
+  auto& o = cfg.options<TopK>();  // the token choice BiasBalancedTopK shares with TopK
   o.norm_topk_prob = true;
   o.routed_scaling_factor = 2.5;
   o.n_group = 4;
   o.topk_group = 2;
-  o.bias_update_rate = 0.01;
+  cfg.options<BiasBalancedTopK>().bias_update_rate = 0.01;
   test::set_scorer_init_std(cfg, 0.7);
   return cfg;
 }
@@ -283,7 +283,7 @@ TEST_CASE_TEMPLATE("DeepSeek-V3 routing: sigmoid scores, biased group-limited to
   if constexpr (std::is_same_v<typename Policy::graph, Independent>)
     for (index_t a = 0; a < out.r.numel(); ++a) CHECK(out.p.data()[a] == out.r.data()[a]);
   // the selection from p (after the graph), by the written-out rule
-  const auto& opts = router.config().template options<BiasBalancedTopK>();
+  const auto& opts = router.config().template options<TopK>();
   const RefSelection ref = reference_selection(out.p, b, k, opts);
   for (index_t i = 0; i < n; ++i)
     for (index_t j = 0; j < k; ++j) {
@@ -308,7 +308,7 @@ TEST_CASE_TEMPLATE("bias-balanced routers: finite-difference gradients with a no
     Rng rng(21);
     const index_t nb = 2, len = 6, d = 4, e = 8, k = 2;
     RouterConfig cfg = deepseek_config<Policy>(e, k);
-    cfg.options<BiasBalancedTopK>().norm_topk_prob = normalize;
+    cfg.options<TopK>().norm_topk_prob = normalize;
     cfg.causal = true;
     cfg.z_loss_coef = 0.01;
     cfg.load_balance_coef = 0.1;
@@ -354,8 +354,8 @@ TEST_CASE("bias balancing: loads from training forwards only, b += rate * sign(m
   Rng rng(31);
   const index_t n = 40, d = 5, e = 8, k = 2;
   RouterConfig cfg = deepseek_config<SigmoidBiasRouter>(e, k);
-  cfg.options<BiasBalancedTopK>().n_group = 1;
-  cfg.options<BiasBalancedTopK>().topk_group = 1;
+  cfg.options<TopK>().n_group = 1;
+  cfg.options<TopK>().topk_group = 1;
   ParameterArena<double> arena;
   RouterImpl<SigmoidBiasRouter, double> router;
   router.declare(arena, "router.", d, cfg);
@@ -418,13 +418,13 @@ TEST_CASE("bias-balanced routing: bad options are refused by name") {
   RouterConfig cfg;
   cfg.num_experts = 8;
   cfg.k = 5;
-  cfg.options<BiasBalancedTopK>().n_group = 4;
-  cfg.options<BiasBalancedTopK>().topk_group = 2;  // 2 groups of 2 experts: 4 < k
+  cfg.options<TopK>().n_group = 4;
+  cfg.options<TopK>().topk_group = 2;  // 2 groups of 2 experts: 4 < k
   RouterImpl<SigmoidBiasRouter, double> router;
   CHECK_THROWS_WITH_AS(router.declare(arena, "r.", 4, cfg), doctest::Contains("k = 5"), Error);
   RouterConfig c2;
   c2.num_experts = 8;
-  c2.options<BiasBalancedTopK>().n_group = 3;
+  c2.options<TopK>().n_group = 3;
   RouterImpl<SigmoidBiasRouter, double> r2;
   ParameterArena<double> a2, a3;
   CHECK_THROWS_WITH_AS(r2.declare(a2, "r.", 4, c2), doctest::Contains("does not divide"), Error);
@@ -450,4 +450,19 @@ TEST_CASE("bias-balanced routing: bad options are refused by name") {
   r4.forward(random_normal<double>({4, 3}, rng), ctx, o);
   for (index_t a = 0; a < o.selection.gates.numel(); ++a)
     CHECK(o.selection.gates.data()[a] == o.selection.values.data()[a]);
+  // TopK's options count as used by a bias-balanced router, which reads them (no
+  // allow_unused_options needed); BiasBalancedTopK's own rate is unused by the softmax router
+  RouterConfig c5;
+  c5.num_experts = 8;
+  c5.options<TopK>().n_group = 2;
+  c5.options<BiasBalancedTopK>().bias_update_rate = 0.01;
+  ParameterArena<double> a5, a6;
+  RouterImpl<SigmoidBiasRouter, double> r5;
+  CHECK_NOTHROW(r5.declare(a5, "r.", 4, c5));
+  CHECK(r5.selector().choice().n_group == 2);
+  RouterConfig c6;
+  c6.num_experts = 8;
+  c6.options<BiasBalancedTopK>().bias_update_rate = 0.01;
+  RouterImpl<SoftmaxRouter, double> r6;
+  CHECK_THROWS_WITH_AS(r6.declare(a6, "r.", 4, c6), doctest::Contains("bias-balanced-topk"), Error);
 }

@@ -201,8 +201,6 @@ struct TransformerLMConfig {
     c.d_ff = 688;
     c.router.options<TopK>().n_group = 8;
     c.router.options<TopK>().topk_group = 4;
-    c.router.options<BiasBalancedTopK>().n_group = 8;
-    c.router.options<BiasBalancedTopK>().topk_group = 4;
     return c;
   }
   // The preset of an arch name (gpt, llama, mixtral, qwen2-moe, qwen3-moe, olmoe, deepseek-v3).
@@ -254,7 +252,7 @@ struct TransformerLMConfig {
     c.attention.out_bias = false;
     c.activation = FfnActivation::SwiGLU;
     c.ffn_bias = false;
-    c.router.allow_unused_options = true;  // TopK's and BiasBalancedTopK's options both set
+    c.router.allow_unused_options = true;  // TopK's options: other selectors ignore them
     return c;
   }
   static void set_experts(TransformerLMConfig& c, index_t e, index_t k, bool norm, double scale) {
@@ -263,8 +261,6 @@ struct TransformerLMConfig {
     c.router.k = k;
     c.router.options<TopK>().norm_topk_prob = norm;
     c.router.options<TopK>().routed_scaling_factor = scale;
-    c.router.options<BiasBalancedTopK>().norm_topk_prob = norm;
-    c.router.options<BiasBalancedTopK>().routed_scaling_factor = scale;
   }
 
  public:

@@ -308,12 +308,14 @@ struct TopK {
 // over the step's training forwards and summed over the data-parallel ranks. b is not trained: it is
 // a buffer of the arena ("<router>.selector.expert_bias", trainable = false), saved in checkpoints.
 // Megatron-Core: moe_router_enable_expert_bias, moe_router_bias_update_rate (1e-3).
+// How the k experts are picked and weighed is TopK's: this selector reads cfg.options<TopK>()
+// (norm_topk_prob, routed_scaling_factor, groups) as TopK does, so one config serves both.
 struct BiasBalancedTopK {
   static constexpr const char* name = "bias-balanced-topk";
-  struct Options : TokenChoiceOptions {
+  using shares_options_of = TopK;  // RouterConfig::validate_for counts TopK's options as used
+  struct Options {
     double bias_update_rate = 1e-3;  // gamma
     void validate() const {
-      TokenChoiceOptions::validate();
       GRAPHMOE_CHECK(bias_update_rate >= 0 && bias_update_rate < 1e300, "BiasBalancedTopK::Options",
                      "bias_update_rate must be >= 0 and finite, got ", bias_update_rate);
     }
@@ -375,6 +377,20 @@ struct options_of<P> {
 // P::Options, or NoOptions for a policy without them.
 template <class P>
 using policy_options_t = typename policy_detail::options_of<P>::type;
+
+namespace policy_detail {
+// The policy whose options P also reads (`using shares_options_of = Q;`, as BiasBalancedTopK
+// reads TopK's), or P itself.
+template <class P>
+struct shared_options_of {
+  using type = P;
+};
+template <class P>
+  requires requires { typename P::shares_options_of; }
+struct shared_options_of<P> {
+  using type = typename P::shares_options_of;
+};
+}  // namespace policy_detail
 
 // Calls opts.validate() when the options type has one (a user's Options need not).
 template <class Opts>
@@ -494,15 +510,21 @@ struct RouterConfig {
     GRAPHMOE_CHECK(load_balance_coef >= 0 && z_loss_coef >= 0, "RouterConfig",
                    "auxiliary loss coefficients must be >= 0");
   }
-  // validate(), the options of the given policies, and (unless allow_unused_options) that no
-  // options were set for any other policy.
+  // validate(), the options of the given policies (and of the policies whose options they share:
+  // `using shares_options_of = Q;`), and (unless allow_unused_options) that no options were set
+  // for any other policy.
   template <class... Policies>
   void validate_for() const {
     validate();
     (validate_options(options<Policies>()), ...);
+    (validate_options(options<typename policy_detail::shared_options_of<Policies>::type>()), ...);
     if (allow_unused_options) return;
     for (const auto& e : options_) {
-      const bool used = ((e.policy == std::type_index(typeid(Policies))) || ...);
+      const bool used =
+          ((e.policy == std::type_index(typeid(Policies)) ||
+            e.policy ==
+                std::type_index(typeid(typename policy_detail::shared_options_of<Policies>::type))) ||
+           ...);
       if (used) continue;
       std::string names;
       ((names += (names.empty() ? "" : "/") + std::string(policy_detail::policy_name<Policies>())),

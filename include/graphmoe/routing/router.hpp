@@ -59,8 +59,9 @@ using AttentionSMoEDropoutRouter = Router<FrozenRandomScorer, Attention, Schedul
 // Expert choice (Zhou et al. 2022) on the softmax scores, and with either token graph: not in the
 // paper; non-causal models only (policies.hpp).
 using ExpertChoiceRouter = Router<LinearScorer, Independent, ExpertChoice>;
-// DeepSeek-V3's routing: sigmoid scores, auxiliary-loss-free bias balancing (set its
-// TokenChoiceOptions, e.g. routed_scaling_factor, n_group, in cfg.options<BiasBalancedTopK>()),
+// DeepSeek-V3's routing: sigmoid scores, auxiliary-loss-free bias balancing (the token choice,
+// e.g. routed_scaling_factor, n_group, in cfg.options<TopK>(), as for TopK; the bias's rate in
+// cfg.options<BiasBalancedTopK>()),
 // alone and with either token graph mixing the sigmoid scores before selection. Not in the paper.
 using SigmoidBiasRouter = Router<SigmoidScorer, Independent, BiasBalancedTopK>;
 using SimilaritySigmoidBiasRouter = Router<SigmoidScorer, Similarity, BiasBalancedTopK>;

@@ -145,7 +145,7 @@ class SelectorImpl<BiasBalancedTopK, T, B> : public TopKSelectorBase<T, B> {
                const RouterConfig& cfg) {
     opts_ = cfg.options<BiasBalancedTopK>();
     validate_options(opts_);
-    this->configure_choice(cfg, opts_);
+    this->configure_choice(cfg, cfg.options<TopK>());  // TopK's token choice (policies.hpp)
     id_bias_ = arena.add(prefix + "expert_bias", Shape{cfg.num_experts}, /*trainable=*/false);
   }
   void bind(const ParameterArena<T, B>& arena) { bias_ = arena.value(id_bias_); }
