@@ -39,7 +39,8 @@ other groups to -inf; gradients are clipped by clip / norm (clip_grad_norm_ divi
     python3 benchmarks/compare/preset_torch.py DIR            # one dump, one line
     python3 benchmarks/compare/preset_torch.py --all --build-dir build [--double]
 
---all runs build/benchmarks/preset_dump for every preset with the softmax and sigmoid-bias
+--all runs build/benchmarks/preset_dump (cmake --build build --target preset_dump: not part of
+`all`) for every preset with the softmax and sigmoid-bias
 routers, the Similarity graph on two presets, in float (and with --double also in double), and
 prints one line per run; exit status 1 if any failed. Needs torch (Debian's python3-torch, run
 with /usr/bin/python3) and numpy; safetensors files are read by a small parser here.
