@@ -287,8 +287,8 @@ int run_model(const Options& opt, const Data& data) {
           fl = routing_fluctuation(prev_probe[i], indices).changed_tokens;
         last_fluctuation[i] = fl;
         prev_probe[i] = indices.clone();
-        row.insert(row.end(), {mean_entropy(examples::host_values(r.r)),
-                               mean_entropy(examples::host_values(r.p)),
+        row.insert(row.end(), {mean_score_entropy(examples::host_values(r.r)),
+                               mean_score_entropy(examples::host_values(r.p)),
                                lm.block(moe_layers[i]).moe().router().graph_entropy(), fl,
                                tot > 0 ? static_cast<double>(mx) / static_cast<double>(tot) : 0.0});
       }

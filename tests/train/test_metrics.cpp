@@ -411,6 +411,32 @@ TEST_CASE_TEMPLATE("mean_entropy: hand-made rows and a naive loop", T, float, do
   CHECK(mean_entropy(sharp) < mean_entropy(q));
 }
 
+TEST_CASE("mean_score_entropy: sigmoid scores normalised per row; probabilities as mean_entropy") {
+  // sigmoid-like scores: each row divided by its sum, written out
+  Rng rng(5);
+  Tensor<double, cpu> s(Shape{20, 8});
+  for (index_t a = 0; a < s.numel(); ++a) s.data()[a] = 1.0 / (1.0 + std::exp(-rng.normal()));
+  double h = 0;
+  for (index_t i = 0; i < 20; ++i) {
+    double sum = 0;
+    for (index_t j = 0; j < 8; ++j) sum += s(i, j);
+    for (index_t j = 0; j < 8; ++j) h -= s(i, j) / sum * std::log(s(i, j) / sum);
+  }
+  CHECK(mean_score_entropy(s) == doctest::Approx(h / 20).epsilon(1e-13));
+  // a scaled row has the same entropy
+  Tensor<double, cpu> twice = s.clone();
+  for (index_t a = 0; a < twice.numel(); ++a) twice.data()[a] *= 2;
+  CHECK(mean_score_entropy(twice) == doctest::Approx(h / 20).epsilon(1e-13));
+  // probabilities: exactly mean_entropy's value
+  auto q = random_probs<double>(30, 8, rng, 2.0);
+  CHECK(mean_score_entropy(q) == mean_entropy(q));
+  // zero rows and negative scores are refused
+  CHECK_THROWS_WITH_AS(mean_score_entropy(Tensor<double, cpu>::from({1, 2}, {0.0, 0.0})),
+                       doctest::Contains("row 0 sums to 0"), Error);
+  CHECK_THROWS_WITH_AS(mean_score_entropy(Tensor<double, cpu>::from({1, 2}, {2.0, -0.5})),
+                       doctest::Contains("row 0 holds -0.5"), Error);
+}
+
 TEST_CASE("mean_entropy: bad input") {
   CHECK_THROWS_WITH_AS(mean_entropy(Tensor<double, cpu>::from({1, 3}, {0.5, 0.7, -0.2})),
                        doctest::Contains("row 0 holds -0.2 at expert 2"), Error);

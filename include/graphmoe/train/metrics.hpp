@@ -3,6 +3,8 @@
 //   routing_fluctuation(a, b)     how many probe tokens change experts between two routings
 //                                 (the seed paper's Figure 3 left; LibMoE's expert change rate)
 //   mean_entropy(probs)           mean over tokens of -sum_e p log p (torchscale's router entropy)
+//   mean_score_entropy(s)         the same for scores that need not sum to 1 (sigmoid scores):
+//                                 each row normalised by its sum
 //   mean_normalized_entropy(p)    the same divided by log E            (LibMoE)
 //   expert_load(indices, E)       tokens routed to each expert
 //   selection_change(r, indices)  how often the selected set differs from the top-k of r (what
@@ -108,7 +110,7 @@ namespace detail {
 // sum over rows of -sum_e p log p (0 log 0 = 0), after checking that each row is a distribution:
 // entries finite and >= 0, summing to 1 within 1e-3.
 template <class T>
-double total_entropy(const char* op, const Tensor<T, cpu>& probs) {
+double total_entropy(const char* op, const Tensor<T, cpu>& probs, bool normalize = false) {
   static_assert(std::is_floating_point_v<T>,
                 "graphmoe: entropy needs floating-point probabilities");
   GRAPHMOE_CHECK(probs.rank() >= 1 && probs.numel() > 0, op,
@@ -125,8 +127,15 @@ double total_entropy(const char* op, const Tensor<T, cpu>& probs) {
       sum += x;
       if (x > 0) h -= x * std::log(x);
     }
-    GRAPHMOE_CHECK(std::abs(sum - 1.0) <= 1e-3, op, "row ", i, " sums to ", sum,
-                   ", not 1: pass probabilities (softmax outputs), not logits");
+    if (normalize && std::abs(sum - 1.0) > 1e-3) {
+      // the entropy of p / sum: log(sum) - (sum_e p log p) / sum, with h = -sum_e p log p
+      GRAPHMOE_CHECK(sum > 0, op, "row ", i, " sums to ", sum,
+                     ": scores must have a positive sum to be normalised");
+      h = std::log(sum) + h / sum;
+    } else {
+      GRAPHMOE_CHECK(std::abs(sum - 1.0) <= 1e-3, op, "row ", i, " sums to ", sum,
+                     ", not 1: pass probabilities (softmax outputs), not logits");
+    }
     total += h;
   }
   return total;
@@ -138,6 +147,16 @@ template <class T>
 double mean_entropy(const Tensor<T, cpu>& probs) {
   const double total = detail::total_entropy("mean_entropy", probs);
   return total / static_cast<double>(probs.rows());
+}
+
+// mean_entropy of scores that need not sum to 1 (a sigmoid scorer's, SigmoidScorer): each row
+// is normalised by its sum first (finite, >= 0, a positive sum). A row that sums to 1 within
+// mean_entropy's tolerance (1e-3) is taken as it is, so that softmax outputs give mean_entropy's
+// value exactly.
+template <class T>
+double mean_score_entropy(const Tensor<T, cpu>& scores) {
+  const double total = detail::total_entropy("mean_score_entropy", scores, true);
+  return total / static_cast<double>(scores.rows());
 }
 
 // mean_entropy / log(E): 1 for uniform rows, 0 for one-hot rows. Needs E >= 2.

@@ -136,14 +136,14 @@ inline std::vector<LayerReport> routing_report(const RoutingProbe& model,
     rep.layer = l.layer;
     rep.tokens = l.r.dim(0);
     const double n = static_cast<double>(rep.tokens);
-    rep.entropy_r = mean_entropy(l.r);
-    rep.entropy_p = mean_entropy(l.p);
+    rep.entropy_r = mean_score_entropy(l.r);
+    rep.entropy_p = mean_score_entropy(l.p);
     rep.graph_entropy = l.graph_entropy_sum / n;
     rep.self_weight = l.self_weight_sum / n;
     rep.graph_changed_selection = selection_change(l.r, l.indices);
     if (baseline) {
       const LayerProbe& b = baseline->layers()[i];
-      const double hr = mean_entropy(b.r), hp = mean_entropy(b.p);
+      const double hr = mean_score_entropy(b.r), hp = mean_score_entropy(b.p);
       rep.entropy_r_ratio = hr > 0 ? rep.entropy_r / hr : std::nan("");
       rep.entropy_p_ratio = hp > 0 ? rep.entropy_p / hp : std::nan("");
     }
