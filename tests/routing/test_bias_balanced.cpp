@@ -549,6 +549,11 @@ TEST_CASE("sequence-wise balance loss: errors") {
                          router.declare(arena, "router.", 3, bad);
                        }()),
                        doctest::Contains("seq_aux_loss_coef"), Error);
+  // expert choice balances by construction: refused, as the batch loss is
+  RouterImpl<ExpertChoiceRouter, double> choice;
+  ParameterArena<double> choice_arena;
+  CHECK_THROWS_WITH_AS(choice.declare(choice_arena, "router.", 3, cfg),
+                       doctest::Contains("set seq_aux_loss_coef = 0"), Error);
 
   Rng rng(47);
   Tensor<double> p({6, 4});
