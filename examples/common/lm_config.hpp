@@ -30,6 +30,7 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   // written only when set, so that checkpoints from before the option still match on --resume
   if (sim.exclude_self) j["exclude_self"] = true;
   if (sim.projection) j["projection"] = true;
+  if (r.seq_aux_loss_coef != 0) j["seq_aux_loss_coef"] = r.seq_aux_loss_coef;
   // SMoE-Dropout's k schedule (k at a checkpoint's step depends on it)
   if (router.rfind("smoe-dropout", 0) == 0) j["schedule_steps"] = sched.schedule_steps;
   // the modern blocks and token-choice options (docs/reference/architectures.md), each written
@@ -146,6 +147,8 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   m.router.z_loss_coef = config_field<double>(j, "z_loss_coef", where);
   if (j.contains("exclude_self")) sim.exclude_self = config_field<bool>(j, "exclude_self", where);
   if (j.contains("projection")) sim.projection = config_field<bool>(j, "projection", where);
+  if (j.contains("seq_aux_loss_coef"))
+    m.router.seq_aux_loss_coef = config_field<double>(j, "seq_aux_loss_coef", where);
   if (j.contains("schedule_steps"))
     sched.schedule_steps = config_field<std::int64_t>(j, "schedule_steps", where);
   GRAPHMOE_CHECK(sched.schedule_steps >= 1, "lm_config_from_json", where,

@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
   app.add_option("--expert-layout", expert_layout, "the experts' rows: compact (sorted by expert, N k rows), or padded (E blocks of the capacity: needs --capacity-factor > 0; on a GPU no read back to the host per layer, E C rows of expert work)")->check(CLI::IsMember({"compact", "padded"}));
   app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(examples::real(0, examples::kMaxCoef));
+  app.add_option("--seq-aux-loss-coef", m.router.seq_aux_loss_coef, "DeepSeek-V3's sequence-wise balance loss coefficient (deepseek-v3 preset: 1e-4)")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--k-min", sched.k_min, "SMoE-Dropout: first k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--k-max", sched.k_max, "SMoE-Dropout: last k of the schedule")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--steps", opt.steps, "optimizer steps")->check(examples::integer<std::int64_t>(1, examples::kMaxSteps));

@@ -233,6 +233,7 @@ void compare_moe(const RouterConfig& rc, index_t batch, index_t len,
   CHECK(p.dev.router().graph_entropy() ==
         doctest::Approx(p.host.router().graph_entropy()).epsilon(1e-4));
   CHECK(dr.load_balance_loss == doctest::Approx(hr.load_balance_loss).epsilon(1e-4));
+  CHECK(dr.seq_aux_loss == doctest::Approx(hr.seq_aux_loss).epsilon(1e-4));
   CHECK(dr.z_loss == doctest::Approx(hr.z_loss).epsilon(1e-4));
   check_close("MoE y", hy, yd, tol);
   p.host.backward(dy, hdu);
@@ -257,6 +258,11 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the softmax router (Switch)", T,
     RouterConfig rc = small_router();
     rc.load_balance_coef = 0.01;
     rc.z_loss_coef = 0.001;
+    compare_moe<SoftmaxRouter, T>(rc, 2, 9);
+  }
+  SUBCASE("with the sequence-wise balance loss") {
+    RouterConfig rc = small_router();
+    rc.seq_aux_loss_coef = 0.05;
     compare_moe<SoftmaxRouter, T>(rc, 2, 9);
   }
   SUBCASE("with a capacity limit that drops assignments") {
@@ -688,6 +694,43 @@ TEST_CASE_TEMPLATE("cuda vs cpu: the load-balancing loss's deferred value and de
           double v = 0;
           with_deferred_checks(graphmoe::cuda{},
                                [&] { load_balance_loss_into(dpv, to_device(bad), v); });
+        }) == cpu_error);
+}
+
+// The sequence-wise balance loss (ops/aux_losses.hpp seq_aux_loss): on the device from host
+// copies of the CPU's arithmetic, inside a deferred scope too; the same value, gradient and errors.
+TEST_CASE_TEMPLATE("cuda vs cpu: the sequence-wise balance loss", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(33);
+  const index_t nb = 4, len = 25, n = nb * len, e = 6, k = 2;
+  Tensor<T, cpu> p = random_tensor<T>(Shape{n, e}, rng, 0.05, 1.0);
+  Tensor<std::int32_t, cpu> ids(Shape{n, k});
+  for (index_t i = 0; i < ids.numel(); ++i)
+    ids.data()[i] = static_cast<std::int32_t>(rng.uniform_int(static_cast<std::uint32_t>(e)));
+  const auto dpv = to_device(p);
+  const auto dids = to_device(ids);
+  const double hv = seq_aux_loss(p, ids, len, 0.0, nullptr);
+  CHECK(hv > 0);
+  CHECK(seq_aux_loss(dpv, dids, len, 0.0, nullptr) == hv);  // the same host arithmetic
+  double deferred = -1;
+  with_deferred_checks(graphmoe::cuda{}, [&] { deferred = seq_aux_loss(dpv, dids, len, 0.0, nullptr); });
+  CHECK(deferred == hv);
+  const Tensor<T, cpu> g0 = random_tensor<T>(Shape{n, e}, rng);
+  Tensor<T, cpu> hg = g0.clone();
+  auto dg = to_device(g0);
+  (void)seq_aux_loss(p, ids, len, 0.5, &hg);
+  (void)seq_aux_loss(dpv, dids, len, 0.5, &dg);
+  check_close("sequence-wise balance gradient", hg, dg);
+  // a row of zero scores: the CPU's message, at once and inside a scope
+  Tensor<T, cpu> zero = p.clone();
+  for (index_t x = 0; x < e; ++x) zero.data()[7 * e + x] = T(0);
+  const std::string cpu_error = error_of([&] { (void)seq_aux_loss(zero, ids, len, 0.0, nullptr); });
+  CHECK(cpu_error.find("row 7 of p sums to 0") != std::string::npos);
+  const auto dzero = to_device(zero);
+  CHECK(error_of([&] { (void)seq_aux_loss(dzero, dids, len, 0.0, nullptr); }) == cpu_error);
+  CHECK(error_of([&] {
+          with_deferred_checks(graphmoe::cuda{},
+                               [&] { (void)seq_aux_loss(dzero, dids, len, 0.0, nullptr); });
         }) == cpu_error);
 }
 

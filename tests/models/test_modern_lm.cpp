@@ -367,6 +367,10 @@ TEST_CASE("presets: every family's switches, a forward, a training step and deco
       CHECK(c.first_k_dense == 1);
       CHECK(c.router.options<TopK>().routed_scaling_factor == 2.5);
       CHECK(c.router.options<TopK>().n_group == 8);
+      CHECK(c.router.seq_aux_loss_coef == 1e-4);
+      CHECK(c.router.load_balance_coef == 0);
+    } else {
+      CHECK(c.router.seq_aux_loss_coef == 0);
     }
     // a small copy: the same switches and expert counts, tiny widths
     c.d_model = 16;
@@ -382,8 +386,10 @@ TEST_CASE("presets: every family's switches, a forward, a training step and deco
       TransformerLM<Policy, double> lm(c, 5);
       Rng rng(3);
       auto ids = random_ids(2, 10, c.vocab_size, rng);
-      const double l0 = lm.forward(ids, ids).total();
+      const Loss l = lm.forward(ids, ids);
+      const double l0 = l.total();
       CHECK(std::isfinite(l0));
+      CHECK((l.seq_aux > 0) == (arch == "deepseek-v3"));
       lm.arena().zero_grad();
       lm.backward();
       lm.set_mode(Mode::Eval);

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/core/communicator.hpp"
@@ -465,4 +467,131 @@ TEST_CASE("bias-balanced routing: bad options are refused by name") {
   c6.options<BiasBalancedTopK>().bias_update_rate = 0.01;
   RouterImpl<SoftmaxRouter, double> r6;
   CHECK_THROWS_WITH_AS(r6.declare(a6, "r.", 4, c6), doctest::Contains("bias-balanced-topk"), Error);
+}
+
+namespace {
+
+// L_seq written out (DeepSeek-V3 eqs. 17-20): per sequence of len rows, f_i = E / (k len) *
+// (slots routed to i), P_i = mean over its tokens of p_ti / sum_j p_tj; the mean over sequences
+// of sum_i f_i P_i.
+double reference_seq_aux(const Tensor<double>& p, const Tensor<std::int32_t>& idx, index_t len) {
+  const index_t n = p.rows(), e = p.cols(), k = idx.cols(), nb = n / len;
+  double total = 0;
+  for (index_t b = 0; b < nb; ++b) {
+    for (index_t i = 0; i < e; ++i) {
+      double count = 0, pm = 0;
+      for (index_t t = b * len; t < (b + 1) * len; ++t) {
+        for (index_t s = 0; s < k; ++s) count += idx(t, s) == i ? 1.0 : 0.0;
+        double sum = 0;
+        for (index_t j = 0; j < e; ++j) sum += p(t, j);
+        pm += p(t, i) / sum;
+      }
+      total += static_cast<double>(e) / static_cast<double>(k * len) * count * pm /
+               static_cast<double>(len);
+    }
+  }
+  return total / static_cast<double>(nb);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("sequence-wise balance loss: the router's value against a naive evaluation",
+                   Policy, SoftmaxRouter, SigmoidBiasRouter, SimilaritySigmoidBiasRouter) {
+  Rng rng(43);
+  const index_t nb = 3, len = 7, d = 5, e = 8, k = 2;
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.k = k;
+  cfg.causal = true;
+  cfg.seq_aux_loss_coef = 1e-4;
+  test::set_scorer_init_std(cfg, 0.8);
+  ParameterArena<double> arena;
+  RouterImpl<Policy, double> router;
+  router.declare(arena, "router.", d, cfg);
+  arena.allocate();
+  router.bind(arena);
+  router.init(rng);
+  auto u = random_normal<double>({nb * len, d}, rng);
+  RouterOutput<double> out;
+  router.forward(u, GraphContext<double>{len, nullptr}, out);
+  const double ref = reference_seq_aux(out.p, out.selection.indices, len);
+  CHECK(ref > 0);
+  CHECK(out.seq_aux_loss == doctest::Approx(ref).epsilon(1e-12));
+  CHECK(out.load_balance_loss == 0);  // its own coefficient is 0
+  // the sigmoid scores do not sum to 1: without the per-token normalisation the value differs
+  double unnormalised = 0;
+  if constexpr (std::is_same_v<typename Policy::scorer, SigmoidScorer>) {
+    const index_t n = nb * len;
+    for (index_t b = 0; b < nb; ++b)
+      for (index_t i = 0; i < e; ++i) {
+        double count = 0, pm = 0;
+        for (index_t t = b * len; t < (b + 1) * len; ++t) {
+          for (index_t s = 0; s < k; ++s) count += out.selection.indices(t, s) == i ? 1.0 : 0.0;
+          pm += out.p(t, i) / static_cast<double>(len);
+        }
+        unnormalised += static_cast<double>(e) / static_cast<double>(k * len) * count * pm;
+      }
+    unnormalised /= static_cast<double>(nb);
+    CHECK(n == out.p.rows());
+    CHECK(out.seq_aux_loss != doctest::Approx(unnormalised).epsilon(1e-3));
+  }
+  // seq_len = N: the batch is one sequence
+  if constexpr (std::is_same_v<typename Policy::graph, Independent>) {
+    RouterOutput<double> whole;
+    router.forward(u, GraphContext<double>{nb * len, nullptr}, whole);
+    CHECK(whole.seq_aux_loss != doctest::Approx(out.seq_aux_loss).epsilon(1e-9));
+    CHECK(whole.seq_aux_loss ==
+          doctest::Approx(reference_seq_aux(whole.p, whole.selection.indices, nb * len)).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("sequence-wise balance loss: errors") {
+  RouterConfig cfg;
+  cfg.num_experts = 4;
+  cfg.k = 2;
+  cfg.seq_aux_loss_coef = -1e-4;
+  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("seq_aux_loss_coef must be finite and >= 0"), Error);
+  cfg.seq_aux_loss_coef = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("seq_aux_loss_coef"), Error);
+  cfg.seq_aux_loss_coef = std::nan("");
+  CHECK_THROWS_WITH_AS(cfg.validate(), doctest::Contains("seq_aux_loss_coef"), Error);
+  cfg.seq_aux_loss_coef = 1e-4;
+  ParameterArena<double> arena;
+  RouterImpl<SigmoidBiasRouter, double> router;
+  CHECK_THROWS_WITH_AS(([&] {
+                         RouterConfig bad = cfg;
+                         bad.seq_aux_loss_coef = -1;
+                         router.declare(arena, "router.", 3, bad);
+                       }()),
+                       doctest::Contains("seq_aux_loss_coef"), Error);
+  // expert choice balances by construction: refused, as the batch loss is
+  RouterImpl<ExpertChoiceRouter, double> choice;
+  ParameterArena<double> choice_arena;
+  CHECK_THROWS_WITH_AS(choice.declare(choice_arena, "router.", 3, cfg),
+                       doctest::Contains("set seq_aux_loss_coef = 0"), Error);
+
+  Rng rng(47);
+  Tensor<double> p({6, 4});
+  for (index_t i = 0; i < p.numel(); ++i) p.data()[i] = 0.1 + rng.uniform();
+  Tensor<std::int32_t> idx({6, 2});
+  for (index_t i = 0; i < idx.numel(); ++i) idx.data()[i] = static_cast<std::int32_t>(i % 4);
+  Tensor<double> zero = p.clone();
+  for (index_t x = 0; x < 4; ++x) zero(3, x) = 0.0;
+  CHECK_THROWS_WITH_AS(seq_aux_loss<double>(zero, idx, 3, 0, nullptr),
+                       doctest::Contains("row 3 of p sums to 0"), Error);
+  Tensor<double> nan = p.clone();
+  nan(4, 1) = std::nan("");
+  CHECK_THROWS_WITH_AS(seq_aux_loss<double>(nan, idx, 3, 0, nullptr),
+                       doctest::Contains("row 4 of p sums to"), Error);
+  // nothing written when it throws
+  Tensor<double> dp(p.shape());
+  CHECK_THROWS_AS(seq_aux_loss<double>(zero, idx, 3, 1.0, &dp), Error);
+  for (index_t i = 0; i < dp.numel(); ++i) CHECK(dp.data()[i] == 0.0);
+  Tensor<std::int32_t> bad_id = idx.clone();
+  bad_id.data()[5] = 4;
+  CHECK_THROWS_WITH_AS(seq_aux_loss<double>(p, bad_id, 3, 0, nullptr),
+                       doctest::Contains("expert id 4 out of [0, 4)"), Error);
+  CHECK_THROWS_WITH_AS(seq_aux_loss<double>(p, idx, 4, 0, nullptr),
+                       doctest::Contains("seq_len = 4 must be >= 1 and divide the 6 rows"), Error);
+  CHECK_THROWS_WITH_AS(seq_aux_loss<double>(p, idx, 0, 0, nullptr), doctest::Contains("seq_len"), Error);
 }

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include "graphmoe/routing/router.hpp"
+#include "graphmoe/testing/router_gradcheck.hpp"
 #include "routing/router_fixtures.hpp"
 #include "support/router_options.hpp"
 
@@ -562,4 +563,68 @@ TEST_CASE_TEMPLATE("whole router gradient check (gates + load balancing + z-loss
       check_gradient("dout", cache.out, cache.dout, loss);
     }
   }
+}
+
+// DeepSeek-V3's sequence-wise balance loss (ops/aux_losses.hpp seq_aux_loss): the op's gradient
+// on unnormalised positive scores (where the per-token normalisation matters), then whole routers
+// with only that auxiliary term on, its coefficient large enough that a wrong gradient shows.
+TEST_CASE("sequence-wise balance loss: the op's gradient on unnormalised scores") {
+  Rng rng(41);
+  const index_t nb = 3, len = 4, e = 5, k = 2, n = nb * len;
+  Tensor<double> p({n, e});
+  for (index_t i = 0; i < p.numel(); ++i) p.data()[i] = 0.05 + rng.uniform();
+  Tensor<std::int32_t> idx({n, k});
+  for (index_t i = 0; i < n * k; ++i) idx.data()[i] = static_cast<std::int32_t>(rng.uniform_int(e));
+  Tensor<double> dp(p.shape());
+  const double v = seq_aux_loss<double>(p, idx, len, 0.7, &dp);
+  CHECK(v > 0);
+  check_gradient("seq aux dp", p, dp, [&] { return 0.7 * seq_aux_loss<double>(p, idx, len, 0, nullptr); });
+  // one sequence of all n rows differs from three of len (f is per sequence)
+  CHECK(seq_aux_loss<double>(p, idx, n, 0, nullptr) != doctest::Approx(v).epsilon(1e-9));
+  // scaling a token's scores changes nothing (p' is normalised per token)
+  Tensor<double> q = p.clone();
+  for (index_t x = 0; x < e; ++x) q(2, x) *= 3.0;
+  CHECK(seq_aux_loss<double>(q, idx, len, 0, nullptr) == doctest::Approx(v).epsilon(1e-12));
+}
+
+TEST_CASE_TEMPLATE("whole router gradient check with the sequence-wise balance loss", Policy,
+                   SoftmaxRouter, SimilarityRouter, SigmoidBiasRouter) {
+  RouterConfig cfg = small_config<Policy>(4, 2);
+  cfg.causal = true;
+  cfg.seq_aux_loss_coef = 1.5;
+  const auto results = testing::check_router_gradients<Policy>(cfg, 12, 4, 4, 27);
+  REQUIRE(!results.empty());
+  for (const auto& r : results) {
+    CAPTURE(r.str());
+    CHECK(r.ok());
+  }
+  // the term is on: the router reports it, and its gradient moves du
+  RouterConfig off = cfg;
+  off.seq_aux_loss_coef = 0;
+  ParameterArena<double> a1, a2;
+  RouterImpl<Policy, double> on_r, off_r;
+  on_r.declare(a1, "router.", 4, cfg);
+  off_r.declare(a2, "router.", 4, off);
+  a1.allocate();
+  a2.allocate();
+  on_r.bind(a1);
+  off_r.bind(a2);
+  Rng r1(5), r2(5);
+  on_r.init(r1);
+  off_r.init(r2);
+  Rng rng(6);
+  auto u = random_normal<double>({12, 4}, rng);
+  auto w = random_normal<double>({12, 2}, rng);
+  GraphContext<double> ctx{4, nullptr};
+  RouterOutput<double> o1, o2;
+  on_r.forward(u, ctx, o1);
+  off_r.forward(u, ctx, o2);
+  CHECK(o1.seq_aux_loss > 0);
+  CHECK(o2.seq_aux_loss == 0);
+  Tensor<double> du1(u.shape()), du2(u.shape());
+  on_r.backward(u, ctx, o1, w, du1);
+  off_r.backward(u, ctx, o2, w, du2);
+  double diff = 0;
+  for (index_t i = 0; i < du1.numel(); ++i) diff = std::max(diff, std::abs(du1.data()[i] - du2.data()[i]));
+  CHECK(diff > 1e-6);
 }

@@ -4,6 +4,7 @@
 // construction. Contract and argument checks: ops/aux_losses.hpp.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -18,6 +19,15 @@ namespace graphmoe {
 struct LossValue {
   double value = 0;
   Offender bad;  // found(): nothing was computed, nothing was written
+};
+
+// The sequence-wise loss's value, or what kept it from being computed: an expert id outside
+// [0, E) (bad_id: its flat slot and value) or a row of p whose sum is not > 0 or not finite
+// (bad_row: the row and its sum). Nothing was written when either is found().
+struct SeqAuxLossValue {
+  double value = 0;
+  Offender bad_id;
+  Offender bad_row;
 };
 
 namespace detail {
@@ -47,6 +57,68 @@ LossValue load_balance_loss_host(const Tensor<T, cpu>& p, const Tensor<std::int3
                                           f[static_cast<std::size_t>(j)] / static_cast<double>(n));
   }
   return {loss, {}};
+}
+
+// L_seq of p (N, E) and indices (N, k) over sequences of seq_len rows (seq_len >= 1 divides N);
+// if dp is non-empty, adds coef * dL_seq/dp to it. Every slot of indices counts (the batch
+// loss's rule: dropped assignments too). Returns the first id outside [0, E), else the first row
+// whose sum is not > 0 or not finite, instead (before writing dp).
+template <class T>
+SeqAuxLossValue seq_aux_loss_host(const Tensor<T, cpu>& p, const Tensor<std::int32_t, cpu>& indices,
+                                  index_t seq_len, double coef, Tensor<T, cpu>* dp) {
+  const index_t n = p.rows(), e = p.cols(), slots = indices.numel();
+  const index_t k = n > 0 ? slots / n : 0;
+  SeqAuxLossValue out;
+  for (index_t s = 0; s < slots; ++s) {
+    const std::int32_t x = indices.data()[s];
+    if (!(x >= 0 && x < e)) {
+      out.bad_id = Offender{s, static_cast<double>(x)};
+      return out;
+    }
+  }
+  std::vector<double> sums(static_cast<std::size_t>(n), 0.0);
+  for (index_t t = 0; t < n; ++t) {
+    double s = 0;
+    for (index_t j = 0; j < e; ++j) s += static_cast<double>(p.data()[t * e + j]);
+    if (!(s > 0 && std::isfinite(s))) {
+      out.bad_row = Offender{t, s};
+      return out;
+    }
+    sums[static_cast<std::size_t>(t)] = s;
+  }
+  if (n == 0 || e == 0) return out;
+  const index_t seqs = n / seq_len;
+  const bool grad = dp != nullptr && !dp->empty();
+  std::vector<double> f(static_cast<std::size_t>(e)), g(static_cast<std::size_t>(e));
+  double loss = 0;
+  for (index_t b = 0; b < seqs; ++b) {
+    const index_t t0 = b * seq_len, t1 = t0 + seq_len;
+    std::fill(f.begin(), f.end(), 0.0);
+    for (index_t s = t0 * k; s < t1 * k; ++s) f[static_cast<std::size_t>(indices.data()[s])] += 1.0;
+    for (auto& v : f)
+      v *= static_cast<double>(e) / (static_cast<double>(k) * static_cast<double>(seq_len));
+    for (index_t t = t0; t < t1; ++t) {
+      const double inv = 1.0 / sums[static_cast<std::size_t>(t)];
+      for (index_t j = 0; j < e; ++j)
+        loss += f[static_cast<std::size_t>(j)] * static_cast<double>(p.data()[t * e + j]) * inv /
+                static_cast<double>(seq_len);
+    }
+    if (!grad) continue;
+    for (index_t j = 0; j < e; ++j)
+      g[static_cast<std::size_t>(j)] = coef * f[static_cast<std::size_t>(j)] /
+                                       (static_cast<double>(seq_len) * static_cast<double>(seqs));
+    for (index_t t = t0; t < t1; ++t) {
+      const double inv = 1.0 / sums[static_cast<std::size_t>(t)];
+      double dot = 0;
+      for (index_t j = 0; j < e; ++j)
+        dot += g[static_cast<std::size_t>(j)] * static_cast<double>(p.data()[t * e + j]) * inv;
+      for (index_t j = 0; j < e; ++j)
+        dp->data()[t * e + j] = static_cast<T>(static_cast<double>(dp->data()[t * e + j]) +
+                                               (g[static_cast<std::size_t>(j)] - dot) * inv);
+    }
+  }
+  out.value = loss / static_cast<double>(seqs);
+  return out;
 }
 
 // L_z of gamma (N, E); if dgamma is non-empty, adds coef * dL_z/dgamma to it.

@@ -231,12 +231,13 @@ class MoELayer {
   }
 
   const RouterOutput<T, B>& routing() const { return route_; }
-  // coef x (load-balancing, z) losses of the last forward (task = 0): the terms this layer's
+  // coef x (load-balancing, z, sequence-wise) losses of the last forward (task = 0): the terms this layer's
   // backward adds the gradients of.
   Loss losses() const {
     Loss l;
     l.load_balance = cfg_.router.load_balance_coef * route_.load_balance_loss;
     l.z_loss = cfg_.router.z_loss_coef * route_.z_loss;
+    l.seq_aux = cfg_.router.seq_aux_loss_coef * route_.seq_aux_loss;
     return l;
   }
   RouterImpl<RouterPolicy, T, B>& router() { return router_; }

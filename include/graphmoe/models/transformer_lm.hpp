@@ -189,7 +189,8 @@ struct TransformerLMConfig {
   }
   // DeepSeek-V3 with standard attention (its multi-head latent attention is not built): a dense
   // first block, 64 routed experts of top-8 in 8 groups (4 per token), renormalised gates scaled
-  // by 2.5, one shared expert, no auxiliary loss (the bias balances; use SigmoidBiasRouter).
+  // by 2.5, one shared expert; the bias balances (use SigmoidBiasRouter), with the sequence-wise
+  // balance loss at DeepSeek-V3's 1e-4 beside it and no batch load-balancing loss.
   static TransformerLMConfig deepseek_v3(index_t vocab) {
     TransformerLMConfig c = modern_base(vocab);
     c.attention.rope_theta = 10000.0;
@@ -201,6 +202,7 @@ struct TransformerLMConfig {
     c.d_ff = 688;
     c.router.options<TopK>().n_group = 8;
     c.router.options<TopK>().topk_group = 4;
+    c.router.seq_aux_loss_coef = 1e-4;
     return c;
   }
   // The preset of an arch name (gpt, llama, mixtral, qwen2-moe, qwen3-moe, olmoe, deepseek-v3).

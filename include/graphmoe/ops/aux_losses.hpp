@@ -4,6 +4,16 @@
 //     L_lb = E * sum_e f_e P_e,   f_e = (slots routed to e) / (N k),   P_e = mean_i p_ie
 // f is a count (no gradient); dL_lb / dp_ie = E f_e / N.
 //
+// Sequence-wise balance loss (DeepSeek-V3 eqs. 17-20; Megatron-Core's seq_aux_loss), over the
+// B = N / T sequences of T consecutive rows:
+//     p'_ti = p_ti / sum_j p_tj,   f_bi = E / (k T) * (slots of sequence b routed to i),
+//     P_bi = (1/T) sum_{t in b} p'_ti,   L_seq = (1/B) sum_b sum_i f_bi P_bi
+// f is a count (no gradient); dL_seq / dp_ti = (g_i - sum_j g_j p'_tj) / sum_j p_tj with
+// g_i = f_bi / (T B). Every slot of the indices counts, the dropped ones too (as in L_lb). A row
+// of p whose sum is not > 0 or not finite throws, naming the row. seq_aux_loss computes the value
+// and the gradient in one call (CUDA: on host copies, one synchronisation); the router calls it
+// in forward (value) and backward (gradient).
+//
 // Router z-loss (ST-MoE, Zoph et al. 2022):
 //     L_z = mean_i (logsumexp_e gamma_ie)^2,   dL_z / dgamma_ie = 2 lse_i softmax(gamma_i)_e / N
 //
@@ -28,6 +38,7 @@
 // which returns the first expert id out of range, if any (core/offender.hpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -81,6 +92,27 @@ void load_balance_loss_backward(const Tensor<T, B>& p, const Tensor<std::int32_t
     load_balance_gradient(B{}, p, indices, coef, dp);
   else
     (void)load_balance_loss(p, indices, coef, &dp);
+}
+
+// Returns L_seq of p (N, E) and indices (N, k) of expert ids in [0, E) over sequences of seq_len
+// rows (seq_len >= 1 dividing N); if dp is non-empty, adds coef * dL_seq/dp to it.
+template <class T, Backend B>
+double seq_aux_loss(const Tensor<T, B>& p, const Tensor<std::int32_t, B>& indices, index_t seq_len,
+                    double coef, std::type_identity_t<Tensor<T, B>>* dp) {
+  constexpr const char* op = "seq_aux_loss";
+  GRAPHMOE_CHECK(p.rank() == 2, op, "p has shape ", p.shape(), ", expected (N, E)");
+  GRAPHMOE_CHECK(indices.rank() == 2 && indices.rows() == p.rows() && indices.cols() >= 1, op,
+                 "indices ", indices.shape(), " do not match p ", p.shape());
+  GRAPHMOE_CHECK(seq_len >= 1 && p.rows() % seq_len == 0, op, "seq_len = ", seq_len,
+                 " must be >= 1 and divide the ", p.rows(), " rows of p");
+  GRAPHMOE_CHECK(std::isfinite(coef), op, "coef must be finite, got ", coef);
+  if (dp != nullptr && !dp->empty()) check_shape(op, "dp", *dp, p.shape());
+  const SeqAuxLossValue loss = seq_aux_loss(B{}, p, indices, seq_len, coef, dp);
+  GRAPHMOE_CHECK(!loss.bad_id.found(), op, "expert id ",
+                 static_cast<std::int64_t>(loss.bad_id.value), " out of [0, ", p.cols(), ")");
+  GRAPHMOE_CHECK(!loss.bad_row.found(), op, "row ", loss.bad_row.index, " of p sums to ",
+                 loss.bad_row.value, "; the scores of every token must have a finite sum > 0");
+  return loss.value;
 }
 
 // Returns L_z of gamma (N, E); if dgamma is non-empty, adds coef * dL_z/dgamma to it.

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <any>
+#include <cmath>
 #include <concepts>
 #include <string>
 #include <cstdint>
@@ -456,9 +457,12 @@ struct RouterConfig {
   // expert takes exactly ceil(f L k / E) tokens of a sequence of L, f = capacity_factor (1 if <= 0).
   double capacity_factor = 0.0;
 
-  // Auxiliary losses (0 = off): Switch load balancing and ST-MoE router z-loss.
+  // Auxiliary losses (0 = off): Switch load balancing over the batch, ST-MoE router z-loss, and
+  // DeepSeek-V3's sequence-wise balance loss (ops/aux_losses.hpp seq_aux_loss; DeepSeek-V3 uses
+  // 1e-4 beside its bias balancing).
   double load_balance_coef = 0.0;
   double z_loss_coef = 0.0;
+  double seq_aux_loss_coef = 0.0;
 
   // Options set for a policy that the declaring router does not use are ignored instead of an
   // error (for one command line that configures every router, as the examples' do).
@@ -509,6 +513,8 @@ struct RouterConfig {
                    " must be in [1, num_experts = ", num_experts, "]");
     GRAPHMOE_CHECK(load_balance_coef >= 0 && z_loss_coef >= 0, "RouterConfig",
                    "auxiliary loss coefficients must be >= 0");
+    GRAPHMOE_CHECK(seq_aux_loss_coef >= 0 && std::isfinite(seq_aux_loss_coef), "RouterConfig",
+                   "seq_aux_loss_coef must be finite and >= 0, got ", seq_aux_loss_coef);
   }
   // validate(), the options of the given policies (and of the policies whose options they share:
   // `using shares_options_of = Q;`), and (unless allow_unused_options) that no options were set

@@ -80,6 +80,10 @@ struct RouterOutput {
   // the forward returns.
   double load_balance_loss = 0;
   double z_loss = 0;
+  // The sequence-wise balance loss L_seq (seq_aux_loss_coef > 0): over the sequences of
+  // GraphContext::seq_len rows (a model with no sequences passes seq_len = N: one). Computed at
+  // once (on a GPU from host copies: a synchronisation).
+  double seq_aux_loss = 0;
   // The token graph's mean row entropy is not here: it costs a reduction and a read back on the
   // GPU, so RouterImpl::graph_entropy() computes it on request.
 };
@@ -218,6 +222,10 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
       load_balance_loss_into(out.p, out.selection.indices, out.load_balance_loss);
     out.z_loss = 0.0;
     if (cfg_.z_loss_coef > 0) z_loss_into(out.gamma, out.z_loss);
+    out.seq_aux_loss = 0.0;
+    if (cfg_.seq_aux_loss_coef > 0)
+      out.seq_aux_loss =
+          seq_aux_loss(out.p, out.selection.indices, ctx.seq_len, 0.0, nullptr);
   }
 
   // Incremental decoding (inference/decoder.hpp): u (n, D) holds one new token per row of
@@ -249,6 +257,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     graph_forwarded_ = false;
     out.load_balance_loss = 0;
     out.z_loss = 0;
+    out.seq_aux_loss = 0;
   }
 
   // dgates: (N, m), the selection's shape. du accumulated (+=). The auxiliary losses' gradients (coefficient times
@@ -262,6 +271,9 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
     check_policy_output("selector", Selector::name, "dp (backward)", dp, n, e);
     if (cfg_.load_balance_coef > 0)
       load_balance_loss_backward(out.p, out.selection.indices, cfg_.load_balance_coef, dp);
+    if (cfg_.seq_aux_loss_coef > 0)
+      (void)seq_aux_loss(out.p, out.selection.indices, ctx.seq_len, cfg_.seq_aux_loss_coef,
+                         &dp);
     graph_.backward(u, out.r, out.p, dp, ctx, dr, du);
     check_policy_output("token graph", Graph::name, "dr (backward)", dr, n, e);
     if constexpr (ScorerMapsScores<Scorer, T, B>)

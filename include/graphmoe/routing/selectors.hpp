@@ -236,6 +236,10 @@ class SelectorImpl<ExpertChoice, T, B> {
     GRAPHMOE_CHECK(cfg.load_balance_coef == 0, "ExpertChoice",
                    "every expert takes the same number of tokens, so the load-balancing loss has "
                    "nothing to do: set load_balance_coef = 0 (got ", cfg.load_balance_coef, ")");
+    GRAPHMOE_CHECK(cfg.seq_aux_loss_coef == 0, "ExpertChoice",
+                   "every expert takes the same number of tokens of each sequence, so the "
+                   "sequence-wise balance loss has nothing to do: set seq_aux_loss_coef = 0 (got ",
+                   cfg.seq_aux_loss_coef, ")");
     GRAPHMOE_CHECK(std::isfinite(cfg.capacity_factor), "ExpertChoice",
                    "capacity_factor must be finite, got ", cfg.capacity_factor);
     cfg_ = cfg;

@@ -13,7 +13,8 @@
 namespace graphmoe::testing {
 
 // A whole router on n tokens (u ~ N(0, 1), width d_model, sequences of seq_len) under
-// L = sum_ij w_ij gates_ij + load_balance_coef lb + z_loss_coef z (w ~ N(0, 1), fixed): the
+// L = sum_ij w_ij gates_ij + load_balance_coef lb + z_loss_coef z + seq_aux_loss_coef seq
+// (w ~ N(0, 1), fixed): the
 // gradient of u and of every trainable parameter the router's policies declared. The router is
 // declared in its own arena with prefix "router.", initialised from Rng(seed) and set to
 // Mode::Eval. Routers whose graph needs the attention layer's cache (the Attention graph) need a
@@ -57,7 +58,8 @@ std::vector<GradcheckResult> check_router_gradients(RouterConfig cfg, index_t n,
                    "; use fewer tokens or a smaller h");
     double l = 0;
     for (index_t i = 0; i < w.numel(); ++i) l += w.data()[i] * o.selection.gates.data()[i];
-    return l + rc.load_balance_coef * o.load_balance_loss + rc.z_loss_coef * o.z_loss;
+    return l + rc.load_balance_coef * o.load_balance_loss + rc.z_loss_coef * o.z_loss +
+           rc.seq_aux_loss_coef * o.seq_aux_loss;
   };
   const auto backward = [&](Tensor<double, cpu>& du) {
     RouterOutput<double, cpu> o;

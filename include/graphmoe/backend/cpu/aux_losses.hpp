@@ -17,6 +17,12 @@ LossValue load_balance_loss(cpu, const Tensor<T, cpu>& p, const Tensor<std::int3
 }
 
 template <class T>
+SeqAuxLossValue seq_aux_loss(cpu, const Tensor<T, cpu>& p, const Tensor<std::int32_t, cpu>& indices,
+                             index_t seq_len, double coef, Tensor<T, cpu>* dp) {
+  return detail::seq_aux_loss_host(p, indices, seq_len, coef, dp);
+}
+
+template <class T>
 double z_loss(cpu, const Tensor<T, cpu>& gamma, double coef, Tensor<T, cpu>* dgamma) {
   return detail::z_loss_host(gamma, coef, dgamma);
 }

@@ -14,7 +14,8 @@
 //   z_loss_value           one block: lse_i per row (each thread's rows), mean of lse^2 summed in
 //                          double, into a deferred value like load_balance_value's
 //   z_loss_gradient        one thread per row: dgamma_i += (coef 2 / N) lse_i softmax(gamma_i)
-// The general ops (load_balance_loss with a value and a gradient, z_loss) copy p (or gamma) and the
+// The general ops (load_balance_loss with a value and a gradient, z_loss, and seq_aux_loss, which
+// the router uses as it is for both passes) copy p (or gamma) and the
 // ids to the host (one synchronisation), evaluate the host arithmetic of core/aux_losses.hpp there
 // (the CPU's) and add the gradient back on the device: the references of the tests.
 #pragma once
@@ -184,6 +185,26 @@ LossValue load_balance_loss(cuda, const Tensor<T, cuda>& p,
   Tensor<T, cpu> hdp = grad ? Tensor<T, cpu>(dp->shape()) : Tensor<T, cpu>();
   const LossValue loss = detail::load_balance_loss_host<T>(hp, hi, coef, grad ? &hdp : nullptr);
   if (grad && !loss.bad.found()) axpy(T(1), to_device(hdp), *dp);
+  return loss;
+}
+
+// The sequence-wise loss on host copies of p and the ids (one synchronisation; inside a deferred
+// scope the copy is one of the batch's reads, which also delivers its flags). Not inside a CUDA
+// graph capture.
+template <class T>
+SeqAuxLossValue seq_aux_loss(cuda, const Tensor<T, cuda>& p,
+                             const Tensor<std::int32_t, cuda>& indices, index_t seq_len,
+                             double coef, Tensor<T, cuda>* dp) {
+  GRAPHMOE_CHECK(!cuda_stream_capturing(), "seq_aux_loss",
+                 "the sequence-wise balance loss inside a CUDA graph capture (it reads p and the "
+                 "ids back to the host); capture with seq_aux_loss_coef = 0");
+  const Tensor<T, cpu> hp = to_host(p);
+  const Tensor<std::int32_t, cpu> hi = to_host(indices);
+  const bool grad = dp != nullptr && !dp->empty();
+  Tensor<T, cpu> hdp = grad ? Tensor<T, cpu>(dp->shape()) : Tensor<T, cpu>();
+  const SeqAuxLossValue loss =
+      detail::seq_aux_loss_host<T>(hp, hi, seq_len, coef, grad ? &hdp : nullptr);
+  if (grad && !loss.bad_id.found() && !loss.bad_row.found()) axpy(T(1), to_device(hdp), *dp);
   return loss;
 }
 
