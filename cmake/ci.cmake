@@ -8,7 +8,7 @@
 # the softmax router, and generate's --explain test a Similarity one; the library's own tests
 # cover every router inside every model. A third router (AttentionSMoEDropoutRouter: 139 CPU s
 # over the five programs) compiled the same generic loops once more and tested nothing more.
-set(GRAPHMOE_EXAMPLE_ROUTERS "SoftmaxRouter;SimilarityXMoERouter"
+set(GRAPHMOE_EXAMPLE_ROUTERS "SoftmaxRouter;SimilarityXMoERouter;SigmoidBiasRouter"
     CACHE STRING "Routers of the examples' CPU training loops (CI subset: cmake/ci.cmake)")
 
 # The examples' --device cuda loops (one nvcc translation unit of a few minutes per router): they

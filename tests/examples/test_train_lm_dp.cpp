@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "graphmoe/train/checkpoint.hpp"
 #include "support/processes.hpp"
 
 #if !defined(GRAPHMOE_TRAIN_LM) || !defined(GRAPHMOE_MPIEXEC)
@@ -43,6 +44,11 @@ namespace {
 
 const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
 
+using graphmoe::cpu;
+using graphmoe::index_t;
+using graphmoe::load_safetensors;
+using graphmoe::SafetensorsFile;
+using graphmoe::Tensor;
 using graphmoe::test::check_refused;
 using graphmoe::test::Result;
 using graphmoe::test::Scratch;
@@ -196,6 +202,40 @@ TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one
   const Result r1 = run(s, 0, with(lm_args(corpus, s / "r1", 6), {"--resume"}));
   CHECK(r1.err.find("resumed from") != std::string::npos);
   check_same_losses(whole, slurp(s / "whole/metrics.csv"), r1, slurp(s / "r1/metrics.csv"), 1, 6);
+}
+
+TEST_CASE("train_lm --dp 2 and --dp 2 --ep 2 with the modern blocks and bias balancing train like "
+          "one process") {
+  // the olmoe preset's blocks (RMSNorm, RoPE, QK-norm, SwiGLU) with grouped-query attention, a
+  // shared expert and the sigmoid-bias router: the expert biases follow the loads all-reduced over
+  // the ranks, so every rank's bias, and the losses, are one process's
+  Scratch s("dp_modern");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  auto modern = [&](const std::string& out, int steps) {
+    auto a = set(set(set(lm_args(corpus, out, steps), "--router", "sigmoid-bias"), "--experts", "4"),
+                 "--top-k", "2");
+    return with(a, {"--arch", "olmoe", "--kv-heads", "1", "--expert-d-ff", "8", "--shared-d-ff", "8",
+                    "--bias-update-rate", "0.05"});
+  };
+  const Result whole = run(s, 0, modern(s / "whole", 4));
+  const Result dp = run(s, 2, with(modern(s / "dp", 4), {"--dp", "2"}));
+  check_same_losses(whole, slurp(s / "whole/metrics.csv"), dp, slurp(s / "dp/metrics.csv"), 1, 4);
+  const Result ep = run(s, 2, with(modern(s / "ep", 4), {"--dp", "2", "--ep", "2"}));
+  check_same_losses(whole, slurp(s / "whole/metrics.csv"), ep, slurp(s / "ep/metrics.csv"), 1, 4);
+  // the biases moved, and the data-parallel checkpoint holds the one-process values
+  const SafetensorsFile a = load_safetensors(s / "whole/checkpoint.safetensors");
+  const SafetensorsFile b = load_safetensors(s / "dp/checkpoint.safetensors");
+  const std::string bias = "model.blocks.0.moe.router.selector.expert_bias";
+  REQUIRE(a.contains(bias));
+  REQUIRE(b.contains(bias));
+  const Tensor<float, cpu> ba = a.at(bias).to_tensor<float>(), bb = b.at(bias).to_tensor<float>();
+  float moved = 0;
+  for (index_t e = 0; e < ba.numel(); ++e) {
+    CHECK(ba.data()[e] == bb.data()[e]);
+    moved = std::max(moved, std::abs(ba.data()[e]));
+  }
+  CHECK(moved > 0);
 }
 
 TEST_CASE("train_lm --dp: bad values and worlds of the wrong size are refused with a message") {
