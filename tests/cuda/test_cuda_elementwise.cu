@@ -5,7 +5,9 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "graphmoe/backend/cuda/elementwise.cuh"
 #include "graphmoe/backend/cuda/gates.cuh"
@@ -174,6 +176,100 @@ TEST_CASE_TEMPLATE("cuda vs cpu: gates, capacity mask and the drop bucket", T, f
             capacity_mask(to_device(bad_ids), 4, 1, keep);
           });
         }) == cpu_error);
+}
+
+namespace {
+
+// The same bytes (not only equal values: -0 and 0 differ here).
+template <class T>
+void check_bits(const std::string& what, const Tensor<T, cpu>& ref, const Tensor<T, graphmoe::cuda>& got) {
+  const Tensor<T, cpu> h = to_host(got);
+  REQUIRE(h.shape() == ref.shape());
+  index_t bad = 0;
+  for (index_t i = 0; i < ref.numel(); ++i)
+    bad += std::memcmp(h.data() + i, ref.data() + i, sizeof(T)) != 0 ? 1 : 0;
+  CHECK_MESSAGE(bad == 0, what, ": ", bad, " of ", ref.numel(), " entries differ in their bits");
+}
+
+// (E) counts: random in [0, 9), a run of entries set to the mean where it is an integer (ties).
+Tensor<std::int32_t, cpu> random_loads(index_t e, Rng& rng) {
+  Tensor<std::int32_t, cpu> loads(Shape{e});
+  std::int64_t total = 0;
+  for (index_t x = 0; x < e; ++x) total += loads(x) = static_cast<std::int32_t>(rng.uniform_int(9));
+  // make the total a multiple of E by raising the first experts, then give a few the mean
+  for (index_t x = 0; total % e != 0; x = (x + 1) % e, ++total) ++loads(x);
+  const auto mean = static_cast<std::int32_t>(total / e);
+  for (index_t x = 0; x + 1 < e; x += 5) {  // pairs moved to the mean keep the total
+    const std::int32_t sum = loads(x) + loads(x + 1);
+    if (sum < mean) continue;
+    loads(x) = mean;
+    loads(x + 1) = sum - mean;
+  }
+  return loads;
+}
+
+}  // namespace
+
+// ops/gates.hpp expert_bias_update: the kernel's bias equals the CPU loop's bit for bit (integer
+// counts summed exactly in any order, then one addition in double, one rounding).
+TEST_CASE_TEMPLATE("cuda vs cpu: expert_bias_update (bit for bit), zero loads, errors", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(23);
+  for (index_t e : {1, 8, 64, 300}) {  // 300: more experts than the block's 256 threads
+    for (double rate : {1e-3, 0.05}) {
+      CAPTURE(e);
+      CAPTURE(rate);
+      const Tensor<T, cpu> bias0 = random_tensor<T>(Shape{e}, rng, -0.2, 0.2);
+      Tensor<std::int32_t, cpu> loads = random_loads(e, rng);
+      if (e == 64) loads(3) = loads(3) + 1000000;  // one expert far above the mean
+      Tensor<T, cpu> hb = bias0.clone();
+      Tensor<T, graphmoe::cuda> db = to_device(bias0);
+      const Tensor<std::int32_t, graphmoe::cuda> dl = to_device(loads);
+      for (int step = 0; step < 3; ++step) {  // the update applied to its own result
+        expert_bias_update(hb, loads, rate);
+        expert_bias_update(db, dl, rate);
+        check_bits("bias", hb, db);
+      }
+      check_equal("loads (read only)", loads, dl);
+      // a step that routed no token changes nothing
+      Tensor<std::int32_t, cpu> zero(Shape{e});
+      const Tensor<T, cpu> kept = hb.clone();
+      expert_bias_update(db, to_device(zero), rate);
+      check_bits("bias after zero loads", kept, db);
+    }
+  }
+  // the op layer's messages, the same on both backends
+  const Tensor<T, cpu> b(Shape{4});
+  const Tensor<std::int32_t, cpu> l3(Shape{3});
+  const std::string cpu_error = error_of([&] { expert_bias_update(b, l3, 0.1); });
+  CHECK(cpu_error.find("loads must be a (4) vector") != std::string::npos);
+  CHECK(error_of([&] { expert_bias_update(to_device(b), to_device(l3), 0.1); }) == cpu_error);
+}
+
+// bf16 and half biases: the device update equals the host arithmetic in double with one rounding
+// (detail::value_cast, as the CPU loop would round a double).
+TEST_CASE_TEMPLATE("cuda: expert_bias_update in bf16 and half rounds once from double", H,
+                   __nv_bfloat16, __half) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(29);
+  const index_t e = 40;
+  const double rate = 1e-3;  // below the 16-bit spacing of most entries: the rounding matters
+  Tensor<H, cpu> bias(Shape{e});
+  for (index_t x = 0; x < e; ++x) bias.data()[x] = detail::value_cast<H>(0.3 * rng.normal());
+  const Tensor<std::int32_t, cpu> loads = random_loads(e, rng);
+  double total = 0;
+  for (index_t x = 0; x < e; ++x) total += loads(x);
+  const double mean = total / static_cast<double>(e);
+  Tensor<H, cpu> want = bias.clone();
+  for (index_t x = 0; x < e; ++x) {
+    const double sign = loads(x) < mean ? 1.0 : (loads(x) > mean ? -1.0 : 0.0);
+    want.data()[x] =
+        detail::value_cast<H>(detail::value_cast<double>(bias.data()[x]) + rate * sign);
+  }
+  Tensor<H, graphmoe::cuda> db = to_device(bias);
+  expert_bias_update(db, to_device(loads), rate);
+  check_bits("bias", want, db);
 }
 
 TEST_CASE("cuda vs cpu: the capacity mask over many assignments, several per thread") {

@@ -16,12 +16,15 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "graphmoe/cuda.cuh"
 #include "cuda/cuda_test_support.cuh"
 #include "support/gradcheck.hpp"
+#include "support/router_options.hpp"
 
 namespace graphmoe {
 using test::check_arenas;
@@ -356,7 +359,8 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with the SMoE-Dropout router (frozen,
 
 // DeepSeek-V3's routing: sigmoid scores (and gradient), the biased group-limited top-k with
 // scaled gates, and the bias update after a step from loads counted on the device: the same
-// selection and bias on both backends, exactly (counts are integers, the update is host arithmetic).
+// selection and bias on both backends, exactly (counts are integers, and expert_bias_update
+// computes in double on either backend).
 TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with sigmoid scores and bias-balanced top-k", T, float,
                    double) {
   SKIP_WITHOUT_CUDA_DEVICE();
@@ -407,6 +411,99 @@ TEST_CASE_TEMPLATE("cuda vs cpu: MoE layer with sigmoid scores and bias-balanced
     double moved = 0;
     for (index_t e = 0; e < bias.numel(); ++e) moved += std::abs(static_cast<double>(bias.data()[e]));
     CHECK(moved > 0);
+  }
+}
+
+namespace {
+
+// A communicator of `size` ranks whose other ranks all hold `others` in every all-reduce: in host
+// memory (doubles, as RouterImpl::after_step sums the host vector for the CPU backend) or in device
+// memory (int32, the device counts summed in place: copied to the host, added, copied back).
+class FakeRanks final : public dist::Communicator {
+ public:
+  FakeRanks(dist::MemorySpace space, int size, std::vector<std::int32_t> others)
+      : space_(space), size_(size), others_(std::move(others)) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  dist::MemorySpace memory_space() const override { return space_; }
+  index_t max_count() const override { return 1 << 20; }
+  void barrier() override {}
+  int reduces = 0;
+
+ protected:
+  void all_reduce_sum_impl(void* data, index_t count, dist::ElementType type) override {
+    REQUIRE(count == static_cast<index_t>(others_.size()));
+    const auto add = [&](auto* d) {
+      for (index_t i = 0; i < count; ++i) d[i] += (size_ - 1) * others_[static_cast<std::size_t>(i)];
+    };
+    if (space_ == dist::MemorySpace::Host) {
+      REQUIRE(type == dist::ElementType::F64);
+      add(static_cast<double*>(data));
+    } else {
+      REQUIRE(type == dist::ElementType::I32);
+      std::vector<std::int32_t> h(static_cast<std::size_t>(count));
+      const std::size_t bytes = h.size() * sizeof(std::int32_t);
+      GRAPHMOE_CUDA_CHECK(
+          cudaMemcpyAsync(h.data(), data, bytes, cudaMemcpyDeviceToHost, cuda_stream()));
+      GRAPHMOE_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+      add(h.data());
+      GRAPHMOE_CUDA_CHECK(
+          cudaMemcpyAsync(data, h.data(), bytes, cudaMemcpyHostToDevice, cuda_stream()));
+      GRAPHMOE_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    }
+    ++reduces;
+  }
+  void broadcast_impl(void*, index_t, dist::ElementType, int) override {}
+  void all_to_all_v_impl(const void*, const index_t*, const index_t*, void*, const index_t*,
+                         const index_t*, dist::ElementType) override {}
+  void min_over_ranks(std::span<std::int64_t>) override {}
+
+ private:
+  dist::MemorySpace space_;
+  int size_;
+  std::vector<std::int32_t> others_;
+};
+
+}  // namespace
+
+// Data-parallel bias balancing: the CPU router sums its host vector over a host communicator, the
+// CUDA router its device counts in place over a device one, and both update the bias from the
+// summed counts (RouterStep::load_counts) to the same bits.
+TEST_CASE_TEMPLATE("cuda vs cpu: bias balancing over ranks, host and device communicators", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  RouterConfig rc = small_router();
+  rc.options<graphmoe::BiasBalancedTopK>().bias_update_rate = 0.01;
+  test::set_scorer_init_std(rc, 0.7);
+  const index_t d = 12, n = 20, e = rc.num_experts;
+  using Policy = SigmoidBiasRouter;
+  Pair<RouterImpl<Policy, T, cpu>, RouterImpl<Policy, T, graphmoe::cuda>, T> p(
+      [&](auto& arena, auto& r) { r.declare(arena, "router.", d, rc); },
+      [](auto& r) { Rng g(5); r.init(g); });
+  // the two other ranks sent expert 0 many tokens: it is the one expert above the summed mean
+  std::vector<std::int32_t> others(static_cast<std::size_t>(e), 1);
+  others[0] = 500;
+  FakeRanks host_world(dist::MemorySpace::Host, 3, others);
+  FakeRanks dev_world(dist::MemorySpace::Device, 3, others);
+  Rng data(19);
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    const Tensor<T, cpu> u = random_tensor<T>(Shape{n, d}, data);
+    RouterOutput<T, cpu> ho;
+    RouterOutput<T, graphmoe::cuda> dout;
+    p.host.forward(u, GraphContext<T, cpu>{n, nullptr}, ho);
+    p.dev.forward(to_device(u), GraphContext<T, graphmoe::cuda>{n, nullptr}, dout);
+    check_equal("indices", ho.selection.indices, dout.selection.indices);
+    const Tensor<T, cpu> before = p.host_arena.value("router.selector.expert_bias").clone();
+    p.host.after_step(p.host_arena, &host_world);
+    p.dev.after_step(p.dev_arena, &dev_world);
+    CHECK(host_world.reduces == step + 1);
+    CHECK(dev_world.reduces == step + 1);
+    const Tensor<T, cpu> hb = p.host_arena.value("router.selector.expert_bias");
+    check_equal("expert bias", hb, p.dev_arena.value("router.selector.expert_bias"));
+    CHECK(static_cast<double>(hb(0)) < static_cast<double>(before(0)));  // the summed counts
+    for (index_t x = 1; x < e; ++x) CHECK(static_cast<double>(hb(x)) > static_cast<double>(before(x)));
+    check_equal("step loads restarted", p.host.step_loads(), p.dev.step_loads());
   }
 }
 

@@ -250,6 +250,79 @@ TEST_CASE("group_limited_mask, gather_columns, accumulate_expert_counts: naive e
                        doctest::Contains("expert id 6 at slot 2"), Error);
 }
 
+namespace {
+
+// b_e += rate * sign(mean - load_e) written out, in double from the stored value, one rounding.
+template <class T>
+std::vector<T> reference_bias_update(const std::vector<T>& bias, const std::vector<std::int32_t>& loads,
+                                     double rate) {
+  double total = 0;
+  for (std::int32_t l : loads) total += l;
+  if (total <= 0) return bias;
+  const double mean = total / static_cast<double>(loads.size());
+  std::vector<T> out = bias;
+  for (std::size_t x = 0; x < bias.size(); ++x) {
+    const double step = loads[x] < mean ? rate : (loads[x] > mean ? -rate : 0.0);
+    out[x] = static_cast<T>(static_cast<double>(bias[x]) + step);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("expert_bias_update: a naive evaluation, ties at the mean, zero loads, errors", T,
+                   float, double) {
+  Rng rng(17);
+  const index_t e = 8;
+  // ties at an integral mean (4: experts 2, 3, 6, 7 keep their bias), a fractional mean (0.375),
+  // one expert with every token, and all zero (no token routed: nothing changes)
+  const std::vector<std::vector<std::int32_t>> cases = {
+      {3, 5, 4, 4, 0, 8, 4, 4}, {1, 2, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 96},
+      {0, 0, 0, 0, 0, 0, 0, 0}};
+  for (double rate : {1e-3, 0.05}) {
+    for (const auto& loads : cases) {
+      CAPTURE(rate);
+      CAPTURE(loads[0]);
+      CAPTURE(loads[1]);
+      Tensor<T> bias({e});
+      std::vector<T> before(static_cast<std::size_t>(e));
+      for (index_t x = 0; x < e; ++x)  // values a float sum would round differently
+        before[x] = bias(x) = static_cast<T>(0.1 * rng.normal() + 1e-4 * static_cast<double>(x));
+      Tensor<std::int32_t> counts({e});
+      for (index_t x = 0; x < e; ++x) counts(x) = loads[x];
+      expert_bias_update(bias, counts, rate);
+      const std::vector<T> want = reference_bias_update(before, loads, rate);
+      for (index_t x = 0; x < e; ++x) {
+        CAPTURE(x);
+        CHECK(bias(x) == want[x]);  // bit for bit
+      }
+      if (loads == cases[0]) {
+        for (index_t x : {2, 3, 6, 7}) CHECK(bias(x) == before[x]);  // at the mean
+        CHECK(bias(4) == static_cast<T>(static_cast<double>(before[4]) + rate));
+        CHECK(bias(5) == static_cast<T>(static_cast<double>(before[5]) - rate));
+      }
+      if (loads == cases[3])
+        for (index_t x = 0; x < e; ++x) CHECK(bias(x) == before[x]);
+      for (index_t x = 0; x < e; ++x) CHECK(counts(x) == loads[x]);  // the counts are read only
+    }
+  }
+  Tensor<T> bias({e});
+  Tensor<std::int32_t> counts({e}), short_counts({e - 1}), matrix({2, 4});
+  CHECK_THROWS_WITH_AS(expert_bias_update(Tensor<T>(), counts, 0.1),
+                       doctest::Contains("bias must be an allocated (E) vector, got an empty tensor"),
+                       Error);
+  CHECK_THROWS_WITH_AS(expert_bias_update(bias, short_counts, 0.1),
+                       doctest::Contains("loads must be a (8) vector, one count per expert of the bias, got (7)"), Error);
+  CHECK_THROWS_WITH_AS(expert_bias_update(bias, matrix, 0.1),
+                       doctest::Contains("expert_bias_update: loads must be a (8) vector"), Error);
+  CHECK_THROWS_WITH_AS(expert_bias_update(bias, Tensor<std::int32_t>(), 0.1),
+                       doctest::Contains("got an empty tensor"), Error);
+  CHECK_THROWS_WITH_AS(expert_bias_update(bias, counts, std::nan("")),
+                       doctest::Contains("rate must be finite"), Error);
+  CHECK_THROWS_WITH_AS(expert_bias_update(bias.view(Shape{2, 4}), matrix, 0.1),
+                       doctest::Contains("bias must be an allocated (E) vector, got (2, 4)"), Error);
+}
+
 TEST_CASE_TEMPLATE("DeepSeek-V3 routing: sigmoid scores, biased group-limited top-k, scaled gates", Policy,
                    SigmoidBiasRouter, SimilaritySigmoidBiasRouter) {
   Rng rng(11);
@@ -413,6 +486,89 @@ TEST_CASE("bias balancing: loads from training forwards only, b += rate * sign(m
   CHECK(world.reduces == 1);
   for (index_t c = 0; c < e; ++c)
     CHECK(bias(c) == doctest::Approx(before(c) + (c == 7 ? -rate : rate)).epsilon(1e-15));
+}
+
+namespace {
+
+// A token graph (p = r) whose after_step hook keeps what RouterStep gave it.
+template <class T, class B>
+class RecordingGraphImpl : public GraphImpl<Independent, T, B> {
+ public:
+  void after_step(const RouterStep<T, B>& step) {
+    loads = step.loads;
+    counts = detail::host_values(step.load_counts).clone();
+    ++calls;
+  }
+  std::vector<double> loads;
+  Tensor<std::int32_t> counts;
+  int calls = 0;
+};
+struct RecordingGraph {
+  static constexpr const char* name = "recording";
+  template <class T, class B>
+  using impl = RecordingGraphImpl<T, B>;
+};
+
+}  // namespace
+
+TEST_CASE("after_step: the step's summed loads as host doubles and as counts on the backend") {
+  using Policy = Router<SigmoidScorer, RecordingGraph, BiasBalancedTopK>;
+  Rng rng(37);
+  const index_t n = 30, d = 5, e = 6, k = 2;
+  RouterConfig cfg = deepseek_config<Policy>(e, k);
+  cfg.options<TopK>().n_group = 1;
+  cfg.options<TopK>().topk_group = 1;
+  ParameterArena<double> arena;
+  RouterImpl<Policy, double> router;
+  router.declare(arena, "router.", d, cfg);
+  arena.allocate();
+  router.bind(arena);
+  router.init(rng);
+  const double rate = router.config().template options<BiasBalancedTopK>().bias_update_rate;
+  GraphContext<double> ctx{n, nullptr};
+  std::vector<std::int32_t> local(static_cast<std::size_t>(e), 0);
+  auto train_forward = [&] {
+    RouterOutput<double> o;
+    router.forward(random_normal<double>({n, d}, rng), ctx, o);
+    for (index_t a = 0; a < o.selection.indices.numel(); ++a) ++local[o.selection.indices.data()[a]];
+  };
+  train_forward();
+  train_forward();
+  router.after_step(arena, nullptr);
+  const auto& seen = router.graph();
+  CHECK(seen.calls == 1);
+  REQUIRE(seen.counts.numel() == e);
+  for (index_t x = 0; x < e; ++x) {
+    CHECK(seen.counts(x) == local[x]);
+    CHECK(seen.loads[x] == local[x]);
+    CHECK(router.step_loads()(x) == 0);  // the count restarted
+  }
+
+  // three ranks, the two others each routed 7 tokens to every expert but 1 and 3: the counts the
+  // policies get are the sums (the host vector summed, then written into the tensor)
+  std::fill(local.begin(), local.end(), 0);
+  train_forward();
+  std::vector<double> other(static_cast<std::size_t>(e), 7.0);
+  other[1] = other[3] = 0.0;
+  FakeWorld world(3, other);
+  Tensor<double> bias = arena.value("router.selector.expert_bias");
+  const std::vector<double> before = bias.to_vector();
+  router.after_step(arena, &world);
+  CHECK(world.reduces == 1);
+  CHECK(seen.calls == 2);
+  std::vector<std::int32_t> summed(static_cast<std::size_t>(e));
+  double total = 0;
+  for (index_t x = 0; x < e; ++x) {
+    summed[x] = local[x] + 2 * static_cast<std::int32_t>(other[x]);
+    total += summed[x];
+    CHECK(seen.counts(x) == summed[x]);
+    CHECK(seen.loads[x] == summed[x]);
+    CHECK(router.step_loads()(x) == 0);
+  }
+  CHECK(total == n * k + 2 * 4 * 7);
+  // the bias moved by the summed counts (BiasBalancedTopK reads the tensor)
+  const std::vector<double> want = reference_bias_update(before, summed, rate);
+  for (index_t x = 0; x < e; ++x) CHECK(bias(x) == want[x]);
 }
 
 TEST_CASE("bias-balanced routing: bad options are refused by name") {

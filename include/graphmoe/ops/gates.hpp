@@ -27,6 +27,14 @@
 //   accumulate_expert_counts(indices, keep, counts)
 //       counts[e] += the number of kept slots routed to e (counts: (E) int32, the step's load for
 //       auxiliary-loss-free balancing). An id outside [0, E) throws.
+//   expert_bias_update(bias, loads, rate)
+//       auxiliary-loss-free balancing's bias update (BiasBalancedTopK::after_step): bias (E) of T,
+//       loads (E) int32 (the step's kept assignments per expert, summed over the data-parallel
+//       ranks), on the same backend. With total = sum_e loads[e] and mean = total / E, every
+//       expert gets bias[e] += rate * sign(mean - loads[e]) (sign 0 at the mean); nothing changes
+//       when total is not > 0 (a step that routed no token). In double from the stored T values,
+//       rounded once to T: the counts sum exactly in any order, so every backend and every rank
+//       writes the same bits (and a resumed run continues bit for bit).
 //   route_dropped_to(indices, keep, bucket, ids)
 //       ids[a] = keep[a] ? indices[a] : bucket   (the MoE layer sends dropped assignments to an
 //       extra expert `bucket` = E that the expert bank skips)
@@ -39,7 +47,9 @@
 // of the data it scanned (core/offender.hpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "graphmoe/backend/cpu/gates.hpp"
 #include "graphmoe/core/backend.hpp"
@@ -154,6 +164,20 @@ void accumulate_expert_counts(const Tensor<std::int32_t, B>& indices,
                                      static_cast<std::int64_t>(bad.value), " at slot ", bad.index,
                                      " is outside [0, ", e, ")");
                });
+}
+
+template <class T, Backend B>
+void expert_bias_update(const Tensor<T, B>& bias, const Tensor<std::int32_t, B>& loads,
+                        double rate) {
+  constexpr const char* op = "expert_bias_update";
+  GRAPHMOE_CHECK(bias.rank() == 1 && bias.numel() >= 1, op,
+                 "bias must be an allocated (E) vector, got ",
+                 (bias.empty() ? std::string("an empty tensor") : bias.shape().str()));
+  GRAPHMOE_CHECK(loads.rank() == 1 && loads.numel() == bias.numel(), op, "loads must be a (",
+                 bias.numel(), ") vector, one count per expert of the bias, got ",
+                 (loads.empty() ? std::string("an empty tensor") : loads.shape().str()));
+  GRAPHMOE_CHECK(std::isfinite(rate), op, "rate must be finite, got ", rate);
+  expert_bias_update(B{}, bias, loads, rate);
 }
 
 template <Backend B>

@@ -47,8 +47,13 @@ class Communicator;  // core/communicator.hpp
 template <class T, class B = cpu>
 struct RouterStep {
   // (E) the kept assignments per expert over the step's training forwards (every micro-batch),
-  // summed over the data-parallel ranks of `comm`
+  // summed over the data-parallel ranks of `comm`, on the host
   const std::vector<double>& loads;
+  // (E) the same summed counts as an int32 tensor on the router's backend (on a GPU in device
+  // memory: a policy can update device state from it without a copy, as BiasBalancedTopK does
+  // with expert_bias_update, ops/gates.hpp). Valid during the call; the router overwrites it at
+  // the next step.
+  const Tensor<std::int32_t, B>& load_counts;
   // the data-parallel communicator the loads were summed over (nullptr: one process)
   dist::Communicator* comm;
   // the model's arena: a policy that writes a value (a buffer of its own) calls

@@ -13,6 +13,8 @@
 // as that policy's error, not as an error of the op that reads its output next.
 #pragma once
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -157,8 +159,10 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
                                        PolicyAfterStep<Selector, T, B>;
   // After every optimizer step (the models' after_optimizer_step): the loads counted since the
   // last call (training forwards only), summed over comm's ranks when comm is given (a collective:
-  // every rank calls it), go to each policy's after_step; then the count restarts. Nothing for a
-  // router without the hook.
+  // every rank calls it), go to each policy's after_step, as host doubles (RouterStep::loads) and
+  // as int32 counts on the backend (RouterStep::load_counts); the count restarts first. A device
+  // communicator sums the counts in place on the device, a host one (CPU backend) sums the host
+  // vector, which is then written into the counts. Nothing for a router without the hook.
   void after_step(ParameterArena<T, B>& arena, dist::Communicator* comm = nullptr) {
     if constexpr (kCountsLoads) {
       const index_t e = cfg_.num_experts;
@@ -166,23 +170,37 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
         step_loads_ = Tensor<std::int32_t, B>(Shape{e});
         fill(step_loads_, std::int32_t{0});
       }
+      // The step's counts move to step_counts_ and the count restarts; step_loads_ keeps its
+      // buffer (a captured CUDA graph accumulates into that address).
+      if (step_counts_.empty()) step_counts_ = Tensor<std::int32_t, B>(Shape{e});
+      step_counts_.copy_from(step_loads_);
+      fill(step_loads_, std::int32_t{0});
       std::vector<double> loads(static_cast<std::size_t>(e), 0.0);
       if (comm != nullptr && comm->memory_space() == dist::MemorySpace::Device) {
         GRAPHMOE_CHECK(!B::host_memory, "Router::after_step",
                        "the communicator moves device memory but the router's tensors are on the "
                        "host");
-        comm->all_reduce_sum(step_loads_.data(), e, dist::ElementType::I32);
+        comm->all_reduce_sum(step_counts_.data(), e, dist::ElementType::I32);
       }
-      const Tensor<std::int32_t, cpu> host = detail::host_values(step_loads_);
+      const Tensor<std::int32_t, cpu> host = detail::host_values(step_counts_);
       for (index_t i = 0; i < e; ++i) loads[static_cast<std::size_t>(i)] = host.data()[i];
       if (comm != nullptr && comm->memory_space() == dist::MemorySpace::Host) {
         GRAPHMOE_CHECK(B::host_memory, "Router::after_step",
                        "the communicator moves host memory but the router's tensors are on a "
                        "device");
         comm->all_reduce_sum(loads);
+        if constexpr (B::host_memory) {  // the summed counts into the tensor the policies get
+          for (index_t i = 0; i < e; ++i) {
+            const double l = loads[static_cast<std::size_t>(i)];
+            GRAPHMOE_CHECK(l >= std::numeric_limits<std::int32_t>::min() &&
+                               l <= std::numeric_limits<std::int32_t>::max(),
+                           "Router::after_step", "expert ", i, "'s load summed over the ranks is ",
+                           l, ", outside the int32 counts");
+            step_counts_.data()[i] = static_cast<std::int32_t>(l);
+          }
+        }
       }
-      fill(step_loads_, std::int32_t{0});
-      const RouterStep<T, B> step{loads, comm, arena};
+      const RouterStep<T, B> step{loads, step_counts_, comm, arena};
       policy_detail::after_step(scorer_, step);
       policy_detail::after_step(graph_, step);
       policy_detail::after_step(selector_, step);
@@ -339,6 +357,7 @@ class RouterImpl<Router<Scorer, Graph, Selector>, T, B> {
 
   RouterConfig cfg_;
   Tensor<std::int32_t, B> step_loads_;  // (E) kept assignments since the last after_step
+  Tensor<std::int32_t, B> step_counts_;  // (E) the last step's, summed over ranks (RouterStep)
   bool graph_forwarded_ = false;  // the graph's state is a forward's (not a decode's)
   Mode mode_ = Mode::Train;
   index_t d_model_ = 0;

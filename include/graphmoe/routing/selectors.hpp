@@ -137,7 +137,7 @@ class SelectorImpl<TopK, T, B> : public TopKSelectorBase<T, B> {
 
 // Auxiliary-loss-free balancing (policies.hpp): top-k of p + b, gates from p; b updated after each
 // optimizer step from the step's loads (RouterImpl::after_step counts them in training forwards
-// and sums them over the data-parallel ranks).
+// and sums them over the data-parallel ranks) by the op expert_bias_update, on the backend.
 template <class T, class B>
 class SelectorImpl<BiasBalancedTopK, T, B> : public TopKSelectorBase<T, B> {
  public:
@@ -161,23 +161,14 @@ class SelectorImpl<BiasBalancedTopK, T, B> : public TopKSelectorBase<T, B> {
   }
 
   // b_e += rate * sign(mean load - load_e); nothing when the step routed no token (loads all 0).
-  // The arithmetic on the host in double, from the stored T values, so that every backend and
-  // every rank computes the same bias and a resumed run continues bit for bit.
+  // The op expert_bias_update (ops/gates.hpp) on the step's summed counts where the tensors live
+  // (on a GPU a kernel, nothing copied): in double from the stored T values, the same bits on
+  // every backend and every rank, so a resumed run continues bit for bit.
   void after_step(const RouterStep<T, B>& step) {
     const index_t e = bias_.numel();
-    GRAPHMOE_CHECK(static_cast<index_t>(step.loads.size()) == e, "BiasBalancedTopK",
-                   "got loads of ", step.loads.size(), " experts; the router has ", e);
-    double total = 0;
-    for (double l : step.loads) total += l;
-    if (!(total > 0)) return;
-    const double mean = total / static_cast<double>(e);
-    Tensor<T, cpu> b = detail::host_values(bias_).clone();
-    for (index_t i = 0; i < e; ++i) {
-      const double l = step.loads[static_cast<std::size_t>(i)];
-      const double sign = l < mean ? 1.0 : (l > mean ? -1.0 : 0.0);
-      b.data()[i] = static_cast<T>(static_cast<double>(b.data()[i]) + opts_.bias_update_rate * sign);
-    }
-    copy_from_host(bias_, b);
+    GRAPHMOE_CHECK(step.load_counts.numel() == e, "BiasBalancedTopK", "got loads of ",
+                   step.load_counts.numel(), " experts; the router has ", e);
+    expert_bias_update(bias_, step.load_counts, opts_.bias_update_rate);
     step.arena.mark_values_written();
   }
   const Tensor<T, B>& expert_bias() const { return bias_; }

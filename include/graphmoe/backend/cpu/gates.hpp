@@ -139,6 +139,26 @@ inline Offender accumulate_expert_counts(cpu, const Tensor<std::int32_t, cpu>& i
   return {};
 }
 
+// bias (E) += rate * sign(mean - loads) in double from the stored values, nothing when the loads
+// sum to no more than 0 (shapes checked by ops/gates.hpp). The total in double in index order (the
+// integer counts sum exactly, so the CUDA kernel's block sum equals it).
+template <class T>
+void expert_bias_update(cpu, const Tensor<T, cpu>& bias, const Tensor<std::int32_t, cpu>& loads,
+                        double rate) {
+  const index_t e = bias.numel();
+  const std::int32_t* l = loads.data();
+  double total = 0;
+  for (index_t i = 0; i < e; ++i) total += static_cast<double>(l[i]);
+  if (!(total > 0)) return;
+  const double mean = total / static_cast<double>(e);
+  T* b = bias.data();
+  for (index_t i = 0; i < e; ++i) {
+    const double load = static_cast<double>(l[i]);
+    const double sign = load < mean ? 1.0 : (load > mean ? -1.0 : 0.0);
+    b[i] = static_cast<T>(static_cast<double>(b[i]) + rate * sign);
+  }
+}
+
 // ids (indices' shape) prepared by ops/gates.hpp.
 inline void route_dropped_to(cpu, const Tensor<std::int32_t, cpu>& indices,
                              const Tensor<std::uint8_t, cpu>& keep, std::int32_t bucket,

@@ -16,6 +16,9 @@
 //                                 id range check is a deferrable flag (block 0 scans for ids
 //                                 outside [0, E)). Without a capacity: one memset to 1.
 //   count_dropped                 keep copied to the host and counted (a read: only on request)
+//   expert_bias_update            one block: the counts summed in double (integers: exact in any
+//                                 order, so the CPU loop's total), then each thread updates its
+//                                 experts in double from the stored values; nothing read back
 #pragma once
 
 #include <algorithm>
@@ -150,6 +153,24 @@ __global__ void capacity_mask_kernel(const I* ids, index_t n, index_t num_expert
   }
 }
 
+// One block (blockDim.x a multiple of 32): bias[x] += rate * sign(mean - loads[x]) when the loads
+// sum to > 0. rate * sign is exact (sign is -1, 0 or 1), so a contraction into an FMA rounds the
+// same single addition as the CPU.
+template <class T>
+__global__ void expert_bias_update_kernel(T* bias, const std::int32_t* loads, index_t e,
+                                          double rate) {
+  double part = 0;
+  for (index_t x = threadIdx.x; x < e; x += blockDim.x) part += static_cast<double>(loads[x]);
+  const double total = block_reduce(part, SumOp{}, 0.0);
+  if (!(total > 0)) return;  // the same total in every thread: all return
+  const double mean = total / static_cast<double>(e);
+  for (index_t x = threadIdx.x; x < e; x += blockDim.x) {
+    const double load = static_cast<double>(loads[x]);
+    const double sign = load < mean ? 1.0 : (load > mean ? -1.0 : 0.0);
+    bias[x] = value_cast<T>(value_cast<double>(bias[x]) + rate * sign);
+  }
+}
+
 template <class I>
 __global__ void route_dropped_to_kernel(const I* indices, const std::uint8_t* keep, I bucket,
                                         I* ids, index_t n) {
@@ -265,6 +286,17 @@ inline Offender accumulate_expert_counts(cuda, const Tensor<std::int32_t, cuda>&
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   return bad.result<Offender>("accumulate_expert_counts",
                               [indices](index_t a) { return detail::offender_at(indices, a); });
+}
+
+// bias (E) += rate * sign(mean - loads) on the device (shapes checked by ops/gates.hpp); the
+// CPU's bits, T = float, double, bf16 or half (value_cast: one rounding from double).
+template <class T>
+void expert_bias_update(cuda, const Tensor<T, cuda>& bias, const Tensor<std::int32_t, cuda>& loads,
+                        double rate) {
+  const index_t e = bias.numel();
+  detail::launch_kernel<detail::expert_bias_update_kernel<T>>(
+      1u, static_cast<unsigned>(detail::threads_for_row(e)), bias.data(), loads.data(), e, rate);
+  GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
 
 // ids (indices' shape) prepared by ops/gates.hpp.
