@@ -57,6 +57,7 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   if (m.shared_expert_gate) j["shared_expert_gate"] = true;
   if (m.first_k_dense != 0) j["first_k_dense"] = m.first_k_dense;
   if (m.moe_every != 1) j["moe_every"] = m.moe_every;
+  if (!r.options<graphmoe::LinearScorer>().bias) j["router_bias"] = false;
   const graphmoe::TokenChoiceOptions& choice = r.options<graphmoe::TopK>();  // BiasBalancedTopK's too
   const bool biased = router.rfind("sigmoid-bias", 0) == 0;
   if (!choice.norm_topk_prob) j["norm_topk_prob"] = false;
@@ -193,6 +194,8 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
     m.shared_expert_gate = config_field<bool>(j, "shared_expert_gate", where);
   if (j.contains("first_k_dense")) m.first_k_dense = config_field<index_t>(j, "first_k_dense", where);
   if (j.contains("moe_every")) m.moe_every = config_field<index_t>(j, "moe_every", where);
+  if (j.contains("router_bias"))
+    m.router.options<graphmoe::LinearScorer>().bias = config_field<bool>(j, "router_bias", where);
   graphmoe::TokenChoiceOptions choice;
   if (j.contains("norm_topk_prob")) choice.norm_topk_prob = config_field<bool>(j, "norm_topk_prob", where);
   if (j.contains("routed_scaling_factor"))

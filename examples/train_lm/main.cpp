@@ -83,6 +83,7 @@ int main(int argc, char** argv) {
   app.add_option("--shared-expert-gate", m.shared_expert_gate, "a per-token sigmoid gate on the shared experts (true/false)");
   app.add_option("--first-dense", m.first_k_dense, "the first N blocks dense")->check(examples::integer<index_t>(0, examples::kMaxLayers));
   app.add_option("--moe-every", m.moe_every, "switch layout: MoE in every N-th block")->check(examples::integer<index_t>(1, examples::kMaxLayers));
+  app.add_option("--router-bias", m.router.options<LinearScorer>().bias, "bias b of the linear router's scores W u + b (true/false; the modern presets: false)");
   app.add_option("--norm-topk-prob", choice.norm_topk_prob, "gates renormalised over the chosen k (true/false)");
   app.add_option("--routed-scaling-factor", choice.routed_scaling_factor, "every gate times this")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--n-group", choice.n_group, "group-limited routing: expert groups (1: off)")->check(examples::integer<index_t>(1, examples::kMaxExperts));

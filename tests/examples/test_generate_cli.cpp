@@ -10,8 +10,10 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
+#include <utility>
 #include <set>
 #include <sstream>
 #include <string>
@@ -44,7 +46,7 @@ Result run(const Scratch& s, const std::string& exe, const std::vector<std::stri
 
 // A tiny train_lm run (about a second); char: a character-level model.
 void train(const Scratch& s, const std::string& out, bool char_level,
-           const std::string& router = "softmax") {
+           const std::string& router = "softmax", const std::vector<std::string>& extra = {}) {
   const std::string corpus = s / "corpus.txt";
   test::write_word_corpus(corpus);
   std::vector<std::string> args = {
@@ -53,6 +55,7 @@ void train(const Scratch& s, const std::string& out, bool char_level,
       "--top-k", "1", "--seq", "8", "--batch", "2", "--steps", "20", "--warmup", "0",
       "--eval-every", "0", "--threads", "1", "--out", out};
   if (char_level) args.push_back("--char");
+  args.insert(args.end(), extra.begin(), extra.end());
   const Result r = run(s, kTrainLM, args);
   INFO(r.text());
   REQUIRE(r.status == 0);
@@ -132,6 +135,28 @@ TEST_CASE("generate: a word-level train_lm checkpoint generates --max-new-tokens
   const Result u = run(s, kGenerate, gen_args(dir, "the zebra", {"--max-new-tokens", "2"}));
   CHECK(u.status == 0);
   CHECK(u.err.find("1 not in the vocabulary, read as <unk>): the <unk>") != std::string::npos);
+}
+
+TEST_CASE("generate: checkpoints of a modern preset and of a bias-free router rebuild their model") {
+  // the checkpoint's config records what the model was built with (router_bias false among the
+  // modern fields), so that generate rebuilds the same parameters; a missing or extra tensor would
+  // be refused by name
+  Scratch s("generate_modern");
+  for (const auto& [name, extra] :
+       std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"olmoe", {"--arch", "olmoe", "--expert-d-ff", "4"}},
+           {"gpt-router-bias-false", {"--router-bias", "false"}}}) {
+    CAPTURE(name);
+    const std::string dir = s / name;
+    train(s, dir, false, "softmax", extra);
+    std::ifstream ckpt(dir + "/checkpoint.safetensors", std::ios::binary);  // its metadata
+    const std::string text((std::istreambuf_iterator<char>(ckpt)), std::istreambuf_iterator<char>());
+    CHECK(text.find("router_bias") != std::string::npos);
+    const Result g = run(s, kGenerate, gen_args(dir, "the cat", {"--greedy", "--max-new-tokens", "4"}));
+    INFO(g.text());
+    CHECK(g.status == 0);
+    CHECK(count_tokens(g.out, nullptr) == 4);
+  }
 }
 
 TEST_CASE("generate: --stop ends at the first stop token, and a character-level checkpoint generates characters") {

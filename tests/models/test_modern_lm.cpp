@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "graphmoe/inference/decoder.hpp"
@@ -384,6 +385,12 @@ TEST_CASE("presets: every family's switches, a forward, a training step and deco
     c.init_std = 0.3;
     auto check = [&]<class Policy>() {
       TransformerLM<Policy, double> lm(c, 5);
+      // the families' routers (Hugging Face's gate) have no bias; GPT-2's preset keeps the
+      // linear scorer's (the sigmoid scorer has none by default)
+      bool router_bias = false;
+      for (const auto& p : lm.arena().params())
+        router_bias = router_bias || p.name.ends_with(".moe.router.bias");
+      CHECK(router_bias == (arch == "gpt" && std::is_same_v<Policy, SoftmaxRouter>));
       Rng rng(3);
       auto ids = random_ids(2, 10, c.vocab_size, rng);
       const Loss l = lm.forward(ids, ids);

@@ -235,7 +235,8 @@ struct TransformerLMConfig {
 
  private:
   // What the modern presets share: RMSNorm, RoPE (HalfSplit), 4 key/value heads of 8, SwiGLU
-  // feed-forward networks, no biases, untied embeddings, on 4 blocks of D = 256.
+  // feed-forward networks, no biases (the router's included), untied embeddings, on 4 blocks of
+  // D = 256.
   static TransformerLMConfig modern_base(index_t vocab) {
     TransformerLMConfig c;
     c.vocab_size = vocab;
@@ -255,6 +256,7 @@ struct TransformerLMConfig {
     c.activation = FfnActivation::SwiGLU;
     c.ffn_bias = false;
     c.router.allow_unused_options = true;  // TopK's options: other selectors ignore them
+    c.router.options<LinearScorer>().bias = false;  // the families' routers (gate) have no bias
     return c;
   }
   static void set_experts(TransformerLMConfig& c, index_t e, index_t k, bool norm, double scale) {
