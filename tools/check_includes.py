@@ -18,7 +18,8 @@ layers only:
     6  layers/
     7  models/
     8  train/  inference/  (separate folders of one layer: neither includes the other)
-    9  testing/           the public gradient checker, for users' policies and layers
+    9  testing/  hf/      the public gradient checker, for users' policies and layers; the
+                          Hugging Face reader (on models/ and train/'s safetensors headers)
    10  graphmoe.hpp, cuda.cuh   the umbrella headers
 
 Two rules come on top of the ranks:
@@ -51,6 +52,7 @@ RANKS = {
     "train": 8,
     "inference": 8,  # generation and sampling: on models/, independent of train/
     "testing": 9,
+    "hf": 9,  # Hugging Face model directories: on models/ and train/checkpoint.hpp
     "graphmoe.hpp": 10,
     "cuda.cuh": 10,
 }

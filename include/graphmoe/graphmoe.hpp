@@ -92,3 +92,7 @@
 // inference: sampling (greedy, temperature, top-k, top-p) and generate (the full-forward decoder)
 #include "graphmoe/inference/generate.hpp"
 #include "graphmoe/inference/sampling.hpp"
+
+// Hugging Face model directories: config.json and safetensors shards into a TransformerLM
+#include "graphmoe/hf/config.hpp"
+#include "graphmoe/hf/reader.hpp"

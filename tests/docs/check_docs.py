@@ -24,7 +24,7 @@ DEFAULT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 # Paths the pages name: from the repository root, or relative to include/graphmoe (the way the
 # pages name headers: `core/tensor.hpp`, `graphmoe/layers/moe.hpp`).
 ROOT_DIRS = r"(?:\.ci|include|docs|scripts|tests|benchmarks|examples|tools|cmake)"
-INCLUDE_DIRS = r"(?:core|backend|ops|routing|layers|models|train|inference|dist|testing)"
+INCLUDE_DIRS = r"(?:core|backend|ops|routing|layers|models|train|inference|dist|testing|hf)"
 PATH = re.compile(
     r"(?<![\w./~$@-])("
     + ROOT_DIRS + r"/[\w.+/-]*"

@@ -342,6 +342,17 @@ class TransformerLM {
     init(rng);
   }
 
+  // The owning shorthand without init: every parameter zero until written, for a caller that
+  // fills them all (a checkpoint reader: graphmoe/hf/reader.hpp), so that a large model is not
+  // drawn at random first.
+  struct NoInit {};
+  TransformerLM(const TransformerLMConfig& cfg, NoInit)
+      : owned_(std::make_unique<ParameterArena<T, B>>()) {
+    declare(*owned_, "", cfg);
+    owned_->allocate();
+    bind(*owned_);
+  }
+
   // Expert parallel (docs/distributed.md): every MoE layer's experts split over experts' ranks
   // (cfg.router.num_experts a multiple of its size), the rest replicated; forward and backward
   // are then collective. The same seed on every rank gives one process's model.

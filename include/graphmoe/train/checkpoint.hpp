@@ -394,6 +394,8 @@ class Fd {
     if (fd_ >= 0) ::close(fd_);
   }
   int get() const { return fd_; }
+  // Gives the descriptor up without closing it.
+  void release() { fd_ = -1; }
   // Closes now and reports close()'s error (write errors can surface there).
   int close() {
     const int r = ::close(fd_);
@@ -615,42 +617,66 @@ inline void save_safetensors(const std::string& path, const std::vector<TensorRe
                  "' failed: ", detail::errno_text(errno));
 }
 
-// Reads and validates a whole safetensors file. Throws graphmoe::Error naming the file and the
-// problem for anything malformed (see docs/checkpoints.md for the list).
-inline SafetensorsFile load_safetensors(const std::string& path) {
-  const char* op = "load_safetensors";
-  // Checked before opening: opening a FIFO for reading blocks until a writer comes, and a device
-  // such as /dev/zero never ends. O_NONBLOCK keeps a file swapped for a FIFO after the check from
-  // blocking the open; fstat then checks what was actually opened.
-  struct stat st {};
+// One tensor of a validated safetensors header: where its bytes are in the data buffer.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::U8;
+  Shape shape;
+  std::uint64_t begin = 0, end = 0;  // byte offsets into the data buffer, end - begin = its bytes
+};
+
+// The header of a safetensors file, validated as load_safetensors validates it (every check of
+// docs/checkpoints.md), without reading the data.
+struct SafetensorsHeader {
+  std::string path;
+  std::uint64_t file_size = 0;
+  std::uint64_t data_start = 0;  // 8 + the header size: the data buffer's offset in the file
+  std::map<std::string, std::string> metadata;
+  std::vector<SafetensorsEntry> entries;  // in the order of their data (ascending offsets)
+};
+
+namespace detail {
+
+// Opens `path` for reading, refusing anything but a regular file (checked before opening:
+// opening a FIFO for reading blocks until a writer comes, and a device such as /dev/zero never
+// ends; O_NONBLOCK keeps a file swapped for a FIFO after the check from blocking the open, and
+// fstat then checks what was actually opened). Returns the descriptor; st holds its status.
+inline int open_regular_for_reading(const char* op, const std::string& path, struct stat& st) {
   GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, op, "cannot open '", path, "': ",
-                 detail::errno_text(errno));
+                 errno_text(errno));
   GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
-                 detail::file_kind(st.st_mode), ")");
-  detail::Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
-  GRAPHMOE_CHECK(fd.get() >= 0, op, "cannot open '", path, "': ", detail::errno_text(errno));
+                 file_kind(st.st_mode), ")");
+  const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  GRAPHMOE_CHECK(raw >= 0, op, "cannot open '", path, "': ", errno_text(errno));
+  Fd fd(raw);
   GRAPHMOE_CHECK(::fstat(fd.get(), &st) == 0, op, "cannot stat '", path, "': ",
-                 detail::errno_text(errno));
+                 errno_text(errno));
   GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
-                 detail::file_kind(st.st_mode), ")");
-  const auto file_size = static_cast<std::uint64_t>(st.st_size);
+                 file_kind(st.st_mode), ")");
+  const int out = fd.get();
+  fd.release();
+  return out;
+}
+
+// Reads and validates the header of the open file fd (positioned at its start, file_size bytes)
+// and leaves fd at the start of the data buffer. Errors "graphmoe::<op>: '<path>': <problem>".
+inline SafetensorsHeader read_safetensors_header(const char* op, const std::string& path, int fd,
+                                                 std::uint64_t file_size) {
   GRAPHMOE_CHECK(file_size >= 8, op, "'", path, "': file is ", file_size,
                  " bytes, shorter than the 8-byte header size field (truncated?)");
-
   std::uint8_t size_bytes[8];
-  GRAPHMOE_CHECK(detail::read_all(fd.get(), size_bytes, 8), op, "'", path,
-                 "': cannot read the header size");
+  GRAPHMOE_CHECK(read_all(fd, size_bytes, 8), op, "'", path, "': cannot read the header size");
   std::uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<std::uint64_t>(size_bytes[i]) << (8 * i);
-  GRAPHMOE_CHECK(n <= detail::kSafetensorsMaxHeader, op, "'", path, "': header size ", n,
-                 " exceeds the limit of ", detail::kSafetensorsMaxHeader, " bytes");
+  GRAPHMOE_CHECK(n <= kSafetensorsMaxHeader, op, "'", path, "': header size ", n,
+                 " exceeds the limit of ", kSafetensorsMaxHeader, " bytes");
   GRAPHMOE_CHECK(n <= file_size - 8, op, "'", path, "': header size ", n,
                  " runs past the end of the file (", file_size, " bytes; truncated?)");
   std::string text(static_cast<std::size_t>(n), '\0');
-  GRAPHMOE_CHECK(detail::read_all(fd.get(), text.data(), text.size()), op, "'", path,
-                 "': cannot read the ", n, "-byte header (file shrank while reading?)");
+  GRAPHMOE_CHECK(read_all(fd, text.data(), text.size()), op, "'", path, "': cannot read the ", n,
+                 "-byte header (file shrank while reading?)");
 
-  detail::SafetensorsHeaderSax sax;
+  SafetensorsHeaderSax sax;
   const bool ok = nlohmann::json::sax_parse(text, &sax);
   GRAPHMOE_CHECK(sax.error.empty(), op, "'", path, "': ", sax.error);
   GRAPHMOE_CHECK(sax.syntax_error.empty(), op, "'", path, "': ", sax.syntax_error);
@@ -658,18 +684,15 @@ inline SafetensorsFile load_safetensors(const std::string& path) {
 
   // Entries: dtype, sizes, and offsets that tile the data buffer.
   const std::uint64_t buffer = file_size - 8 - n;
-  struct Span {
-    std::uint64_t begin, end;
-    const detail::RawEntry* entry;
-  };
-  std::vector<Span> spans;
-  spans.reserve(sax.entries.size());
-  SafetensorsFile out;
+  SafetensorsHeader out;
   out.path = path;
+  out.file_size = file_size;
+  out.data_start = 8 + n;
   out.metadata = std::move(sax.metadata);
-  for (const detail::RawEntry& e : sax.entries) {
+  out.entries.reserve(sax.entries.size());
+  for (const RawEntry& e : sax.entries) {
     DType d{};
-    GRAPHMOE_CHECK(detail::parse_dtype(e.dtype, d), op, "'", path, "': tensor '", e.name,
+    GRAPHMOE_CHECK(parse_dtype(e.dtype, d), op, "'", path, "': tensor '", e.name,
                    "' has the unknown or unsupported dtype '", e.dtype,
                    "' (supported: F32, F64, BF16, F16, I32, I64, U8)");
     const std::uint64_t begin = e.offsets[0], end = e.offsets[1];
@@ -679,41 +702,72 @@ inline SafetensorsFile load_safetensors(const std::string& path) {
                    begin, ", ", end, "] beyond the data buffer of ", buffer,
                    " bytes (truncated?)");
     std::uint64_t nbytes = 0;
-    GRAPHMOE_CHECK(detail::checked_nbytes(e.shape, dtype_size(d), nbytes), op, "'", path,
-                   "': tensor '", e.name, "' has a shape whose byte size overflows 64 bits");
+    GRAPHMOE_CHECK(checked_nbytes(e.shape, dtype_size(d), nbytes), op, "'", path, "': tensor '",
+                   e.name, "' has a shape whose byte size overflows 64 bits");
     GRAPHMOE_CHECK(end - begin == nbytes, op, "'", path, "': tensor '", e.name, "' spans ",
                    end - begin, " bytes, but its dtype ", e.dtype, " and shape need ", nbytes);
-    spans.push_back({begin, end, &e});
+    SafetensorsEntry entry;
+    entry.name = e.name;
+    entry.dtype = d;
+    const std::vector<index_t> dims(e.shape.begin(), e.shape.end());  // each <= INT64_MAX
+    entry.shape = Shape::from_range(dims.begin(), dims.end());
+    entry.begin = begin;
+    entry.end = end;
+    out.entries.push_back(std::move(entry));
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
+  std::sort(out.entries.begin(), out.entries.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+            });
   std::uint64_t expected = 0;
-  const detail::RawEntry* prev = nullptr;
-  for (const Span& s : spans) {
+  const SafetensorsEntry* prev = nullptr;
+  for (const SafetensorsEntry& s : out.entries) {
     GRAPHMOE_CHECK(s.begin >= expected, op, "'", path, "': tensors '", prev ? prev->name : "",
-                   "' and '", s.entry->name, "' overlap in the data buffer");
+                   "' and '", s.name, "' overlap in the data buffer");
     GRAPHMOE_CHECK(s.begin == expected, op, "'", path, "': gap of ", s.begin - expected,
-                   " bytes in the data buffer before tensor '", s.entry->name, "'");
+                   " bytes in the data buffer before tensor '", s.name, "'");
     expected = s.end;
-    prev = s.entry;
+    prev = &s;
   }
   GRAPHMOE_CHECK(expected == buffer, op, "'", path, "': ", buffer - expected,
                  " bytes after the last tensor are not covered by any tensor");
+  return out;
+}
 
-  // Data: sequential reads, each allocation bounded by what the file holds.
-  for (const Span& s : spans) {
-    const detail::RawEntry& e = *s.entry;
+}  // namespace detail
+
+// Reads and validates the header of a safetensors file (the checks of load_safetensors), without
+// its data: the tensors' names, dtypes, shapes and places. graphmoe/hf/reader.hpp maps the data.
+inline SafetensorsHeader read_safetensors_header(const std::string& path) {
+  const char* op = "read_safetensors_header";
+  struct stat st {};
+  detail::Fd fd(detail::open_regular_for_reading(op, path, st));
+  return detail::read_safetensors_header(op, path, fd.get(), static_cast<std::uint64_t>(st.st_size));
+}
+
+// Reads and validates a whole safetensors file. Throws graphmoe::Error naming the file and the
+// problem for anything malformed (see docs/checkpoints.md for the list).
+inline SafetensorsFile load_safetensors(const std::string& path) {
+  const char* op = "load_safetensors";
+  struct stat st {};
+  detail::Fd fd(detail::open_regular_for_reading(op, path, st));
+  SafetensorsHeader header =
+      detail::read_safetensors_header(op, path, fd.get(), static_cast<std::uint64_t>(st.st_size));
+  SafetensorsFile out;
+  out.path = path;
+  out.metadata = std::move(header.metadata);
+  // Data: sequential reads (the entries tile the buffer in this order), each allocation bounded
+  // by what the file holds.
+  for (SafetensorsEntry& e : header.entries) {
     LoadedTensor t;
-    detail::parse_dtype(e.dtype, t.dtype);
-    const std::vector<index_t> dims(e.shape.begin(), e.shape.end());  // each <= INT64_MAX
-    t.shape = Shape::from_range(dims.begin(), dims.end());
+    t.dtype = e.dtype;
+    t.shape = e.shape;
     t.name = e.name;
     t.path = path;
-    t.bytes.resize(static_cast<std::size_t>(s.end - s.begin));
+    t.bytes.resize(static_cast<std::size_t>(e.end - e.begin));
     GRAPHMOE_CHECK(detail::read_all(fd.get(), t.bytes.data(), t.bytes.size()), op, "'", path,
                    "': cannot read the data of tensor '", e.name, "' (file shrank while reading?)");
-    out.tensors.emplace(e.name, std::move(t));
+    out.tensors.emplace(std::move(e.name), std::move(t));
   }
   return out;
 }
