@@ -9,8 +9,15 @@
 // weights (seed 1), Mode::Eval. Routers: SoftmaxRouter, SimilarityRouter, AttentionRouter.
 // Token ids are random with a fixed seed.
 //
+// The olmoe cases: the olmoe preset (TransformerLMConfig::olmoe(10000): 4 pre-norm blocks, D = 256,
+// 8 heads, RMSNorm, RoPE base 10000 (HalfSplit), QK-norm over the whole q and k projections,
+// SwiGLU experts without biases, E = 64 experts of width 128, top-8 with unnormalised gates, the
+// router's linear with its bias, untied head) with max_seq_len 576 (a 512-token prompt plus 64),
+// random weights (seed 1), Mode::Eval; routers SoftmaxRouter and SimilarityRouter; batch 1.
+//
 //   ./benchmarks/bench_decode --benchmark_filter='BM_decode_incremental'
 //   python3 benchmarks/compare/decode_torch.py --build-dir build     (beside PyTorch)
+//   python3 benchmarks/compare/decode_torch.py --build-dir build --arch olmoe   (the olmoe cases)
 //
 // Arguments: {batch, prompt, threads} (threads: graphmoe::set_num_threads; 2, the comparison's
 // default, and 1). Each case builds its model and prefills its own decoder: filter to the cases
@@ -24,6 +31,9 @@
 //   routing_values/token (DecodeCache::kv_values_per_token, routing_values_per_token, summed over
 //   the layers) and cache_MiB (those values for all slots at max_seq_len, 4 bytes each: the
 //   Attention graph's per-head entropy sums are doubles, so its MiB is a little low).
+// BM_decode_incremental_olmoe_<router>: the same timed loop on the olmoe preset, batch 1, prompts
+//   64 and 512, threads 2 and 1; the same counters (cache_MiB at max_seq_len 576) and params (the
+//   model's parameters, ParameterArena::numel: decode_torch.py checks its PyTorch model against it).
 // BM_prefill_<router>: time to first token: each iteration resets slot 0 of a one-slot Decoder
 //   and feeds the `prompt` tokens with Decoder::prefill in steps of `chunk` tokens (chunk 1:
 //   step by step, one token per step as before prefill existed; 256: GEMMs of 256 rows), which
@@ -49,11 +59,18 @@ using namespace graphmoe;
 namespace {
 
 constexpr index_t kVocab = 10000, kMaxSeq = 1088;
+constexpr index_t kOlmoeMaxSeq = 576;  // the olmoe cases: a 512-token prompt plus 64
 constexpr index_t kRewindEvery = 16;
 
 TransformerLMConfig decode_config() {
   TransformerLMConfig c = TransformerLMConfig::paper_medium(kVocab);
   c.max_seq_len = kMaxSeq;
+  return c;
+}
+
+TransformerLMConfig olmoe_decode_config() {
+  TransformerLMConfig c = TransformerLMConfig::olmoe(kVocab);
+  c.max_seq_len = kOlmoeMaxSeq;
   return c;
 }
 
@@ -64,12 +81,13 @@ std::vector<std::int32_t> random_ids(index_t n, std::uint64_t seed) {
   return ids;
 }
 
+// cfg: the model (decode_config() or olmoe_decode_config()); params: add the params counter.
 template <class Policy>
-void BM_decode_incremental(benchmark::State& state) {
+void BM_decode_incremental(benchmark::State& state, const TransformerLMConfig& cfg, bool params) {
   using T = float;
   const index_t batch = state.range(0), prompt = state.range(1);
   set_num_threads(static_cast<int>(state.range(2)));
-  TransformerLM<Policy, T> lm(decode_config(), /*seed=*/1);
+  TransformerLM<Policy, T> lm(cfg, /*seed=*/1);
   lm.set_mode(Mode::Eval);
   Decoder<Policy, T> dec(lm, batch);
 
@@ -100,8 +118,9 @@ void BM_decode_incremental(benchmark::State& state) {
   const index_t kv = cache.kv_values_per_token(), routing = cache.routing_values_per_token();
   state.counters["kv_values/token"] = static_cast<double>(kv);
   state.counters["routing_values/token"] = static_cast<double>(routing);
-  state.counters["cache_MiB"] = static_cast<double>((kv + routing) * batch * kMaxSeq) *
+  state.counters["cache_MiB"] = static_cast<double>((kv + routing) * batch * cfg.max_seq_len) *
                                 sizeof(T) / (1024.0 * 1024.0);
+  if (params) state.counters["params"] = static_cast<double>(lm.arena().numel());
   set_num_threads(1);
 }
 
@@ -154,7 +173,7 @@ void register_router(const char* router) {
     for (index_t batch : {1, 8})
       for (index_t prompt : {64, 1024}) {
         benchmark::RegisterBenchmark(("BM_decode_incremental_" + std::string(router)).c_str(),
-                                     BM_decode_incremental<Policy>)
+                                     BM_decode_incremental<Policy>, decode_config(), false)
             ->Args({batch, prompt, threads})
             ->ArgNames({"batch", "prompt", "threads"})
             ->Unit(benchmark::kMillisecond)
@@ -181,12 +200,28 @@ void register_router(const char* router) {
         ->Iterations(2);
 }
 
+// The olmoe preset at batch 1: incremental decoding only, 96 steps as above.
+template <class Policy>
+void register_olmoe_router(const char* router) {
+  for (int threads : {2, 1})
+    for (index_t prompt : {64, 512})
+      benchmark::RegisterBenchmark(("BM_decode_incremental_olmoe_" + std::string(router)).c_str(),
+                                   BM_decode_incremental<Policy>, olmoe_decode_config(), true)
+          ->Args({1, prompt, threads})
+          ->ArgNames({"batch", "prompt", "threads"})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime()
+          ->Iterations(96);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   register_router<SoftmaxRouter>("softmax");
   register_router<SimilarityRouter>("similarity");
   register_router<AttentionRouter>("attention");
+  register_olmoe_router<SoftmaxRouter>("softmax");
+  register_olmoe_router<SimilarityRouter>("similarity");
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -12,6 +12,11 @@
 // BM_lm_train_paper_medium_<router>: the model of bench_cuda's lm_train rows on the CPU backend
 // (TransformerLMConfig::paper_medium with a vocabulary of 1024, batch 4 x 512, the same random
 // tokens), 2 threads, 3 timed steps: the GPU's tokens/s against the CPU's for the same model.
+//
+// BM_lm_train_olmoe_<router>: the olmoe preset (TransformerLMConfig::olmoe(10000): 4 blocks,
+// D = 256, 8 heads, RMSNorm, RoPE, QK-norm, SwiGLU, E = 64 experts of width 128, top-8, untied
+// head, the load-balancing and z-losses), batch 8 x 128 as above, threads 1 and 2;
+// `lm_torch.py --arch olmoe` trains the same model in PyTorch. Counter params = the parameters.
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -86,6 +91,7 @@ void BM_lm_train(benchmark::State& state, const TransformerLMConfig& cfg, index_
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(batch * seq),
                                                   benchmark::Counter::kIsIterationInvariantRate);
   state.counters["loss"] = static_cast<double>(loss);
+  state.counters["params"] = static_cast<double>(lm.arena().numel());
   set_num_threads(1);
 }
 
@@ -99,6 +105,13 @@ void BM_lm_train_softmax(benchmark::State& s) {
 }
 void BM_lm_train_similarity(benchmark::State& s) {
   BM_lm_train<SimilarityRouter>(s, lm_config(), kBatch, kSeq);
+}
+
+void BM_lm_train_olmoe_softmax(benchmark::State& s) {
+  BM_lm_train<SoftmaxRouter>(s, TransformerLMConfig::olmoe(kVocab), kBatch, kSeq);
+}
+void BM_lm_train_olmoe_similarity(benchmark::State& s) {
+  BM_lm_train<SimilarityRouter>(s, TransformerLMConfig::olmoe(kVocab), kBatch, kSeq);
 }
 
 void medium_args(benchmark::internal::Benchmark* b) {
@@ -115,6 +128,8 @@ void BM_lm_train_paper_medium_similarity(benchmark::State& s) {
 
 BENCHMARK(BM_lm_train_softmax)->Apply(args);
 BENCHMARK(BM_lm_train_similarity)->Apply(args);
+BENCHMARK(BM_lm_train_olmoe_softmax)->Apply(args);
+BENCHMARK(BM_lm_train_olmoe_similarity)->Apply(args);
 BENCHMARK(BM_lm_train_paper_medium_softmax)->Apply(medium_args);
 BENCHMARK(BM_lm_train_paper_medium_similarity)->Apply(medium_args);
 

@@ -1,8 +1,16 @@
-// MoE layer forward and forward+backward for each router at the paper's medium shape:
-// batch 4 x 512 tokens, D = 352, E = 16, d_ff = 352, top-2, float, at 1 and 2 threads.
+// MoE layer forward and forward+backward, float, at 1 and 2 threads, causal token graphs:
+//   BM_moe_<router>_*       each router at the paper's medium shape: batch 4 x 512 tokens,
+//                           D = 352, E = 16 GELU experts of d_ff = 352 with biases, top-2
+//                           (TopK's gates renormalised).
+//   BM_moe_fine_<router>_*  fine-grained experts, the olmoe preset's MoE layer
+//                           (TransformerLMConfig::olmoe): batch 4 x 512 tokens, D = 256, E = 64
+//                           SwiGLU experts of width 128 without biases, top-8, gates not
+//                           renormalised (norm_topk_prob = false); routers softmax, similarity and
+//                           sigmoid_bias (SigmoidBiasRouter).
 //
 //   ./benchmarks/bench_moe --benchmark_filter='BM_moe'            (all)
-//   python3 benchmarks/compare/moe_layer_torch.py --build-dir build   (beside PyTorch)
+//   ./benchmarks/bench_moe --benchmark_filter='BM_moe_fine'       (the fine-grained rows)
+//   python3 benchmarks/compare/moe_layer_torch.py --build-dir build [--shape fine]  (PyTorch)
 //
 // Arguments: {threads, parallelism (0 = within GEMMs, 1 = across experts)}.
 #include <benchmark/benchmark.h>
@@ -16,21 +24,39 @@ using namespace graphmoe;
 
 namespace {
 
-constexpr index_t kBatch = 4, kSeq = 512, kD = 352, kE = 16, kFF = 352, kK = 2, kHeads = 8;
+constexpr index_t kBatch = 4, kSeq = 512, kHeads = 8;
+
+// The layer's shape past the batch: width, experts, expert width, top-k, the experts'
+// activation and biases, and whether the gates are renormalised over the k chosen (TopK's
+// norm_topk_prob; also BiasBalancedTopK's).
+struct LayerShape {
+  index_t d, e, ff, k;
+  FfnActivation activation;
+  bool bias, norm_topk_prob;
+};
+// The paper's medium shape (MoEConfig's defaults: GELU experts with biases, renormalised gates).
+constexpr LayerShape kMedium{352, 16, 352, 2, FfnActivation::Gelu, true, true};
+// The olmoe preset's MoE layer: 64 fine-grained SwiGLU experts of width 128 (expert_d_ff), no
+// biases (ffn_bias = false), top-8, unnormalised gates.
+constexpr LayerShape kFine{256, 64, 128, 8, FfnActivation::SwiGLU, false, false};
 
 template <class Policy>
-void BM_moe(benchmark::State& state, bool backward) {
+void BM_moe(benchmark::State& state, bool backward, const LayerShape& s = kMedium) {
   using T = float;
+  const index_t d = s.d, k = s.k;
   const int threads = static_cast<int>(state.range(0));
   set_num_threads(threads);
   MoEConfig cfg;
-  cfg.d_model = kD;
-  cfg.d_ff = kFF;
-  cfg.router.num_experts = kE;
-  cfg.router.k = kK;
+  cfg.d_model = d;
+  cfg.d_ff = s.ff;
+  cfg.activation = s.activation;
+  cfg.bias = s.bias;
+  cfg.router.num_experts = s.e;
+  cfg.router.k = k;
   cfg.router.allow_unused_options = true;  // one config for every router benchmarked
-  cfg.router.options<ScheduledTopK>().k_min = kK;
-  cfg.router.options<ScheduledTopK>().k_max = kK;
+  cfg.router.options<ScheduledTopK>().k_min = k;
+  cfg.router.options<ScheduledTopK>().k_max = k;
+  cfg.router.options<TopK>().norm_topk_prob = s.norm_topk_prob;
   cfg.router.causal = true;
   cfg.parallelism = state.range(1) ? ExpertParallelism::AcrossExperts : ExpertParallelism::WithinGemm;
   ParameterArena<T> arena;
@@ -40,9 +66,9 @@ void BM_moe(benchmark::State& state, bool backward) {
   layer.bind(arena);
   Rng rng(1);
   layer.init(rng);
-  auto u = bench::normal<T>({kBatch * kSeq, kD}, rng, 1.0);
-  auto dy = bench::normal<T>({kBatch * kSeq, kD}, rng, 1.0);
-  AttentionCache<T> cache = bench::attention_cache<T>(u, kBatch, kSeq, kD, kHeads, /*causal=*/true, rng);
+  auto u = bench::normal<T>({kBatch * kSeq, d}, rng, 1.0);
+  auto dy = bench::normal<T>({kBatch * kSeq, d}, rng, 1.0);
+  AttentionCache<T> cache = bench::attention_cache<T>(u, kBatch, kSeq, d, kHeads, /*causal=*/true, rng);
   GraphContext<T> ctx{kSeq, Policy::needs_attention ? &cache : nullptr};
   Tensor<T> y, du;
   for (auto _ : state) {
@@ -54,8 +80,10 @@ void BM_moe(benchmark::State& state, bool backward) {
     benchmark::DoNotOptimize(y.data());
     benchmark::DoNotOptimize(du.data());
   }
-  // Expert FLOPs only (2 GEMMs per routed slot, x3 with backward): a yardstick, not the total.
-  const double flops = 2.0 * 2.0 * kBatch * kSeq * kK * kD * kFF * (backward ? 3.0 : 1.0);
+  // Expert FLOPs only, a yardstick, not the total: per routed slot the first projection (F rows,
+  // SwiGLU's fused gate | up 2F) and the second (F), 2 D FLOPs per row; x3 with backward.
+  const double flops = 2.0 * (ffn_first_width(s.activation) + 1) * kBatch * kSeq * k * d * s.ff *
+                       (backward ? 3.0 : 1.0);
   state.counters["expert_GFLOP/s"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tokens/s"] =
@@ -86,5 +114,17 @@ GRAPHMOE_BENCH_ROUTER(SMoEDropoutRouter, smoe_dropout);
 // FLOPs as top-2). The graph stays causal as in the rows above (a layer alone does not refuse it).
 GRAPHMOE_BENCH_ROUTER(ExpertChoiceRouter, expert_choice);
 GRAPHMOE_BENCH_ROUTER(SimilarityExpertChoiceRouter, similarity_expert_choice);
+
+#define GRAPHMOE_BENCH_FINE_ROUTER(Policy, name)                                            \
+  void BM_moe_fine_##name##_fwd(benchmark::State& s) { BM_moe<Policy>(s, false, kFine); }   \
+  void BM_moe_fine_##name##_fwdbwd(benchmark::State& s) { BM_moe<Policy>(s, true, kFine); } \
+  BENCHMARK(BM_moe_fine_##name##_fwd)->Apply(args);                                         \
+  BENCHMARK(BM_moe_fine_##name##_fwdbwd)->Apply(args)
+
+// The fine-grained rows (the olmoe preset's layer). The sigmoid-bias router's selection bias stays
+// at its initial zero (it moves only in after_step, which a layer benchmark does not call).
+GRAPHMOE_BENCH_FINE_ROUTER(SoftmaxRouter, softmax);
+GRAPHMOE_BENCH_FINE_ROUTER(SimilarityRouter, similarity);
+GRAPHMOE_BENCH_FINE_ROUTER(SigmoidBiasRouter, sigmoid_bias);
 
 BENCHMARK_MAIN();

@@ -13,7 +13,19 @@ weights, the head tied to the embedding, F.cross_entropy, torch.optim.AdamW and
 clip_grad_norm_; autograd does the backward.
 
     python3 benchmarks/compare/lm_torch.py --build-dir build [--steps 10] [--warmup 3]
-        [--python PY ...] [--no-compile]
+        [--python PY ...] [--no-compile] [--arch olmoe]
+
+--arch olmoe: the olmoe preset instead (TransformerLMConfig::olmoe with a vocabulary of 10000:
+4 blocks, D = 256, 8 heads, RMSNorm, RoPE 10,000, QK-norm over the projections, SwiGLU, E = 64
+experts of width 128, top-8 with unnormalised gates, the load-balancing loss 0.01 and z-loss
+0.001, untied head), batch 8 x 128, graphmoe's rows BM_lm_train_olmoe_<router> of bench_lm. The
+PyTorch model is preset_torch.py's (nn.Module classes as Hugging Face's OlmoeForCausalLM: RMSNorm,
+q/k/v/o projections, QK-norm, rotate_half RoPE, an explicit causal softmax, a router Linear,
+softmax, topk, a per-expert loop of SwiGLU experts with index_add, the two auxiliary losses;
+autograd), built from the config.json that build/benchmarks/preset_dump writes for the same
+preset and shape (`cmake --build build --target preset_dump`) and loaded with graphmoe's initial
+weights: before timing, each torch child checks that its first loss equals graphmoe's (relative
+difference < 1e-4), so that both sides train the same model.
 
 Every torch found is measured (torch_peers.py): by default Debian's python3-torch
 (/usr/bin/python3, torch 1.13), the current PyPI torch of scripts/install-torch-current.sh
@@ -47,9 +59,11 @@ default). A torch whose eager run fails is reported ("<torch>: failed, not compa
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 
 import torch_peers
@@ -191,11 +205,88 @@ def torch_step_times(threads, warmup, steps, attention="mha", foreach=False, mod
     return {"seconds": statistics.median(times), "version": torch.__version__, "loss": loss}
 
 
+def torch_preset_step_times(threads, warmup, steps, dump_dir, foreach=False, mode="eager"):
+    """torch_step_times for a preset_dump directory (--arch): preset_torch.py's model of the
+    preset, graphmoe's initial weights, the dump's ids and targets; the first step's loss checked
+    against graphmoe's."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import preset_torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = json.load(open(os.path.join(dump_dir, "config.json")))
+    want = json.load(open(os.path.join(dump_dir, "results.json")))["loss"]["total"]
+    w0 = preset_torch.read_safetensors(os.path.join(dump_dir, "weights.safetensors"))
+    outs = preset_torch.read_safetensors(os.path.join(dump_dir, "outputs.safetensors"))
+    model = preset_torch.LM(cfg, set(w0))
+    model.load_state_dict(w0, strict=True)
+    params = {p["name"]: p for p in cfg["params"]}
+    trainable = [(n, p) for n, p in model.named_parameters() if params[n]["trainable"]]
+    for n, p in model.named_parameters():
+        p.requires_grad_(params[n]["trainable"])
+    run = model
+    if mode == "compiled":
+        run, reason = torch_peers.compile_or_reason(torch, model)
+        if run is None:
+            return {"version": torch.__version__, "error": reason}
+    oc = cfg["optimizer"]
+    opt = torch.optim.AdamW(
+        [{"params": [p for n, p in trainable if params[n]["decay"]], "weight_decay": oc["weight_decay"]},
+         {"params": [p for n, p in trainable if not params[n]["decay"]], "weight_decay": 0.0}],
+        lr=oc["lr"], betas=(oc["beta1"], oc["beta2"]), eps=oc["eps"], foreach=foreach)
+    ids, targets = outs["ids"].long(), outs["targets"].long()
+
+    def step():
+        _, task, aux = run(ids, targets)
+        loss = task + aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in trainable], oc["clip"])
+        opt.step()
+        return loss.item()
+
+    try:
+        first = step()
+        if abs(first - want) > 1e-4 * abs(want):
+            return {"version": torch.__version__,
+                    "error": f"first loss {first:.6f} differs from graphmoe's {want:.6f}"}
+        for _ in range(warmup - 1):
+            step()
+    except Exception as e:  # torch.compile's errors surface at the first call
+        if mode != "compiled":
+            raise
+        return {"version": torch.__version__, "error": torch_peers.error_reason(e)}
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(times), "version": torch.__version__, "loss": loss}
+
+
+def preset_dump(args, dump_dir):
+    """The config, initial weights and batch of --arch at this script's shape (preset_dump)."""
+    exe = os.path.join(args.build_dir, "benchmarks", "preset_dump")
+    if not os.access(exe, os.X_OK):
+        raise SystemExit(f"lm_torch.py: --arch needs {exe} "
+                         f"(cmake --build {args.build_dir} --target preset_dump)")
+    subprocess.run([exe, "--arch", args.arch, "--router", "softmax", "--vocab", str(V),
+                    "--seq", str(T), "--batch", str(B), "--d-model", "0", "--blocks", "0",
+                    "--lr", "1e-3", "--clip", "1", "--weight-decay", "0.01", "--out", dump_dir],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.load(open(os.path.join(dump_dir, "config.json")))
+
+
 # ----------------------------------------------------------------------------- graphmoe side
 
 def graphmoe_step_ms(args, router, threads, env):
     exe = os.path.join(args.build_dir, "benchmarks", "bench_lm")
-    cmd = [exe, f"--benchmark_filter=^BM_lm_train_{router}/threads:{threads}/",
+    name = f"{args.arch}_{router}" if args.arch else router
+    cmd = [exe, f"--benchmark_filter=^BM_lm_train_{name}/threads:{threads}/",
            "--benchmark_format=json"]
     if args.repetitions > 1:
         cmd += [f"--benchmark_repetitions={args.repetitions}",
@@ -214,9 +305,14 @@ def torch_step_ms(args, peer, mode, threads, env):
     here = os.path.dirname(os.path.abspath(__file__))
     warmup = max(args.warmup, args.compile_warmup) if mode == "compiled" else args.warmup
     # torch must see the thread settings at import: run it in a child process
+    if args.arch:
+        call = (f"m.torch_preset_step_times({threads}, {warmup}, {args.steps}, "
+                f"{args.dump_dir!r}, {args.foreach}, {mode!r})")
+    else:
+        call = (f"m.torch_step_times({threads}, {warmup}, {args.steps}, "
+                f"{args.attention!r}, {args.foreach}, {mode!r})")
     code = (f"import sys, json; sys.path.insert(0, {here!r}); import lm_torch as m;"
-            f"print(json.dumps(m.torch_step_times({threads}, {warmup}, {args.steps}, "
-            f"{args.attention!r}, {args.foreach}, {mode!r})))")
+            f"print(json.dumps({call}))")
     label = f"{peer.label}{'-compiled' if mode == 'compiled' else ''} {threads} threads"
     try:
         out, load = run_measured([peer.python, "-c", code], torch_peers.child_env(env, mode), args,
@@ -245,9 +341,21 @@ def main():
                     help="torch.optim.AdamW(foreach=True) (torch 1.13's default is False)")
     ap.add_argument("--similarity", action="store_true",
                     help="also time graphmoe's Similarity-router LM (for reference)")
+    ap.add_argument("--arch", choices=("olmoe",),
+                    help="a preset instead of the Switch LM (needs preset_dump in the build)")
     torch_peers.add_load_arguments(ap)
     args = ap.parse_args()
     peers = torch_peers.peers_from_args(args)
+    if args.arch:
+        tmp = tempfile.TemporaryDirectory(prefix="lm_torch.")
+        args.dump_dir = tmp.name
+        cfg = preset_dump(args, args.dump_dir)
+        model_line = (f"{args.arch} preset L={cfg['num_layers']} D={cfg['d_model']} "
+                      f"H={cfg['num_heads']} E={cfg['num_experts']} top-{cfg['k']} "
+                      f"expert d_ff={cfg['expert_d_ff']} V={V}, "
+                      f"{sum(math.prod(p['shape']) for p in cfg['params'])} parameters")
+    else:
+        model_line = f"Switch LM L={L} D={D} H={H} E={E} top-{K} d_ff={FF} V={V}"
 
     runs = [(p, m) for p in peers for m in p.modes(not args.no_compile)]
     unavailable = {} if args.no_compile else {
@@ -273,8 +381,8 @@ def main():
 
     for p in peers:
         print(f"{p.label}: torch {p.version} ({p.python})")
-    print(f"PyTorch: {args.attention} attention, AdamW foreach={args.foreach}; "
-          f"Switch LM L={L} D={D} H={H} E={E} top-{K} d_ff={FF} V={V}, batch {B} x {T}, float32")
+    print(f"PyTorch: {'preset_torch.py' if args.arch else args.attention + ' attention'}, "
+          f"AdamW foreach={args.foreach}; {model_line}, batch {B} x {T}, float32")
     print(torch_peers.coretype_line())
     hdr = (f"{'threads':>7} {'graphmoe ms/step':>17} {'graphmoe tok/s':>15} {'torch':>24} "
            f"{'torch ms/step':>14} {'torch tok/s':>12} {'ratio':>6} {'other load (ours/torch)':>24}")

@@ -1,12 +1,27 @@
 #!/usr/bin/env python3
 """MoE layer forward+backward: graphmoe (bench_moe) beside the same layer in PyTorch, one run.
 
-Shape: the paper's medium size, batch 4 x 512 tokens, D = 352, E = 16, d_ff = 352, top-2, float32,
-causal token graphs. The PyTorch layer is written the usual way: per-expert index_select /
-index_add_, one weight tensor per expert, autograd for the backward.
+Shapes (--shape), float32, causal token graphs, batch 4 x 512 tokens:
 
-    python3 benchmarks/compare/moe_layer_torch.py --build-dir build [--repeats 7] [--python PY ...]
-        [--no-compile]
+  medium (default)  the paper's medium size: D = 352, E = 16 GELU experts of d_ff = 352 with
+                    biases, top-2, renormalised gates; routers softmax, similarity, attention
+                    (bench_moe's BM_moe_<router>_fwdbwd rows).
+  fine              fine-grained experts, the olmoe preset's MoE layer (TransformerLMConfig::olmoe):
+                    D = 256, E = 64 SwiGLU experts of width 128 without biases, top-8, gates not
+                    renormalised; routers softmax, similarity, sigmoid_bias (the
+                    BM_moe_fine_<router>_fwdbwd rows).
+
+The PyTorch layer is written the usual way: per-expert index_select / index_add_, one weight
+tensor per expert, autograd for the backward. With --shape fine it is Hugging Face's
+OlmoeSparseMoeBlock: a router linear map (with a bias for softmax and similarity and none for
+sigmoid_bias, as graphmoe's LinearScorer and SigmoidScorer), softmax or sigmoid scores, topk, the
+unnormalised gates, experts down(silu(gate(x)) * up(x)) with separate bias-free gate, up and down
+weights; sigmoid_bias selects the top-8 of the scores plus a zero selection-bias buffer
+(DeepSeek-V3's e_score_correction_bias) and gates with the scores alone. similarity (both shapes):
+p = S r, S = softmax(U U^T / tau) causal within each sequence, tau = 1 (graphmoe's default).
+
+    python3 benchmarks/compare/moe_layer_torch.py --build-dir build [--shape fine] [--repeats 7]
+        [--python PY ...] [--no-compile]
 
 Every torch found is measured (torch_peers.py): by default Debian's python3-torch
 (/usr/bin/python3, torch 1.13), the current PyPI torch of scripts/install-torch-current.sh
@@ -27,9 +42,10 @@ single-torch script, last:
     moe_layer fwd+bwd graphmoe/torch-2.15.0-compiled: softmax=R1 similarity=R2 attention=R3
     moe_layer fwd+bwd graphmoe/torch: softmax=R1 similarity=R2 attention=R3
 
-with R the ratio of median times at 2 threads (below 1: graphmoe is faster), and the last line's
-R against the first torch found whose runs succeeded, eager (Debian's 1.13 by
-default). A torch whose eager run fails is reported ("<torch>: failed, not compared") and left out.
+(with --shape fine: softmax=R1 similarity=R2 sigmoid_bias=R3), with R the ratio of median times at
+2 threads (below 1: graphmoe is faster), and the last line's R against the first torch found
+whose runs succeeded, eager (Debian's 1.13 by default). A torch whose eager run fails is reported
+("<torch>: failed, not compared") and left out. The table's header names the shape.
 """
 import argparse
 import json
@@ -44,17 +60,58 @@ from torch_peers import fmt_load, run_measured
 
 B, T, D, E, FF, K, H = 4, 512, 352, 16, 352, 2, 8
 ROUTERS = ("softmax", "similarity", "attention")
+# --shape fine: the olmoe preset's MoE layer (B, T as above)
+FINE_D, FINE_E, FINE_FF, FINE_K = 256, 64, 128, 8
+FINE_ROUTERS = ("softmax", "similarity", "sigmoid_bias")
+SHAPES = {
+    "medium": {"routers": ROUTERS, "bench": "BM_moe_",
+               "line": f"shape B={B} T={T} D={D} E={E} d_ff={FF} top-{K}, float32, causal graphs"},
+    "fine": {"routers": FINE_ROUTERS, "bench": "BM_moe_fine_",
+             "line": f"shape fine (the olmoe preset's MoE layer): B={B} T={T} D={FINE_D} "
+                     f"E={FINE_E} SwiGLU experts of width {FINE_FF} without biases, top-{FINE_K}, "
+                     f"gates not renormalised, float32, causal graphs"},
+}
 
 
-def torch_layer_times(router, threads, repeats, mode="eager"):
+def torch_layer_times(router, threads, repeats, mode="eager", shape="medium"):
     """Median ms of the PyTorch layer's forward+backward, as a dict: ms, version; or version and
     error where mode "compiled" cannot run (torch.compile missing or failing)."""
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
+    layer, u, dy, _ = (fine_layer if shape == "fine" else medium_layer)(router, g)
+
+    run = layer
+    if mode == "compiled":
+        run, reason = torch_peers.compile_or_reason(torch, layer)
+        if run is None:
+            return {"version": torch.__version__, "error": reason}
+
+    def step():
+        run(u).backward(dy)
+
+    try:
+        for _ in range(2 if mode == "eager" else 5):  # compiled: compilation and recompilation
+            step()
+    except Exception as e:  # torch.compile's errors surface at the first call
+        if mode != "compiled":
+            raise
+        return {"version": torch.__version__, "error": torch_peers.error_reason(e)}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"ms": statistics.median(times) * 1e3, "version": torch.__version__}
+
+
+def medium_layer(router, g):
+    """The paper's medium layer: (layer, u, dy, parameters by name) for torch_layer_times."""
+    import torch
+    import torch.nn.functional as F
+
     n = B * T
     u = torch.randn(n, D, generator=g, requires_grad=True)
     dy = torch.randn(n, D, generator=g)
@@ -111,33 +168,63 @@ def torch_layer_times(router, threads, repeats, mode="eager"):
             y = y.index_add(0, tok, ye)
         return y
 
-    run = layer
-    if mode == "compiled":
-        run, reason = torch_peers.compile_or_reason(torch, layer)
-        if run is None:
-            return {"version": torch.__version__, "error": reason}
+    return layer, u, dy, {"router.weight": w_r, "router.bias": b_r, "w1": w1, "b1": b1, "w2": w2,
+                          "b2": b2}
 
-    def step():
-        run(u).backward(dy)
 
-    try:
-        for _ in range(2 if mode == "eager" else 5):  # compiled: compilation and recompilation
-            step()
-    except Exception as e:  # torch.compile's errors surface at the first call
-        if mode != "compiled":
-            raise
-        return {"version": torch.__version__, "error": torch_peers.error_reason(e)}
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"ms": statistics.median(times) * 1e3, "version": torch.__version__}
+def fine_layer(router, g):
+    """The olmoe preset's MoE layer as Hugging Face's OlmoeSparseMoeBlock writes it (per-expert
+    loop, separate gate / up / down weights, autograd): (layer, u, dy, parameters by name) for
+    torch_layer_times. Weights N(0, 0.02^2) and biases zero, as graphmoe initialises them."""
+    import torch
+    import torch.nn.functional as F
+
+    n, d, n_e, ff, k = B * T, FINE_D, FINE_E, FINE_FF, FINE_K
+    u = torch.randn(n, d, generator=g, requires_grad=True)
+    dy = torch.randn(n, d, generator=g)
+    w_r = (0.02 * torch.randn(n_e, d, generator=g)).requires_grad_()
+    # graphmoe's LinearScorer (softmax, similarity) has a bias, its SigmoidScorer none
+    b_r = None if router == "sigmoid_bias" else torch.zeros(n_e, requires_grad=True)
+    # sigmoid_bias: the per-expert selection bias (a buffer, not trained; zero as graphmoe's
+    # before any balancing step)
+    e_bias = torch.zeros(n_e)
+    w_g = [(0.02 * torch.randn(ff, d, generator=g)).requires_grad_() for _ in range(n_e)]
+    w_u = [(0.02 * torch.randn(ff, d, generator=g)).requires_grad_() for _ in range(n_e)]
+    w_d = [(0.02 * torch.randn(d, ff, generator=g)).requires_grad_() for _ in range(n_e)]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def layer(u):
+        logits = F.linear(u, w_r, b_r)
+        r = logits.sigmoid() if router == "sigmoid_bias" else logits.softmax(-1)
+        p = r
+        if router == "similarity":  # tau = 1
+            U = u.view(B, T, d)
+            s = (U @ U.transpose(1, 2)).masked_fill(~causal, float("-inf")).softmax(-1)
+            p = (s @ r.view(B, T, n_e)).reshape(n, n_e)
+        if router == "sigmoid_bias":  # the bias selects; the gates are the scores
+            idx = (p + e_bias).topk(k, dim=-1).indices
+            gates = p.gather(1, idx)
+        else:
+            gates, idx = p.topk(k, dim=-1)
+        # norm_topk_prob = false: the gates are not renormalised
+        y = torch.zeros_like(u)
+        for e in range(n_e):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            x = u.index_select(0, tok)
+            h = F.silu(F.linear(x, w_g[e])) * F.linear(x, w_u[e])
+            y.index_add_(0, tok, F.linear(h, w_d[e]) * gates[tok, slot].unsqueeze(1))
+        return y
+
+    return layer, u, dy, {"router.weight": w_r, "router.bias": b_r, "expert_bias": e_bias,
+                          "gate": w_g, "up": w_u, "down": w_d}
 
 
 def graphmoe_times(args):
+    shape = SHAPES[args.shape]
     exe = os.path.join(args.build_dir, "benchmarks", "bench_moe")
-    cmd = [exe, "--benchmark_filter=BM_moe_(softmax|similarity|attention)_fwdbwd",
+    cmd = [exe, f"--benchmark_filter={shape['bench']}({'|'.join(shape['routers'])})_fwdbwd",
            "--benchmark_format=json"]
     if args.repetitions > 1:
         cmd += [f"--benchmark_repetitions={args.repetitions}",
@@ -150,7 +237,7 @@ def graphmoe_times(args):
             continue
         name = b["run_name"]  # BM_moe_similarity_fwdbwd/2/1/min_time:1.000/real_time
         parts = name.split("/")
-        router = parts[0][len("BM_moe_"):-len("_fwdbwd")]
+        router = parts[0][len(shape["bench"]):-len("_fwdbwd")]
         res[(router, int(parts[1]), int(parts[2]))] = b["real_time"]
     return res, load
 
@@ -160,7 +247,8 @@ def torch_ms(args, peer, mode, router, threads):
     here = os.path.dirname(os.path.abspath(__file__))
     # torch must see the thread settings at import: run it in a child process
     code = (f"import sys, json; sys.path.insert(0, {here!r}); import moe_layer_torch as m;"
-            f"print(json.dumps(m.torch_layer_times({router!r}, {threads}, {args.repeats}, {mode!r})))")
+            f"print(json.dumps(m.torch_layer_times({router!r}, {threads}, {args.repeats}, "
+            f"{mode!r}, {args.shape!r})))")
     label = f"{peer.label}{'-compiled' if mode == 'compiled' else ''} {router} {threads} threads"
     try:
         out, load = run_measured([peer.python, "-c", code],
@@ -174,11 +262,15 @@ def torch_ms(args, peer, mode, router, threads):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build-dir", default="build")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="medium",
+                    help="the layer: the paper's medium one, or the olmoe preset's fine-grained "
+                         "one")
     torch_peers.add_peer_arguments(ap)
     ap.add_argument("--repeats", type=int, default=7, help="timed PyTorch steps per configuration")
     ap.add_argument("--repetitions", type=int, default=3, help="Google Benchmark repetitions")
     torch_peers.add_load_arguments(ap)
     args = ap.parse_args()
+    routers = SHAPES[args.shape]["routers"]
     peers = torch_peers.peers_from_args(args)
     os.environ.update(OMP_WAIT_POLICY="PASSIVE")
 
@@ -191,7 +283,7 @@ def main():
     for threads in (1, 2):
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-        for router in ROUTERS:
+        for router in routers:
             candidates = {p: ours[(router, threads, p)] for p in (0, 1) if (router, threads, p) in ours}
             best_p = min(candidates, key=candidates.get)
             t_ours = candidates[best_p]
@@ -212,7 +304,7 @@ def main():
                     ratios.setdefault(name, {})[router] = t_ours / res["ms"]
     for p in peers:
         print(f"{p.label}: torch {p.version} ({p.python})")
-    print(f"shape B={B} T={T} D={D} E={E} d_ff={FF} top-{K}, float32, causal graphs")
+    print(SHAPES[args.shape]["line"])
     print(torch_peers.coretype_line())
     print(f"{'router':<12}{'threads':>8}{'graphmoe ms':>14}{'(parallel)':>12}{'torch':>26}"
           f"{'torch ms':>12}{'ratio':>8}{'other load (ours/torch)':>26}")
@@ -221,7 +313,7 @@ def main():
         print(f"{router:<12}{threads:>8}{a:>14.1f}{par:>12}{name:>26}{b:>12.1f}{r:>8.2f}"
               f"{fmt_load(our_load) + ' / ' + fmt_load(load):>26}")
     torch_peers.report_left_out(unavailable, failed)
-    summary = lambda rs: " ".join(f"{k}={rs[k]:.2f}" for k in ROUTERS if k in rs)  # noqa: E731
+    summary = lambda rs: " ".join(f"{k}={rs[k]:.2f}" for k in routers if k in rs)  # noqa: E731
     for name, rs in ratios.items():
         print(f"moe_layer fwd+bwd graphmoe/{name}: {summary(rs)}")
     print(f"moe_layer fwd+bwd graphmoe/torch: {summary(ratios[torch_peers.first_compared(peers, ratios, failed)])}")

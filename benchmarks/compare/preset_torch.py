@@ -9,7 +9,8 @@ classes: RMSNorm or LayerNorm, RoPE with rotate_half or interleaved pairs, group
 attention with repeat_kv, QK-norm over the projections or per head, SwiGLU or GELU MLPs, a
 top-k MoE with a per-expert loop, softmax or sigmoid router scores, the Similarity token graph,
 the selection bias, group-limited routing, shared experts behind a sigmoid gate, the
-load-balancing and z-losses; autograd does the backward), loads weights.safetensors by name
+load-balancing and z-losses and DeepSeek-V3's sequence-wise balance loss; autograd does the
+backward), loads weights.safetensors by name
 (load_state_dict(strict=True)), and compares:
 
   logits      max|a - b| / max|b| over the (B, T, V) logits, a = graphmoe, b = PyTorch
@@ -279,6 +280,13 @@ class MoE(nn.Module):
         if cfg["load_balance_coef"] > 0:  # Switch: E sum_j f_j P_j, f from every slot
             f = torch.bincount(indices.flatten(), minlength=e_).to(u.dtype) / indices.numel()
             aux = aux + cfg["load_balance_coef"] * e_ * (f * p.mean(0)).sum()
+        sa = cfg.get("seq_aux_loss_coef", 0.0)
+        if sa > 0:  # DeepSeek-V3's sequence-wise loss: mean over sequences of sum_j f_j P_j
+            k, seqs = indices.shape[1], n // seq
+            counts = F.one_hot(indices.reshape(seqs, seq * k), e_).sum(1).to(u.dtype)
+            f = counts * e_ / (k * seq)  # (seqs, E), constant
+            pn = (p / p.sum(-1, keepdim=True)).view(seqs, seq, e_).mean(1)  # scores normalised
+            aux = aux + sa * (f * pn).sum(-1).mean()
         if cfg["z_loss_coef"] > 0:  # ST-MoE: mean of logsumexp(gamma)^2
             aux = aux + cfg["z_loss_coef"] * gamma.logsumexp(-1).pow(2).mean()
         self.last_indices = indices.detach()
