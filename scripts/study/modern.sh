@@ -56,14 +56,20 @@ if [[ "${1:-}" == --cell ]]; then  # one run: --cell CELL SEED (what the paralle
   cell=$2 seed=$3 dir=$MODERN_RUNS/$2/s$3
   if [[ -s "$dir/result.txt" ]]; then echo "skip $cell/s$seed"; exit 0; fi
   read -r -a args <<< "$(cell_args "$cell")"
+  # the main job's settings of the options a cell may change, unless the cell changes them (train_lm
+  # refuses an option given twice)
+  for default in "--load-balance 0.01" "--experts 8" "--top-k 2"; do
+    [[ " ${args[*]} " == *" ${default%% *} "* ]] || read -r -a args <<< "${args[*]} $default"
+  done
   rm -rf "$dir" && mkdir -p "$dir"
   t0=$SECONDS
   export OPENBLAS_NUM_THREADS=1
   "$BUILD/examples/train_lm" --train "$ROOT/runs/data/kjv.tokens" --test "" --valid-fraction 0.05 \
-    --max-vocab 8000 --layers 4 --d-model 128 --heads 4 --d-ff 256 --experts 8 --top-k 2 --seq 64 \
+    --max-vocab 8000 --layers 4 --d-model 128 --heads 4 --d-ff 256 --seq 64 \
     --batch 16 --steps 1500 --warmup 50 --lr 2e-3 --min-lr 2e-4 --eval-every 100 --eval-batches 20 \
-    --load-balance 0.01 --threads 1 --sample-tokens 0 --seed "$seed" --out "$dir" "${args[@]}" \
-    > "$dir/train.out" 2> "$dir/train.err"
+    --threads 1 --sample-tokens 0 --seed "$seed" --out "$dir" "${args[@]}" \
+    > "$dir/train.out" 2> "$dir/train.err" ||
+    { echo "FAILED $cell/s$seed: $(tail -n 2 "$dir/train.err" | tr '\n' ' ')" >&2; exit 1; }
   experts=8
   [[ "$cell" == fine* ]] && experts=64
   echo "$(grep '^router=' "$dir/train.out") experts=$experts wall_s=$((SECONDS - t0))" > "$dir/result.txt.tmp"
