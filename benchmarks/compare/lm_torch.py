@@ -190,9 +190,19 @@ def torch_step_times(threads, warmup, steps, attention="mha", foreach=False, mod
         opt.step()
         return loss.item()
 
+    return timed_steps(torch, step, warmup, steps, mode)
+
+
+def timed_steps(torch, step, warmup, steps, mode, check=None):
+    """warmup untimed calls of step (after check(first loss), which returns an error text or None),
+    then the median seconds of steps timed ones: {"seconds", "version", "loss"}, or {"version",
+    "error"} where the check fails or a compiled model fails to run."""
     try:
-        for _ in range(warmup):
-            step()
+        for i in range(warmup):
+            loss = step()
+            reason = check(loss) if check is not None and i == 0 else None
+            if reason:
+                return {"version": torch.__version__, "error": reason}
     except Exception as e:  # torch.compile's errors surface at the first call
         if mode != "compiled":
             raise
@@ -249,23 +259,12 @@ def torch_preset_step_times(threads, warmup, steps, dump_dir, foreach=False, mod
         opt.step()
         return loss.item()
 
-    try:
-        first = step()
+    def check(first):
         if abs(first - want) > 1e-4 * abs(want):
-            return {"version": torch.__version__,
-                    "error": f"first loss {first:.6f} differs from graphmoe's {want:.6f}"}
-        for _ in range(warmup - 1):
-            step()
-    except Exception as e:  # torch.compile's errors surface at the first call
-        if mode != "compiled":
-            raise
-        return {"version": torch.__version__, "error": torch_peers.error_reason(e)}
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "version": torch.__version__, "loss": loss}
+            return f"first loss {first:.6f} differs from graphmoe's {want:.6f}"
+        return None
+
+    return timed_steps(torch, step, max(warmup, 1), steps, mode, check)
 
 
 def preset_dump(args, dump_dir):

@@ -4,6 +4,7 @@ beside softmax top-k with the preset's auxiliary loss, on the main job's corpus.
 
     /usr/bin/python3 benchmarks/compare/olmoe_balance.py --build-dir build [--steps 500]
         [--eval-every 25] [--seeds 1] [--out runs/balance] [--figure docs/figures/balance]
+        [--configs softmax sigmoid-bias sigmoid-bias-rate0.01]
 
 Trains, with build/examples/train_lm, the olmoe preset (4 blocks, D = 256, E = 64, k = 8, expert
 d_ff = 128, RMSNorm, RoPE, QK-norm, SwiGLU; docs/reference/architectures.md) twice per seed, the
@@ -76,6 +77,8 @@ def main():
     ap.add_argument("--out", default="runs/balance")
     ap.add_argument("--figure", default="docs/figures/balance")
     ap.add_argument("--reuse", action="store_true", help="read existing runs under --out instead of training")
+    ap.add_argument("--configs", nargs="+", choices=list(ROUTERS), default=list(ROUTERS),
+                    help="the configurations to train and report (default: all)")
     a = ap.parse_args()
     exe = os.path.join(a.build_dir, "examples", "train_lm")
     if not a.reuse:
@@ -88,7 +91,8 @@ def main():
               "--warmup", "50", "--lr", "2e-3", "--min-lr", "2e-4", "--eval-every", str(a.eval_every),
               "--eval-batches", "20", "--threads", str(a.threads), "--sample-tokens", "0"]
     results = {}
-    for name, args in ROUTERS.items():
+    for name in a.configs:
+        args = ROUTERS[name]
         for seed in a.seeds:
             out = os.path.join(a.out, f"{name}-s{seed}")
             if not a.reuse and not finished(out, a.steps):  # a finished run is kept
@@ -120,7 +124,8 @@ def main():
     ax.set_title(f"olmoe preset on the King James Bible: expert balance (E = {E}, k = 8)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    path = os.path.join(a.figure, "balance.png")
+    path = os.path.join(a.figure, "balance.png" if a.configs == list(ROUTERS)
+                        else "balance-" + "-".join(a.configs) + ".png")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print("wrote", path)
