@@ -102,7 +102,7 @@ ARCHS = {
 # ----------------------------------------------------------------------------- PyTorch side
 
 def cache_ops(torch, cache_mode):
-    """(causal_mask, append) of both models, with the cache kept as cache_mode says."""
+    """(causal_mask, append, route) of both models, with the cache kept as cache_mode says."""
 
     def causal_mask(t, n):
         """(t, n) True above the diagonal of the last t rows of an (n, n) causal mask."""
@@ -123,7 +123,20 @@ def cache_ops(torch, cache_mode):
             a, b = torch.cat([past[0], a], dim=dim), torch.cat([past[1], b], dim=dim)
         return a, b, (a, b)
 
-    return causal_mask, append
+    def route(router, u, r, past, start):
+        """(p, the new routing cache) of the scores r (B, t, E) of tokens u (B, t, D): r itself, or
+        for the Similarity router p_t = S_t R, S_t = softmax_j(u_t . u_j / TAU) over the cached
+        tokens j <= t (the routing cache keeps u and r)."""
+        if router != "similarity":
+            return r, None
+        uc, rc, cache = append(past, u, r, start, dim=1)
+        t = u.shape[1]
+        s = (u @ uc.transpose(1, 2)) / TAU  # (B, t, n)
+        if t > 1:
+            s = s.masked_fill(causal_mask(t, uc.shape[1]), float("-inf"))
+        return s.softmax(-1) @ rc, cache
+
+    return causal_mask, append, route
 
 
 def medium_model(router, cache_mode):
@@ -135,7 +148,7 @@ def medium_model(router, cache_mode):
     import torch.nn.functional as F
 
     dh = D // H
-    causal_mask, append = cache_ops(torch, cache_mode)
+    causal_mask, append, route = cache_ops(torch, cache_mode)
 
     class Attention(nn.Module):
         def __init__(self):
@@ -163,14 +176,7 @@ def medium_model(router, cache_mode):
         def forward(self, u, past, start):  # u: (B, t, D)
             b, t, _ = u.shape
             r = self.router(u).softmax(-1)  # (B, t, E)
-            if router == "similarity":
-                uc, rc, cache = append(past, u, r, start, dim=1)
-                s = (u @ uc.transpose(1, 2)) / TAU  # (B, t, n)
-                if t > 1:
-                    s = s.masked_fill(causal_mask(t, uc.shape[1]), float("-inf"))
-                p = s.softmax(-1) @ rc
-            else:
-                p, cache = r, None
+            p, cache = route(router, u, r, past, start)
             x = u.reshape(b * t, D)
             p = p.reshape(b * t, E)
             vals, idx = p.topk(K, dim=-1)
@@ -234,7 +240,7 @@ def olmoe_model(router, cache_mode):
     nl, d, h, e_, k_, ff, v_ = (OLMOE[n] for n in ("L", "D", "H", "E", "K", "FF", "V"))
     eps, theta = OLMOE["EPS"], OLMOE["THETA"]
     dh = d // h
-    causal_mask, append = cache_ops(torch, cache_mode)
+    causal_mask, append, route = cache_ops(torch, cache_mode)
 
     class RMSNorm(nn.Module):  # OlmoeRMSNorm
         def __init__(self, dim):
@@ -301,14 +307,7 @@ def olmoe_model(router, cache_mode):
         def forward(self, u, past, start):  # u: (B, t, D)
             b, t, _ = u.shape
             r = self.gate(u).softmax(-1)  # (B, t, E)
-            if router == "similarity":
-                uc, rc, cache = append(past, u, r, start, dim=1)
-                s = (u @ uc.transpose(1, 2)) / TAU  # (B, t, n)
-                if t > 1:
-                    s = s.masked_fill(causal_mask(t, uc.shape[1]), float("-inf"))
-                p = s.softmax(-1) @ rc
-            else:
-                p, cache = r, None
+            p, cache = route(router, u, r, past, start)
             x = u.reshape(b * t, d)
             p = p.reshape(b * t, e_)
             gates, idx = p.topk(k_, dim=-1)  # norm_topk_prob = False: the gates as they are
