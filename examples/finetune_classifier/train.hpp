@@ -65,6 +65,7 @@ double accuracy(Model& m, const Encoded& d, index_t batch, const examples::DataP
   const index_t begin = n * dp.rank() / dp.size(), end = n * (dp.rank() + 1) / dp.size();
   index_t correct = 0;
   Tensor<std::int32_t, B> none;
+  ModeScope<Model> eval(m, Mode::Eval);  // a bias-balancing router counts no loads here
   for (index_t s = begin; s < end; s += batch) {
     const index_t b = std::min(batch, end - s);
     Tensor<std::int32_t, cpu> ids, len, y;

@@ -62,6 +62,7 @@ template <class B, class Model>
 double evaluate(Model& lm, const LMBatcher& batches, index_t max_batches,
                 const examples::DataParallel& dp, const LMBatcher* attacked = nullptr) {
   const index_t nb = max_batches > 0 ? std::min(max_batches, batches.num_batches()) : batches.num_batches();
+  ModeScope<Model> eval(lm, Mode::Eval);  // a bias-balancing router counts no loads here
   double sum = 0;
   for (index_t i = 0; i < nb; ++i) {
     const LMBatch b = examples::shard(dp, attacked ? attacked_batch(batches, *attacked, i) : batches.batch(i));
@@ -275,7 +276,10 @@ int run_model(const Options& opt, const Data& data) {
       guard.check_eval(step + 1, "validation loss", vloss);  // before the row and the save
       std::vector<double> row = {static_cast<double>(step + 1), last_loss, vloss, std::exp(vloss),
                                  lr, last_norm, tps};
-      lm.forward(probe_inputs, probe_targets);
+      {
+        ModeScope<Model> eval(lm, Mode::Eval);
+        lm.forward(probe_inputs, probe_targets);
+      }
       for (std::size_t i = 0; i < moe_layers.size(); ++i) {
         const auto& r = lm.block(moe_layers[i]).moe().routing();
         const Tensor<std::int32_t, cpu> indices = examples::host_values(r.selection.indices);

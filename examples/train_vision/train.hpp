@@ -65,6 +65,7 @@ double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channel
   const index_t begin = ds.count * dp.rank() / dp.size(), end = ds.count * (dp.rank() + 1) / dp.size();
   index_t correct = 0;
   Tensor<std::int32_t, B> none;
+  ModeScope<Model> eval(m, Mode::Eval);  // a bias-balancing router counts no loads here
   for (index_t s = begin; s < end; s += batch) {
     const index_t n = std::min(batch, end - s);
     Tensor<Scalar, cpu> x;
@@ -111,6 +112,7 @@ void write_layer_loads(Model& m, const ImageDataset& ds, index_t n, const Vision
   Tensor<Scalar, cpu> x;
   Tensor<std::int32_t, cpu> y;
   make_batch(ds, order, 0, n, mc.channels, x, y);
+  ModeScope<Model> eval(m, Mode::Eval);
   m.forward(examples::on_backend<B>(x), Tensor<std::int32_t, B>());
   CsvLog csv(path, {"layer", "expert", "tokens", "share"});
   for (index_t l = 0; l < mc.num_layers; ++l) {

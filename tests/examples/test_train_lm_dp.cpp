@@ -238,6 +238,35 @@ TEST_CASE("train_lm --dp 2 and --dp 2 --ep 2 with the modern blocks and bias bal
   CHECK(moved > 0);
 }
 
+TEST_CASE("train_lm: evaluations do not count towards a bias-balancing router's loads") {
+  // validation batches and the routing-metrics probe run in Mode::Eval: a run that evaluates after
+  // every step trains exactly as one that evaluates once at the end (the same biases, bit for bit)
+  Scratch s("eval_loads");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  auto modern = [&](const std::string& out, const std::string& every) {
+    auto a = set(set(set(set(lm_args(corpus, out, 4), "--router", "sigmoid-bias"), "--experts", "4"),
+                     "--top-k", "2"), "--eval-every", every);
+    return with(a, {"--arch", "olmoe", "--kv-heads", "1", "--expert-d-ff", "8", "--shared-d-ff", "8",
+                    "--bias-update-rate", "0.05"});
+  };
+  const Result each = run(s, 0, modern(s / "each", "1"));
+  const Result end = run(s, 0, modern(s / "end", "0"));
+  REQUIRE_MESSAGE(each.status == 0, each.err);
+  REQUIRE_MESSAGE(end.status == 0, end.err);
+  const SafetensorsFile a = load_safetensors(s / "each/checkpoint.safetensors");
+  const SafetensorsFile b = load_safetensors(s / "end/checkpoint.safetensors");
+  const std::string bias = "model.blocks.0.moe.router.selector.expert_bias";
+  REQUIRE(a.contains(bias));
+  REQUIRE(b.contains(bias));
+  const Tensor<float, cpu> ba = a.at(bias).to_tensor<float>(), bb = b.at(bias).to_tensor<float>();
+  for (index_t e = 0; e < ba.numel(); ++e) CHECK(ba.data()[e] == bb.data()[e]);
+  const auto la = losses(slurp(s / "each/metrics.csv")), lb = losses(slurp(s / "end/metrics.csv"));
+  REQUIRE(la.count(4));
+  REQUIRE(lb.count(4));
+  CHECK(la.at(4).second == lb.at(4).second);  // the same model at the end
+}
+
 TEST_CASE("train_lm --dp: bad values and worlds of the wrong size are refused with a message") {
   Scratch s("dp_errors");
   const std::string corpus = s / "corpus.txt";

@@ -169,19 +169,6 @@ struct RoutedToken {
 };
 
 namespace detail {
-// Sets a model's mode for a scope and restores the previous one on leaving it.
-template <class Model>
-class ModeScope {
- public:
-  ModeScope(Model& m, Mode mode) : m_(m), saved_(m.mode()) { m_.set_mode(mode); }
-  ~ModeScope() { m_.set_mode(saved_); }
-  ModeScope(const ModeScope&) = delete;
-  ModeScope& operator=(const ModeScope&) = delete;
-
- private:
-  Model& m_;
-  Mode saved_;
-};
 
 inline void check_generate_input(const TransformerLMConfig& cfg,
                                  const std::vector<std::vector<std::int32_t>>& prompts,
@@ -268,7 +255,7 @@ std::vector<GenerateResult> generate_batch(
     so.seed = opt.sampling.seed + static_cast<std::uint64_t>(b);
     samplers.emplace_back(so);
   }
-  detail::ModeScope<TransformerLM<Policy, T, B, C>> eval(lm, Mode::Eval);
+  ModeScope<TransformerLM<Policy, T, B, C>> eval(lm, Mode::Eval);
   std::vector<std::vector<std::int32_t>> context(prompts.begin(), prompts.end());
   std::vector<GenerateResult> results(static_cast<std::size_t>(nseq));
   std::vector<char> done(static_cast<std::size_t>(nseq), opt.max_new_tokens == 0);
