@@ -21,6 +21,14 @@ list(FILTER GRAPHMOE_PUBLIC_HEADERS EXCLUDE REGEX "^graphmoe/backend/cuda/")
 if(NOT TARGET graphmoe::mpi)
   list(FILTER GRAPHMOE_PUBLIC_HEADERS EXCLUDE REGEX "^graphmoe/dist/mpi\\.hpp$")
 endif()
+# hf/tokenizer.hpp needs PCRE2 and utf8proc, hf/sentencepiece.hpp libsentencepiece: checked (with
+# graphmoe::hf_tokenizer / graphmoe::hf_sentencepiece linked) only when the build has them.
+if(NOT TARGET graphmoe::hf_tokenizer)
+  list(FILTER GRAPHMOE_PUBLIC_HEADERS EXCLUDE REGEX "^graphmoe/hf/tokenizer\\.hpp$")
+endif()
+if(NOT TARGET graphmoe::hf_sentencepiece)
+  list(FILTER GRAPHMOE_PUBLIC_HEADERS EXCLUDE REGEX "^graphmoe/hf/sentencepiece\\.hpp$")
+endif()
 list(SORT GRAPHMOE_PUBLIC_HEADERS)
 
 set(_header_check_dir "${CMAKE_CURRENT_BINARY_DIR}/header_check")
@@ -47,6 +55,11 @@ target_link_libraries(graphmoe_header_check PRIVATE graphmoe::graphmoe)
 if(TARGET graphmoe::mpi)
   target_link_libraries(graphmoe_header_check PRIVATE graphmoe::mpi)
 endif()
+if(TARGET graphmoe::hf_sentencepiece)
+  target_link_libraries(graphmoe_header_check PRIVATE graphmoe::hf_sentencepiece)
+elseif(TARGET graphmoe::hf_tokenizer)
+  target_link_libraries(graphmoe_header_check PRIVATE graphmoe::hf_tokenizer)
+endif()
 target_compile_options(graphmoe_header_check PRIVATE -Wall -Wextra)
 
 add_executable(graphmoe_header_link "${_header_check_dir}/link_main.cpp"
@@ -54,6 +67,11 @@ add_executable(graphmoe_header_link "${_header_check_dir}/link_main.cpp"
 target_link_libraries(graphmoe_header_link PRIVATE graphmoe::graphmoe)
 if(TARGET graphmoe::mpi)
   target_link_libraries(graphmoe_header_link PRIVATE graphmoe::mpi)
+endif()
+if(TARGET graphmoe::hf_sentencepiece)
+  target_link_libraries(graphmoe_header_link PRIVATE graphmoe::hf_sentencepiece)
+elseif(TARGET graphmoe::hf_tokenizer)
+  target_link_libraries(graphmoe_header_link PRIVATE graphmoe::hf_tokenizer)
 endif()
 
 add_test(NAME "headers: self-contained"
