@@ -1,6 +1,6 @@
 // --device for the examples' main(): calls the training loop instantiated for the chosen backend.
 //
-// The CPU loops are built for the routers of GRAPHMOE_EXAMPLE_ROUTERS (default: all twelve; the
+// The CPU loops are built for the routers of GRAPHMOE_EXAMPLE_ROUTERS (default: all fourteen; the
 // generated examples_routers.hpp says which: built_for_cpu<Policy>, cpu_router_list). With
 // GRAPHMOE_ENABLE_CUDA the examples in
 // GRAPHMOE_CUDA_EXAMPLES (default: train_lm) also get CUDA instantiations for the routers in

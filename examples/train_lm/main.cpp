@@ -139,6 +139,7 @@ int main(int argc, char** argv) {
   app.add_option("--precision", opt.precision, "fp32, or bf16 with --device cuda: every GEMM (projections, experts, LM head) on bf16 operands with fp32 accumulation; fp32 master weights, optimizer state, LayerNorm, softmax and routers")->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
+  app.add_option("--upcycle-from", opt.upcycle_from, "start from this train_lm checkpoint's weights (same vocabulary): the same model, its dense blocks as MoE blocks whose experts copy the dense FFN (--norm-topk-prob true), or its softmax router graph-aware (--router blended-similarity / blended-attention, from a = 0); the same model at step 0. Ignored when --resume finds a checkpoint")->check(CLI::ExistingFile);
   app.add_option("--sample-tokens", opt.sample_tokens, "tokens of the sample printed at the end (0: none)")->check(examples::integer<index_t>(0, 100000));
   app.add_option("--sample-prompt", opt.sample_prompt, "the sample's prompt: this many tokens from the start of the validation text")->check(examples::integer<index_t>(1, 100000));
   app.add_flag("--keep-checkpoints", opt.keep_checkpoints, "also keep <out>/checkpoint-step<N>.safetensors at every checkpoint (routing_report compares them)");

@@ -43,6 +43,9 @@ struct Options {
   bool cuda_graph = false;
   std::string out_dir = "runs/lm";
   bool resume = false;
+  // start from another train_lm checkpoint's weights (graphmoe/models/upcycling.hpp): the same
+  // model, its dense blocks made MoE, or its softmax router made graph-aware ("" = none)
+  std::string upcycle_from;
   examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss
   bool keep_checkpoints = false;  // also keep checkpoint-step<N>.safetensors at every checkpoint
   // robustness: the test set again with attack_rate of its words replaced by attack_word (the

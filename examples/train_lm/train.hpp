@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "graphmoe/inference/generate.hpp"
+#include "graphmoe/models/upcycling.hpp"
 #include "graphmoe/train/training_state.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/metrics.hpp"
@@ -104,6 +105,59 @@ void print_sample(Model& lm, const Options& opt, const Data& data) {
               one_line(data.detokenize(r.tokens)).c_str());
 }
 
+// --upcycle-from: lm (initialised) takes the weights of another train_lm checkpoint by
+// graphmoe::upcycle's rules (models/upcycling.hpp). The checkpoint's model is rebuilt from its
+// stored configuration with its own router type: this run's, or the softmax router (a dense or
+// softmax MoE model upcycled into this run's router). Its vocabulary must be this run's.
+template <class Policy, class B, class C, class Model>
+void upcycle_from_checkpoint(const Options& opt, const TransformerLMConfig& mc, const Data& data,
+                             Model& lm) {
+  const char* op = "train_lm --upcycle-from";
+  const std::string& path = opt.upcycle_from;
+  GRAPHMOE_CHECK(!opt.dp.expert_parallel(), op, "upcycle a whole model: not with --ep (upcycle "
+                 "once without it, then continue with --resume)");
+  const SafetensorsFile f = load_safetensors(path);
+  const nlohmann::json saved = metadata_json(f, "config");
+  const std::string where = "'" + path + "'";
+  GRAPHMOE_CHECK(saved.is_object() && saved.contains("router") && saved["router"].is_string(), op,
+                 where, ": the configuration (metadata field 'config') names no router");
+  const std::string router = saved["router"].get<std::string>();
+  if (const auto rec = examples::vocabulary_record(f, where))
+    GRAPHMOE_CHECK(rec->fingerprint == data.vocabulary.fingerprint, op, where,
+                   " was trained with the vocabulary ", rec->fingerprint, " (", rec->size,
+                   " entries), this run's --train gives ", data.vocabulary.fingerprint, " (",
+                   data.vocabulary.size, " entries): the token ids would differ");
+  TransformerLMConfig sc = examples::lm_config_from_json(saved, where);
+  GRAPHMOE_CHECK(sc.vocab_size == mc.vocab_size, op, where, " has a vocabulary of ", sc.vocab_size,
+                 " tokens, this run's has ", mc.vocab_size);
+  check_weight_values<Scalar>(f, "model.", op, "the checkpoint's");
+  auto from = [&]<class Source>() {
+    TransformerLM<Source, Scalar, cpu> src(sc, typename TransformerLM<Source, Scalar, cpu>::NoInit{});
+    load_arena(f, src.arena(), "model.");  // strict: every parameter, nothing else of the model
+    if constexpr (B::host_memory && std::is_same_v<C, Scalar>) {
+      upcycle(src, lm);
+    } else {
+      // on a device: upcycled on the host into the same layout, then copied (the arenas of one
+      // model have the same layout on every backend)
+      TransformerLM<Policy, Scalar, cpu> host(mc, opt.seed);
+      upcycle(src, host);
+      copy_from_host(lm.arena().values(), host.arena().values());
+      lm.arena().mark_values_written();
+    }
+  };
+  if (router == opt.router)
+    from.template operator()<Policy>();
+  else if (router == "softmax")
+    from.template operator()<SoftmaxRouter>();
+  else
+    graphmoe::detail::throw_error(op, where, " was trained with --router ", router,
+                                  ": upcycling starts from a softmax model (dense or MoE) or "
+                                  "from one of this run's router (", opt.router, ")");
+  if (opt.dp.root())
+    std::fprintf(stderr, "upcycled from %s (router %s, %s)\n", path.c_str(), router.c_str(),
+                 sc.layout == MoELayout::Dense ? "dense" : "MoE");
+}
+
 // The loop for one model type: C is the GEMM compute type (Scalar, or bf16 with --precision bf16
 // on CUDA); parameters, optimizer state and checkpoints are Scalar either way.
 template <class Policy, class B, class C>
@@ -164,6 +218,8 @@ int run_model(const Options& opt, const Data& data) {
       std::fprintf(stderr, "train_lm: the checkpoint was trained with --precision %s, this run "
                    "continues with --precision %s\n", was.c_str(), opt.precision.c_str());
   }
+  if (!opt.upcycle_from.empty() && step == 0)
+    upcycle_from_checkpoint<Policy, B, C>(opt, mc, data, lm);
   if (dp.active()) {
     // every rank read the checkpoint (the output directory must be visible to all of them);
     // they must have found the same one

@@ -32,6 +32,7 @@
 #include "graphmoe/backend/cuda/gelu.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
 #include "graphmoe/backend/cuda/graph.cuh"
+#include "graphmoe/backend/cuda/graph_blend.cuh"
 #include "graphmoe/backend/cuda/grouped.cuh"
 #include "graphmoe/backend/cuda/heads.cuh"
 #include "graphmoe/backend/cuda/layernorm.cuh"

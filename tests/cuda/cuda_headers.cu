@@ -44,6 +44,8 @@
 #include "graphmoe/backend/cuda/dropout.cuh"
 #include "graphmoe/backend/cuda/graph.cuh"
 #include "graphmoe/backend/cuda/graph.cuh"
+#include "graphmoe/backend/cuda/graph_blend.cuh"
+#include "graphmoe/backend/cuda/graph_blend.cuh"
 #include "graphmoe/backend/cuda/heads.cuh"
 #include "graphmoe/backend/cuda/heads.cuh"
 #include "graphmoe/backend/cuda/detail/nn_launch.cuh"

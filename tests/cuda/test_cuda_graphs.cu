@@ -27,8 +27,11 @@
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/backend/cuda/elementwise.cuh"
+#include "graphmoe/backend/cuda/graph_blend.cuh"
 #include "graphmoe/backend/cuda/token_graph.cuh"
 #include "graphmoe/ops/token_graph.hpp"
+#include "graphmoe/routing/graphs/blended.hpp"
 #include "graphmoe/routing/token_graphs.hpp"
 #include "cuda/cuda_test_support.cuh"
 #include "routing/router_fixtures.hpp"
@@ -847,6 +850,65 @@ TEST_CASE("cuda: Similarity block path gradient check (double, every option)") {
     test::check_gradient("blocks du", u, to_host(du), loss);
     test::check_gradient("blocks dlog_tau", log_tau, to_host(pg.dlog_tau), loss);
     test::check_gradient("blocks dW_s", w_s, to_host(pg.dw_s), loss);
+  }
+}
+
+// ---- Blended<G> ---------------------------------------------------------------------------------
+
+// p = (1 - a) r + a G r and its gradients (dr, du, d a, the inner graph's) on both backends, with
+// a read on the device; at a = 0 the CUDA p is r bit for bit.
+TEST_CASE_TEMPLATE("cuda vs cpu: Blended Similarity and Attention, forward and backward", T, float,
+                   double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(41);
+  const index_t nb = 2, len = 9, d = 8, e = 70, heads = 2;
+  auto u = random_normal<T>({nb * len, d}, rng);
+  auto r = random_probs<T>(nb * len, e, rng);
+  auto dp = random_normal<T>({nb * len, e}, rng);
+  auto cache = random_attention_cache<T>(nb, len, heads, d, true, rng);
+  auto cache_d = to_device(cache);
+  const auto ud = to_device(u), rd = to_device(r), dpd = to_device(dp);
+  for (const double a : {0.0, 0.35}) {
+    CAPTURE(a);
+    RouterConfig cfg;
+    cfg.num_experts = e;
+    cfg.causal = true;
+    cfg.options<Similarity>().tau_mode = TauMode::Learned;
+    auto run = [&]<class G>(G*) {
+      ParameterArena<T, cpu> ha;
+      ParameterArena<T, cuda> da;
+      BlendedImpl<G, T, cpu> ref;
+      BlendedImpl<G, T, cuda> gpu;
+      ref.declare(ha, "g.", d, cfg);
+      gpu.declare(da, "g.", d, cfg);
+      ha.allocate();
+      da.allocate();
+      ref.bind(ha);
+      gpu.bind(da);
+      Rng r1(7), r2(7);
+      ref.init(r1);
+      gpu.init(r2);
+      ha.value("g.blend").data()[0] = static_cast<T>(a);
+      fill(da.value("g.blend"), static_cast<T>(a));
+      ha.zero_grad();
+      da.zero_grad();
+      const bool att = graph_needs_attention_cache<G>();
+      Tensor<T, cpu> p, dr, du(u.shape());
+      Tensor<T, cuda> pd, drd, dud(Shape{nb * len, d});
+      fill(dud, T(0));
+      ref.forward(u, r, {len, att ? &cache : nullptr}, p);
+      gpu.forward(ud, rd, {len, att ? &cache_d : nullptr}, pd);
+      check_close(std::string(G::name) + " p", p, pd);
+      if (a == 0.0) check_equal(std::string(G::name) + " p at a = 0", r, pd);
+      ref.backward(u, r, p, dp, {len, att ? &cache : nullptr}, dr, du);
+      gpu.backward(ud, rd, pd, dpd, {len, att ? &cache_d : nullptr}, drd, dud);
+      check_close(std::string(G::name) + " dr", dr, drd);
+      check_close(std::string(G::name) + " du", du, dud);
+      check_close(std::string(G::name) + " dblend", ha.grad("g.blend"), da.grad("g.blend"));
+      check_scalar(std::string(G::name) + " blend", ref.blend(), gpu.blend(), 0);
+    };
+    run(static_cast<Similarity*>(nullptr));
+    run(static_cast<Attention*>(nullptr));
   }
 }
 

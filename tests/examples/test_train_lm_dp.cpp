@@ -267,6 +267,69 @@ TEST_CASE("train_lm: evaluations do not count towards a bias-balancing router's 
   CHECK(la.at(4).second == lb.at(4).second);  // the same model at the end
 }
 
+// The validation loss of the last metrics row.
+double last_val_loss(const std::string& csv) {
+  const auto rows = losses(csv);
+  REQUIRE_FALSE(rows.empty());
+  return rows.rbegin()->second.second;
+}
+
+// A run that cannot change its weights (the learning rate far below float's resolution): its first
+// evaluation is the starting model's.
+std::vector<std::string> frozen(std::vector<std::string> args) {
+  return set(set(set(args, "--lr", "1e-30"), "--min-lr", "1e-30"), "--steps", "1");
+}
+
+TEST_CASE("train_lm --upcycle-from: a dense model into an MoE one, the same model at step 0") {
+  Scratch s("upcycle");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const auto base = [&](const std::string& out, int steps) {
+    return set(set(lm_args(corpus, out, steps), "--experts", "4"), "--top-k", "2");
+  };
+  const Result dense = run(s, 0, with(base(s / "dense", 3), {"--layout", "dense"}));
+  REQUIRE_MESSAGE(dense.status == 0, dense.text());
+  const Result up = run(s, 0, with(frozen(base(s / "up", 1)),
+                                   {"--upcycle-from", s / "dense/checkpoint.safetensors"}));
+  REQUIRE_MESSAGE(up.status == 0, up.text());
+  CHECK(up.err.find("upcycled from") != std::string::npos);
+  const double want = last_val_loss(slurp(s / "dense/metrics.csv"));
+  const double got = last_val_loss(slurp(s / "up/metrics.csv"));
+  CHECK(std::abs(got - want) <= 1e-5 * std::abs(want));
+  // unnormalised gates would not sum the copies to the dense FFN: refused before training
+  check_refused(run(s, 0, with(frozen(base(s / "bad", 1)),
+                               {"--upcycle-from", s / "dense/checkpoint.safetensors",
+                                "--norm-topk-prob", "false"})),
+                {"upcycle: block 0: the gates are not renormalised (norm_topk_prob = false)"});
+  // another vocabulary: refused
+  const std::string other = s / "other.txt";
+  {
+    std::ofstream o(other);
+    for (int i = 0; i < 200; ++i) o << "x y z w\n";
+  }
+  check_refused(run(s, 0, with(set(frozen(base(s / "bad2", 1)), "--train", other),
+                               {"--upcycle-from", s / "dense/checkpoint.safetensors"})),
+                {"train_lm --upcycle-from: '", "' was trained with the vocabulary "});
+}
+
+TEST_CASE("train_lm --upcycle-from into a graph router: the softmax model's loss, bit for bit") {
+  Scratch s("upcycle_graph");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  const auto base = [&](const std::string& out, int steps) {
+    return set(set(lm_args(corpus, out, steps), "--experts", "4"), "--top-k", "2");
+  };
+  const Result moe = run(s, 0, base(s / "moe", 3));
+  REQUIRE_MESSAGE(moe.status == 0, moe.text());
+  const Result graph = run(s, 0, with(set(frozen(base(s / "graph", 1)), "--router", "blended-similarity"),
+                                      {"--upcycle-from", s / "moe/checkpoint.safetensors"}));
+  REQUIRE_MESSAGE(graph.status == 0, graph.text());
+  CHECK(last_val_loss(slurp(s / "graph/metrics.csv")) == last_val_loss(slurp(s / "moe/metrics.csv")));
+  // the graph router's checkpoint holds the mixing weights
+  const SafetensorsFile f = load_safetensors(s / "graph/checkpoint.safetensors");
+  CHECK(f.contains("model.blocks.0.moe.router.graph.blend"));
+}
+
 TEST_CASE("train_lm --dp: bad values and worlds of the wrong size are refused with a message") {
   Scratch s("dp_errors");
   const std::string corpus = s / "corpus.txt";

@@ -33,6 +33,8 @@ std::string name_of() {
   else if constexpr (std::is_same_v<P, SigmoidBiasRouter>) return "sigmoid-bias";
   else if constexpr (std::is_same_v<P, SimilaritySigmoidBiasRouter>) return "sigmoid-bias-similarity";
   else if constexpr (std::is_same_v<P, AttentionSigmoidBiasRouter>) return "sigmoid-bias-attention";
+  else if constexpr (std::is_same_v<P, BlendedSimilarityRouter>) return "blended-similarity";
+  else if constexpr (std::is_same_v<P, BlendedAttentionRouter>) return "blended-attention";
   else return "?";
 }
 
@@ -60,7 +62,7 @@ std::string capture_stderr(F&& f) {
 }  // namespace
 
 TEST_CASE("registry: every router name selects the policy of that name") {
-  REQUIRE(router_names().size() == 12);
+  REQUIRE(router_names().size() == 14);
   for (const std::string& name : router_names()) {
     CAPTURE(name);
     CHECK(with_router(name, []<class P>() { return name_of<P>(); }) == name);

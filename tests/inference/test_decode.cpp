@@ -203,7 +203,8 @@ TEST_CASE_TEMPLATE("prefill: a 210-token prompt in chunks of 1, 7, 64 and 210 gi
                    Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
                    SimilarityXMoERouter, AttentionXMoERouter, SMoEDropoutRouter,
                    SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter, SigmoidBiasRouter,
-                   SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter) {
+                   SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter, BlendedSimilarityRouter,
+                   BlendedAttentionRouter) {
   TransformerLMConfig cfg = decode_config(210);
   TransformerLM<Policy, double> lm(cfg, 3);
   lm.set_mode(Mode::Eval);
@@ -213,6 +214,9 @@ TEST_CASE_TEMPLATE("prefill: a 210-token prompt in chunks of 1, 7, 64 and 210 gi
       Tensor<double> b = lm.arena().value(info.name);
       for (index_t e = 0; e < b.numel(); ++e) b.data()[e] = 0.01 * static_cast<double>((e * 3) % 5) - 0.02;
     }
+  // a blended graph half mixed in (at its initial 0 it would route as the softmax router)
+  for (const auto& info : lm.arena().params())
+    if (info.name.ends_with("graph.blend")) lm.arena().value(info.name).data()[0] = 0.45;
   lm.set_step(4);  // SMoE-Dropout: k = 2 of its 1..3 schedule
   const auto ids = random_ids(210, cfg.vocab_size, 71);
   const auto forward = full_forward(lm, ids);
@@ -355,7 +359,8 @@ TEST_CASE_TEMPLATE("decode: every causal router's decoded logits equal the full 
                    Policy, SoftmaxRouter, SimilarityRouter, AttentionRouter, XMoERouter,
                    SimilarityXMoERouter, AttentionXMoERouter, SMoEDropoutRouter,
                    SimilaritySMoEDropoutRouter, AttentionSMoEDropoutRouter, SigmoidBiasRouter,
-                   SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter) {
+                   SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter, BlendedSimilarityRouter,
+                   BlendedAttentionRouter) {
   TransformerLMConfig cfg = decode_config(210);
   TransformerLM<Policy, double> lm(cfg, 3);
   lm.set_mode(Mode::Eval);
@@ -365,6 +370,9 @@ TEST_CASE_TEMPLATE("decode: every causal router's decoded logits equal the full 
       Tensor<double> b = lm.arena().value(info.name);
       for (index_t e = 0; e < b.numel(); ++e) b.data()[e] = 0.01 * static_cast<double>((e * 3) % 5) - 0.02;
     }
+  // a blended graph half mixed in (at its initial 0 it would route as the softmax router)
+  for (const auto& info : lm.arena().params())
+    if (info.name.ends_with("graph.blend")) lm.arena().value(info.name).data()[0] = 0.45;
   lm.set_step(4);  // SMoE-Dropout: k = 2 of its 1..3 schedule
   // three slots of different lengths decoded together, one of them 210 tokens (the full context)
   check_decode_matches_forward(lm, {random_ids(210, cfg.vocab_size, 1), random_ids(17, cfg.vocab_size, 2),

@@ -10,6 +10,10 @@
 //   Attention   G = A^p, the attention posterior of Lemma 1 for each token's head h*, from the
 //               attention layer's cache (core/attention_cache.hpp); see docs/routers.md.
 //
+//   Blended     p = r + a (q - r), q = G r of another graph, a a learned scalar (one value on the
+//               backend): graph_blend, graph_blend_backward, graph_blend_residual below
+//               (routing/graphs/blended.hpp)
+//
 //   forward    p (N, E) assigned; the state (core/token_graph.hpp) keeps what backward needs
 //   backward   dr (N, E) assigned; du (Similarity), the learned parameters' gradients and the
 //              attention cache's gradients accumulated (+=), none of them when args.detach
@@ -240,6 +244,54 @@ double attention_graph_mean_entropy(const AttentionGraphState<T, B>& state) {
 template <class T, Backend B>
 double token_graph_mean_self_weight(const Tensor<T, B>& self) {
   return self.empty() ? 1.0 : token_graph_mean_self_weight(B{}, self);
+}
+
+// ---- Blended (routing/graphs/blended.hpp) --------------------------------------------------------
+//   graph_blend(r, q, a, p)                     p = r + a[0] (q - r)              (p assigned)
+//   graph_blend_backward(r, q, a, dp, dq, da)   dq = a[0] dp (assigned); da[0] += sum dp (q - r),
+//                                               the sum in double, rounded once into da
+//   graph_blend_residual(a, dp, dr)             dr += (1 - a[0]) dp
+// r, q, dp, dr: (N, E) of one shape; a, da: (1). a is read where it lives (no copy to the host).
+namespace detail {
+template <class T, class B>
+void check_blend_args(const char* op, const Tensor<T, B>& r, const Tensor<T, B>& q,
+                      const Tensor<T, B>& a) {
+  GRAPHMOE_CHECK(r.rank() == 2, op, "r must be (N, E), got ", r.shape());
+  check_shape(op, "q", q, r.shape());
+  GRAPHMOE_CHECK(a.numel() == 1, op, "the mixing weight a must hold one value, got ",
+                 (a.empty() ? std::string("an empty tensor") : a.shape().str()));
+}
+}  // namespace detail
+
+template <class T, Backend B>
+void graph_blend(const Tensor<T, B>& r, const Tensor<T, B>& q, const Tensor<T, B>& a,
+                 Tensor<T, B>& p) {
+  detail::check_blend_args("graph_blend", r, q, a);
+  prepare_output("graph_blend", "p", p, r.shape());
+  if (r.numel() == 0) return;
+  graph_blend(B{}, r, q, a, p);
+}
+
+template <class T, Backend B>
+void graph_blend_backward(const Tensor<T, B>& r, const Tensor<T, B>& q, const Tensor<T, B>& a,
+                          const Tensor<T, B>& dp, Tensor<T, B>& dq, const Tensor<T, B>& da) {
+  detail::check_blend_args("graph_blend_backward", r, q, a);
+  check_shape("graph_blend_backward", "dp", dp, r.shape());
+  GRAPHMOE_CHECK(da.numel() == 1, "graph_blend_backward", "da must hold one value, got ",
+                 (da.empty() ? std::string("an empty tensor") : da.shape().str()));
+  prepare_output("graph_blend_backward", "dq", dq, r.shape());
+  if (r.numel() == 0) return;
+  graph_blend_backward(B{}, r, q, a, dp, dq, da);
+}
+
+template <class T, Backend B>
+void graph_blend_residual(const Tensor<T, B>& a, const Tensor<T, B>& dp, const Tensor<T, B>& dr) {
+  GRAPHMOE_CHECK(a.numel() == 1, "graph_blend_residual",
+                 "the mixing weight a must hold one value, got ",
+                 (a.empty() ? std::string("an empty tensor") : a.shape().str()));
+  check_shape("graph_blend_residual", "dr", dr, dp.shape());
+  if (dp.numel() == 0) return;
+  graph_blend_residual(B{}, a, dp, dr);
 }
 
 }  // namespace graphmoe

@@ -16,7 +16,7 @@ inline const std::vector<std::string>& router_names() {
       "softmax",      "similarity",   "attention",   "xmoe",
       "xmoe-similarity", "xmoe-attention", "smoe-dropout", "smoe-dropout-similarity",
       "smoe-dropout-attention", "sigmoid-bias", "sigmoid-bias-similarity",
-      "sigmoid-bias-attention"};
+      "sigmoid-bias-attention", "blended-similarity", "blended-attention"};
   return names;
 }
 
@@ -36,6 +36,8 @@ decltype(auto) with_router(const std::string& name, Fn&& fn) {
   if (name == "sigmoid-bias") return fn.template operator()<SigmoidBiasRouter>();
   if (name == "sigmoid-bias-similarity") return fn.template operator()<SimilaritySigmoidBiasRouter>();
   if (name == "sigmoid-bias-attention") return fn.template operator()<AttentionSigmoidBiasRouter>();
+  if (name == "blended-similarity") return fn.template operator()<BlendedSimilarityRouter>();
+  if (name == "blended-attention") return fn.template operator()<BlendedAttentionRouter>();
   std::string valid;
   for (const auto& n : router_names()) valid += (valid.empty() ? "" : ", ") + n;
   detail::throw_error("with_router", "unknown router '", name, "'; valid: ", valid);

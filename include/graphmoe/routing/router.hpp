@@ -25,6 +25,7 @@
 #include "graphmoe/ops/softmax.hpp"
 #include "graphmoe/routing/aux_losses.hpp"
 #include "graphmoe/routing/concepts.hpp"
+#include "graphmoe/routing/graphs/blended.hpp"
 #include "graphmoe/routing/scorers.hpp"
 #include "graphmoe/routing/selectors.hpp"
 #include "graphmoe/routing/token_graphs.hpp"
@@ -70,6 +71,11 @@ using SimilaritySigmoidBiasRouter = Router<SigmoidScorer, Similarity, BiasBalanc
 using AttentionSigmoidBiasRouter = Router<SigmoidScorer, Attention, BiasBalancedTopK>;
 using SimilarityExpertChoiceRouter = Router<LinearScorer, Similarity, ExpertChoice>;
 using AttentionExpertChoiceRouter = Router<LinearScorer, Attention, ExpertChoice>;
+// Graph upcycling (routing/graphs/blended.hpp): a softmax top-k router whose scores are mixed
+// through the token graph by a learned weight a, p = (1 - a) r + a G r, from a = 0 (the router
+// without a graph, bit for bit). Not in the paper.
+using BlendedSimilarityRouter = Router<LinearScorer, Blended<Similarity>, TopK>;
+using BlendedAttentionRouter = Router<LinearScorer, Blended<Attention>, TopK>;
 
 template <class T, class B = cpu>
 struct RouterOutput {
