@@ -314,11 +314,21 @@ TEST_CASE("bad input: read_banking77_csv and categories.json") {
   }
   {
     TempFile f("bad input categories.json", "[\n  \"a\",\n  \"b\"\n  \"c\"\n]\n");
-    CHECK_ERROR_AT(read_banking77_categories(f.path()), f.path(), 4, "expected ',' or ']'");
+    CHECK_ERROR_AT(read_banking77_categories(f.path()), f.path(), 4, "syntax error while parsing array");
   }
   {
     TempFile f("bad input categories string.json", "[\"a\", \"b]\n");
-    CHECK_ERROR_AT(read_banking77_categories(f.path()), f.path(), 1, "unterminated string");
+    CHECK_ERROR_AT(read_banking77_categories(f.path()), f.path(), 1, "invalid string");
+  }
+  {
+    TempFile f("bad input categories number.json", "[\"a\", 3]");
+    CHECK_ERROR_AT(read_banking77_categories(f.path()), f.path(), 1,
+                   "element 1 is number, expected a string");
+  }
+  {
+    TempFile f("bad input categories object.json", "{\"a\": 1}");
+    CHECK_ERROR_AT(read_banking77_categories(f.path()), f.path(), 1,
+                   "expected a JSON array of strings, found object");
   }
   TempFile ok("escapes.json", "[\"a\\\"b\", \"caf\\u00e9\", \"\\n\"]");
   CHECK(read_banking77_categories(ok.path()) ==

@@ -13,7 +13,7 @@
 //                                first appearance, or the order of `names` when given (e.g. from
 //                                read_banking77_categories("categories.json")).
 //   read_banking77_categories(path)
-//                                categories.json: a JSON array of strings
+//                                categories.json: a JSON array of strings (nlohmann_json)
 //
 // Texts are trimmed of leading and trailing whitespace. Malformed input throws graphmoe::Error
 // "graphmoe::<reader>: <path>:<line>: <what>" with the 1-based line (for a CSV record, the line
@@ -21,6 +21,7 @@
 // opened throws "graphmoe::<reader>: cannot open '<path>'".
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -28,6 +29,8 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "graphmoe/config.hpp"
 #include "graphmoe/train/files.hpp"
@@ -282,115 +285,33 @@ inline std::vector<TextExample> read_banking77_csv(const std::string& path,
   return detail::read_banking77(path, names, true);
 }
 
-// A JSON array of strings, such as Banking77's categories.json.
+// A JSON array of strings, such as Banking77's categories.json, parsed by nlohmann_json. A
+// malformed file names the line of the parser's error; an element that is not a string names its
+// index.
 inline std::vector<std::string> read_banking77_categories(const std::string& path) {
   constexpr const char* op = "read_banking77_categories";
   const std::string text = detail::read_file(op, path);
-  std::size_t pos = 0, line = 1;
-  auto skip_ws = [&] {
-    while (pos < text.size() && detail::is_space(text[pos])) line += text[pos++] == '\n';
-  };
-  auto fail = [&](const char* what) {
-    detail::parse_error(op, path, line, what,
-                        pos < text.size() ? " at " + detail::quoted(std::string_view(text).substr(pos, 1))
-                                          : std::string(" at the end of the file"));
-  };
-  auto hex4 = [&](std::size_t p) -> std::uint32_t {
-    if (p + 4 > text.size()) fail("truncated \\u escape");
-    std::uint32_t v = 0;
-    for (std::size_t k = p; k < p + 4; ++k) {
-      const char c = text[k];
-      v <<= 4;
-      if (c >= '0' && c <= '9') v |= static_cast<std::uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= static_cast<std::uint32_t>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= static_cast<std::uint32_t>(c - 'A' + 10);
-      else fail("bad hex digit in a \\u escape");
-    }
-    return v;
-  };
-  auto put_utf8 = [](std::string& s, std::uint32_t cp) {
-    if (cp < 0x80) {
-      s += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      s += static_cast<char>(0xC0 | (cp >> 6));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      s += static_cast<char>(0xE0 | (cp >> 12));
-      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      s += static_cast<char>(0xF0 | (cp >> 18));
-      s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  };
-  auto string_value = [&]() {
-    std::string s;
-    ++pos;  // opening quote
-    for (;;) {
-      if (pos >= text.size() || text[pos] == '\n') fail("unterminated string");
-      const char c = text[pos++];
-      if (c == '"') return s;
-      if (c != '\\') {
-        s += c;
-        continue;
-      }
-      if (pos >= text.size()) fail("unterminated string");
-      const char e = text[pos++];
-      switch (e) {
-        case '"': s += '"'; break;
-        case '\\': s += '\\'; break;
-        case '/': s += '/'; break;
-        case 'b': s += '\b'; break;
-        case 'f': s += '\f'; break;
-        case 'n': s += '\n'; break;
-        case 'r': s += '\r'; break;
-        case 't': s += '\t'; break;
-        case 'u': {
-          std::uint32_t cp = hex4(pos);
-          pos += 4;
-          if (cp >= 0xD800 && cp < 0xDC00 && pos + 6 <= text.size() && text[pos] == '\\' &&
-              text[pos + 1] == 'u') {
-            const std::uint32_t lo = hex4(pos + 2);
-            if (lo >= 0xDC00 && lo < 0xE000) {
-              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-              pos += 6;
-            }
-          }
-          put_utf8(s, cp);
-          break;
-        }
-        default: --pos; fail("bad escape in a string");
-      }
-    }
-  };
-  std::vector<std::string> names;
-  skip_ws();
-  if (pos >= text.size() || text[pos] != '[') fail("expected '['");
-  ++pos;
-  skip_ws();
-  if (pos < text.size() && text[pos] == ']') {
-    ++pos;
-  } else {
-    for (;;) {
-      skip_ws();
-      if (pos >= text.size() || text[pos] != '"') fail("expected a string");
-      names.push_back(string_value());
-      skip_ws();
-      if (pos < text.size() && text[pos] == ',') {
-        ++pos;
-        continue;
-      }
-      if (pos < text.size() && text[pos] == ']') {
-        ++pos;
-        break;
-      }
-      fail("expected ',' or ']'");
-    }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    const std::size_t at = std::min<std::size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
+    std::size_t line = 1;
+    for (std::size_t k = 0; k < at; ++k) line += text[k] == '\n';
+    // the parser's own description, without its "[json.exception.parse_error.101] " prefix
+    std::string what = e.what();
+    if (const std::size_t b = what.find("] "); what.rfind("[json.exception", 0) == 0 && b != std::string::npos)
+      what = what.substr(b + 2);
+    detail::parse_error(op, path, line, "not valid JSON: ", what);
   }
-  skip_ws();
-  if (pos != text.size()) fail("unexpected text after the array");
+  if (!j.is_array()) detail::parse_error(op, path, 1, "expected a JSON array of strings, found ", j.type_name());
+  std::vector<std::string> names;
+  names.reserve(j.size());
+  for (std::size_t i = 0; i < j.size(); ++i) {
+    if (!j[i].is_string())
+      detail::parse_error(op, path, 1, "element ", i, " is ", j[i].type_name(), ", expected a string");
+    names.push_back(j[i].get<std::string>());
+  }
   return names;
 }
 
