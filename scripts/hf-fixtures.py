@@ -24,6 +24,11 @@ in float16) under DIR/<family>/, reloads it from disk in float32 with eager atte
   router_margin  the smallest gap, over every token and MoE layer, between the k-th and the
                  (k+1)-th softmax score (how far the choice is from a tie; informational;
                  null for the dense llama)
+  greedy         transformers' greedy continuation of the first prompt: GREEDY_TOKENS new token
+                 ids (argmax of each step's float32 logits, a full forward per step, eos not
+                 stopping it)
+  greedy_margin  the smallest gap, over those steps, between the largest and the second largest
+                 logit (how far each choice is from a tie; informational)
 
 All fixtures together stay under 1 MB (the script prints their size and fails above it).
 """
@@ -42,11 +47,12 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralF
 
 SEED = 1234
 PROMPT_LENGTHS = (5, 9, 16)
+GREEDY_TOKENS = 64
 COLUMN_STRIDE = 4
 LIMIT_BYTES = 1_000_000
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+              num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
               pad_token_id=None)
 
 # family -> (config class, model class, config fields, storage dtype, save_pretrained arguments)
@@ -142,6 +148,18 @@ def make(family, out_dir, seed):
     for h in hooks:
         h.remove()
 
+    # greedy decoding of the first prompt (a full forward per step: no cache to differ)
+    seq = list(prompts[0])
+    greedy, greedy_margin = [], math.inf
+    with torch.no_grad():
+        for _ in range(GREEDY_TOKENS):
+            last = model(torch.tensor([seq])).logits[0, -1].float()
+            top = torch.topk(last, 2).values
+            greedy_margin = min(greedy_margin, (top[0] - top[1]).item())
+            nxt = int(torch.argmax(last).item())
+            greedy.append(nxt)
+            seq.append(nxt)
+
     expected = {
         "family": family,
         "architecture": config.architectures[0] if config.architectures else model_cls.__name__,
@@ -155,13 +173,15 @@ def make(family, out_dir, seed):
         "logsumexp": lse,
         "experts": experts,
         "router_margin": margin if math.isfinite(margin) else None,
+        "greedy": greedy,
+        "greedy_margin": greedy_margin,
     }
     with open(os.path.join(d, "expected.json"), "w") as f:
         json.dump(expected, f, separators=(",", ":"))
         f.write("\n")
     size = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
     print(f"{family:10s} {size / 1000:7.1f} kB  files {sorted(os.listdir(d))}  "
-          f"router margin {margin:.2e}")
+          f"router margin {margin:.2e}  greedy margin {greedy_margin:.2e}")
     return size
 
 
