@@ -30,6 +30,7 @@
 #include <nlohmann/json.hpp>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/hf/json.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/files.hpp"
 
@@ -91,20 +92,6 @@ struct ModelConfig {
 };
 
 namespace detail {
-
-inline const char* json_kind(const nlohmann::json& v) {
-  switch (v.type()) {
-    case nlohmann::json::value_t::null: return "null";
-    case nlohmann::json::value_t::object: return "an object";
-    case nlohmann::json::value_t::array: return "an array";
-    case nlohmann::json::value_t::string: return "a string";
-    case nlohmann::json::value_t::boolean: return "a boolean";
-    case nlohmann::json::value_t::number_integer:
-    case nlohmann::json::value_t::number_unsigned: return "an integer";
-    case nlohmann::json::value_t::number_float: return "a number";
-    default: return "a value of another kind";
-  }
-}
 
 // The keys of one config.json object: typed reads with limits, each read key marked understood;
 // finish() refuses every key left unread. Errors name the file and the key.

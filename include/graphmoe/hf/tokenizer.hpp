@@ -73,6 +73,7 @@
 #include <nlohmann/json.hpp>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/hf/json.hpp"
 #include "graphmoe/train/files.hpp"
 
 namespace graphmoe::hf {
@@ -428,20 +429,6 @@ struct AddedToken {
 
 // ---- reading the JSON --------------------------------------------------------------------------
 
-inline const char* json_type_name(const nlohmann::json& v) {
-  switch (v.type()) {
-    case nlohmann::json::value_t::null: return "null";
-    case nlohmann::json::value_t::object: return "an object";
-    case nlohmann::json::value_t::array: return "an array";
-    case nlohmann::json::value_t::string: return "a string";
-    case nlohmann::json::value_t::boolean: return "a boolean";
-    case nlohmann::json::value_t::number_integer:
-    case nlohmann::json::value_t::number_unsigned: return "an integer";
-    case nlohmann::json::value_t::number_float: return "a number";
-    default: return "a value of another kind";
-  }
-}
-
 inline constexpr const char* kLoadOp = "hf::load_tokenizer";
 
 // One JSON object of the file: typed reads of its keys; finish() refuses a key left unread.
@@ -449,7 +436,7 @@ class JsonObject {
  public:
   JsonObject(const nlohmann::json& j, std::string file, std::string path)
       : j_(j), file_(std::move(file)), path_(std::move(path)) {
-    if (!j_.is_object()) fail("is " + std::string(json_type_name(j_)) + ", not an object");
+    if (!j_.is_object()) fail("is " + std::string(json_kind(j_)) + ", not an object");
   }
   [[noreturn]] void fail(const std::string& what) const { fail_at(path_, what); }
   [[noreturn]] void fail_at(const std::string& path, const std::string& what) const {
@@ -471,13 +458,13 @@ class JsonObject {
   }
   std::string string(const std::string& key) {
     const nlohmann::json& v = required(key);
-    if (!v.is_string()) fail_at(at(key), "is " + std::string(json_type_name(v)) + ", not a string");
+    if (!v.is_string()) fail_at(at(key), "is " + std::string(json_kind(v)) + ", not a string");
     return v.get<std::string>();
   }
   std::optional<std::string> string_or_null(const std::string& key) {
     const nlohmann::json* v = find(key);
     if (v == nullptr || v->is_null()) return std::nullopt;
-    if (!v->is_string()) fail_at(at(key), "is " + std::string(json_type_name(*v)) + ", not a string");
+    if (!v->is_string()) fail_at(at(key), "is " + std::string(json_kind(*v)) + ", not a string");
     return v->get<std::string>();
   }
   bool boolean(const std::string& key, std::optional<bool> fallback = std::nullopt) {
@@ -485,7 +472,7 @@ class JsonObject {
     if ((v == nullptr || v->is_null()) && fallback) return *fallback;
     if (v == nullptr) fail_at(at(key), "is missing");
     if (!v->is_boolean())
-      fail_at(at(key), "is " + std::string(json_type_name(*v)) + ", not true or false");
+      fail_at(at(key), "is " + std::string(json_kind(*v)) + ", not true or false");
     return v->get<bool>();
   }
   std::int64_t integer(const std::string& key, std::int64_t lo, std::int64_t hi) {
@@ -495,7 +482,7 @@ class JsonObject {
   std::int64_t integer_value(const nlohmann::json& v, const std::string& path, std::int64_t lo,
                              std::int64_t hi) const {
     if (!v.is_number_integer() && !v.is_number_unsigned())
-      fail_at(path, "is " + std::string(json_type_name(v)) + ", not an integer");
+      fail_at(path, "is " + std::string(json_kind(v)) + ", not an integer");
     if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
       fail_at(path, "= " + v.dump() + " is out of range [" + std::to_string(lo) + ", " +
                         std::to_string(hi) + "]");
@@ -714,7 +701,7 @@ class JsonTokenizer : public Tokenizer {
 
     const nlohmann::json& vocab = m.required("vocab");
     if (!vocab.is_object())
-      m.fail_at(m.at("vocab"), std::string("is ") + detail::json_type_name(vocab) + ", not an object");
+      m.fail_at(m.at("vocab"), std::string("is ") + detail::json_kind(vocab) + ", not an object");
     if (static_cast<std::int64_t>(vocab.size()) > TokenizerLimits::vocab_size)
       m.fail_at(m.at("vocab"), "has " + std::to_string(vocab.size()) + " tokens, more than the limit of " +
                                    std::to_string(TokenizerLimits::vocab_size));
@@ -752,7 +739,7 @@ class JsonTokenizer : public Tokenizer {
 
     const nlohmann::json& merges = m.required("merges");
     if (!merges.is_array())
-      m.fail_at(m.at("merges"), std::string("is ") + detail::json_type_name(merges) + ", not an array");
+      m.fail_at(m.at("merges"), std::string("is ") + detail::json_kind(merges) + ", not an array");
     if (static_cast<std::int64_t>(merges.size()) > TokenizerLimits::vocab_size)
       m.fail_at(m.at("merges"), "has " + std::to_string(merges.size()) + " merges, more than the limit");
     merges_.reserve(merges.size());
