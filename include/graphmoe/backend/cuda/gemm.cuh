@@ -38,6 +38,7 @@
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/detail/error.cuh"
 #include "graphmoe/backend/cuda/device.cuh"
+#include "graphmoe/core/gemm_shape.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/trans.hpp"
 
@@ -144,30 +145,13 @@ void gemm_dims(Trans ta, Trans tb, const Tensor<TA, cuda>& A, const Tensor<TA, c
   n = tb == Trans::N ? B.cols() : B.rows();
 }
 
-// grouped_gemm's per-problem checks (backend/cuda/grouped.cuh), with the gemm op's messages: the
-// checks of detail::gemm_prepare in ops/gemm.hpp, which a backend header cannot include, plus
-// cuBLAS's int range. Goes when grouped_gemm's checks move to the op layer.
+// grouped_gemm's per-problem checks (backend/cuda/grouped.cuh): the gemm op's
+// (core/gemm_shape.hpp), plus cuBLAS's int range.
 template <class TA, class TC, class S>
 void cublas_gemm_prepare(Trans ta, Trans tb, const Tensor<TA, cuda>& A,
                          const Tensor<TA, cuda>& B, Tensor<TC, cuda>& C, S& beta, index_t& m,
                          index_t& n, index_t& k) {
-  GRAPHMOE_CHECK(!A.empty() && !B.empty(), "gemm", "A or B is empty");
-  GRAPHMOE_CHECK(A.rank() >= 1 && B.rank() >= 1, "gemm", "A and B must have rank >= 1, got ",
-                 A.shape(), " and ", B.shape());
-  m = ta == Trans::N ? A.rows() : A.cols();
-  k = ta == Trans::N ? A.cols() : A.rows();
-  const index_t kb = tb == Trans::N ? B.rows() : B.cols();
-  n = tb == Trans::N ? B.cols() : B.rows();
-  GRAPHMOE_CHECK(k == kb, "gemm", "inner dimensions differ: op(A) is (", m, ", ", k,
-                 ") from A ", A.shape(), (ta == Trans::T ? " transposed" : ""), ", op(B) is (", kb,
-                 ", ", n, ") from B ", B.shape(), (tb == Trans::T ? " transposed" : ""));
-  if (C.empty()) {
-    C = Tensor<TC, cuda>::uninitialized(Shape{m, n});  // beta = 0: C is not read
-    beta = S{};  // +0 (value-initialised, for the 16-bit types too)
-  }
-  GRAPHMOE_CHECK(C.rows() == m && C.cols() == n, "gemm", "C has shape ", C.shape(),
-                 ", expected ", m, " rows and ", n, " columns for A ", A.shape(), " and B ",
-                 B.shape());
+  gemm_prepare(ta, tb, A, B, C, beta, m, n, k);
   cublas_check_dims(A, B, m, n, k);
 }
 
