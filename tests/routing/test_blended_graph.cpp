@@ -1,13 +1,17 @@
-// Blended<G> (routing/graphs/blended.hpp): p = (1 - a) r + a G r with a learned a.
-//   naive evaluation     p equals (1 - a) r + a (G r) of G run alone, for Similarity and Attention
+// Blended<G> (routing/graphs/blended.hpp): p = (1 - w) r + w G r, w = clamp(a, 0, 1), a learned.
+//   naive evaluation     p equals (1 - w) r + w (G r) of G run alone, for Similarity and Attention,
+//                        a inside and outside [0, 1]; every row a distribution
 //   a = 0                p is r bit for bit; the whole router chooses the same experts with the
 //                        same gates and gives the scorer the same gradients as the router
-//                        without a graph; a's own gradient is not zero
+//                        without a graph; a's gradient is the one-sided derivative when a step
+//                        from it enters [0, 1], else 0
 //   gradient checks      (double) dr, du, d a, G's own parameters (a learned temperature) and
-//                        the attention cache's gradients, at a = 0 and a != 0, whole routers
+//                        the attention cache's gradients, at a = 0 (all but a) and inside (0, 1),
+//                        whole routers; beyond a bound, a's gradient only points back inside
 //   options and errors   Blended's init, G's options read through it, a bad init refused
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <functional>
 
 #include "graphmoe/routing/router.hpp"
@@ -45,14 +49,15 @@ struct BlendedGraph {
 
 }  // namespace
 
-TEST_CASE("blended graph: p = (1 - a) r + a G r, the graph run alone (Similarity, Attention)") {
+TEST_CASE("blended graph: p = (1 - w) r + w G r, the graph run alone (Similarity, Attention)") {
   Rng rng(31);
   const index_t nb = 2, len = 6, d = 4, e = 5;
   auto u = random_normal<double>({nb * len, d}, rng);
   auto r = random_probs<double>(nb * len, e, rng);
   auto cache = random_attention_cache<double>(nb, len, 2, d, true, rng);
-  for (const double a : {0.0, 0.35, 1.0, -0.2}) {
+  for (const double a : {0.0, 0.35, 1.0, -0.2, 1.7}) {
     CAPTURE(a);
+    const double w = std::clamp(a, 0.0, 1.0);
     RouterConfig cfg;
     cfg.num_experts = e;
     cfg.causal = true;
@@ -67,19 +72,21 @@ TEST_CASE("blended graph: p = (1 - a) r + a G r, the graph run alone (Similarity
       s.forward(u, r, {len, nullptr}, q);
       REQUIRE(p.shape() == r.shape());
       for (index_t i = 0; i < r.numel(); ++i) {
-        const double want = (1 - a) * r.data()[i] + a * q.data()[i];
+        const double want = (1 - w) * r.data()[i] + w * q.data()[i];
         CHECK(p.data()[i] == doctest::Approx(want).epsilon(1e-14));
-        if (a == 0.0) CHECK(p.data()[i] == r.data()[i]);  // bit for bit
+        CHECK(p.data()[i] >= 0.0);
+        if (w == 0.0) CHECK(p.data()[i] == r.data()[i]);  // bit for bit
       }
-      for (index_t t = 0; t < r.rows(); ++t) {  // rows stay distributions' sums
+      for (index_t t = 0; t < r.rows(); ++t) {  // rows stay distributions
         double sum = 0;
         for (index_t j = 0; j < e; ++j) sum += p(t, j);
         CHECK(sum == doctest::Approx(1.0).epsilon(1e-14));
       }
       CHECK(b.g.mean_entropy() == s.mean_entropy());
       CHECK(b.g.blend() == a);
+      CHECK(b.g.weight() == w);
       CHECK(b.g.mean_self_weight() ==
-            doctest::Approx((1 - a) + a * s.mean_self_weight()).epsilon(1e-14));
+            doctest::Approx((1 - w) + w * s.mean_self_weight()).epsilon(1e-14));
     }
     // Attention (the head choice and A^p are the inner graph's)
     {
@@ -90,16 +97,16 @@ TEST_CASE("blended graph: p = (1 - a) r + a G r, the graph run alone (Similarity
       b.g.forward(u, r, {len, &cache}, p);
       s.forward(u, r, {len, &cache}, q);
       for (index_t i = 0; i < r.numel(); ++i)
-        CHECK(p.data()[i] == doctest::Approx((1 - a) * r.data()[i] + a * q.data()[i]).epsilon(1e-14));
+        CHECK(p.data()[i] == doctest::Approx((1 - w) * r.data()[i] + w * q.data()[i]).epsilon(1e-14));
     }
   }
 }
 
 TEST_CASE("blended graph gradient check: Similarity (causal, a learned temperature), at a = 0 and "
-          "a != 0") {
+          "inside (0, 1)") {
   for (const bool learned : {false, true}) {
     for (const bool causal : {false, true}) {
-      for (const double a : {0.0, 0.4, 1.3}) {
+      for (const double a : {0.0, 0.4, 0.85}) {
         CAPTURE(learned);
         CAPTURE(causal);
         CAPTURE(a);
@@ -127,8 +134,25 @@ TEST_CASE("blended graph gradient check: Similarity (causal, a learned temperatu
         b.g.backward(u, r, p, w, ctx, dr, du);
         check_gradient("dr", r, dr, loss);
         check_gradient("du", u, du, loss);
-        check_arena(b.arena, loss);
-        CHECK(b.arena.grad("graph.blend").data()[0] != 0.0);  // a moves from 0
+        if (a > 0) {
+          check_arena(b.arena, loss);
+          CHECK(b.arena.grad("graph.blend").data()[0] != 0.0);
+        } else {
+          // at the bound: the right-hand derivative when a step from 0 would enter [0, 1], else 0
+          for (const auto& info : b.arena.params())
+            if (info.name != "graph.blend") {
+              Tensor<double> v = b.arena.value(info.name);
+              check_gradient(info.name, v, b.arena.grad(info.name), loss);
+            }
+          Tensor<double> av = b.arena.value("graph.blend");
+          const double l0 = loss();
+          av.data()[0] = 1e-7;
+          const double right = (loss() - l0) / 1e-7;
+          av.data()[0] = 0.0;
+          const double da = b.arena.grad("graph.blend").data()[0];
+          if (right < 0) CHECK(da == doctest::Approx(right).epsilon(1e-5));
+          else CHECK(da == 0.0);
+        }
       }
     }
   }
@@ -160,10 +184,10 @@ TEST_CASE("blended graph gradient check: Attention, into r and the attention cac
     b.arena.zero_grad();
     b.g.backward(u, r, p, w, ctx, dr, du);
     check_gradient("dr", r, dr, loss);
-    check_arena(b.arena, loss);
+    if (a > 0) check_arena(b.arena, loss);
     check_gradient("dv", cache.v, cache.dv, loss);
     check_gradient("dout", cache.out, cache.dout, loss);
-    if (a == 0.0) CHECK(as_vector(cache.dv).cwiseAbs().maxCoeff() == 0.0);  // dq = a dp = 0
+    if (a == 0.0) CHECK(as_vector(cache.dv).cwiseAbs().maxCoeff() == 0.0);  // dq = w dp = 0
   }
 }
 
@@ -216,7 +240,7 @@ TEST_CASE_TEMPLATE("blended router at a = 0 routes as the router without a graph
   for (index_t i = 0; i < du.numel(); ++i) CHECK(du.data()[i] == ref_du.data()[i]);
   const Tensor<double> g = arena.grad("router.weight"), rg = ref_arena.grad("router.weight");
   for (index_t i = 0; i < g.numel(); ++i) CHECK(g.data()[i] == rg.data()[i]);
-  CHECK(arena.grad("router.graph.blend").data()[0] != 0.0);
+  CHECK(arena.grad("router.graph.blend").data()[0] <= 0.0);  // a step from 0 only enters [0, 1]
 }
 
 TEST_CASE_TEMPLATE("blended router gradient check (gates + load balancing), a != 0", Policy,
@@ -257,6 +281,45 @@ TEST_CASE_TEMPLATE("blended router gradient check (gates + load balancing), a !=
   if (Policy::needs_attention) check_gradient("dv", cache.v, cache.dv, loss);
 }
 
+TEST_CASE("blended graph: beyond a bound, a's gradient only points back into [0, 1]") {
+  Rng rng(36);
+  const index_t nb = 1, len = 6, d = 3, e = 4;
+  auto u = random_normal<double>({nb * len, d}, rng);
+  auto r = random_probs<double>(nb * len, e, rng);
+  RouterConfig cfg;
+  cfg.num_experts = e;
+  cfg.causal = true;
+  for (const double a : {-0.3, 0.0, 1.0, 1.4}) {
+    CAPTURE(a);
+    BlendedGraph<Similarity> b(d, cfg, a);
+    BlendedGraph<Similarity> inside(d, cfg, 0.5);
+    for (const double sign : {1.0, -1.0}) {
+      CAPTURE(sign);
+      // dp = sign (q - r): sum dp (q - r) = sign |q - r|^2, its sign known
+      Tensor<double> q, p, dr, du(u.shape()), dp(r.shape());
+      GraphImpl<Similarity, double> s;
+      s.configure(d, cfg);
+      s.forward(u, r, {len, nullptr}, q);
+      for (index_t i = 0; i < r.numel(); ++i) dp.data()[i] = sign * (q.data()[i] - r.data()[i]);
+      b.arena.zero_grad();
+      b.g.forward(u, r, {len, nullptr}, p);
+      b.g.backward(u, r, p, dp, {len, nullptr}, dr, du);
+      const double g = b.arena.grad("graph.blend").data()[0];
+      const bool out = (a <= 0 && sign > 0) || (a >= 1 && sign < 0);  // descent would leave
+      if (out) CHECK(g == 0.0);
+      else CHECK(g * sign > 0);
+      // dr's direct path uses w = clamp(a, 0, 1)
+      if (a > 1) {
+        Tensor<double> p1, dr1, du1(u.shape());
+        BlendedGraph<Similarity> one(d, cfg, 1.0);
+        one.g.forward(u, r, {len, nullptr}, p1);
+        one.g.backward(u, r, p1, dp, {len, nullptr}, dr1, du1);
+        for (index_t i = 0; i < dr.numel(); ++i) CHECK(dr.data()[i] == dr1.data()[i]);
+      }
+    }
+  }
+}
+
 TEST_CASE("blended graph: names, options, errors") {
   CHECK(std::string(Blended<Similarity>::name) == "blended-similarity");
   CHECK(std::string(Blended<Attention>::name) == "blended-attention");
@@ -279,7 +342,14 @@ TEST_CASE("blended graph: names, options, errors") {
   ParameterArena<double> a2;
   RouterImpl<BlendedSimilarityRouter, double> r2;
   CHECK_THROWS_WITH(r2.declare(a2, "r.", 3, bad),
-                    doctest::Contains("Blended::Options: init must be finite"));
+                    doctest::Contains("Blended::Options: init must be in [0, 1], got nan"));
+  RouterConfig bad2;
+  bad2.num_experts = 4;
+  bad2.options<Blended<Similarity>>().init = 1.5;
+  ParameterArena<double> a3;
+  RouterImpl<BlendedSimilarityRouter, double> r3;
+  CHECK_THROWS_WITH(r3.declare(a3, "r.", 3, bad2),
+                    doctest::Contains("init must be in [0, 1], got 1.5"));
   // ops: a of the wrong size, q of another shape
   Tensor<double> r(Shape{3, 4}), q(Shape{3, 4}), q2(Shape{4, 3}), a(Shape{2}), p;
   CHECK_THROWS_WITH(graph_blend(r, q, a, p), doctest::Contains("graph_blend: the mixing weight a "

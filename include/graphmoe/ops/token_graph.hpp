@@ -10,8 +10,8 @@
 //   Attention   G = A^p, the attention posterior of Lemma 1 for each token's head h*, from the
 //               attention layer's cache (core/attention_cache.hpp); see docs/routers.md.
 //
-//   Blended     p = r + a (q - r), q = G r of another graph, a a learned scalar (one value on the
-//               backend): graph_blend, graph_blend_backward, graph_blend_residual below
+//   Blended     p = r + w (q - r), q = G r of another graph, w = clamp(a, 0, 1) of a learned scalar a
+//               (one value on the backend): graph_blend, graph_blend_backward, graph_blend_residual
 //               (routing/graphs/blended.hpp)
 //
 //   forward    p (N, E) assigned; the state (core/token_graph.hpp) keeps what backward needs
@@ -247,11 +247,14 @@ double token_graph_mean_self_weight(const Tensor<T, B>& self) {
 }
 
 // ---- Blended (routing/graphs/blended.hpp) --------------------------------------------------------
-//   graph_blend(r, q, a, p)                     p = r + a[0] (q - r)              (p assigned)
-//   graph_blend_backward(r, q, a, dp, dq, da)   dq = a[0] dp (assigned); da[0] += sum dp (q - r),
-//                                               the sum in double, rounded once into da
-//   graph_blend_residual(a, dp, dr)             dr += (1 - a[0]) dp
-// r, q, dp, dr: (N, E) of one shape; a, da: (1). a is read where it lives (no copy to the host).
+//   graph_blend(r, q, a, p)                     p = r + w (q - r)                 (p assigned)
+//   graph_blend_backward(r, q, a, dp, dq, da)   dq = w dp (assigned); da[0] += g, g = sum dp (q - r)
+//                                               in double, rounded once into da; g = 0 where a
+//                                               descent step would take a out of [0, 1] (a <= 0 and
+//                                               g > 0, or a >= 1 and g < 0)
+//   graph_blend_residual(a, dp, dr)             dr += (1 - w) dp
+// w = clamp(a[0], 0, 1), so that p stays a convex combination of r and q. r, q, dp, dr: (N, E) of
+// one shape; a, da: (1). a is read where it lives (no copy to the host).
 namespace detail {
 template <class T, class B>
 void check_blend_args(const char* op, const Tensor<T, B>& r, const Tensor<T, B>& q,

@@ -72,8 +72,8 @@ using AttentionSigmoidBiasRouter = Router<SigmoidScorer, Attention, BiasBalanced
 using SimilarityExpertChoiceRouter = Router<LinearScorer, Similarity, ExpertChoice>;
 using AttentionExpertChoiceRouter = Router<LinearScorer, Attention, ExpertChoice>;
 // Graph upcycling (routing/graphs/blended.hpp): a softmax top-k router whose scores are mixed
-// through the token graph by a learned weight a, p = (1 - a) r + a G r, from a = 0 (the router
-// without a graph, bit for bit). Not in the paper.
+// through the token graph by a learned weight, p = (1 - w) r + w G r with w = clamp(a, 0, 1),
+// from a = 0 (the router without a graph, bit for bit). Not in the paper.
 using BlendedSimilarityRouter = Router<LinearScorer, Blended<Similarity>, TopK>;
 using BlendedAttentionRouter = Router<LinearScorer, Blended<Attention>, TopK>;
 

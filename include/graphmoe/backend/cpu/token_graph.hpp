@@ -677,11 +677,11 @@ double token_graph_mean_self_weight(cpu, const Tensor<T, cpu>& self) {
   return static_cast<double>(as_vector(self).template cast<double>().mean());
 }
 
-// ---- Blended: element-wise, the sum of da in double in index order -------------------------------
+// ---- Blended: element-wise, the weight clamped to [0, 1], the sum of da in double in index order --
 template <class T>
 void graph_blend(cpu, const Tensor<T, cpu>& r, const Tensor<T, cpu>& q, const Tensor<T, cpu>& a,
                  Tensor<T, cpu>& p) {
-  const T w = a.data()[0];
+  const T w = std::clamp(a.data()[0], T(0), T(1));
   const T* rv = r.data();
   const T* qv = q.data();
   T* pv = p.data();
@@ -692,20 +692,22 @@ template <class T>
 void graph_blend_backward(cpu, const Tensor<T, cpu>& r, const Tensor<T, cpu>& q,
                           const Tensor<T, cpu>& a, const Tensor<T, cpu>& dp, Tensor<T, cpu>& dq,
                           const Tensor<T, cpu>& da) {
-  const T w = a.data()[0];
+  const T raw = a.data()[0];
+  const T w = std::clamp(raw, T(0), T(1));
   double s = 0;
   for (index_t i = 0; i < r.numel(); ++i) {
     dq.data()[i] = w * dp.data()[i];
     s += static_cast<double>(dp.data()[i]) *
          (static_cast<double>(q.data()[i]) - static_cast<double>(r.data()[i]));
   }
+  if ((raw <= T(0) && s > 0) || (raw >= T(1) && s < 0)) s = 0;  // a step would leave [0, 1]
   da.data()[0] = static_cast<T>(static_cast<double>(da.data()[0]) + s);
 }
 
 template <class T>
 void graph_blend_residual(cpu, const Tensor<T, cpu>& a, const Tensor<T, cpu>& dp,
                           const Tensor<T, cpu>& dr) {
-  const T c = T(1) - a.data()[0];
+  const T c = T(1) - std::clamp(a.data()[0], T(0), T(1));
   for (index_t i = 0; i < dp.numel(); ++i) dr.data()[i] += c * dp.data()[i];
 }
 

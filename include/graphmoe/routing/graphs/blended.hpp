@@ -1,30 +1,32 @@
 // graphmoe/routing/graphs/blended.hpp: Blended<G>, a token graph G mixed with the identity by a
 // learned weight,
 //
-//     p = (1 - a) r + a G r = r + a (G r - r),      a: the parameter "<router>graph.blend", (1)
+//     p = (1 - w) r + w G r = r + w (G r - r),   w = clamp(a, 0, 1),   a: "<router>graph.blend"  (1)
 //
 // so that a router whose graph starts at a = 0 (the default) routes exactly as the router without
 // a graph: p = r bit for bit (r + 0 (q - r) = r), the same experts, the same gates, the same model.
 // This is how a pretrained MoE's router becomes graph-aware without changing the model's outputs
 // at step 0 ("graph upcycling", docs/routers.md): load its weights into
 // Router<LinearScorer, Blended<Similarity>, TopK> (BlendedSimilarityRouter, routing/router.hpp)
-// and fine-tune; the
-// gradient of a, sum_ij dp_ij (G r - r)_ij, is not zero at a = 0, so training moves a away from
-// 0 exactly as far as the graph helps the loss. Every row of p sums to 1 for any a (rows of r and
-// of G r do); a is not constrained to [0, 1] (a < 0 or a > 1 extrapolates, and p may then have
-// negative entries, which top-k and the renormalised gates accept; docs/routers.md).
+// and fine-tune; the gradient of a, sum_ij dp_ij (G r - r)_ij, is not zero at a = 0, so training
+// moves a away from 0 as far as the graph helps the loss. w stays in [0, 1], so p is a convex
+// combination of two distributions (each row sums to 1, every entry >= 0): at a bound, the
+// gradient of a is dropped when a descent step would push a further out (a projected gradient;
+// an optimizer's momentum may still carry a a little beyond, where w stays at the bound), so a
+// graph the loss rejects sits at w = 0 and comes back as soon as the loss asks for it.
 //
 // G is any token graph (Similarity, Attention, a user's): its own options (cfg.options<G>()) and
 // parameters (a learned temperature, the projection W_s) are G's, under the same prefix; the
-// Blended<G> options hold only a's initial value. Gradients:
-//   dq = a dp                  into G's backward (q = G r), which assigns dr and accumulates du
+// Blended<G> options hold only a's initial value. Gradients (ops/token_graph.hpp):
+//   dq = w dp                  into G's backward (q = G r), which assigns dr and accumulates du
 //                              and G's parameters' gradients
-//   dr += (1 - a) dp           the direct path
-//   da += sum_ij dp_ij (q_ij - r_ij)
+//   dr += (1 - w) dp           the direct path
+//   da += sum_ij dp_ij (q_ij - r_ij)   (0 where a step would leave [0, 1], as above)
 // Decoding (routing/concepts.hpp): G's routing cache and its decode, then (1); --explain's graph
 // weights (GraphDecodeContext::weights) are G's own row, not mixed with the identity.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <string>
@@ -68,10 +70,12 @@ struct Blended {
   using inner_graph = G;
   using shares_options_of = G;  // G's options are read (and validated) too
   struct Options {
-    // a's value at initialisation: 0 routes as the graph-free router, 1 as the graph G itself.
+    // a's value at initialisation, in [0, 1]: 0 routes as the graph-free router, 1 as the graph
+    // G itself.
     double init = 0.0;
     void validate() const {
-      GRAPHMOE_CHECK(std::isfinite(init), "Blended::Options", "init must be finite, got ", init);
+      GRAPHMOE_CHECK(init >= 0 && init <= 1, "Blended::Options", "init must be in [0, 1], got ",
+                     init);
     }
   };
   template <class T, class B>
@@ -156,25 +160,27 @@ class BlendedImpl : public detail::BlendedDecode<G, T, B> {
     GRAPHMOE_CHECK(q_.shape() == r.shape(), "Blended::backward",
                    "no forward of these tokens to take the gradient of");
     Tensor<T, B> dq;
-    graph_blend_backward(r, q_, a_, dp, dq, da_);  // dq = a dp; da += <dp, q - r>
+    graph_blend_backward(r, q_, a_, dp, dq, da_);  // dq = w dp; da += <dp, q - r>
     inner_.backward(u, r, q_, dq, ctx, dr, du);     // dr assigned
     check_shape("Blended::backward", "the inner graph's dr", dr, r.shape());
-    graph_blend_residual(a_, dp, dr);               // dr += (1 - a) dp
+    graph_blend_residual(a_, dp, dr);               // dr += (1 - w) dp
   }
 
   double mean_entropy() const { return inner_.mean_entropy(); }
-  // The mean self weight of the mixed graph, (1 - a) + a mean_i G[i,i] (reads a: on a GPU, one
+  // The mean self weight of the mixed graph, (1 - w) + w mean_i G[i,i] (reads a: on a GPU, one
   // value copied back).
   double mean_self_weight() const
     requires requires(const inner_type& g) { g.mean_self_weight(); }
   {
-    const double a = blend();
-    return (1.0 - a) + a * inner_.mean_self_weight();
+    const double w = weight();
+    return (1.0 - w) + w * inner_.mean_self_weight();
   }
-  // a's current value (on a GPU, one value copied back).
+  // The parameter a's current value, and the weight w = clamp(a, 0, 1) it mixes with (on a GPU,
+  // one value copied back).
   double blend() const {
     return a_.empty() ? opts_.init : static_cast<double>(read_scalar(a_));
   }
+  double weight() const { return std::clamp(blend(), 0.0, 1.0); }
   inner_type& inner() { return inner_; }
   const inner_type& inner() const { return inner_; }
 
