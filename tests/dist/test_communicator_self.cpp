@@ -211,7 +211,7 @@ TEST_CASE("dist::element_type_of and element_size agree with the C++ types") {
   CHECK(std::string(dist::element_type_name(ElementType::I64)) == "int64");
 }
 
-TEST_CASE("dist data parallel on one process: shards tile the batch; averaging and broadcasting are identities") {
+TEST_CASE("dist data parallel on one process: shards tile the batch, averaging and broadcasting are identities") {
   // shards tile the batch in rank order
   index_t next = 0;
   for (int r = 0; r < 4; ++r) {

@@ -129,7 +129,7 @@ TEST_CASE("data parallel: the load-balancing loss is per shard (the documented d
   CHECK(std::abs(lb - lr.load_balance) > 1e-9 * lr.load_balance);
 }
 
-TEST_CASE("data parallel: the average of rank-dependent gradients; a batch that does not split") {
+TEST_CASE("data parallel: the average of rank-dependent gradients, a batch that does not split") {
   dist::Communicator& comm = test::world();
   Rng rng(1);
   const LMBatch odd = random_batch(comm.size() + 1, 3, 5, rng);

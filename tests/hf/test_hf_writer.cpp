@@ -215,7 +215,7 @@ TEST_CASE("hf writer: every fixture loaded, saved in F32 and read back is the sa
   }
 }
 
-TEST_CASE("hf writer: BF16 in shards with an index; a BF16 fixture is written byte for byte") {
+TEST_CASE("hf writer: BF16 in shards with an index, a BF16 fixture is written byte for byte") {
   for (const std::string& family : kFamilies) {
     CAPTURE(family);
     const hf::Checkpoint ck = hf::Checkpoint::open(fixture(family));
@@ -464,7 +464,7 @@ TEST_CASE("hf writer: a graph router is refused unless its graph is dropped") {
   }
 }
 
-TEST_CASE("hf writer: an existing directory is refused or replaced whole; a failed save leaves nothing") {
+TEST_CASE("hf writer: an existing directory is refused or replaced whole, a failed save leaves nothing") {
   const hf::ModelConfig mc = hf::Checkpoint::open(fixture("olmoe")).config();
   LM a(mc.lm, 1), b(mc.lm, 2);
   TempDir t;

@@ -72,7 +72,7 @@ TEST_CASE_TEMPLATE("TransformerLM gradient check of the whole tiny model (2 laye
   }
 }
 
-TEST_CASE_TEMPLATE("TransformerLM forward returns the loss broken down; backward differentiates its total", Policy,
+TEST_CASE_TEMPLATE("TransformerLM forward returns the loss broken down, backward differentiates its total", Policy,
                    SoftmaxRouter, SimilarityRouter) {
   auto cfg = tiny_config();  // load_balance_coef 0.05, z_loss_coef 0.01
   auto plain = cfg;

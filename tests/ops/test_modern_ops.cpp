@@ -148,7 +148,7 @@ TEST_CASE("rmsnorm: gradient check for x and weight (double)") {
   check_gradient("rmsnorm dweight", w, dw, loss);
 }
 
-TEST_CASE("rmsnorm: dx is assigned, dweight accumulates; thread count and aliasing") {
+TEST_CASE("rmsnorm: dx is assigned, dweight accumulates, thread count and aliasing") {
   Rng rng(43);
   auto x = random_tensor<double>({1100, 48}, rng, -3.0, 3.0);
   auto w = random_tensor<double>({48}, rng);
@@ -185,7 +185,7 @@ TEST_CASE("rmsnorm: dx is assigned, dweight accumulates; thread count and aliasi
   CHECK(max_rel_diff(dwi, dw1) == 0.0);
 }
 
-TEST_CASE("rmsnorm: float agrees with double; a zero row stays finite") {
+TEST_CASE("rmsnorm: float agrees with double, a zero row stays finite") {
   Rng rng(44);
   auto x = random_tensor<double>({200, 96}, rng, -3.0, 3.0);
   auto w = random_tensor<double>({96}, rng, 0.5, 1.5);

@@ -493,7 +493,7 @@ TEST_CASE("Appendix C.3: Renormalize(TopK0(r)) equals Softmax(TopKinf(gamma))") 
   }
 }
 
-TEST_CASE("selector: gates sum to 1 over k distinct experts; capacity drops overflow in token order") {
+TEST_CASE("selector: gates sum to 1 over k distinct experts, capacity drops overflow in token order") {
   Rng rng(16);
   const index_t n = 40, e = 6, k = 2;
   auto p = random_probs<double>(n, e, rng);

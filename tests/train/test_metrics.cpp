@@ -411,7 +411,7 @@ TEST_CASE_TEMPLATE("mean_entropy: hand-made rows and a naive loop", T, float, do
   CHECK(mean_entropy(sharp) < mean_entropy(q));
 }
 
-TEST_CASE("mean_score_entropy: sigmoid scores normalised per row; probabilities as mean_entropy") {
+TEST_CASE("mean_score_entropy: sigmoid scores normalised per row, probabilities as mean_entropy") {
   // sigmoid-like scores: each row divided by its sum, written out
   Rng rng(5);
   Tensor<double, cpu> s(Shape{20, 8});

@@ -204,7 +204,7 @@ TEST_CASE("adamw: weight decay follows the default rule (rank >= 2 decays, biase
   }
 }
 
-TEST_CASE("adamw: bias correction (first step moves by lr * g / (|g| + eps); resumed step count)") {
+TEST_CASE("adamw: bias correction (first step moves by lr * g / (|g| + eps), resumed step count)") {
   auto arena = make_arena<double>(4);
   AdamWConfig cfg;
   cfg.weight_decay = 0;

@@ -80,7 +80,7 @@ TEST_CASE("WordTokenizer and CharTokenizer: the normalisation is applied to what
                        doctest::Contains("a character-level vocabulary takes none or lower"), Error);
 }
 
-TEST_CASE("fingerprint: the same words give the same fingerprint after a save and load; other words of the same size, another order or normalisation another") {
+TEST_CASE("fingerprint: the same words give the same fingerprint after a save and load, other words of the same size, another order or normalisation another") {
   Temp a("fp_a.txt", "x y y z z z\n");
   Temp b("fp_b.txt", "x y y w w w\n");  // same size, one other word
   Temp c("fp_c.txt", "x x x y y z\n");  // the same words in another order
