@@ -17,8 +17,8 @@ import subprocess
 import sys
 
 PROGRAMS = [
-    ("train_lm", "Train a language model (WikiText-2 or any text); tutorial: [train a language model](../tutorials/train-lm.md)."),
-    ("generate", "Continue a prompt from a `train_lm` checkpoint; tutorial: [generate text](../tutorials/generate.md)."),
+    ("train_lm", "Train a language model (WikiText-2 or any text), or fine-tune a Hugging Face model (`--hf`); tutorials: [train a language model](../tutorials/train-lm.md), [upcycle a model](../tutorials/upcycle.md)."),
+    ("generate", "Continue a prompt from a `train_lm` checkpoint or a Hugging Face model directory (`--hf`); tutorial: [generate text](../tutorials/generate.md)."),
     ("routing_report", "Per-layer routing report of a `train_lm` checkpoint."),
     ("train_vision", "Train a vision MoE on Fashion-MNIST or the 8x8 digits."),
     ("finetune_classifier", "Fine-tune a classifier (SST-2, SST-5, Banking-77) from a `train_lm` checkpoint."),

@@ -25,6 +25,14 @@
 // largest weights in its row of S or A^p (a legend on stderr; --explain-prompt: the prompt's
 // tokens too; in a batch each line starts with the output's index):
 //   [7] "king" | block 0: experts 3 (0.61) 1 (0.39); alone 3 2; from [6] "the" 0.42 [2] "said" 0.18
+//
+// --hf DIR instead of --checkpoint and --vocab: a Hugging Face model directory (hf/reader.hpp: the
+// five families, loaded as hf::load_lm<SoftmaxRouter, float> on the CPU; --device cuda refused)
+// with its tokenizer (hf::load_tokenizer: tokenizer.json, or tokenizer.model where libsentencepiece
+// is linked). Prompts are encoded with the special tokens the tokenizer adds (a bos) and refused
+// beyond max_position_embeddings; generation stops at config.json's eos ids and the tokenizer's;
+// the text is streamed by hf::StreamDecoder (special tokens not printed); --ban takes the text of
+// one token; the model's ids that name no token are never drawn (docs/reference/hugging-face.md).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -46,6 +54,13 @@
 #include "common/lm_config.hpp"
 #include "common/vocabulary.hpp"
 #include "generate/run.hpp"
+#include "graphmoe/hf/reader.hpp"
+#if defined(GRAPHMOE_EXAMPLES_HF_TOKENIZER)
+#include "graphmoe/hf/tokenizer.hpp"
+#endif
+#if defined(GRAPHMOE_EXAMPLES_SENTENCEPIECE)
+#include "graphmoe/hf/sentencepiece.hpp"  // load_tokenizer reads tokenizer.model files too
+#endif
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/files.hpp"
 #include "graphmoe/train/tokenizers.hpp"
@@ -71,7 +86,7 @@ struct Vocabulary {
   std::function<std::vector<std::int32_t>(const std::string&)> encode;  // a prompt's ids
   std::function<std::string(const std::vector<std::int32_t>&)> decode;  // the prompt as read
   // the printer of one output: the text of each generated id after that prompt
-  std::function<std::function<std::string(std::int32_t)>(const std::vector<std::int32_t>&)> printer;
+  std::function<generate_cli::Printer(const std::vector<std::int32_t>&)> printer;
   std::function<std::string(std::int32_t)> label;  // an id quoted, for --explain
 };
 
@@ -157,15 +172,16 @@ Vocabulary word_vocabulary(const std::string& path, const std::vector<std::strin
   // words separated by spaces, <eos> as a line break; the first continues the prompt's line
   v.printer = [tok](const std::vector<std::int32_t>& prompt) {
     auto line_start = std::make_shared<bool>(prompt.empty() || prompt.back() == tok->eos());
-    return std::function<std::string(std::int32_t)>([tok, line_start](std::int32_t id) {
-      if (id == tok->eos()) {
-        *line_start = true;
-        return std::string("\n");
-      }
-      std::string s = *line_start ? "" : " ";
-      *line_start = false;
-      return s + tok->decode(id);
-    });
+    return generate_cli::Printer{[tok, line_start](std::int32_t id) {
+                                   if (id == tok->eos()) {
+                                     *line_start = true;
+                                     return std::string("\n");
+                                   }
+                                   std::string s = *line_start ? "" : " ";
+                                   *line_start = false;
+                                   return s + tok->decode(id);
+                                 },
+                                 {}};
   };
   v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
@@ -191,11 +207,133 @@ Vocabulary char_vocabulary(const std::string& path, const std::vector<std::strin
     v.banned.push_back(unk ? tok->unk() : tok->id(b[0]));
   }
   v.printer = [tok](const std::vector<std::int32_t>&) {
-    return std::function<std::string(std::int32_t)>([tok](std::int32_t id) { return tok->decode(id); });
+    return generate_cli::Printer{[tok](std::int32_t id) { return tok->decode(id); }, {}};
   };
   v.label = [tok](std::int32_t id) { return quoted(tok->decode(id)); };
   return v;
 }
+
+#if defined(GRAPHMOE_EXAMPLES_HF_TOKENIZER)
+// The text of one output as hf::StreamDecoder streams it (special tokens skipped), primed with the
+// prompt (its text is not printed: a continuation's leading space comes out right). The decoder,
+// as the `tokenizers` library's DecodeStream, refuses an id after which it would rewrite text it
+// already returned (byte tokens that regroup: <0x1F> printed, then <0x9F> makes both U+FFFD);
+// generation goes on: the decoder restarts at the ids not printed yet, after the last printed one
+// as context (without it if that fails, else their decode at once). The printed text then differs
+// from the decode of all the ids where the bytes regrouped (<0x1F> printed, U+FFFD after it).
+class OutputStream {
+ public:
+  OutputStream(std::shared_ptr<const hf::Tokenizer> tok, const std::vector<std::int32_t>& prompt)
+      : tok_(std::move(tok)), dec_(*tok_, /*skip_special_tokens=*/true) {
+    for (std::int32_t id : prompt) step(id);
+  }
+  std::string step(std::int32_t id) {
+    std::string s;
+    try {
+      s = dec_.step(id);
+    } catch (const graphmoe::Error&) {
+      s = restart(id);
+    }
+    if (s.empty()) {
+      held_.push_back(id);
+    } else {
+      held_.clear();
+      context_ = id;
+    }
+    return s;
+  }
+  // What the decoder held back; the held ids' own text where it would rewrite printed text.
+  std::string finish() {
+    std::string s = dec_.finish();
+    if (s.empty() && !held_.empty()) s = tok_->decode(held_, true);
+    held_.clear();
+    return s;
+  }
+
+ private:
+  std::string restart(std::int32_t id) {
+    std::vector<std::int32_t> ids = held_;
+    ids.push_back(id);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      dec_.reset();
+      try {
+        if (attempt == 0 && (!context_ || dec_.step(*context_).empty())) continue;
+        std::string s;
+        for (std::int32_t i : ids) s += dec_.step(i);
+        return s;
+      } catch (const graphmoe::Error&) {
+      }
+    }
+    dec_.reset();
+    return tok_->decode(ids, true);
+  }
+
+  std::shared_ptr<const hf::Tokenizer> tok_;
+  hf::StreamDecoder dec_;
+  std::vector<std::int32_t> held_;      // the ids since the last text returned
+  std::optional<std::int32_t> context_;  // the last id that returned text
+};
+
+// --hf: the tokenizer of the model directory (hf::load_tokenizer: tokenizer.json, or
+// tokenizer.model where sentencepiece is linked). Prompts are encoded with the special tokens its
+// post-processor adds (a bos); the output is an OutputStream's text. *eos: the end-of-text ids
+// (config.json's eos_token_id, one or a list, and the tokenizer's eos). The ids of the model that
+// name no token of the tokenizer (an embedding padded beyond it) are banned: they have no text.
+Vocabulary hf_vocabulary(const std::string& dir, const hf::ModelConfig& mc,
+                         const std::vector<std::string>& stops, const std::vector<std::string>& bans,
+                         std::vector<std::int32_t>* eos) {
+  std::shared_ptr<const hf::Tokenizer> tok(hf::load_tokenizer(dir));
+  const index_t vocab = mc.lm.vocab_size;
+  GRAPHMOE_CHECK(tok->vocab_size() <= vocab, "generate", "the tokenizer '", tok->path(),
+                 "' has ids up to ", tok->vocab_size() - 1, ", beyond the model's vocabulary of ",
+                 vocab, " ('", mc.path, "': vocab_size)");
+  Vocabulary v;
+  v.size = static_cast<std::size_t>(vocab);
+  v.encode = [tok](const std::string& prompt) { return tok->encode(prompt, true); };
+  v.decode = [tok](const std::vector<std::int32_t>& ids) { return tok->decode(ids, false); };
+  v.stop = stops;  // matched against the text as printed
+  const auto texts = [tok](const std::vector<std::int32_t>& ids) {
+    std::string t;
+    for (std::int32_t id : ids) t += (t.empty() ? "" : " ") + quoted(tok->decode(std::vector<std::int32_t>{id}, false));
+    return t;
+  };
+  for (const std::string& b : bans) {
+    const std::vector<std::int32_t> ids = tok->encode(b, false);
+    GRAPHMOE_CHECK(ids.size() == 1, "generate", "--ban '", b, "' is ", ids.size(),
+                   " tokens of the tokenizer '", tok->path(), "'", ids.empty() ? "" : " (", texts(ids),
+                   ids.empty() ? "" : ")", ": --ban takes the text of one token");
+    v.banned.push_back(ids[0]);
+  }
+  std::size_t unnamed = 0;
+  for (index_t id = 0; id < vocab; ++id)
+    if (id >= tok->vocab_size() || tok->id_to_token(static_cast<std::int32_t>(id)).empty()) {
+      v.banned.push_back(static_cast<std::int32_t>(id));
+      ++unnamed;
+    }
+  if (unnamed > 0)
+    std::fprintf(stderr, "generate: %zu ids of the model's vocabulary of %lld name no token of '%s': "
+                 "never generated\n", unnamed, static_cast<long long>(vocab), tok->path().c_str());
+  eos->clear();
+  for (std::int64_t id : mc.eos_token_ids) {
+    GRAPHMOE_CHECK(id >= 0 && id < vocab, "generate", "'", mc.path, "': eos_token_id ", id,
+                   " is not in the model's vocabulary [0, ", vocab, ")");
+    eos->push_back(static_cast<std::int32_t>(id));
+  }
+  if (tok->eos_id()) eos->push_back(*tok->eos_id());
+  std::sort(eos->begin(), eos->end());
+  eos->erase(std::unique(eos->begin(), eos->end()), eos->end());
+  if (eos->empty())
+    std::fprintf(stderr, "generate: warning: neither '%s' nor the tokenizer names an eos token: "
+                 "every output runs to --max-new-tokens\n", mc.path.c_str());
+  v.printer = [tok](const std::vector<std::int32_t>& prompt) {
+    auto stream = std::make_shared<OutputStream>(tok, prompt);
+    return generate_cli::Printer{[stream](std::int32_t id) { return stream->step(id); },
+                                 [stream] { return stream->finish(); }};
+  };
+  v.label = [tok](std::int32_t id) { return quoted(tok->decode(std::vector<std::int32_t>{id}, false)); };
+  return v;
+}
+#endif
 
 // The text of --prompt / --prompt-file: "-" reads stdin; a file's final line break is dropped.
 std::string read_prompt(const std::string& value, bool is_file, const char* flag) {
@@ -214,20 +352,71 @@ std::string read_prompt(const std::string& value, bool is_file, const char* flag
   return text;
 }
 
+// --hf DIR: the model (hf::Checkpoint: config.json, every header checked) and its tokenizer, the
+// prompts encoded and checked against max_position_embeddings, then the SoftmaxRouter's CPU run.
+int generate_hf(const std::string& dir, const std::vector<std::string>& texts, const char* prompt_flag,
+                index_t num_samples, const std::vector<std::string>& stops,
+                const std::vector<std::string>& bans, GenerateOptions gen) {
+#if defined(GRAPHMOE_EXAMPLES_HF_TOKENIZER)
+  const hf::Checkpoint ck = hf::Checkpoint::open(dir);
+  const hf::ModelConfig& mc = ck.config();
+  std::vector<std::int32_t> eos;
+  Vocabulary v = hf_vocabulary(dir, mc, stops, bans, &eos);
+  generate_cli::Input in;
+  in.hf = &ck;
+  in.config = mc.lm;
+  in.router = "softmax";
+  in.model_name = mc.architecture + " '" + dir + "' (SoftmaxRouter, float)";
+  GRAPHMOE_CHECK(gen.sampling.top_k <= in.config.vocab_size, "generate", "--top-k ",
+                 gen.sampling.top_k, " exceeds the vocabulary of ", in.config.vocab_size,
+                 " tokens (0 samples among all of them)");
+  for (std::size_t i = 0; i < texts.size(); ++i) {
+    const std::vector<std::int32_t> ids = v.encode(texts[i]);
+    const std::string which = texts.size() > 1 ? " line " + std::to_string(i + 1) : "";
+    GRAPHMOE_CHECK(!ids.empty(), "generate", prompt_flag, which, " holds no token: give at least one");
+    GRAPHMOE_CHECK(static_cast<index_t>(ids.size()) <= in.config.max_seq_len, "generate",
+                   prompt_flag, which, " is ", ids.size(), " tokens, longer than the model's context "
+                   "of max_position_embeddings = ", in.config.max_seq_len, " ('", mc.path, "')");
+    std::string index;  // (appends: GCC 12 warns falsely about operator+ here, -Wrestrict)
+    if (texts.size() > 1) index.append(" ").append(std::to_string(i));
+    std::fprintf(stderr, "generate: prompt%s (%zu tokens): %s\n", index.c_str(), ids.size(),
+                 v.decode(ids).c_str());
+    for (index_t k = 0; k < num_samples; ++k) in.prompts.push_back(ids);
+  }
+  in.stop = std::move(v.stop);
+  gen.sampling.banned = std::move(v.banned);
+  gen.stop_ids = std::move(eos);
+  in.options = gen;
+  in.printer = v.printer;
+  in.label = v.label;
+  in.batch = in.prompts.size() > 1;
+  return examples::on_device<SoftmaxRouter>("generate", "cpu", in.router, [&]<class B>() {
+    return generate_cli::run<SoftmaxRouter, B>(in);
+  });
+#else
+  (void)dir, (void)texts, (void)prompt_flag, (void)num_samples, (void)stops, (void)bans, (void)gen;
+  graphmoe::detail::throw_error("generate", "--hf: this generate was built without the Hugging Face "
+                                "tokenizer (graphmoe::hf_tokenizer: PCRE2 and utf8proc, found with "
+                                "pkg-config); run scripts/install-deps.sh and reconfigure");
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string checkpoint, vocab, prompt, prompt_file, prompts_file;
+  std::string checkpoint, vocab, hf_dir, prompt, prompt_file, prompts_file;
   std::vector<std::string> stops, bans;
   GenerateOptions gen;
   gen.max_new_tokens = 50;
   int threads = 2;
   index_t num_samples = 1;
-  CLI::App app{"Generate text from a train_lm checkpoint (graphmoe)"};
+  CLI::App app{"Generate text from a train_lm checkpoint or a Hugging Face model directory (graphmoe)"};
   app.option_defaults()->always_capture_default();  // --help shows every default
-  app.add_option("--checkpoint", checkpoint, "the model (a train_lm checkpoint.safetensors)")->required()->check(CLI::ExistingFile);
-  app.add_option("--vocab", vocab, "its vocabulary (the vocab.txt train_lm wrote beside it)")->required()->check(CLI::ExistingFile);
-  auto* p_text = app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model; - reads stdin)");
+  auto* ckpt_opt = app.add_option("--checkpoint", checkpoint, "the model (a train_lm checkpoint.safetensors; with --vocab)")->check(CLI::ExistingFile);
+  auto* vocab_opt = app.add_option("--vocab", vocab, "its vocabulary (the vocab.txt train_lm wrote beside it)")->check(CLI::ExistingFile);
+  auto* hf_opt = app.add_option("--hf", hf_dir, "or the model as a Hugging Face model directory (config.json, safetensors and tokenizer.json or tokenizer.model; Llama, Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE; CPU)")
+                     ->excludes(ckpt_opt)->excludes(vocab_opt);
+  auto* p_text = app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model; any text with --hf; - reads stdin)");
   auto* p_file = app.add_option("--prompt-file", prompt_file, "read the prompt from this file (- for stdin; its line breaks are <eos> in a word model)")->excludes(p_text);
   auto* p_many = app.add_option("--prompts-file", prompts_file, "one prompt a line (- for stdin), decoded as one batch; one output line each, in order")->excludes(p_text)->excludes(p_file);
   app.add_option("--num-samples", num_samples, "outputs per prompt, decoded as one batch (output j of the batch draws with --seed + j)")->check(examples::integer<index_t>(1, kMaxBatch));
@@ -245,7 +434,7 @@ int main(int argc, char** argv) {
   app.add_option("--frequency-penalty", so.frequency_penalty, "subtract this x the count of each token in the window from its logit (0: off)")->check(examples::real(-kMaxPenalty, kMaxPenalty));
   app.add_option("--presence-penalty", so.presence_penalty, "subtract this from the logit of each token in the window (0: off)")->check(examples::real(-kMaxPenalty, kMaxPenalty));
   app.add_option("--min-p", so.min_p, "drop the tokens less probable than p x the most probable one (0: off)")->check(examples::real(0.0, 1.0))->excludes(greedy);
-  app.add_option("--ban", bans, "never generate this token (a word, <unk>, <eos>, or one character; repeatable)");
+  app.add_option("--ban", bans, "never generate this token (a word, <unk>, <eos>, or one character; with --hf text that is one token; repeatable)");
   app.add_option("--threads", threads, "CPU threads")->check(examples::threads());
   std::string device = "cpu";
   app.add_option("--device", device, "where to run the model: " + examples::device_help())
@@ -260,10 +449,19 @@ int main(int argc, char** argv) {
   seed_opt->default_str("");
   CLI11_PARSE(app, argc, argv);
   try {
+    GRAPHMOE_CHECK(hf_opt->count() || ckpt_opt->count() || vocab_opt->count(), "generate",
+                   "give the model: --checkpoint FILE with --vocab FILE (a train_lm checkpoint), or "
+                   "--hf DIR (a Hugging Face model directory)");
     GRAPHMOE_CHECK(p_text->count() + p_file->count() + p_many->count() == 1, "generate",
                    "give the prompt: --prompt TEXT, --prompt-file FILE or --prompts-file FILE "
                    "(- reads stdin)");
     GRAPHMOE_CHECK(!gen.explain_prompt || gen.explain, "generate", "--explain-prompt needs --explain");
+    GRAPHMOE_CHECK(hf_opt->count() || ckpt_opt->count(), "generate",
+                   "--vocab needs --checkpoint (the train_lm checkpoint it belongs to)");
+    GRAPHMOE_CHECK(hf_opt->count() || vocab_opt->count(), "generate",
+                   "--checkpoint needs --vocab (the vocab.txt train_lm wrote beside it)");
+    GRAPHMOE_CHECK(!hf_opt->count() || device == "cpu", "generate", "--hf with --device ", device,
+                   ": a Hugging Face model is loaded and run on the CPU only; use --device cpu");
     examples::require_device_built("generate", device);
     if (seed_opt->count() == 0) {
       std::random_device rd;
@@ -300,6 +498,7 @@ int main(int argc, char** argv) {
     gen.decoding = decoder == "full" ? Decoding::FullForward : Decoding::Incremental;
     GRAPHMOE_CHECK(!gen.explain || gen.decoding == Decoding::Incremental, "generate",
                    "--explain needs --decoder incremental (the routing caches hold the graph weights)");
+    if (hf_opt->count()) return generate_hf(hf_dir, texts, prompt_flag, num_samples, stops, bans, gen);
     const SafetensorsFile f = load_safetensors(checkpoint);
     GRAPHMOE_CHECK(f.metadata.count("config") && f.metadata.count("step"), "generate", "'",
                    checkpoint, "' has no 'config' and 'step' metadata: is it a train_lm checkpoint?");

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -11,6 +12,9 @@
 #include "common/device.hpp"
 #include "generate/run.hpp"
 #include "graphmoe/train/training_state.hpp"
+#if !defined(__CUDACC__)
+#include "graphmoe/hf/reader.hpp"  // --hf: the CPU SoftmaxRouter unit loads it (main.cpp refuses cuda)
+#endif
 
 namespace generate_cli {
 
@@ -32,21 +36,38 @@ int run(const Input& in) {
   using namespace graphmoe;
   using Clock = std::chrono::steady_clock;
   examples::require_device<B>("generate");
-  TransformerLM<Policy, float, B> lm(in.config, 0);
-  if constexpr (std::is_same_v<B, cpu>) {
-    load_arena(*in.file, lm.arena(), "model.");  // strict: every parameter, no stray tensor
-  } else {  // read into a host arena of the same layout, then one copy to the device
-    ParameterArena<float, cpu> host = graphmoe::detail::host_mirror(lm.arena());
-    load_arena(*in.file, host, "model.");
-    copy_from_host(lm.arena().values(), host.values());
-    lm.arena().mark_values_written();
+  using LM = TransformerLM<Policy, float, B>;
+  std::unique_ptr<LM> owned;
+  if (in.hf != nullptr) {
+#if !defined(__CUDACC__)
+    if constexpr (std::is_same_v<B, cpu> && std::is_same_v<Policy, SoftmaxRouter>) {
+      owned = std::make_unique<LM>(in.config, typename LM::NoInit{});
+      in.hf->load(*owned);  // every tensor checked (finite, shapes) before any is written
+    }
+#endif
+    GRAPHMOE_CHECK(owned != nullptr, "generate", "--hf runs the SoftmaxRouter on the CPU only");
+  } else {
+    owned = std::make_unique<LM>(in.config, 0);
+    LM& m = *owned;
+    if constexpr (std::is_same_v<B, cpu>) {
+      load_arena(*in.file, m.arena(), "model.");  // strict: every parameter, no stray tensor
+    } else {  // read into a host arena of the same layout, then one copy to the device
+      ParameterArena<float, cpu> host = graphmoe::detail::host_mirror(m.arena());
+      load_arena(*in.file, host, "model.");
+      copy_from_host(m.arena().values(), host.values());
+      m.arena().mark_values_written();
+    }
   }
+  LM& lm = *owned;
   lm.set_step(in.step);  // the router as trained up to its checkpoint (SMoE-Dropout's k)
   const std::size_t nseq = in.prompts.size();
   std::size_t prompt_tokens = 0;
   for (const auto& p : in.prompts) prompt_tokens += p.size();
-  std::fprintf(stderr, "generate: %s model (step %lld), %zu prompt tokens%s, up to %lld new tokens%s\n",
-               in.router.c_str(), static_cast<long long>(in.step), prompt_tokens,
+  const std::string model = !in.model_name.empty()
+                                ? in.model_name
+                                : in.router + " model (step " + std::to_string(in.step) + ")";
+  std::fprintf(stderr, "generate: %s, %zu prompt tokens%s, up to %lld new tokens%s\n",
+               model.c_str(), prompt_tokens,
                nseq > 1 ? (" in " + std::to_string(nseq) + " outputs").c_str() : "",
                static_cast<long long>(in.options.max_new_tokens), nseq > 1 ? " each" : "");
   const bool explain = in.options.explain;
@@ -56,7 +77,7 @@ int run(const Input& in) {
                  "[position] \"token\" weight ... (its largest weights in the token graph)\n",
                  in.batch ? "output: " : "");
   std::vector<std::vector<std::int32_t>> context = in.prompts;  // the --explain lines' sources
-  std::vector<std::function<std::string(std::int32_t)>> print;
+  std::vector<Printer> print;
   std::vector<StopStrings> stops;
   std::vector<std::string> texts(nseq);  // a batch's outputs
   for (const auto& p : in.prompts) {
@@ -78,7 +99,7 @@ int run(const Input& in) {
         ++generated;
         const auto ub = static_cast<std::size_t>(b);
         context[ub].push_back(id);
-        std::string s = print[ub](id);
+        std::string s = print[ub].step(id);
         s.resize(stops[ub].feed(s));
         if (explain) return;  // the routing line shows it
         if (in.batch) {
@@ -103,7 +124,7 @@ int run(const Input& in) {
           }
           if (!l.own_experts.empty()) {
             line += "; alone";
-            for (std::int32_t e : l.own_experts) line += " " + std::to_string(e);
+            for (std::int32_t e : l.own_experts) line.append(" ").append(std::to_string(e));
           }
           if (!l.sources.empty()) {
             line += "; from";
@@ -121,6 +142,15 @@ int run(const Input& in) {
         std::fflush(stdout);
       });
   const auto end = Clock::now();
+  // what the printers held back (bytes that never completed a character), through the stop texts
+  for (std::size_t b = 0; b < nseq; ++b) {
+    if (!print[b].finish) continue;
+    std::string s = print[b].finish();
+    s.resize(stops[b].feed(s));
+    if (explain || s.empty()) continue;
+    if (in.batch) texts[b] += s;
+    else std::fwrite(s.data(), 1, s.size(), stdout);
+  }
   if (in.batch && !explain)
     for (const std::string& t : texts) {
       const std::string l = detail::one_line(t) + "\n";
@@ -140,16 +170,26 @@ int run(const Input& in) {
   const std::size_t decoded = generated > nseq ? generated - nseq : 0;
   std::fprintf(stderr, "generate: prompt %zu tokens, time to first token %.6f s (%.1f prompt tokens/s)\n",
                prompt_tokens, ttft, ttft > 0 ? static_cast<double>(prompt_tokens) / ttft : 0.0);
-  std::size_t stopped = 0;
+  std::size_t stopped = 0, ended = 0;  // at a --stop text; at an end-of-text id (--hf)
   std::string matched;
   for (std::size_t b = 0; b < nseq; ++b)
-    if (results[b].reason != StopReason::MaxNewTokens) {
+    if (results[b].reason == StopReason::StopToken) {
+      ++ended;
+    } else if (results[b].reason != StopReason::MaxNewTokens) {
       ++stopped;
       if (matched.empty()) matched = stops[b].matched();
     }
   std::string reason = "reached --max-new-tokens";
   if (nseq == 1 && stopped == 1) reason = "stopped at --stop '" + matched + "'";
-  else if (stopped > 0) reason = std::to_string(stopped) + " of " + std::to_string(nseq) + " outputs stopped at a --stop text";
+  else if (nseq == 1 && ended == 1)
+    reason = "stopped at the end-of-text token " + in.label(results[0].tokens.back());
+  else if (stopped > 0 || ended > 0) {
+    reason.clear();
+    if (stopped > 0) reason = std::to_string(stopped) + " of " + std::to_string(nseq) + " outputs stopped at a --stop text";
+    if (ended > 0)
+      reason += (reason.empty() ? "" : ", ") + std::to_string(ended) + " of " + std::to_string(nseq) +
+                " at an end-of-text token";
+  }
   std::fprintf(stderr, "generate: %zu tokens in %.6f s (decode %.1f tokens/s after the first%s, %s), %s\n",
                generated, total, decode > 0 ? static_cast<double>(decoded) / decode : 0.0,
                nseq > 1 ? " of each output" : "",

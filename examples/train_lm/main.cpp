@@ -3,6 +3,12 @@
 //
 //   train_lm --train wiki.valid.tokens --test wiki.test.tokens --router similarity --steps 2000
 //
+// or fine-tune a Hugging Face model directory (its model, weights and tokenizer; the text encoded
+// line by line, each line followed by the eos id: train_lm/hf_data.hpp), optionally graph-upcycled,
+// and save it back in the same layout:
+//
+//   train_lm --hf path/to/model --train train.txt --valid valid.txt --save-hf out/model
+//
 // See `train_lm --help`. Metrics go to <out>/metrics.csv, the checkpoint (model + AdamW state,
 // safetensors) to <out>/checkpoint.safetensors; --resume continues from it.
 #include <CLI/CLI.hpp>
@@ -16,6 +22,7 @@
 #include "common/device_dispatch.hpp"
 #include "graphmoe/routing/registry.hpp"
 #include "graphmoe/train/text_attack.hpp"
+#include "train_lm/hf_data.hpp"
 #include "train_lm/options.hpp"
 
 using namespace graphmoe;
@@ -140,6 +147,10 @@ int main(int argc, char** argv) {
   app.add_option("--out", opt.out_dir, "output directory (metrics.csv, checkpoint.safetensors)");
   app.add_flag("--resume", opt.resume, "continue from <out>/checkpoint.safetensors if present");
   app.add_option("--upcycle-from", opt.upcycle_from, "start from this train_lm checkpoint's weights (same vocabulary): the same model, its dense blocks as MoE blocks whose experts copy the dense FFN (--norm-topk-prob true), or its softmax router graph-aware (--router blended-similarity / blended-attention, from a = 0); the same model at step 0. Ignored when --resume finds a checkpoint")->check(CLI::ExistingFile);
+  app.add_option("--hf", opt.hf_dir, "fine-tune a Hugging Face model directory (docs/reference/hugging-face.md): its config.json fixes the model (the model-shape flags are refused), its weights start the run (not when --resume finds a checkpoint), its tokenizer encodes every non-empty line of the text followed by the eos id; --router softmax (the model's own), blended-similarity / blended-attention (graph upcycling from a = 0: the same model at step 0) or similarity / attention (the graph applied to the pretrained weights at once: another model); --seq at most its max_position_embeddings");
+  app.add_option("--save-hf", opt.save_hf, "with --hf: at the end, save the trained model to this new directory in the Hugging Face layout (config.json with the input's keys and token ids, the weights, and the input's tokenizer files), which transformers and --hf load");
+  app.add_option("--save-hf-dtype", opt.save_hf_dtype, "--save-hf's weights: input (config.json's dtype; F32 when it names none or float64), f32, bf16 or f16")->check(CLI::IsMember({"input", "f32", "bf16", "f16"}));
+  app.add_flag("--save-hf-drop-graph", opt.save_hf_drop_graph, "--save-hf with a graph router: write its linear router's weights and drop the token graph, which transformers cannot express (the saved model then routes as the softmax router, without the graph: not the model trained)");
   app.add_option("--sample-tokens", opt.sample_tokens, "tokens of the sample printed at the end (0: none)")->check(examples::integer<index_t>(0, 100000));
   app.add_option("--sample-prompt", opt.sample_prompt, "the sample's prompt: this many tokens from the start of the validation text")->check(examples::integer<index_t>(1, 100000));
   app.add_flag("--keep-checkpoints", opt.keep_checkpoints, "also keep <out>/checkpoint-step<N>.safetensors at every checkpoint (routing_report compares them)");
@@ -168,6 +179,25 @@ int main(int argc, char** argv) {
   examples::DataParallelWorld world(argc, argv, "train_lm", opt.dp);
   try {
     world.check();
+    // --save-hf's checks, before anything is read or trained
+    GRAPHMOE_CHECK(!opt.save_hf.empty() || (!app.count("--save-hf-dtype") && !opt.save_hf_drop_graph),
+                   "train_lm", "--save-hf-dtype and --save-hf-drop-graph are options of --save-hf");
+    if (!opt.save_hf.empty()) {
+      GRAPHMOE_CHECK(!opt.hf_dir.empty(), "train_lm", "--save-hf needs --hf (the Hugging Face "
+                     "model's family and keys; a train_lm model saves with graphmoe::hf::save_lm)");
+      GRAPHMOE_CHECK(opt.router == "softmax" || opt.save_hf_drop_graph, "train_lm", "--save-hf "
+                     "with --router ", opt.router, ": its token graph cannot be expressed in a "
+                     "transformers model. Pass --save-hf-drop-graph to save its linear router's "
+                     "weights without the graph (the saved model then routes as the softmax router "
+                     "does, without the graph, so it is not the model trained), or keep "
+                     "<out>/checkpoint.safetensors for the graph-routed model");
+      std::error_code ec;
+      GRAPHMOE_CHECK(!std::filesystem::exists(opt.save_hf, ec) ||
+                         (std::filesystem::is_directory(opt.save_hf, ec) &&
+                          std::filesystem::is_empty(opt.save_hf, ec)),
+                     "train_lm", "--save-hf '", opt.save_hf, "' exists and is not an empty "
+                     "directory: name a new one (it is not replaced)");
+    }
     if (opt.dp.experts > 1) {
       if (opt.dp.experts != opt.dp.ranks)
         examples::throw_same_on_every_rank(
@@ -250,7 +280,9 @@ int main(int argc, char** argv) {
     data.vocabulary.char_level = opt.char_level;
     data.vocabulary.normalisation = norm;
     data.vocabulary.file = (std::filesystem::absolute(opt.out_dir) / "vocab.txt").lexically_normal().string();
-    if (opt.char_level) {
+    if (!opt.hf_dir.empty()) {
+      train_lm::load_hf(opt, data, [&](const std::string& flag) { return app.count(flag) > 0; });
+    } else if (opt.char_level) {
       const auto tokp = std::make_shared<const CharTokenizer>(CharTokenizer::build(opt.train_path, norm));
       const CharTokenizer& tok = *tokp;
       data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };

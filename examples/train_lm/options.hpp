@@ -3,12 +3,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/data_parallel.hpp"
 #include "common/divergence.hpp"
 #include "common/vocabulary.hpp"
+#include "graphmoe/hf/reader.hpp"
 #include "graphmoe/models/transformer_lm.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 
@@ -46,6 +48,13 @@ struct Options {
   // start from another train_lm checkpoint's weights (graphmoe/models/upcycling.hpp): the same
   // model, its dense blocks made MoE, or its softmax router made graph-aware ("" = none)
   std::string upcycle_from;
+  // --hf DIR: a Hugging Face model directory's model, weights and tokenizer (train_lm/hf_data.hpp;
+  // "" = none); --save-hf OUT: the trained model saved there in the same layout at the end, in
+  // save_hf_dtype (input: config.json's dtype, F32 when it names none or float64; f32, bf16, f16),
+  // with the tokenizer files; a graph router only with save_hf_drop_graph (its linear router's
+  // weights written, the graph dropped: the saved model routes as the softmax router)
+  std::string hf_dir, save_hf, save_hf_dtype = "input";
+  bool save_hf_drop_graph = false;
   examples::DivergenceOptions divergence;  // --divergence-factor, --max-grad-norm, --max-loss
   bool keep_checkpoints = false;  // also keep checkpoint-step<N>.safetensors at every checkpoint
   // robustness: the test set again with attack_rate of its words replaced by attack_word (the
@@ -66,7 +75,23 @@ struct Data {
   examples::VocabularyRecord vocabulary;  // recorded in every checkpoint (metadata "vocabulary")
   // ids -> text (words joined by spaces, <eos> a line break; or the characters), for the sample
   std::function<std::string(const std::vector<std::int32_t>&)> detokenize;
+  // --hf: the directory (config.json and the shards' headers, read; the weights are loaded by the
+  // training loop) and what checkpoints record of it (metadata field "hf": the directory, the
+  // tokenizer file and its fingerprint, the line separator), which --resume checks
+  std::shared_ptr<const graphmoe::hf::Checkpoint> hf;
+  std::string hf_record;
+  // ids the sample never draws (--hf: the model's ids past the tokenizer's, which name no token)
+  std::vector<std::int32_t> sample_banned;
 };
+
+// The tokenizer files --save-hf copies from the --hf directory next to the model (those it has).
+inline const std::vector<std::string>& hf_tokenizer_files() {
+  static const std::vector<std::string> names = {"tokenizer.json", "tokenizer.model",
+                                                 "tokenizer_config.json",
+                                                 "special_tokens_map.json",
+                                                 "generation_config.json"};
+  return names;
+}
 
 // The training loop for one router policy on backend B (graphmoe::cpu or graphmoe::cuda),
 // instantiated per router in its own translation unit (examples/CMakeLists.txt).

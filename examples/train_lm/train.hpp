@@ -27,6 +27,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "graphmoe/hf/reader.hpp"
+#include "graphmoe/hf/writer.hpp"
 #include "graphmoe/inference/generate.hpp"
 #include "graphmoe/models/upcycling.hpp"
 #include "graphmoe/train/training_state.hpp"
@@ -95,6 +97,7 @@ void print_sample(Model& lm, const Options& opt, const Data& data) {
   g.sampling.temperature = 0.8;
   g.sampling.top_k = 40;
   g.sampling.seed = opt.seed;
+  g.sampling.banned = data.sample_banned;
   const GenerateResult r = generate(lm, prompt, g);
   auto one_line = [](std::string s) {
     std::string out;
@@ -158,6 +161,83 @@ void upcycle_from_checkpoint(const Options& opt, const TransformerLMConfig& mc, 
                  sc.layout == MoELayout::Dense ? "dense" : "MoE");
 }
 
+// Whether a Hugging Face model loads into (and saves from) the router Policy: a linear map to
+// softmax scores and a top-k choice, with any token graph (hf/reader.hpp).
+template <class Policy>
+inline constexpr bool hf_router = std::is_same_v<typename Policy::scorer, LinearScorer> &&
+                                  std::is_same_v<typename Policy::selector, TopK>;
+
+// --hf: lm (initialised from the run's seed) takes the directory's weights (hf::Checkpoint::load);
+// the token graph's own parameters (Blended's a, a learned temperature) keep their initial values,
+// so a blended-* router starts as the model itself (a = 0). On a device the weights are loaded
+// into the same model on the host, then copied (the arenas of one model have the same layout).
+template <class Policy, class B, class C, class Model>
+void load_hf_weights(const Options& opt, const TransformerLMConfig& mc, const Data& data, Model& lm) {
+  if constexpr (hf_router<Policy>) {
+    if constexpr (B::host_memory && std::is_same_v<C, Scalar>) {
+      data.hf->load(lm);
+    } else {
+      TransformerLM<Policy, Scalar, cpu> host(mc, opt.seed);
+      data.hf->load(host);
+      copy_from_host(lm.arena().values(), host.arena().values());
+      lm.arena().mark_values_written();
+    }
+    if (opt.dp.root())
+      std::fprintf(stderr, "train_lm: loaded %zu tensors (%llu weights) of %s into --router %s\n",
+                   data.hf->tensor_count(),
+                   static_cast<unsigned long long>(data.hf->element_count()),
+                   data.hf->dir().c_str(), opt.router.c_str());
+  } else {
+    (void)mc, (void)lm;
+    graphmoe::detail::throw_error("train_lm --hf", "--router ", opt.router, " cannot load a "
+                                  "Hugging Face model (its router is a linear map, softmax and "
+                                  "top-k)");
+  }
+}
+
+// --save-hf: the trained model saved as a Hugging Face model directory with the input's family,
+// keys and token ids (hf::save_lm; config.json's max_position_embeddings as read, not --seq), then
+// the input's tokenizer files copied next to it.
+template <class Policy, class Model>
+void save_hf_model(const Options& opt, const Data& data, const Model& lm) {
+  namespace fs = std::filesystem;
+  if constexpr (hf_router<Policy>) {
+    TransformerLMConfig sc = lm.config();
+    sc.max_seq_len = data.hf->config().lm.max_seq_len;
+    TransformerLM<Policy, Scalar, cpu> out(sc, typename TransformerLM<Policy, Scalar, cpu>::NoInit{});
+    const Tensor<Scalar, cpu> values = examples::host_values(lm.arena().values());
+    GRAPHMOE_CHECK(values.numel() == out.arena().values().numel(), "train_lm --save-hf",
+                   "the model's parameters (", values.numel(), ") differ from the saved model's (",
+                   out.arena().values().numel(), ")");
+    std::copy(values.data(), values.data() + values.numel(), out.arena().values().data());
+    out.arena().mark_values_written();
+    hf::SaveOptions so;
+    const std::string& in = data.hf->config().dtype;
+    const std::string& d = opt.save_hf_dtype;
+    so.dtype = d == "bf16" || (d == "input" && in == "bfloat16")  ? DType::BF16
+               : d == "f16" || (d == "input" && in == "float16") ? DType::F16
+                                                                 : DType::F32;
+    so.drop_graph = opt.save_hf_drop_graph;
+    hf::save_lm(out, data.hf->config(), opt.save_hf, so);
+    std::vector<std::string> copied;
+    for (const std::string& name : hf_tokenizer_files()) {
+      const fs::path from = fs::path(data.hf->dir()) / name;
+      std::error_code ec;
+      if (!fs::is_regular_file(from, ec)) continue;
+      fs::copy_file(from, fs::path(opt.save_hf) / name, fs::copy_options::overwrite_existing);
+      copied.push_back(name);
+    }
+    std::string list;
+    for (const auto& c : copied) list += (list.empty() ? "" : ", ") + c;
+    std::fprintf(stderr, "train_lm: saved the model to %s (%s, %s%s; %s)\n", opt.save_hf.c_str(),
+                 data.hf->config().architecture.c_str(), hf::torch_dtype_name(so.dtype),
+                 so.drop_graph && opt.router != "softmax" ? ", the token graph dropped" : "",
+                 list.empty() ? "no tokenizer files" : list.c_str());
+  } else {
+    (void)opt, (void)data, (void)lm;
+  }
+}
+
 // The loop for one model type: C is the GEMM compute type (Scalar, or bf16 with --precision bf16
 // on CUDA); parameters, optimizer state and checkpoints are Scalar either way.
 template <class Policy, class B, class C>
@@ -205,6 +285,25 @@ int run_model(const Options& opt, const Data& data) {
                      " entries, normalisation ", rec->normalisation.name(), "), this run's --train "
                      "gives ", data.vocabulary.fingerprint, " (", data.vocabulary.size,
                      " entries, normalisation ", data.vocabulary.normalisation.name(), ")");
+    // --hf: the checkpoint must come from --hf with the same tokenizer (the ids), and only then
+    const auto rec = f.metadata.find("hf");
+    GRAPHMOE_CHECK((rec != f.metadata.end()) == static_cast<bool>(data.hf), "train_lm --resume",
+                   "'", ckpt, "' was ", rec != f.metadata.end() ? "" : "not ", "trained with --hf, "
+                   "this run is ", data.hf ? "" : "not");
+    if (data.hf) {
+      nlohmann::json was, now = nlohmann::json::parse(data.hf_record);
+      try {
+        was = nlohmann::json::parse(rec->second);
+      } catch (const nlohmann::json::exception&) {
+        graphmoe::detail::throw_error("train_lm --resume", "'", ckpt, "': metadata field 'hf' is not JSON");
+      }
+      GRAPHMOE_CHECK(was.is_object() && was.value("tokenizer_fingerprint", "") == now["tokenizer_fingerprint"],
+                     "train_lm --resume", "'", ckpt, "' was trained with the tokenizer ",
+                     was.is_object() ? was.value("tokenizer", "?") : "?", " (",
+                     was.is_object() ? was.value("tokenizer_fingerprint", "?") : "?", "), this run's "
+                     "--hf gives ", now["tokenizer"].get<std::string>(), " (",
+                     now["tokenizer_fingerprint"].get<std::string>(), "): the token ids would differ");
+    }
     // the step is checked before load_training_state changes anything
     step = metadata_int(f, "step", 0, std::numeric_limits<std::int64_t>::max());
     load_training_state(f, lm.arena(), adam);
@@ -220,6 +319,7 @@ int run_model(const Options& opt, const Data& data) {
   }
   if (!opt.upcycle_from.empty() && step == 0)
     upcycle_from_checkpoint<Policy, B, C>(opt, mc, data, lm);
+  if (data.hf && step == 0) load_hf_weights<Policy, B, C>(opt, mc, data, lm);
   if (dp.active()) {
     // every rank read the checkpoint (the output directory must be visible to all of them);
     // they must have found the same one
@@ -232,10 +332,12 @@ int run_model(const Options& opt, const Data& data) {
     examples::broadcast_parameters(dp, lm.arena());  // everyone starts from rank 0's values
   }
   auto save = [&](std::int64_t at_step) {
-    const std::map<std::string, std::string> meta = {
+    std::map<std::string, std::string> meta = {
         {"config", config_json(opt, mc).dump()}, {"step", std::to_string(at_step)},
-        {"format", "graphmoe-lm-1"}, {"precision", opt.precision},
-        {"vocabulary", data.vocabulary.json()}};
+        {"format", "graphmoe-lm-1"}, {"precision", opt.precision}};
+    // the ids' meaning: train_lm's vocabulary, or (--hf) the Hugging Face directory's tokenizer
+    if (data.hf) meta["hf"] = data.hf_record;
+    else meta["vocabulary"] = data.vocabulary.json();
     // rank 0 writes (with --ep every rank takes part: the experts are gathered to rank 0)
     if (opt.keep_checkpoints)
       examples::save_training_state(dp, (fs::path(opt.out_dir) / ("checkpoint-step" + std::to_string(at_step) +
@@ -412,6 +514,7 @@ int run_model(const Options& opt, const Data& data) {
   }
   if (root) std::printf("\n");
   if (root && opt.sample_tokens > 0 && data.detokenize) print_sample(lm, opt, data);
+  if (root && !opt.save_hf.empty()) save_hf_model<Policy>(opt, data, lm);
   // the last line: the run's time, the training steps' tokens/s, and the checkpoint written
   if (root) {
     const double total =

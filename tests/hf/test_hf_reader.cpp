@@ -273,6 +273,27 @@ TEST_CASE("hf: the two-step load into an arena of one's own, with a prefix, equa
   check_error(error_of([&] { ck.load(wrong); }), {"attention options", "config.json"});
 }
 
+TEST_CASE("hf: a graph router with parameters of its own (Blended) loads, its a = 0 computes SoftmaxRouter's logits") {
+  // "blocks.i.moe.router.graph.blend" is no Hugging Face tensor: it keeps its initial value, 0
+  const std::string dir = fixture("olmoe");
+  auto blended = hf::load_lm<BlendedSimilarityRouter, float>(dir);
+  auto plain = hf::load_lm<SoftmaxRouter, float>(dir);
+  index_t blends = 0;
+  const auto& arena = blended->arena();
+  for (index_t id = 0; id < static_cast<index_t>(arena.params().size()); ++id) {
+    const std::string& name = arena.params()[static_cast<std::size_t>(id)].name;
+    if (!test::contains(name, ".router.graph.blend")) continue;
+    ++blends;
+    CHECK(arena.value(id).numel() == 1);
+    CHECK(arena.value(id).data()[0] == 0.0f);
+  }
+  CHECK(blends == plain->config().num_layers);  // every OLMoE block is MoE
+  const std::vector<std::int32_t> prompt = {5, 17, 99, 3, 64, 1, 120};
+  CHECK(logits_of(*blended, prompt) == logits_of(*plain, prompt));  // bit for bit
+  CHECK(hf::has_graph_parameters<BlendedSimilarityRouter>(plain->config()));
+  CHECK_FALSE(hf::has_graph_parameters<SoftmaxRouter>(plain->config()));
+}
+
 TEST_CASE("hf: F32 and F64 files of the same weights load to the same model as BF16 and F16") {
   for (const std::string family : {"olmoe", "qwen2_moe"}) {  // BF16, F16
     CAPTURE(family);

@@ -23,7 +23,13 @@
 // nothing. Every error is graphmoe::Error naming the file and the tensor or key.
 //
 // The router: Router<LinearScorer, Graph, TopK> (SoftmaxRouter is the families' own; a graph
-// router loads the same weights and routes through its graph, a different model by design). The
+// router loads the same weights and routes through its graph, a different model by design). A
+// token graph's own parameters (those whose name contains ".router.graph." under the model's
+// prefix: Blended<G>'s "blocks.i.moe.router.graph.blend", a learned temperature "...graph.log_tau",
+// a projection) are not Hugging Face tensors: load() leaves them as they are, so they keep the
+// values the model was initialised with (load_lm initialises the model when its graph declares
+// any, so that Blended's a starts at its init, 0: the loaded model then computes what
+// SoftmaxRouter's does, bit for bit; without such parameters it allocates without drawing). The
 // Hugging Face routers are a bias-free linear map, softmax in float, top-k, renormalised for
 // Mixtral and where norm_topk_prob is set (Qwen3-MoE), not for OLMoE / Qwen2-MoE, unscaled: with
 // T = float graphmoe computes the same in float (docs/reference/hugging-face.md).
@@ -367,7 +373,10 @@ class Checkpoint {
   // Converts every tensor into lm's parameters. lm must be bound (CPU) and declared with a
   // config that computes what config().lm does (sizes, norms, attention, experts; the router's
   // graph and training-only fields may differ); every one of its parameters must be filled by
-  // the checkpoint. Checks everything, including every value, before writing any parameter.
+  // the checkpoint, except the token graph's own (a name containing ".router.graph." after the
+  // model's prefix), which keep their values: initialise them first (a model declared without
+  // init holds zeros there). Checks everything, including every value, before writing any
+  // parameter.
   template <class Router, class T>
   void load(TransformerLM<Router, T, cpu>& lm) const {
     static_assert(std::is_same_v<typename Router::scorer, LinearScorer> &&
@@ -408,6 +417,7 @@ class Checkpoint {
     for (index_t id = first; id < end; ++id) {
       auto& c = cover[static_cast<std::size_t>(id - first)];
       const ParameterInfo& p = arena.params()[static_cast<std::size_t>(id)];
+      if (c.empty() && is_graph_parameter(p.name, prefix)) continue;  // keeps its value
       GRAPHMOE_CHECK(!c.empty(), load_op, "parameter '", p.name, "' of shape ", p.shape,
                      " of the model has no tensor in the checkpoint '", dir_,
                      "' (a Hugging Face ", config_.architecture, " does not have it)");
@@ -454,6 +464,14 @@ class Checkpoint {
       }
     }
     arena.mark_values_written();
+  }
+
+  // Whether `name` (a parameter of a model declared under `prefix`) belongs to a router's token
+  // graph: ".router.graph." in the name after the prefix. Such parameters have no Hugging Face
+  // tensor; load() leaves them as they are.
+  static bool is_graph_parameter(const std::string& name, const std::string& prefix) {
+    return name.size() >= prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+           name.find(".router.graph.", prefix.size()) != std::string::npos;
   }
 
  private:
@@ -643,13 +661,30 @@ class Checkpoint {
   std::vector<Planned> plan_;
 };
 
+// Whether a TransformerLM<Router, T, cpu> declared with cfg has token-graph parameters
+// (Checkpoint::is_graph_parameter): declared into a scratch arena, nothing allocated.
+template <class Router, class T = float>
+bool has_graph_parameters(const TransformerLMConfig& cfg) {
+  ParameterArena<T, cpu> arena;
+  TransformerLM<Router, T, cpu> probe;
+  probe.declare(arena, "", cfg);
+  for (const ParameterInfo& p : arena.params())
+    if (Checkpoint::is_graph_parameter(p.name, "")) return true;
+  return false;
+}
+
 // A TransformerLM of its own arena with the checkpoint's weights (Checkpoint::open, a model
-// declared with config().lm, load). Throws before allocating anything for a bad directory.
+// declared with config().lm, load). Throws before allocating anything for a bad directory. A
+// router whose graph declares parameters (Blended<G>'s a, a learned temperature) gets a model
+// initialised from Rng(0) first, so that they hold their initial values (Blended: a = 0, the
+// model then routes as SoftmaxRouter's); otherwise nothing is drawn (NoInit).
 template <class Router, class T = float>
 std::unique_ptr<TransformerLM<Router, T, cpu>> load_lm(const std::string& dir) {
   const Checkpoint ck = Checkpoint::open(dir);
   using LM = TransformerLM<Router, T, cpu>;
-  auto lm = std::make_unique<LM>(ck.config().lm, typename LM::NoInit{});
+  auto lm = has_graph_parameters<Router, T>(ck.config().lm)
+                ? std::make_unique<LM>(ck.config().lm, std::uint64_t{0})
+                : std::make_unique<LM>(ck.config().lm, typename LM::NoInit{});
   ck.load(*lm);
   return lm;
 }

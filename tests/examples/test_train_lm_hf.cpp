@@ -1,0 +1,380 @@
+// examples/train_lm --hf on a Hugging Face model directory written by the test (nothing
+// downloaded): a random OLMoE of 2 layers saved with graphmoe/hf/writer.hpp beside a small
+// byte-level BPE tokenizer.json written by hand (<s> 0, </s> 1 the eos, the 256 bytes, a few
+// merged words), and a corpus of a few dozen lines. Seconds in all.
+//
+//   the loaded model          --lr 1e-30 (far below float's resolution): the first validation
+//                             loss is the directory's model's own loss on the same tokens,
+//                             computed here (hf::Checkpoint::load + forward), bit for bit
+//   graph upcycling           --router blended-similarity (a = 0): the same loss, bit for bit
+//   --save-hf                 a directory that hf::load_lm reads back to the trained parameters
+//                             (the checkpoint's), bit for bit in F32, with the tokenizer files;
+//                             --resume continues an --hf run
+//   refusals                  --hf with a model-shape flag, --save-hf with a graph router without
+//                             --save-hf-drop-graph, a directory that does not load (exit 1)
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "examples_routers.hpp"
+#include "graphmoe/core/threads.hpp"
+#include "graphmoe/hf/reader.hpp"
+#include "graphmoe/hf/tokenizer.hpp"
+#include "graphmoe/hf/writer.hpp"
+#include "graphmoe/train/lm_batcher.hpp"
+#include "graphmoe/train/training_state.hpp"
+#include "support/processes.hpp"
+
+#if !defined(GRAPHMOE_TRAIN_LM)
+#error "GRAPHMOE_TRAIN_LM (the executable) must be defined by CMake"
+#endif
+
+using namespace graphmoe;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kTrainLM = GRAPHMOE_TRAIN_LM;
+constexpr index_t kModelVocab = 300;  // above the tokenizer's ids
+constexpr index_t kContext = 64;      // max_position_embeddings
+constexpr index_t kSeq = 16, kBatch = 2;
+
+using test::check_refused;
+using test::Result;
+using test::Scratch;
+using test::slurp;
+
+Result run(const Scratch& s, const std::vector<std::string>& args) {
+  return test::run_program(s, "", kTrainLM, args, 90);
+}
+
+std::string utf8(std::uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// GPT-2's bytes_to_unicode: the character that stands for each byte in a byte-level vocabulary.
+std::vector<std::string> byte_chars() {
+  std::vector<int> bs;
+  for (int b = '!'; b <= '~'; ++b) bs.push_back(b);
+  for (int b = 0xA1; b <= 0xAC; ++b) bs.push_back(b);
+  for (int b = 0xAE; b <= 0xFF; ++b) bs.push_back(b);
+  std::vector<int> cs = bs;
+  int n = 0;
+  for (int b = 0; b < 256; ++b)
+    if (std::find(bs.begin(), bs.end(), b) == bs.end()) {
+      bs.push_back(b);
+      cs.push_back(256 + n++);
+    }
+  std::vector<std::string> out(256);
+  for (std::size_t i = 0; i < bs.size(); ++i)
+    out[static_cast<std::size_t>(bs[i])] = utf8(static_cast<std::uint32_t>(cs[i]));
+  return out;
+}
+
+const std::vector<std::string> kWords = {"the", "king", "said", "and", "of", "land", "came", "to"};
+
+// A byte-level BPE tokenizer.json: <s> 0 and </s> 1 (special), the 256 bytes, and the merges that
+// make each of kWords with a leading space one token.
+nlohmann::json tokenizer_json() {
+  const std::vector<std::string> chars = byte_chars();
+  nlohmann::json vocab = nlohmann::json::object();
+  vocab["<s>"] = 0;
+  vocab["</s>"] = 1;
+  for (int b = 0; b < 256; ++b) vocab[chars[static_cast<std::size_t>(b)]] = 2 + b;
+  nlohmann::json merges = nlohmann::json::array();
+  for (const std::string& w : kWords) {
+    std::string token;
+    for (unsigned char c : " " + w) {
+      const std::string ch = chars[c];
+      if (!token.empty() && !vocab.contains(token + ch)) {
+        merges.push_back(token + " " + ch);
+        const int id = static_cast<int>(vocab.size());
+        vocab[token + ch] = id;
+      }
+      token += ch;
+    }
+  }
+  auto special = [](int id, const std::string& content) {
+    return nlohmann::json{{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false},
+                          {"rstrip", false}, {"normalized", false}, {"special", true}};
+  };
+  const nlohmann::json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                                     {"trim_offsets", true}, {"use_regex", true}};
+  return {{"version", "1.0"},
+          {"truncation", nullptr},
+          {"padding", nullptr},
+          {"added_tokens", {special(0, "<s>"), special(1, "</s>")}},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", byte_level},
+          {"post_processor", nullptr},
+          {"decoder", byte_level},
+          {"model",
+           {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+            {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
+            {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+            {"vocab", vocab}, {"merges", merges}}}};
+}
+
+void write(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  REQUIRE(out.good());
+}
+
+// `lines` lines of 6 to 9 words of kWords (a leading space before each but the first).
+void write_corpus(const std::string& path, int lines, unsigned seed) {
+  std::ofstream out(path);
+  unsigned x = seed;
+  for (int l = 0; l < lines; ++l) {
+    x = x * 1103515245u + 12345u;
+    const int n = 6 + static_cast<int>((x >> 16) % 4);
+    for (int w = 0; w < n; ++w) {
+      x = x * 1103515245u + 12345u;
+      out << (w ? " " : "") << kWords[(x >> 16) % kWords.size()];
+    }
+    out << "\n";
+    if (l % 7 == 3) out << "\n";  // empty lines are skipped
+  }
+}
+
+using LM = TransformerLM<SoftmaxRouter, float, cpu>;
+
+// A random OLMoE: 2 layers, d_model 32, 4 experts of top 2, vocabulary kModelVocab, saved F32
+// with the tokenizer files beside it.
+void write_model(const std::string& dir) {
+  TransformerLMConfig c = TransformerLMConfig::preset("olmoe", kModelVocab);
+  c.num_layers = 2;
+  c.d_model = 32;
+  c.num_heads = 4;
+  c.expert_d_ff = 16;
+  c.router.num_experts = 4;
+  c.router.k = 2;
+  c.max_seq_len = kContext;
+  const LM lm(c, 11);
+  hf::ModelConfig mc = hf::to_model_config(lm.config(), hf::Family::Olmoe);
+  mc.bos_token_ids = {0};
+  mc.eos_token_ids = {1};
+  hf::save_lm(lm, mc, dir);
+  write(dir + "/tokenizer.json", tokenizer_json().dump());
+  write(dir + "/tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "</s>"})");
+}
+
+// The text as train_lm --hf reads it: every non-empty line without special tokens, then </s>.
+std::vector<std::int32_t> encode_lines(const hf::Tokenizer& tok, const std::string& path) {
+  std::vector<std::int32_t> ids;
+  std::istringstream in(slurp(path));
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto l = tok.encode(line, false);
+    ids.insert(ids.end(), l.begin(), l.end());
+    ids.push_back(1);
+  }
+  return ids;
+}
+
+// The directory's model (declared with --seq's context) on the validation text: the mean over
+// kBatch x kSeq batches of the cross-entropy, as train_lm evaluates.
+double loaded_model_loss(const std::string& dir, const std::string& valid) {
+  set_num_threads(1);
+  const hf::Checkpoint ck = hf::Checkpoint::open(dir);
+  TransformerLMConfig cfg = ck.config().lm;
+  cfg.max_seq_len = kSeq;
+  LM lm(cfg, LM::NoInit{});
+  ck.load(lm);
+  const auto tok = hf::load_tokenizer(dir);
+  const std::vector<std::int32_t> ids = encode_lines(*tok, valid);
+  const LMBatcher batches(ids, kBatch, kSeq);
+  REQUIRE(batches.num_batches() >= 2);
+  ModeScope<LM> eval(lm, Mode::Eval);
+  double sum = 0;
+  for (index_t i = 0; i < batches.num_batches(); ++i) {
+    const LMBatch b = batches.batch(i);
+    sum += lm.forward(b.inputs, b.targets).task;
+  }
+  return sum / static_cast<double>(batches.num_batches());
+}
+
+// metrics.csv's val_loss column, as written (full precision).
+std::vector<std::string> val_losses(const std::string& csv) {
+  std::istringstream in(slurp(csv));
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> header;
+  for (std::istringstream h(line); std::getline(h, line, ',');) header.push_back(line);
+  const auto col = static_cast<std::size_t>(
+      std::find(header.begin(), header.end(), "val_loss") - header.begin());
+  std::vector<std::string> out;
+  while (std::getline(in, line)) {
+    std::vector<std::string> f;
+    for (std::istringstream l(line); std::getline(l, line, ',');) f.push_back(line);
+    if (col < f.size()) out.push_back(f[col]);
+  }
+  return out;
+}
+
+std::vector<std::string> hf_args(const std::string& dir, const std::string& train,
+                                 const std::string& valid, const std::string& out,
+                                 std::vector<std::string> extra) {
+  std::vector<std::string> a = {"--hf", dir, "--train", train, "--valid", valid, "--test", "",
+                                "--seq", std::to_string(kSeq), "--batch", std::to_string(kBatch),
+                                "--warmup", "0", "--eval-every", "1", "--threads", "1",
+                                "--out", out};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+std::vector<float> values_of(const ParameterArena<float>& a) {
+  const auto& v = a.values();
+  return std::vector<float>(v.data(), v.data() + v.numel());
+}
+
+}  // namespace
+
+TEST_CASE("train_lm --hf: the first validation loss is the loaded model's own, bit for bit, blended-similarity starts from the same") {
+  Scratch s("train_lm_hf");
+  const std::string dir = s / "olmoe", train = s / "train.txt", valid = s / "valid.txt";
+  write_model(dir);
+  write_corpus(train, 60, 3);
+  write_corpus(valid, 20, 5);
+  const double expected = loaded_model_loss(dir, valid);
+
+  const std::vector<std::string> tiny_lr = {"--steps", "1", "--lr", "1e-30", "--min-lr", "1e-30"};
+  const Result a = run(s, hf_args(dir, train, valid, s / "softmax", tiny_lr));
+  INFO(a.text());
+  REQUIRE(a.status == 0);
+  CHECK(a.err.find("OlmoeForCausalLM") != std::string::npos);
+  CHECK(a.out.find("sample: ") != std::string::npos);  // decoded by the tokenizer
+  const std::vector<std::string> va = val_losses(s / "softmax/metrics.csv");
+  REQUIRE(va.size() == 1);
+  CHECK(std::stod(va[0]) == expected);
+
+  if constexpr (examples::built_for_cpu<BlendedSimilarityRouter>) {
+    const Result b = run(s, hf_args(dir, train, valid, s / "blended",
+                                    {"--steps", "1", "--lr", "1e-30", "--min-lr", "1e-30",
+                                     "--router", "blended-similarity"}));
+    INFO(b.text());
+    REQUIRE(b.status == 0);
+    const std::vector<std::string> vb = val_losses(s / "blended/metrics.csv");
+    REQUIRE(vb.size() == 1);
+    CHECK(vb[0] == va[0]);  // a = 0: the same model, bit for bit
+  }
+}
+
+TEST_CASE("train_lm --hf --save-hf: the saved directory loads back to the trained parameters, with the tokenizer, --resume continues") {
+  Scratch s("train_lm_hf_save");
+  const std::string dir = s / "olmoe", train = s / "train.txt", valid = s / "valid.txt";
+  write_model(dir);
+  write_corpus(train, 60, 3);
+  write_corpus(valid, 20, 5);
+  const std::string out = s / "run", saved = s / "saved";
+  const Result r = run(s, hf_args(dir, train, valid, out,
+                                  {"--steps", "3", "--lr", "1e-2", "--sample-tokens", "0",
+                                   "--save-hf", saved, "--save-hf-dtype", "f32"}));
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+  CHECK(r.err.find("saved the model to") != std::string::npos);
+
+  // the trained parameters: train_lm's checkpoint, into the directory's model
+  const hf::Checkpoint ck = hf::Checkpoint::open(dir);
+  TransformerLMConfig cfg = ck.config().lm;
+  cfg.max_seq_len = kSeq;
+  LM trained(cfg, LM::NoInit{});
+  load_arena(load_safetensors(out + "/checkpoint.safetensors"), trained.arena(), "model.");
+  auto back = hf::load_lm<SoftmaxRouter, float>(saved);
+  CHECK(back->config().max_seq_len == kContext);  // config.json's, not --seq
+  CHECK(values_of(back->arena()) == values_of(trained.arena()));
+  auto original = hf::load_lm<SoftmaxRouter, float>(dir);
+  CHECK(values_of(original->arena()) != values_of(trained.arena()));  // it did train
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
+    CHECK(slurp(fs::path(saved) / f) == slurp(fs::path(dir) / f));
+  const nlohmann::json in = nlohmann::json::parse(slurp(dir + "/config.json"));
+  const nlohmann::json outj = nlohmann::json::parse(slurp(saved + "/config.json"));
+  CHECK(outj == in);  // the same keys and values (F32 in, F32 out)
+  const auto tok = hf::load_tokenizer(saved);
+  CHECK(tok->eos_id() == std::optional<std::int32_t>(1));
+
+  // --resume continues the --hf run (its checkpoint records the tokenizer), to step 4
+  const Result again = run(s, hf_args(dir, train, valid, out,
+                                      {"--steps", "4", "--lr", "1e-2", "--sample-tokens", "0",
+                                       "--resume"}));
+  INFO(again.text());
+  REQUIRE(again.status == 0);
+  CHECK(again.err.find("resumed from") != std::string::npos);
+  CHECK(val_losses(out + "/metrics.csv").size() == 4);
+  // ... but not with another tokenizer
+  const std::string other = s / "other";
+  fs::copy(dir, other);
+  write(other + "/tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "<s>"})");
+  check_refused(run(s, hf_args(other, train, valid, out, {"--steps", "5", "--resume"})),
+                {"train_lm --resume", "tokenizer", "token ids would differ"});
+  // ... nor without --hf
+  check_refused(run(s, {"--train", train, "--valid", valid, "--test", "", "--seq", "16",
+                        "--batch", "2", "--steps", "5", "--resume", "--out", out}),
+                {"train_lm --resume"});
+}
+
+TEST_CASE("train_lm --hf: refusals") {
+  Scratch s("train_lm_hf_refusals");
+  const std::string dir = s / "olmoe", train = s / "train.txt", valid = s / "valid.txt";
+  write_model(dir);
+  write_corpus(train, 60, 3);
+  write_corpus(valid, 20, 5);
+  const std::vector<std::string> one = {"--steps", "1"};
+  check_refused(run(s, hf_args(dir, train, valid, s / "a", {"--steps", "1", "--layers", "3"})),
+                {"--layers is not an option of --hf", "fixes the model's shape"});
+  check_refused(run(s, hf_args(dir, train, valid, s / "a", {"--steps", "1", "--arch", "qwen3-moe"})),
+                {"--arch is not an option of --hf"});
+  std::vector<std::string> long_seq = hf_args(dir, train, valid, s / "a", one);
+  *(std::find(long_seq.begin(), long_seq.end(), "--seq") + 1) = "65";
+  check_refused(run(s, long_seq), {"--seq 65", "max_position_embeddings"});
+  check_refused(run(s, {"--train", train, "--steps", "1", "--save-hf", s / "x", "--out", s / "a"}),
+                {"--save-hf needs --hf"});
+  check_refused(run(s, hf_args(dir, train, valid, s / "a", {"--steps", "1", "--save-hf", dir})),
+                {"--save-hf", "exists and is not an empty directory"});
+  if constexpr (examples::built_for_cpu<BlendedSimilarityRouter>) {
+    const Result g = run(s, hf_args(dir, train, valid, s / "a",
+                                    {"--steps", "1", "--router", "blended-similarity",
+                                     "--save-hf", s / "x"}));
+    check_refused(g, {"--save-hf with --router blended-similarity", "--save-hf-drop-graph",
+                      "without the graph"});
+    CHECK(!fs::exists(s / "a"));  // refused before anything was read or written
+    // with the flag: the linear router's weights, the graph dropped
+    const Result d = run(s, hf_args(dir, train, valid, s / "a",
+                                    {"--steps", "1", "--router", "blended-similarity",
+                                     "--save-hf", s / "x", "--save-hf-drop-graph",
+                                     "--sample-tokens", "0"}));
+    INFO(d.text());
+    CHECK(d.status == 0);
+    CHECK(d.err.find("the token graph dropped") != std::string::npos);
+    CHECK(fs::exists(s / "x/config.json"));
+  }
+  // a directory that does not load: the reader's error, exit 1
+  const Result none = run(s, hf_args(s / "nowhere", train, valid, s / "b", one));
+  check_refused(none, {"hf::Checkpoint::open", "is not a directory"});
+  CHECK(none.status == 1);
+  const std::string bad = s / "bad";
+  fs::copy(dir, bad);
+  nlohmann::json cj = nlohmann::json::parse(slurp(bad + "/config.json"));
+  cj["hidden_act"] = "gelu";
+  write(bad + "/config.json", cj.dump());
+  const Result b = run(s, hf_args(bad, train, valid, s / "b", one));
+  check_refused(b, {"config.json", "hidden_act"});
+  CHECK(b.status == 1);
+}
