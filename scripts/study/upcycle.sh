@@ -32,9 +32,11 @@ if [[ "${1:-}" == --table ]]; then
   exec /usr/bin/python3 - "$RUNS" "${CELLS[@]}" <<'EOF'
 import csv, glob, json, math, os, struct, sys
 runs, cells = sys.argv[1], sys.argv[2:]
-def final(d):
-    rows = list(csv.DictReader(open(os.path.join(d, "metrics.csv"))))
-    return float(rows[-1]["val_ppl"]) if rows else math.nan
+def final(d):  # the closing evaluation over the whole validation text (result.txt)
+    for field in open(os.path.join(d, "result.txt")).read().split():
+        if field.startswith("val_ppl="):
+            return float(field.split("=", 1)[1])
+    return math.nan
 def blends(d):
     p = os.path.join(d, "checkpoint.safetensors")
     with open(p, "rb") as f:
@@ -48,7 +50,7 @@ def blends(d):
         return out
 base = os.path.join(runs, "base")
 print(f"base model (seed 1, 1,500 steps): validation perplexity {final(base):.2f}\n")
-print("| fine-tuning (500 steps) | val ppl, seeds | mean | spread (max - min) | a per layer (seed 1) |")
+print("| fine-tuning (500 steps) | val ppl, seeds 1-3 | mean | spread (max - min) | a per layer (seed 1) |")
 print("|---|---|---|---|---|")
 for c in cells:
     ds = sorted(glob.glob(os.path.join(runs, c, "s*")))
