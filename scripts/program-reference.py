@@ -21,7 +21,7 @@ PROGRAMS = [
     ("generate", "Continue a prompt from a `train_lm` checkpoint or a Hugging Face model directory (`--hf`); tutorial: [generate text](../tutorials/generate.md)."),
     ("routing_report", "Per-layer routing report of a `train_lm` checkpoint."),
     ("train_vision", "Train a vision MoE on Fashion-MNIST or the 8x8 digits."),
-    ("finetune_classifier", "Fine-tune a classifier (SST-2, SST-5, Banking-77) from a `train_lm` checkpoint."),
+    ("finetune_classifier", "Fine-tune a classifier (SST-2, SST-5, Banking-77) from a `train_lm` checkpoint or a Hugging Face model directory (`--hf`)."),
 ]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "reference", "programs.md")

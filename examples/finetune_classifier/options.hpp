@@ -21,6 +21,7 @@ struct Options {
   graphmoe::TransformerLMConfig model;
   graphmoe::index_t num_classes = 2;
   std::string checkpoint;
+  std::string hf_dir;  // --hf: a Hugging Face model directory instead of the checkpoint
   int epochs = 1;
   graphmoe::index_t batch = 16;
   double lr = 1e-3, weight_decay = 0.01, clip = 1.0;

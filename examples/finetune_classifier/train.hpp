@@ -19,6 +19,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/data_parallel.hpp"
@@ -27,6 +28,7 @@
 #include "finetune_classifier/options.hpp"
 #include "graphmoe/train/metrics.hpp"
 #include "graphmoe/train/optim.hpp"
+#include "graphmoe/hf/reader.hpp"
 #include "graphmoe/train/pretrained.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
@@ -113,13 +115,38 @@ void check_pretrained(const SafetensorsFile& f, const ParameterArena<T, B>& aren
                          kMaxPretrainedWeight);
 }
 
+// --hf: the backbone from a Hugging Face model directory (hf::load_lm on the host, its parameters
+// handed to load_backbone by name; the classification head keeps its initialisation).
+template <class Policy, class Model>
+void load_hf_backbone(const Options& opt, Model& model) {
+  if constexpr (std::is_same_v<typename Policy::scorer, LinearScorer> &&
+                std::is_same_v<typename Policy::selector, TopK>) {
+    const auto lm = hf::load_lm<Policy, Scalar>(opt.hf_dir);
+    model.load_backbone([&](const std::string& name, const Shape& shape) {
+      GRAPHMOE_CHECK(lm->arena().contains(name), "finetune_classifier --hf", "'", opt.hf_dir,
+                     "' gives the model no parameter '", name, "'");
+      const Tensor<Scalar, cpu> v = lm->arena().value(name);
+      GRAPHMOE_CHECK(v.shape() == shape, "finetune_classifier --hf", "parameter '", name,
+                     "' has shape ", v.shape(), " in '", opt.hf_dir, "', the classifier expects ",
+                     shape);
+      return v.clone();
+    });
+  } else {
+    (void)model;
+    graphmoe::detail::throw_error("finetune_classifier --hf", "the router ", opt.router,
+                                  " cannot load a Hugging Face model");
+  }
+}
+
 template <class Policy, class B>
 int run(const Options& opt, const Data& data) {
   namespace fs = std::filesystem;
   set_num_threads(opt.threads);
   examples::require_device<B>("finetune_classifier");
   SequenceClassifier<Policy, Scalar, B> model(opt.model, opt.num_classes, opt.seed);
-  if (!opt.from_scratch) {
+  if (!opt.from_scratch && !opt.hf_dir.empty()) {
+    load_hf_backbone<Policy>(opt, model);
+  } else if (!opt.from_scratch) {
     const SafetensorsFile f = load_safetensors(opt.checkpoint);
     check_pretrained(f, model.arena());
     load_pretrained(model, f, "model.");

@@ -33,6 +33,7 @@
 #include "graphmoe/hf/writer.hpp"
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/training_state.hpp"
+#include "support/byte_level_tokenizer.hpp"
 #include "support/processes.hpp"
 
 #if !defined(GRAPHMOE_TRAIN_LM)
@@ -58,78 +59,14 @@ Result run(const Scratch& s, const std::vector<std::string>& args) {
   return test::run_program(s, "", kTrainLM, args, 90);
 }
 
-std::string utf8(std::uint32_t cp) {
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
-}
-
-// GPT-2's bytes_to_unicode: the character that stands for each byte in a byte-level vocabulary.
-std::vector<std::string> byte_chars() {
-  std::vector<int> bs;
-  for (int b = '!'; b <= '~'; ++b) bs.push_back(b);
-  for (int b = 0xA1; b <= 0xAC; ++b) bs.push_back(b);
-  for (int b = 0xAE; b <= 0xFF; ++b) bs.push_back(b);
-  std::vector<int> cs = bs;
-  int n = 0;
-  for (int b = 0; b < 256; ++b)
-    if (std::find(bs.begin(), bs.end(), b) == bs.end()) {
-      bs.push_back(b);
-      cs.push_back(256 + n++);
-    }
-  std::vector<std::string> out(256);
-  for (std::size_t i = 0; i < bs.size(); ++i)
-    out[static_cast<std::size_t>(bs[i])] = utf8(static_cast<std::uint32_t>(cs[i]));
-  return out;
-}
-
 const std::vector<std::string> kWords = {"the", "king", "said", "and", "of", "land", "came", "to"};
 
 // A byte-level BPE tokenizer.json: <s> 0 and </s> 1 (special), the 256 bytes, and the merges that
 // make each of kWords with a leading space one token.
 nlohmann::json tokenizer_json() {
-  const std::vector<std::string> chars = byte_chars();
-  nlohmann::json vocab = nlohmann::json::object();
-  vocab["<s>"] = 0;
-  vocab["</s>"] = 1;
-  for (int b = 0; b < 256; ++b) vocab[chars[static_cast<std::size_t>(b)]] = 2 + b;
-  nlohmann::json merges = nlohmann::json::array();
-  for (const std::string& w : kWords) {
-    std::string token;
-    for (unsigned char c : " " + w) {
-      const std::string ch = chars[c];
-      if (!token.empty() && !vocab.contains(token + ch)) {
-        merges.push_back(token + " " + ch);
-        const int id = static_cast<int>(vocab.size());
-        vocab[token + ch] = id;
-      }
-      token += ch;
-    }
-  }
-  auto special = [](int id, const std::string& content) {
-    return nlohmann::json{{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false},
-                          {"rstrip", false}, {"normalized", false}, {"special", true}};
-  };
-  const nlohmann::json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false},
-                                     {"trim_offsets", true}, {"use_regex", true}};
-  return {{"version", "1.0"},
-          {"truncation", nullptr},
-          {"padding", nullptr},
-          {"added_tokens", {special(0, "<s>"), special(1, "</s>")}},
-          {"normalizer", nullptr},
-          {"pre_tokenizer", byte_level},
-          {"post_processor", nullptr},
-          {"decoder", byte_level},
-          {"model",
-           {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
-            {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
-            {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
-            {"vocab", vocab}, {"merges", merges}}}};
+  std::vector<std::string> words;
+  for (const std::string& w : kWords) words.push_back(" " + w);
+  return test::byte_level_tokenizer_json(words, false);
 }
 
 void write(const std::string& path, const std::string& text) {
@@ -378,3 +315,57 @@ TEST_CASE("train_lm --hf: refusals") {
   check_refused(b, {"config.json", "hidden_act"});
   CHECK(b.status == 1);
 }
+
+#if defined(GRAPHMOE_FINETUNE_CLASSIFIER)
+// SST-2 in miniature under dir/sst2: sentences of kWords, the label whether "king" is in it.
+void write_sst2(const std::string& dir) {
+  fs::create_directories(dir + "/sst2");
+  unsigned x = 7;
+  for (const std::string split : {"train", "dev"}) {
+    std::ofstream out(dir + "/sst2/" + split + ".tsv");
+    out << "sentence\tlabel\n";
+    for (int i = 0; i < (split == "train" ? 12 : 6); ++i) {
+      std::string text;
+      bool king = false;
+      for (int w = 0; w < 5; ++w) {
+        x = x * 1103515245u + 12345u;
+        const std::string& word = kWords[(x >> 16) % kWords.size()];
+        king |= word == "king";
+        text += (w ? " " : "") + word;
+      }
+      out << text << "\t" << (king ? 1 : 0) << "\n";
+    }
+  }
+}
+
+TEST_CASE("finetune_classifier --hf: the backbone and the tokenizer from a Hugging Face directory") {
+  Scratch s("finetune_hf");
+  const std::string dir = s / "olmoe", data = s / "data";
+  write_model(dir);
+  write_sst2(data);
+  auto finetune = [&](const std::vector<std::string>& more, const std::string& out) {
+    std::vector<std::string> a = {"--task", "sst2", "--data-dir", data, "--epochs", "1",
+                                  "--batch", "2", "--threads", "1", "--out", out};
+    a.insert(a.end(), more.begin(), more.end());
+    return test::run_program(s, "", GRAPHMOE_FINETUNE_CLASSIFIER, a, 90);
+  };
+  const Result hf = finetune({"--hf", dir}, s / "ft");
+  REQUIRE_MESSAGE(hf.status == 0, hf.text());
+  CHECK(hf.out.find("test_accuracy=") != std::string::npos);
+  // the loaded backbone, not a fresh one: the same run from scratch trains another model
+  const Result scratch = finetune({"--hf", dir, "--from-scratch"}, s / "ft_scratch");
+  REQUIRE_MESSAGE(scratch.status == 0, scratch.text());
+  CHECK(slurp(s / "ft/metrics.csv") != slurp(s / "ft_scratch/metrics.csv"));
+  // refusals
+  check_refused(finetune({"--hf", dir, "--checkpoint", dir + "/config.json"}, s / "x"),
+                {"excludes"});
+  check_refused(finetune({}, s / "x"), {"give the model: --checkpoint FILE with --vocab FILE",
+                                        "or --hf DIR"});
+  const std::string bare = s / "bare";
+  fs::create_directories(bare);
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(dir + "/" + f, bare + "/" + f);
+  const Result none = finetune({"--hf", bare}, s / "x");
+  CHECK(none.status == 1);
+  CHECK(none.err.find("tokenizer") != std::string::npos);
+}
+#endif

@@ -31,14 +31,9 @@ namespace graphmoe::hf {
 class SentencePieceTokenizer : public Tokenizer {
  public:
   static std::unique_ptr<SentencePieceTokenizer> from_file(const std::string& path) {
-    struct stat st {};
-    GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, detail::kLoadOp, "cannot open '", path, "'");
-    GRAPHMOE_CHECK(S_ISREG(st.st_mode), detail::kLoadOp, "'", path, "' is not a regular file");
-    GRAPHMOE_CHECK(st.st_size <= TokenizerLimits::file_bytes, detail::kLoadOp, "'", path, "' is ",
-                   st.st_size, " bytes, more than the limit of ", TokenizerLimits::file_bytes);
+    const std::string bytes = detail::read_tokenizer_file(path);
     std::unique_ptr<SentencePieceTokenizer> t(new SentencePieceTokenizer());
     t->path_ = path;
-    const std::string bytes = graphmoe::detail::read_file(detail::kLoadOp, path);
     const auto status = t->sp_.LoadFromSerializedProto(bytes);
     GRAPHMOE_CHECK(status.ok(), detail::kLoadOp, "'", path, "': sentencepiece: ", status.ToString());
     const int n = t->sp_.GetPieceSize();

@@ -523,6 +523,16 @@ inline Regex read_pattern(JsonObject& parent, const std::string& key, std::strin
 
 inline std::string type_of(JsonObject& o) { return o.string("type"); }
 
+// A tokenizer file's bytes: a regular file of at most TokenizerLimits::file_bytes, read whole.
+inline std::string read_tokenizer_file(const std::string& path) {
+  struct stat st {};
+  GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, kLoadOp, "cannot open '", path, "'");
+  GRAPHMOE_CHECK(S_ISREG(st.st_mode), kLoadOp, "'", path, "' is not a regular file");
+  GRAPHMOE_CHECK(st.st_size <= TokenizerLimits::file_bytes, kLoadOp, "'", path, "' is ",
+                 st.st_size, " bytes, more than the limit of ", TokenizerLimits::file_bytes);
+  return graphmoe::detail::read_file(kLoadOp, path);
+}
+
 }  // namespace detail
 
 // A tokenizer.json tokenizer (BPE model); see the top of this file for what it reads.
@@ -530,13 +540,7 @@ class JsonTokenizer : public Tokenizer {
  public:
   // Reads and validates the file; throws graphmoe::Error naming the file and the JSON path.
   static std::unique_ptr<JsonTokenizer> from_file(const std::string& path) {
-    struct stat st {};
-    GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, detail::kLoadOp, "cannot open '", path, "'");
-    GRAPHMOE_CHECK(S_ISREG(st.st_mode), detail::kLoadOp, "'", path, "' is not a regular file");
-    GRAPHMOE_CHECK(st.st_size <= TokenizerLimits::file_bytes, detail::kLoadOp, "'", path, "' is ",
-                   st.st_size, " bytes, more than the limit of ", TokenizerLimits::file_bytes);
-    const std::string bytes = graphmoe::detail::read_file(detail::kLoadOp, path);
-    return from_string(bytes, path);
+    return from_string(detail::read_tokenizer_file(path), path);
   }
   // The same from the file's text; `path` names it in errors.
   static std::unique_ptr<JsonTokenizer> from_string(std::string_view text, const std::string& path) {
