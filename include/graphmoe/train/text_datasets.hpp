@@ -303,6 +303,11 @@ inline std::vector<std::string> read_banking77_categories(const std::string& pat
     if (const std::size_t b = what.find("] "); what.rfind("[json.exception", 0) == 0 && b != std::string::npos)
       what = what.substr(b + 2);
     detail::parse_error(op, path, line, "not valid JSON: ", what);
+  } catch (const nlohmann::json::exception& e) {  // e.g. out_of_range: a number beyond double
+    std::string what = e.what();
+    if (const std::size_t b = what.find("] "); what.rfind("[json.exception", 0) == 0 && b != std::string::npos)
+      what = what.substr(b + 2);
+    detail::parse_error(op, path, 1, "not valid JSON: ", what);
   }
   if (!j.is_array()) detail::parse_error(op, path, 1, "expected a JSON array of strings, found ", j.type_name());
   std::vector<std::string> names;
