@@ -8,7 +8,8 @@ Remake them (from the repository root; needs torch and transformers, which CI do
 
 For each family (llama, mixtral, olmoe, qwen2_moe, qwen3_moe) it builds a random model with
 transformers (2 layers, hidden 64, 4 heads, 2 key/value heads where the family has grouped-query
-attention, 8 experts of top-2, vocab 128; seed fixed), draws every weight (norm weights near 1,
+attention, 8 experts of top-2, vocab 128; qwen3_moe with head_dim 32, so that its query heads are
+twice hidden wide as in the Qwen3-MoE releases; seed fixed), draws every weight (norm weights near 1,
 biases and router weights included, so that a tensor loaded into the wrong place shows), saves it
 with save_pretrained (safetensors; mixtral sharded through max_shard_size, which writes
 model.safetensors.index.json; llama in float32, mixtral, olmoe and qwen3_moe in bfloat16, qwen2_moe
@@ -77,7 +78,7 @@ FAMILIES = {
                   torch.float16, {}),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                   dict(intermediate_size=32, moe_intermediate_size=8, num_experts=8,
-                       num_experts_per_tok=2, head_dim=16, norm_topk_prob=True,
+                       num_experts_per_tok=2, head_dim=32, norm_topk_prob=True,
                        rms_norm_eps=1e-6, rope_theta=1e6),
                   torch.bfloat16, {}),
 }

@@ -42,6 +42,7 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   if (m.norm != d.norm) j["norm"] = graphmoe::norm_kind_name(m.norm);
   if (m.norm_eps != d.norm_eps) j["norm_eps"] = m.norm_eps;
   if (a.num_kv_heads != 0) j["num_kv_heads"] = a.num_kv_heads;
+  if (a.head_dim != 0) j["head_dim"] = a.head_dim;
   if (a.rope_theta != 0) {
     j["rope_theta"] = a.rope_theta;
     j["rope_layout"] = a.rope_layout == graphmoe::RopeLayout::Interleaved ? "interleaved" : "half-split";
@@ -177,6 +178,7 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   if (j.contains("ffn_bias")) m.ffn_bias = config_field<bool>(j, "ffn_bias", where);
   auto& a = m.attention;
   if (j.contains("num_kv_heads")) a.num_kv_heads = config_field<index_t>(j, "num_kv_heads", where);
+  if (j.contains("head_dim")) a.head_dim = config_field<index_t>(j, "head_dim", where);
   if (j.contains("rope_theta")) a.rope_theta = config_field<double>(j, "rope_theta", where);
   if (j.contains("rope_layout"))
     a.rope_layout = one_of("rope_layout", {"half-split", "interleaved"}) == 1

@@ -79,6 +79,7 @@ int main(int argc, char** argv) {
   app.add_option("--norm", norm, "normalisation: layernorm or rmsnorm")->check(CLI::IsMember({"layernorm", "rmsnorm"}));
   app.add_option("--norm-eps", m.norm_eps, "the norms' epsilon")->check(examples::real(1e-12, 0.5));
   app.add_option("--kv-heads", m.attention.num_kv_heads, "key/value heads, dividing --heads (grouped-query; 1: multi-query; 0: --heads)")->check(examples::integer<index_t>(0, examples::kMaxHeads));
+  app.add_option("--head-dim", m.attention.head_dim, "each attention head's width (0: --d-model / --heads)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
   app.add_option("--rope-theta", m.attention.rope_theta, "rotary position embeddings' base (0: learned positions)")->check(examples::real(0, 1e12));
   app.add_option("--rope-layout", rope_layout, "RoPE's pairs: half-split (Hugging Face's rotate_half) or interleaved")->check(CLI::IsMember({"half-split", "interleaved"}));
   app.add_option("--qk-norm", qk_norm, "RMSNorm of queries and keys: none, full (over the projection, OLMoE) or per-head (Qwen3)")->check(CLI::IsMember({"none", "full", "per-head"}));

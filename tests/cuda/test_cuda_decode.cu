@@ -338,9 +338,10 @@ double model_tolerance() {
 // of each sequence. chunks empty: one token per slot and step; else up to chunks[s] tokens of
 // slot s per step, the slots' rows interleaved (one row of each slot in turn).
 template <class Policy, class T>
-void compare_decode(index_t longest, const std::vector<index_t>& chunks = {}) {
+void compare_decode(index_t longest, const std::vector<index_t>& chunks = {}, index_t head_dim = 0) {
   const double tol = model_tolerance<T>();
-  const TransformerLMConfig cfg = decode_config(longest);
+  TransformerLMConfig cfg = decode_config(longest);
+  cfg.attention.head_dim = head_dim;
   TransformerLM<Policy, T, cpu> host(cfg, 3);
   TransformerLM<Policy, T, graphmoe::cuda> dev(cfg, 3);
   host.set_mode(Mode::Eval);
@@ -417,6 +418,14 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM::decode over three slots equals t
   SKIP_WITHOUT_CUDA_DEVICE();
   SUBCASE("double, 210 tokens") { compare_decode<Policy, double>(210); }
   SUBCASE("float") { compare_decode<Policy, float>(30); }
+}
+
+// Heads wider than d_model / num_heads (3 heads of 7 on d_model 12): the KV cache holds 7-wide
+// heads, and the Attention graph's decode reads W_o (12 x 21) by head.
+TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM::decode with head_dim set", Policy, SoftmaxRouter,
+                   AttentionRouter) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  compare_decode<Policy, double>(30, {}, 7);
 }
 
 // A prompt in chunks (Decoder::prefill's steps): several rows of a slot at consecutive positions

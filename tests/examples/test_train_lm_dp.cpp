@@ -206,17 +206,18 @@ TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one
 
 TEST_CASE("train_lm --dp 2 and --dp 2 --ep 2 with the modern blocks and bias balancing train like "
           "one process") {
-  // the olmoe preset's blocks (RMSNorm, RoPE, QK-norm, SwiGLU) with grouped-query attention, a
-  // shared expert and the sigmoid-bias router: the expert biases follow the loads all-reduced over
-  // the ranks, so every rank's bias, and the losses, are one process's
+  // the olmoe preset's blocks (RMSNorm, RoPE, QK-norm, SwiGLU) with grouped-query attention and
+  // heads wider than d_model / heads (--head-dim), a shared expert and the sigmoid-bias router: the
+  // expert biases follow the loads all-reduced over the ranks, so every rank's bias, and the
+  // losses, are one process's
   Scratch s("dp_modern");
   const std::string corpus = s / "corpus.txt";
   write_corpus(corpus);
   auto modern = [&](const std::string& out, int steps) {
     auto a = set(set(set(lm_args(corpus, out, steps), "--router", "sigmoid-bias"), "--experts", "4"),
                  "--top-k", "2");
-    return with(a, {"--arch", "olmoe", "--kv-heads", "1", "--expert-d-ff", "8", "--shared-d-ff", "8",
-                    "--bias-update-rate", "0.05"});
+    return with(a, {"--arch", "olmoe", "--kv-heads", "1", "--head-dim", "6", "--expert-d-ff", "8",
+                    "--shared-d-ff", "8", "--bias-update-rate", "0.05"});
   };
   const Result whole = run(s, 0, modern(s / "whole", 4));
   const Result dp = run(s, 2, with(modern(s / "dp", 4), {"--dp", "2"}));
@@ -229,6 +230,10 @@ TEST_CASE("train_lm --dp 2 and --dp 2 --ep 2 with the modern blocks and bias bal
   const std::string bias = "model.blocks.0.moe.router.selector.expert_bias";
   REQUIRE(a.contains(bias));
   REQUIRE(b.contains(bias));
+  // 2 query heads of 6 on d_model 8, one key/value head of 6
+  CHECK(a.at("model.blocks.0.attn.q_proj.weight").to_tensor<float>().shape() == (graphmoe::Shape{12, 8}));
+  CHECK(a.at("model.blocks.0.attn.k_proj.weight").to_tensor<float>().shape() == (graphmoe::Shape{6, 8}));
+  CHECK(a.at("model.blocks.0.attn.out_proj.weight").to_tensor<float>().shape() == (graphmoe::Shape{8, 12}));
   const Tensor<float, cpu> ba = a.at(bias).to_tensor<float>(), bb = b.at(bias).to_tensor<float>();
   float moved = 0;
   for (index_t e = 0; e < ba.numel(); ++e) {

@@ -234,6 +234,7 @@ TEST_CASE("hf: the configs map onto the families' blocks") {
   CHECK(qwen2.lm.is_moe_layer(1));
   const hf::ModelConfig qwen3 = hf::Checkpoint::open(fixture("qwen3_moe")).config();
   CHECK(qwen3.lm.attention.qk_norm == QKNorm::PerHead);
+  CHECK(qwen3.lm.attention.head_dim == 32);  // 4 heads x 32 = 2 hidden_size
   CHECK(qwen3.lm.router.options<TopK>().norm_topk_prob);
   const hf::ModelConfig llama = hf::Checkpoint::open(fixture("llama")).config();
   CHECK(llama.lm.layout == MoELayout::Dense);
@@ -502,7 +503,13 @@ TEST_CASE("hf: config.json's absurd values, unknown architectures and keys are r
   refused(llama, [](J& j) { j["attention_bias"] = true; }, {"key 'attention_bias' is true"});
   refused(llama, [](J& j) { j["mlp_bias"] = true; }, {"key 'mlp_bias' is true"});
   refused(llama, [](J& j) { j["hidden_act"] = "gelu"; }, {"key 'hidden_act' = 'gelu'"});
-  refused(llama, [](J& j) { j["head_dim"] = 32; }, {"key 'head_dim' = 32", "hidden_size / num_attention_heads = 16"});
+  refused(olmoe, [](J& j) { j["head_dim"] = 32; },
+          {"key 'head_dim' = 32", "OLMoE's q_norm and k_norm are sized for"});
+  refused(llama, [](J& j) { j["head_dim"] = 0; }, {"key 'head_dim' = 0"});
+  refused(llama, [](J& j) { j["head_dim"] = 1LL << 40; }, {"key 'head_dim'"});
+  refused(llama, [](J& j) { j["head_dim"] = 60000; }, {"key 'head_dim' = 60000", "num_attention_heads x head_dim"});
+  refused(llama, [](J& j) { j["num_attention_heads"] = 3; j.erase("head_dim"); j["num_key_value_heads"] = 3; },
+          {"key 'num_attention_heads' = 3 does not divide hidden_size = 64", "head_dim is not set"});
   refused(llama, [](J& j) { j["attention_dropout"] = 0.1; }, {"key 'attention_dropout'"});
   refused(olmoe, [](J& j) { j["clip_qkv"] = 8.0; }, {"key 'clip_qkv' is set"});
   refused(mixtral, [](J& j) { j["router_jitter_noise"] = 0.1; }, {"key 'router_jitter_noise'"});
@@ -521,6 +528,13 @@ TEST_CASE("hf: config.json's absurd values, unknown architectures and keys are r
   const hf::ModelConfig t = hf::parse_config(tied, path);
   CHECK(t.lm.tie_embeddings);
   CHECK(t.eos_token_ids == std::vector<std::int64_t>{2, 7});
+  // head_dim: the default when it equals hidden_size / num_attention_heads, set otherwise
+  CHECK(t.lm.attention.head_dim == 0);
+  nlohmann::json wide = llama;
+  wide["head_dim"] = 32;  // 4 heads x 32 = 2 hidden_size, as Qwen3-MoE's releases
+  const hf::ModelConfig w = hf::parse_config(wide, path);
+  CHECK(w.lm.attention.head_dim == 32);
+  CHECK(w.lm.attention.head_dim_for(w.lm.d_model, w.lm.num_heads) == 32);
   nlohmann::json v4 = mixtral;  // transformers 4's keys
   v4.erase("rope_parameters");
   v4["rope_theta"] = 1e6;

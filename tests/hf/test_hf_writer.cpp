@@ -398,6 +398,8 @@ TEST_CASE("hf writer: models a family cannot express are refused naming the fiel
   refused(mixtral.lm, Family::Mixtral, [](C& c) { c.num_classes = 3; }, {"num_classes"});
   refused(mixtral.lm, Family::Mixtral, [](C& c) { c.attention.rope_layout = RopeLayout::Interleaved; },
           {"attention.rope_layout"});
+  refused(qwen3.lm, Family::Olmoe, [](C& c) { c.attention.qk_norm = QKNorm::Full; },  // head_dim 32
+          {"attention.head_dim = 32", "OLMoE's q_norm and k_norm"});
   refused(qwen3.lm, Family::Mixtral, [](C&) {}, {"attention.qk_norm", "PerHead"});
   refused(qwen3.lm, Family::Olmoe, [](C&) {}, {"attention.qk_norm", "PerHead", "has Full"});
   refused(qwen3.lm, Family::Qwen3Moe, [](C& c) { c.attention.qk_norm_eps = 1e-3; }, {"attention.qk_norm_eps"});

@@ -23,8 +23,10 @@ using namespace graphmoe::test;
 
 namespace {
 
-// Two variants that together switch every option on.
+// Two variants that together switch every option on; the third is the first with heads wider
+// than d_model / num_heads (head_dim 6: q is 24 wide for d_model 8) and q/k/v biases.
 TransformerLMConfig modern_config(int variant) {
+  const bool v0 = variant != 1;  // variants 0 and 2
   TransformerLMConfig c;
   c.vocab_size = 9;
   c.max_seq_len = 12;
@@ -42,18 +44,19 @@ TransformerLMConfig modern_config(int variant) {
   c.init_std = 0.4;
   c.norm = NormKind::RMSNorm;
   c.norm_eps = 1e-6;
-  c.attention.rope_theta = variant == 0 ? 10000.0 : 500.0;
-  c.attention.rope_layout = variant == 0 ? RopeLayout::HalfSplit : RopeLayout::Interleaved;
-  c.attention.num_kv_heads = variant == 0 ? 2 : 1;
-  c.attention.qk_norm = variant == 0 ? QKNorm::Full : QKNorm::PerHead;
-  c.attention.qkv_bias = variant == 1;
+  c.attention.rope_theta = v0 ? 10000.0 : 500.0;
+  c.attention.rope_layout = v0 ? RopeLayout::HalfSplit : RopeLayout::Interleaved;
+  c.attention.num_kv_heads = v0 ? 2 : 1;
+  c.attention.qk_norm = v0 ? QKNorm::Full : QKNorm::PerHead;
+  c.attention.qkv_bias = variant != 0;
   c.attention.out_bias = false;
+  c.attention.head_dim = variant == 2 ? 6 : 0;
   c.expert_d_ff = 3;
   c.shared_d_ff = 4;
-  c.shared_expert_gate = variant == 0;
-  c.first_k_dense = variant == 0 ? 1 : 0;
-  c.moe_every = variant == 0 ? 1 : 2;
-  c.activation = variant == 0 ? FfnActivation::SwiGLU : FfnActivation::Gelu;
+  c.shared_expert_gate = v0;
+  c.first_k_dense = v0 ? 1 : 0;
+  c.moe_every = v0 ? 1 : 2;
+  c.activation = v0 ? FfnActivation::SwiGLU : FfnActivation::Gelu;
   c.ffn_bias = variant == 1;
   return c;
 }
@@ -95,13 +98,14 @@ double max_abs_diff(const Tensor<double>& a, const Tensor<double>& b) {
 
 }  // namespace
 
-TEST_CASE("attention with GQA, RoPE and QK-norm: matches a loop-by-loop evaluation") {
-  for (int variant : {0, 1}) {
+TEST_CASE("attention with GQA, RoPE, QK-norm and head_dim: matches a loop-by-loop evaluation") {
+  for (int variant : {0, 1, 2}) {
     CAPTURE(variant);
     const TransformerLMConfig lc = modern_config(variant);
     const AttentionOptions& o = lc.attention;
     const index_t b = 2, t = 5, d = lc.d_model, h = lc.num_heads, kvh = o.num_kv_heads,
-                  dh = d / h;
+                  dh = o.head_dim_for(d, h), dq = h * dh;
+    CHECK(dq == (variant == 2 ? 24 : d));
     ParameterArena<double> arena;
     MultiHeadAttention<double> attn;
     attn.declare(arena, "a.", d, h, true, o);
@@ -128,14 +132,14 @@ TEST_CASE("attention with GQA, RoPE and QK-norm: matches a loop-by-loop evaluati
     const index_t n = b * t;
     std::vector<std::vector<double>> q(n), k(n), v(n);
     for (index_t r = 0; r < n; ++r) {
-      q[r] = proj("a.q_proj", d, r);
+      q[r] = proj("a.q_proj", dq, r);
       k[r] = proj("a.k_proj", kvh * dh, r);
       v[r] = proj("a.v_proj", kvh * dh, r);
       Tensor<double> qn = arena.value("a.q_norm.weight"), kn = arena.value("a.k_norm.weight");
       if (o.qk_norm == QKNorm::Full) {
-        const double iq = rms_inv(q[r].data(), d, o.qk_norm_eps);
+        const double iq = rms_inv(q[r].data(), dq, o.qk_norm_eps);
         const double ik = rms_inv(k[r].data(), kvh * dh, o.qk_norm_eps);
-        for (index_t i = 0; i < d; ++i) q[r][i] *= iq * qn(i);
+        for (index_t i = 0; i < dq; ++i) q[r][i] *= iq * qn(i);
         for (index_t i = 0; i < kvh * dh; ++i) k[r][i] *= ik * kn(i);
       } else {
         for (index_t hh = 0; hh < h; ++hh) {
@@ -155,7 +159,7 @@ TEST_CASE("attention with GQA, RoPE and QK-norm: matches a loop-by-loop evaluati
     double worst = 0;
     for (index_t bb = 0; bb < b; ++bb)
       for (index_t i = 0; i < t; ++i) {
-        std::vector<double> att(static_cast<std::size_t>(d), 0.0);
+        std::vector<double> att(static_cast<std::size_t>(dq), 0.0);
         for (index_t hh = 0; hh < h; ++hh) {
           const index_t g = hh / (h / kvh);
           std::vector<double> sc;
@@ -173,7 +177,7 @@ TEST_CASE("attention with GQA, RoPE and QK-norm: matches a loop-by-loop evaluati
         }
         for (index_t c = 0; c < d; ++c) {
           double y = 0;
-          for (index_t j = 0; j < d; ++j) y += att[j] * wo(c, j);
+          for (index_t j = 0; j < dq; ++j) y += att[j] * wo(c, j);
           worst = std::max(worst, std::abs(y - a(bb, i, c)));
         }
       }
@@ -199,7 +203,7 @@ TEST_CASE("attention with GQA, RoPE and QK-norm: matches a loop-by-loop evaluati
 
 TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole model", Policy,
                    SoftmaxRouter, SimilarityRouter, AttentionRouter, SimilaritySigmoidBiasRouter) {
-  for (int variant : {0, 1}) {
+  for (int variant : {0, 1, 2}) {
     CAPTURE(variant);
     const TransformerLMConfig cfg = modern_config(variant);
     TransformerLM<Policy, double> lm(cfg, 3);
@@ -207,13 +211,15 @@ TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole m
     // variant 0: the first block dense (first_k_dense); variant 1: MoE every other block
     CHECK_FALSE(lm.block(0).is_moe());
     CHECK(lm.block(1).is_moe());
-    CHECK(lm.block(2).is_moe() == (variant == 0));
+    CHECK(lm.block(2).is_moe() == (variant != 1));
     CHECK(lm.block(1).has_shared());
     // SwiGLU: the fused gate|up projection (2F rows), no biases
-    CHECK(lm.arena().value("blocks.1.moe.experts.w1").dim(1) == (variant == 0 ? 6 : 3));
+    CHECK(lm.arena().value("blocks.1.moe.experts.w1").dim(1) == (variant != 1 ? 6 : 3));
+    CHECK(lm.arena().value("blocks.1.attn.q_proj.weight").shape() ==
+          (Shape{variant == 2 ? 24 : cfg.d_model, cfg.d_model}));
     CHECK(lm.arena().contains("blocks.1.moe.experts.b1") == (variant == 1));
     CHECK_FALSE(lm.block(0).has_shared());
-    CHECK(lm.arena().contains("blocks.1.shared_expert_gate.weight") == (variant == 0));
+    CHECK(lm.arena().contains("blocks.1.shared_expert_gate.weight") == (variant != 1));
     Rng rng(4);
     auto ids = random_ids(2, 6, cfg.vocab_size, rng);
     auto targets = random_ids(2, 6, cfg.vocab_size, rng);
@@ -231,7 +237,7 @@ TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole m
 
 TEST_CASE_TEMPLATE("modern LM blocks: causal, and incremental decoding equals the full forward", Policy,
                    SoftmaxRouter, SimilarityRouter, AttentionRouter, SigmoidBiasRouter) {
-  for (int variant : {0, 1}) {
+  for (int variant : {0, 1, 2}) {
     CAPTURE(variant);
     const TransformerLMConfig cfg = modern_config(variant);
     TransformerLM<Policy, double> lm(cfg, 7);
@@ -249,7 +255,7 @@ TEST_CASE_TEMPLATE("modern LM blocks: causal, and incremental decoding equals th
       for (index_t c = 0; c < cfg.vocab_size; ++c) CHECK(lm.logits()(0, i, c) == full(0, i, c));
     // one token per step; the KV cache holds the num_kv_heads heads only
     auto cache = lm.decode_cache(1);
-    const index_t dh = cfg.d_model / cfg.num_heads;
+    const index_t dh = cfg.attention.head_dim_for(cfg.d_model, cfg.num_heads);
     for (const auto& b : cache.blocks) {
       CHECK(b.kv.kv_heads() == cfg.attention.num_kv_heads);
       CHECK(b.kv.heads() == cfg.num_heads);
@@ -345,6 +351,17 @@ TEST_CASE("modern LM blocks: bad options are refused naming the field") {
   c = modern_config(0);
   c.moe_every = 0;
   CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("moe_every"), Error);
+  c = modern_config(2);
+  c.attention.head_dim = 5;  // odd, RoPE needs pairs
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("head_dim = 5 must be even"), Error);
+  c.attention.head_dim = -2;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("head_dim = -2"), Error);
+  c = modern_config(0);
+  c.num_heads = 3;  // does not divide d_model = 8, and no head_dim
+  c.attention.num_kv_heads = 1;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("must divide d_model = 8"), Error);
+  c.attention.head_dim = 4;  // which head_dim allows
+  CHECK_NOTHROW((TransformerLM<SoftmaxRouter, double>(c, 1)));
   c = modern_config(0);
   c.attention.rope_theta = -1;
   CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("rope_theta"), Error);

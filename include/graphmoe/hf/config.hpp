@@ -9,7 +9,7 @@
 // not to change the computation (token ids, generation and training-only settings), or refused
 // by name: a key the reader does not know could change what the model computes, so it is never
 // ignored. Refused values say why (scaled RoPE, sliding windows in use, biases graphmoe's blocks
-// lack, an activation other than SiLU, head_dim != hidden_size / num_attention_heads, ...).
+// lack, an activation other than SiLU, ...).
 // Sizes are checked against limits (hidden_size <= 65536, num_local_experts <= 4096, ...) before
 // anything is declared or allocated. docs/reference/hugging-face.md lists every key.
 //
@@ -314,23 +314,34 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
   c.d_model = k.integer("hidden_size", 1, ConfigLimits::hidden_size);
   c.num_layers = k.integer("num_hidden_layers", 1, ConfigLimits::layers);
   c.num_heads = k.integer("num_attention_heads", 1, ConfigLimits::heads);
-  if (c.d_model % c.num_heads != 0)
-    k.fail("num_attention_heads", "= " + std::to_string(c.num_heads) + " does not divide hidden_size = " +
-                                      std::to_string(c.d_model));
-  const index_t dh = c.d_model / c.num_heads;
+  // head_dim: every family's attention reads it when set (getattr(config, "head_dim", ...)), and
+  // hidden_size / num_attention_heads otherwise
+  index_t dh = 0;
+  if (!k.absent_or_null("head_dim")) {
+    dh = k.integer("head_dim", 1, ConfigLimits::hidden_size);
+    if (fam == Family::Olmoe && dh * c.num_heads != c.d_model)
+      k.fail("head_dim", "= " + std::to_string(dh) + " with num_attention_heads = " +
+                             std::to_string(c.num_heads) + " and hidden_size = " +
+                             std::to_string(c.d_model) +
+                             ": OLMoE's q_norm and k_norm are sized for num_attention_heads x "
+                             "head_dim = hidden_size");
+    if (dh * c.num_heads != c.d_model) c.attention.head_dim = dh;  // else: the default, unset
+  } else {
+    if (c.d_model % c.num_heads != 0)
+      k.fail("num_attention_heads", "= " + std::to_string(c.num_heads) +
+                                        " does not divide hidden_size = " +
+                                        std::to_string(c.d_model) + " (and head_dim is not set)");
+    dh = c.d_model / c.num_heads;
+  }
   const std::int64_t kv = k.integer("num_key_value_heads", 1, c.num_heads, c.num_heads);
   if (c.num_heads % kv != 0)
     k.fail("num_key_value_heads", "= " + std::to_string(kv) + " does not divide num_attention_heads = " +
                                       std::to_string(c.num_heads));
   c.attention.num_kv_heads = kv == c.num_heads ? 0 : kv;
-  if (!k.absent_or_null("head_dim")) {
-    const std::int64_t h = k.integer("head_dim", 1, ConfigLimits::hidden_size);
-    if (h != dh)
-      k.fail("head_dim", "= " + std::to_string(h) + ", but graphmoe's attention has head_dim = "
-                             "hidden_size / num_attention_heads = " + std::to_string(dh) +
-                             " (projections of num_attention_heads x head_dim != hidden_size are "
-                             "not built)");
-  }
+  if (c.num_heads * dh > ConfigLimits::hidden_size)
+    k.fail("head_dim", "= " + std::to_string(dh) + ": num_attention_heads x head_dim = " +
+                           std::to_string(c.num_heads * dh) + " is above " +
+                           std::to_string(ConfigLimits::hidden_size));
   c.max_seq_len = k.integer("max_position_embeddings", 1, ConfigLimits::positions);
   c.norm = NormKind::RMSNorm;
   c.norm_eps = k.number("rms_norm_eps", 0.0, 1.0, std::nullopt, /*lo_open=*/true);

@@ -88,7 +88,8 @@ struct TensorSlot {
 template <class F>
 void for_each_tensor(const ModelConfig& mc, F&& f) {
   const TransformerLMConfig& c = mc.lm;
-  const index_t d = c.d_model, v = c.vocab_size, dh = c.d_model / c.num_heads;
+  const index_t d = c.d_model, v = c.vocab_size;
+  const index_t dh = c.attention.head_dim_for(c.d_model, c.num_heads), dq = c.num_heads * dh;
   const index_t hkv = c.attention.num_kv_heads == 0 ? c.num_heads : c.attention.num_kv_heads;
   const index_t dkv = hkv * dh;
   auto slot = [&](std::string name, Shape shape, std::string param, index_t offset = 0) {
@@ -108,18 +109,18 @@ void for_each_tensor(const ModelConfig& mc, F&& f) {
     slot(L + "input_layernorm.weight", Shape{d}, G + "ln1.weight");
     slot(L + "post_attention_layernorm.weight", Shape{d}, G + "ln2.weight");
     const std::string A = L + "self_attn.";
-    slot(A + "q_proj.weight", Shape{d, d}, G + "attn.q_proj.weight");
+    slot(A + "q_proj.weight", Shape{dq, d}, G + "attn.q_proj.weight");
     slot(A + "k_proj.weight", Shape{dkv, d}, G + "attn.k_proj.weight");
     slot(A + "v_proj.weight", Shape{dkv, d}, G + "attn.v_proj.weight");
-    slot(A + "o_proj.weight", Shape{d, d}, G + "attn.out_proj.weight");
+    slot(A + "o_proj.weight", Shape{d, dq}, G + "attn.out_proj.weight");
     if (c.attention.qkv_bias) {
-      slot(A + "q_proj.bias", Shape{d}, G + "attn.q_proj.bias");
+      slot(A + "q_proj.bias", Shape{dq}, G + "attn.q_proj.bias");
       slot(A + "k_proj.bias", Shape{dkv}, G + "attn.k_proj.bias");
       slot(A + "v_proj.bias", Shape{dkv}, G + "attn.v_proj.bias");
     }
     if (c.attention.qk_norm != QKNorm::None) {
       const bool full = c.attention.qk_norm == QKNorm::Full;
-      slot(A + "q_norm.weight", Shape{full ? d : dh}, G + "attn.q_norm.weight");
+      slot(A + "q_norm.weight", Shape{full ? dq : dh}, G + "attn.q_norm.weight");
       slot(A + "k_norm.weight", Shape{full ? dkv : dh}, G + "attn.k_norm.weight");
     }
     if (!c.is_moe_layer(i)) {
@@ -499,6 +500,8 @@ class Checkpoint {
     same(m.activation == c.activation && m.ffn_bias == c.ffn_bias, "feed-forward activation or bias");
     same(m.norm == c.norm && m.norm_eps == c.norm_eps, "norm or norm_eps");
     const AttentionOptions &a = m.attention, &b = c.attention;
+    same(a.head_dim_for(m.d_model, m.num_heads) == b.head_dim_for(c.d_model, c.num_heads),
+         "attention head_dim");
     same(a.num_kv_heads == b.num_kv_heads && a.rope_theta == b.rope_theta &&
              a.rope_layout == b.rope_layout && a.qk_norm == b.qk_norm &&
              (a.qk_norm == QKNorm::None || a.qk_norm_eps == b.qk_norm_eps) &&

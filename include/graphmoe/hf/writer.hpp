@@ -196,6 +196,8 @@ inline std::string computation_difference(const TransformerLMConfig& m, const Tr
   if (m.norm != c.norm || m.norm_eps != c.norm_eps) return "norm or norm_eps";
   const AttentionOptions &a = m.attention, &b = c.attention;
   if (a.num_kv_heads != b.num_kv_heads) return "attention.num_kv_heads";
+  if (a.head_dim_for(m.d_model, m.num_heads) != b.head_dim_for(c.d_model, c.num_heads))
+    return "attention.head_dim";
   if (a.rope_theta != b.rope_theta || a.rope_layout != b.rope_layout) return "attention.rope_theta";
   if (a.qk_norm != b.qk_norm || (a.qk_norm != QKNorm::None && a.qk_norm_eps != b.qk_norm_eps))
     return "attention.qk_norm";
@@ -295,6 +297,9 @@ inline ModelConfig to_model_config(const TransformerLMConfig& c, Family family) 
   if (want != QKNorm::None && c.attention.qk_norm_eps != c.norm_eps)
     refuse(f, "attention.qk_norm_eps", "= ", c.attention.qk_norm_eps, " differs from norm_eps = ",
            c.norm_eps, " (one rms_norm_eps)");
+  if (f == Family::Olmoe && c.attention.head_dim_for(c.d_model, c.num_heads) * c.num_heads != c.d_model)
+    refuse(f, "attention.head_dim", "= ", c.attention.head_dim, " (OLMoE's q_norm and k_norm are sized for "
+           "num_heads x head_dim = d_model)");
   index_t moe_layers = 0;
   for (index_t i = 0; i < c.num_layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
   if (f == Family::Llama) {
@@ -370,13 +375,15 @@ inline nlohmann::json config_json(const ModelConfig& mc) {
   const std::string dtype = mc.dtype.empty() ? "float32" : mc.dtype;
   j["dtype"] = dtype;
   j["torch_dtype"] = dtype;  // transformers 4
-  const index_t dh = c.d_model / c.num_heads;
+  const index_t dh = c.attention.head_dim_for(c.d_model, c.num_heads);
   // intermediate_size: the dense blocks' width (Llama, Qwen), the experts' (Mixtral, OLMoE)
   j["intermediate_size"] =
       (f == Family::Mixtral || f == Family::Olmoe) ? c.experts_width() : c.d_ff;
   if (f != Family::Qwen2Moe) j["attention_bias"] = false;
   if (f == Family::Mixtral) j.erase("attention_bias");  // MixtralConfig has none
-  if (f == Family::Llama || f == Family::Mixtral || f == Family::Qwen3Moe) j["head_dim"] = dh;
+  // every family's attention reads head_dim when the config has it (OLMoE's is refused above)
+  if (f == Family::Llama || f == Family::Mixtral || f == Family::Qwen3Moe || dh * c.num_heads != c.d_model)
+    j["head_dim"] = dh;
   if (f == Family::Llama) {
     j["mlp_bias"] = false;
     j["pretraining_tp"] = 1;

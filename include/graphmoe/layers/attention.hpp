@@ -2,13 +2,15 @@
 // an output projection, exposing its cache to the Attention token graph (layer contract in
 // linear.hpp).
 //
-//   q = x Wq^T + bq,  k = x Wk^T + bk,  v = x Wv^T + bv        q (N, D), k, v (N, Hkv dh), N = B T
+//   q = x Wq^T + bq,  k = x Wk^T + bk,  v = x Wv^T + bv        q (N, H dh), k, v (N, Hkv dh), N = B T
 //   q, k <- RMSNorm(q), RMSNorm(k)      with qk_norm: over each row (OLMoE) or each head (Qwen3)
 //   q, k <- RoPE(q, t), RoPE(k, t)      with rope_theta > 0, t the token's position in its sequence
 //   k, v <- repeat_heads(k), (v)        with Hkv < H (grouped-query; Hkv = 1 multi-query)
 //   o = concat_h softmax(q_h k_h^T / sqrt(dh) [+ causal mask]) v_h
-//   a = o Wo^T + bo
+//   a = o Wo^T + bo                                               Wo (D, H dh)
 //
+// dh is D / H unless AttentionOptions::head_dim sets it (Hugging Face's head_dim: Qwen3-MoE's
+// releases have H dh = 2 D); the scores are scaled by 1 / sqrt(dh) either way.
 // AttentionOptions holds the modern variants (num_kv_heads, rope_theta and layout, qk_norm, the
 // biases); the defaults are GPT-2's attention, computed by the same calls as without them. The
 // Attention graph sees the heads' values after repeat_heads (every query head's v_h), and its
@@ -42,7 +44,7 @@ namespace graphmoe {
 // Normalisation of the queries and keys before RoPE.
 enum class QKNorm {
   None,
-  Full,     // RMSNorm over each row of q (D) and of k (Hkv dh): OLMoE
+  Full,     // RMSNorm over each row of q (H dh) and of k (Hkv dh): OLMoE
   PerHead,  // RMSNorm over each head (dh), one weight shared by the heads: Qwen3
 };
 
@@ -58,18 +60,32 @@ struct AttentionOptions {
   double qk_norm_eps = 1e-6;
   bool qkv_bias = true;  // biases of the q, k, v projections (Qwen2: yes; Llama, OLMoE: no)
   bool out_bias = true;  // bias of the output projection
+  // Each head's width: 0 means d_model / num_heads (which num_heads must then divide); otherwise
+  // the projections map d_model to num_heads * head_dim (queries) and num_kv_heads * head_dim
+  // (keys, values), and the output projection back (Hugging Face's head_dim).
+  index_t head_dim = 0;
+  static constexpr index_t kMaxHeadDim = 65536;
 
+  // The width of one head for a model of d_model and num_heads.
+  index_t head_dim_for(index_t d_model, index_t num_heads) const {
+    return head_dim != 0 ? head_dim : d_model / num_heads;
+  }
   bool plain() const { return rope_theta == 0 && qk_norm == QKNorm::None; }
   void validate(index_t d_model, index_t num_heads) const {
     const char* op = "AttentionOptions";
+    GRAPHMOE_CHECK(num_heads >= 1, op, "num_heads must be >= 1, got ", num_heads);
+    GRAPHMOE_CHECK(head_dim >= 0 && head_dim <= kMaxHeadDim, op, "head_dim = ", head_dim,
+                   " must be in [0, ", kMaxHeadDim, "] (0: d_model / num_heads)");
+    GRAPHMOE_CHECK(head_dim != 0 || d_model % num_heads == 0, op, "num_heads = ", num_heads,
+                   " must divide d_model = ", d_model, " (or set head_dim)");
     const index_t kv = num_kv_heads == 0 ? num_heads : num_kv_heads;
     GRAPHMOE_CHECK(kv >= 1 && num_heads % kv == 0, op, "num_kv_heads = ", num_kv_heads,
                    " must divide num_heads = ", num_heads, " (0: num_heads)");
     GRAPHMOE_CHECK(rope_theta >= 0 && rope_theta < 1e300, op,
                    "rope_theta must be >= 0 and finite (0: no RoPE), got ", rope_theta);
-    GRAPHMOE_CHECK(rope_theta == 0 || (d_model / num_heads) % 2 == 0, op,
-                   "RoPE rotates pairs of a head's dimensions: head_dim = ", d_model / num_heads,
-                   " must be even");
+    GRAPHMOE_CHECK(rope_theta == 0 || head_dim_for(d_model, num_heads) % 2 == 0, op,
+                   "RoPE rotates pairs of a head's dimensions: head_dim = ",
+                   head_dim_for(d_model, num_heads), " must be even");
     GRAPHMOE_CHECK(rope_layout == RopeLayout::HalfSplit || rope_layout == RopeLayout::Interleaved,
                    op, static_cast<int>(rope_layout), " is not a RopeLayout");
     GRAPHMOE_CHECK(qk_norm == QKNorm::None || qk_norm == QKNorm::Full ||
@@ -85,22 +101,24 @@ class MultiHeadAttention {
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                index_t num_heads, bool causal, const AttentionOptions& opts = {}) {
-    GRAPHMOE_CHECK(num_heads >= 1 && d_model % num_heads == 0, "MultiHeadAttention",
-                   "num_heads = ", num_heads, " must divide d_model = ", d_model);
+    GRAPHMOE_CHECK(num_heads >= 1 && (opts.head_dim != 0 || d_model % num_heads == 0),
+                   "MultiHeadAttention", "num_heads = ", num_heads, " must divide d_model = ",
+                   d_model, " (or set AttentionOptions::head_dim)");
     opts.validate(d_model, num_heads);
     d_ = d_model;
     heads_ = num_heads;
     causal_ = causal;
     opts_ = opts;
     kv_heads_ = opts.num_kv_heads == 0 ? num_heads : opts.num_kv_heads;
-    const index_t dh = d_model / num_heads, dkv = kv_heads_ * dh;
-    q_.declare(arena, prefix + "q_proj.", d_model, d_model, opts.qkv_bias);
+    dh_ = opts.head_dim_for(d_model, num_heads);
+    const index_t dh = dh_, dq = num_heads * dh, dkv = kv_heads_ * dh;
+    q_.declare(arena, prefix + "q_proj.", d_model, dq, opts.qkv_bias);
     k_.declare(arena, prefix + "k_proj.", d_model, dkv, opts.qkv_bias);
     v_.declare(arena, prefix + "v_proj.", d_model, dkv, opts.qkv_bias);
-    o_.declare(arena, prefix + "out_proj.", d_model, d_model, opts.out_bias);
+    o_.declare(arena, prefix + "out_proj.", dq, d_model, opts.out_bias);
     if (opts.qk_norm != QKNorm::None) {
       const bool full = opts.qk_norm == QKNorm::Full;
-      id_qn_ = arena.add(prefix + "q_norm.weight", Shape{full ? d_model : dh});
+      id_qn_ = arena.add(prefix + "q_norm.weight", Shape{full ? dq : dh});
       id_kn_ = arena.add(prefix + "k_norm.weight", Shape{full ? dkv : dh});
     }
   }
@@ -144,6 +162,7 @@ class MultiHeadAttention {
                    x.shape(), ", expected (B, T, ", d_, ")");
     const Shape s = x.shape();
     const Shape flat{s[0] * s[1], d_};
+    const Shape hs{s[0], s[1], heads_ * dh_};  // q, k, v and the heads' outputs
     qt_ = Tensor<T, B>();
     kt_ = Tensor<T, B>();
     Tensor<T, B> xf = x.view(flat);
@@ -180,11 +199,11 @@ class MultiHeadAttention {
     o_att_ = Tensor<T, B>();
     cache_.probs = Tensor<T, B>();
     cache_.row_entropy = Tensor<T, B>();
-    attention_forward(qt_.view(s), kt_.view(s), cache_.v.view(s), heads_, causal_, cache_.probs, o_att_,
-                      &cache_.row_entropy);
+    attention_forward(qt_.view(hs), kt_.view(hs), cache_.v.view(hs), heads_, causal_, cache_.probs,
+                      o_att_, &cache_.row_entropy);
     prepare_output("MultiHeadAttention", "a", a, s);
     Tensor<T, B> af = a.view(flat);
-    o_.forward(o_att_.view(flat), af);
+    o_.forward(o_att_.view(Shape{flat[0], heads_ * dh_}), af);
     // the cache the Attention graph reads, with zeroed gradient sinks
     cache_.num_heads = heads_;
     cache_.causal = causal_;
@@ -214,20 +233,22 @@ class MultiHeadAttention {
     check_bound("backward");
     const Shape s = da.shape();
     const Shape flat{s[0] * s[1], d_};
+    const Shape hs{s[0], s[1], heads_ * dh_}, hflat{s[0] * s[1], heads_ * dh_};
     Tensor<T, B> daf = da.view(flat);
     if (sinks_ready_) {  // da + the graph's dout, in one pass (no copy of da first)
       Tensor<T, B> sum = new_output<T, B>(flat);
       add(daf, cache_.dout, sum);
       daf = sum;
     }
-    Tensor<T, B> do_att = new_output<T, B>(flat);  // assigned by o_.backward
+    Tensor<T, B> do_att = new_output<T, B>(hflat);  // assigned by o_.backward
     o_.backward(daf, &do_att);
     Tensor<T, B> dq, dk, dv;
-    attention_backward(qt_.view(s), kt_.view(s), cache_.v.view(s), heads_, causal_, cache_.probs,
-                       do_att.view(s), sinks_ready_ ? cache_.dprobs : Tensor<T, B>(), dq, dk, dv);
-    Tensor<T, B> dvf = dv.view(flat);
+    attention_backward(qt_.view(hs), kt_.view(hs), cache_.v.view(hs), heads_, causal_,
+                       cache_.probs, do_att.view(hs),
+                       sinks_ready_ ? cache_.dprobs : Tensor<T, B>(), dq, dk, dv);
+    Tensor<T, B> dvf = dv.view(hflat);
     if (sinks_ready_) axpy(T(1), cache_.dv, dvf);
-    Tensor<T, B> dqf = dq.view(flat), dkf = dk.view(flat);
+    Tensor<T, B> dqf = dq.view(hflat), dkf = dk.view(hflat);
     if (kv_heads_ != heads_) {  // the group's query heads' gradients, summed per key/value head
       Tensor<T, B> dks, dvs;
       repeat_heads_backward(dkf, kv_heads_, heads_, dks);
@@ -290,13 +311,14 @@ class MultiHeadAttention {
   // An empty KV cache of this layer for `slots` sequences of at most max_len tokens.
   // It holds the num_kv_heads key/value heads (grouped-query attention's saving at decode time).
   KVCache<T, B> kv_cache(index_t slots, index_t max_len) const {
-    return KVCache<T, B>(slots, heads_, kv_heads_, max_len, d_ / heads_);
+    return KVCache<T, B>(slots, heads_, kv_heads_, max_len, dh_);
   }
 
   AttentionCache<T, B>& cache() { return cache_; }
   bool causal() const { return causal_; }
   index_t num_heads() const { return heads_; }
   index_t num_kv_heads() const { return kv_heads_; }
+  index_t head_dim() const { return dh_; }
   const AttentionOptions& options() const { return opts_; }
 
  private:
@@ -312,15 +334,15 @@ class MultiHeadAttention {
     copy_from_host(positions_, host);
     positions_t_ = t;
   }
-  // qp (n, D), kp (n, Hkv dh) the projections' outputs -> q, k after the norms and RoPE. keep:
+  // qp (n, H dh), kp (n, Hkv dh) the projections' outputs -> q, k after the norms and RoPE. keep:
   // the forward's caches for backward (the norms' inputs and inverse RMS).
   void modern_qk(const Tensor<T, B>& qp, const Tensor<T, B>& kp,
                  const Tensor<std::int32_t, B>& pos, Tensor<T, B>& q, Tensor<T, B>& k, bool keep) {
-    const index_t n = qp.rows(), dh = d_ / heads_;
+    const index_t n = qp.rows(), dh = dh_;
     Tensor<T, B> qn = qp, kn = kp;
     if (opts_.qk_norm != QKNorm::None) {
       const bool full = opts_.qk_norm == QKNorm::Full;
-      const Shape qs = full ? Shape{n, d_} : Shape{n * heads_, dh};
+      const Shape qs = full ? Shape{n, heads_ * dh} : Shape{n * heads_, dh};
       const Shape ks = full ? Shape{n, kv_heads_ * dh} : Shape{n * kv_heads_, dh};
       Tensor<T, B> qo, ko, qinv, kinv;
       rmsnorm_forward(qp.view(qs), qn_, opts_.qk_norm_eps, qo, qinv);
@@ -344,7 +366,7 @@ class MultiHeadAttention {
     q = qn;
     k = kn;
   }
-  // dq (N, D), dk (N, Hkv dh) with respect to modern_qk's outputs -> with respect to its inputs,
+  // dq (N, H dh), dk (N, Hkv dh) with respect to modern_qk's outputs -> with respect to its inputs,
   // in place (the norms' weights' gradients accumulated).
   void modern_qk_backward(Tensor<T, B>& dq, Tensor<T, B>& dk) {
     if (opts_.rope_theta > 0) {
@@ -363,7 +385,7 @@ class MultiHeadAttention {
     }
   }
 
-  index_t d_ = 0, heads_ = 1, kv_heads_ = 1;
+  index_t d_ = 0, heads_ = 1, kv_heads_ = 1, dh_ = 1;
   bool causal_ = true;
   AttentionOptions opts_;
   Linear<T, B, C> q_, k_, v_, o_;

@@ -91,6 +91,8 @@ void upcycle(const TransformerLM<RFrom, T, B, C>& from, TransformerLM<RTo, T, B,
   same(a.norm_eps == b.norm_eps, "norm_eps");
   const AttentionOptions &aa = a.attention, &ba = b.attention;
   same(aa.num_kv_heads == ba.num_kv_heads, "attention.num_kv_heads");
+  same(aa.head_dim_for(a.d_model, a.num_heads) == ba.head_dim_for(b.d_model, b.num_heads),
+       "attention.head_dim");
   same(aa.rope_theta == ba.rope_theta, "attention.rope_theta");
   same(aa.rope_layout == ba.rope_layout, "attention.rope_layout");
   same(aa.qk_norm == ba.qk_norm, "attention.qk_norm");

@@ -132,11 +132,12 @@ void attention_graph_decode(const Tensor<T, B>& r, const DecodeRows& rows,
   const index_t nh = kv.heads(), len_max = kv.max_len(), width = nh * kv.head_dim();
   rows.validate(op, kv.slots(), len_max);
   const index_t n = rows.size();
+  // the block's output is d wide; the heads' concatenation width (H dh, d unless head_dim is set)
+  const index_t d = step.out.rank() == 2 ? step.out.cols() : -1;
   GRAPHMOE_CHECK(step.num_heads == nh && step.probs.shape() == Shape({n, nh, len_max}) &&
-                     step.row_entropy.shape() == Shape({n, nh}) &&
-                     step.out.shape() == Shape({n, width}) &&
-                     step.w_o.shape() == Shape({width, width}) &&
-                     (step.b_o.empty() || step.b_o.shape() == Shape{width}),
+                     step.row_entropy.shape() == Shape({n, nh}) && d >= 1 &&
+                     step.out.shape() == Shape({n, d}) && step.w_o.shape() == Shape({d, width}) &&
+                     (step.b_o.empty() || step.b_o.shape() == Shape{d}),
                  "Attention", "the attention step does not match its KV cache (", nh,
                  " heads, width ", width, ", ", n, " rows)");
   GRAPHMOE_CHECK(!cache.r.empty() && cache.r.rank() == 3 && cache.r.dim(0) == kv.slots() &&

@@ -217,8 +217,9 @@ template <class T>
 __global__ void attention_graph_decode_append_kernel(const T* r, const index_t* rows, const T* v,
                                                      const T* w_o, const T* b_o, T* rc, T* msq,
                                                      index_t n, index_t nh, index_t g,
-                                                     index_t len_max, index_t dh, index_t e, T fh) {
-  const index_t d = nh * dh;
+                                                     index_t len_max, index_t dh, index_t d,
+                                                     index_t e, T fh) {
+  const index_t hd = nh * dh;  // w_o's row length
   for (index_t item = blockIdx.x; item < n * nh; item += gridDim.x) {
     const index_t i = item / nh, h = item % nh;
     const index_t s = rows[i], t = rows[n + i];
@@ -228,7 +229,7 @@ __global__ void attention_graph_decode_append_kernel(const T* r, const index_t* 
     const T* vt = v + ((s * (nh / g) + h / g) * len_max + t) * dh;
     T sq = T(0), yb = T(0);
     for (index_t k = threadIdx.x; k < d; k += blockDim.x) {
-      const T y = decode_dot(w_o + k * d + h * dh, vt, dh);
+      const T y = decode_dot(w_o + k * hd + h * dh, vt, dh);
       sq += y * y;
       if (b_o != nullptr) yb += y * b_o[k];
     }
@@ -244,7 +245,8 @@ __global__ void attention_graph_decode_append_kernel(const T* r, const index_t* 
 
 // Block row i with head h = rows[2 n + i]: q = H a_i W_o,h (dh, into q (n, dh)), the logits
 // log A_j + (q . v_hj - msq_hj / 2) / sigma^2 for A_j above the floor (-inf at or below it), over
-// j <= t into w (n, L), their softmax in place and p_i = A^p R. a (n, D); probs (n, H, L);
+// j <= t into w (n, L), their softmax in place and p_i = A^p R. a (n, D); w_o (D, H dh);
+// probs (n, H, L);
 // v (S, Hkv, L, dh) (head h reads cached head h / g); msq (S, H, L); rc (S, L, E). A row without
 // a finite logit flags i.
 template <class T>
@@ -253,13 +255,13 @@ __global__ void attention_graph_decode_rows_kernel(const index_t* rows, const T*
                                                    const T* rc, T* q, T* w, T* p,
                                                    unsigned long long* bad, index_t n, index_t nh,
                                                    index_t g, index_t len_max, index_t dh,
-                                                   index_t e, T fh, T inv_var) {
+                                                   index_t d, index_t e, T fh, T inv_var) {
   constexpr T ninf = -std::numeric_limits<T>::infinity();
   constexpr T prior_floor = attention_prior_floor<T>();
-  const index_t d = nh * dh;
+  const index_t hd = nh * dh;  // w_o's row length
   for (index_t i = blockIdx.x; i < n; i += gridDim.x) {
     const index_t s = rows[i], t = rows[n + i], h = rows[2 * n + i], len = t + 1;
-    decode_row_times_matrix(a + i * d, w_o + h * dh, d, d, dh, fh, q + i * dh);
+    decode_row_times_matrix(a + i * d, w_o + h * dh, hd, d, dh, fh, q + i * dh);
     __syncthreads();  // q complete
     const T* vh = v + (s * (nh / g) + h / g) * len_max * dh;
     const T* arow = probs + (i * nh + h) * len_max;
@@ -367,7 +369,8 @@ index_t attention_graph_decode(cuda, const Tensor<T, cuda>& r, const DecodeRows&
   detail::check_decode_type<T>();
   const index_t n = rows.size(), e = r.cols(), nh = step.num_heads;
   const KVCache<T, cuda>& kv = *step.kv;
-  const index_t len_max = kv.max_len(), dh = kv.head_dim(), d = nh * dh;
+  // d: the block's width (w_o's rows); H dh, w_o's columns, differs from it when head_dim is set
+  const index_t len_max = kv.max_len(), dh = kv.head_dim(), d = step.w_o.rows();
   const T fh = static_cast<T>(nh);
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
   // h* on the host, from the step's row entropies (one read-back), in the CPU's arithmetic, in row
@@ -384,7 +387,7 @@ index_t attention_graph_decode(cuda, const Tensor<T, cuda>& r, const DecodeRows&
   detail::launch_kernel<detail::attention_graph_decode_append_kernel<T>>(
       detail::grid_for_rows(n * nh), detail::threads_for_row(std::max(d, e)), r.data(),
       dev_rows.data(), kv.v.data(), step.w_o.data(), b_o, cache.r.data(), cache.msq.data(), n,
-      nh, kv.group(), len_max, dh, e, fh);
+      nh, kv.group(), len_max, dh, d, e, fh);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   Tensor<T, cuda> q(Shape{n, dh});
   Tensor<T, cuda> scratch = weights == nullptr ? Tensor<T, cuda>(Shape{n, len_max})
@@ -394,7 +397,7 @@ index_t attention_graph_decode(cuda, const Tensor<T, cuda>& r, const DecodeRows&
   detail::launch_kernel<detail::attention_graph_decode_rows_kernel<T>>(
       detail::grid_for_rows(n), detail::decode_threads(rows, std::max(dh, e)), dev_rows.data(),
       step.out.data(), step.w_o.data(), kv.v.data(), step.probs.data(), cache.msq.data(),
-      cache.r.data(), q.data(), w, p.data(), bad.get(), n, nh, kv.group(), len_max, dh, e, fh,
+      cache.r.data(), q.data(), w, p.data(), bad.get(), n, nh, kv.group(), len_max, dh, d, e, fh,
       inv_var);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   return bad.read();
