@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <set>
@@ -66,6 +68,22 @@ TEST_CASE("tensor: an empty tensor has no elements") {
   Tensor<double> scalar(Shape{});  // an allocated rank-0 tensor is one value
   CHECK(!scalar.empty());
   CHECK(scalar.numel() == 1);
+}
+
+TEST_CASE("tensor: zeros_on_demand reads as zeros, is written and shared like any tensor") {
+  // host memory the system zero-fills page by page (8 MiB: many pages), and an empty one
+  Tensor<float> t = Tensor<float>::zeros_on_demand(Shape{1024, 2048});
+  REQUIRE(t.shape() == (Shape{1024, 2048}));
+  REQUIRE(reinterpret_cast<std::uintptr_t>(t.data()) % 64 == 0);
+  double sum = 0;
+  for (index_t i = 0; i < t.numel(); ++i) sum += std::abs(t.data()[i]);
+  CHECK(sum == 0);
+  for (index_t i = 0; i < t.numel(); i += 997) t.data()[i] = static_cast<float>(i);
+  Tensor<float> v = t.view(Shape{2048, 1024});  // shares the storage, which outlives t
+  t = Tensor<float>();
+  CHECK(v.data()[997 * 5] == 997.0f * 5);
+  CHECK(v.data()[1] == 0.0f);
+  CHECK(Tensor<float>::zeros_on_demand(Shape{0}).numel() == 0);
 }
 
 TEST_CASE("tensor: bad views, slices, indices and copies throw") {

@@ -335,6 +335,50 @@ TEST_CASE("hf: F32 and F64 files of the same weights load to the same model as B
   CHECK(hf::detail::bf16_to_float(0x3f80) == 1.0f);
 }
 
+TEST_CASE("hf: first_bad_element finds the first NaN or infinity of every dtype at any position") {
+  // the scan tests blocks of 4096 elements without a branch and searches only a bad block: a bad
+  // element at a block's first or last entry, in the last partial block, and two in one block
+  const std::size_t n = 3 * 4096 + 17;
+  for (const DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    const std::size_t w = dt == DType::F64 ? 8 : dt == DType::F32 ? 4 : 2;
+    std::vector<std::uint8_t> bytes(n * w, 0);  // zeros: finite
+    auto put_bad = [&](std::size_t i, bool inf) {
+      switch (dt) {
+        case DType::F32: {
+          const float x = inf ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+          std::memcpy(bytes.data() + 4 * i, &x, 4);
+          break;
+        }
+        case DType::F64: {
+          const double x = inf ? 1e300 : std::numeric_limits<double>::quiet_NaN();  // 1e300: inf in float
+          std::memcpy(bytes.data() + 8 * i, &x, 8);
+          break;
+        }
+        default: {
+          const std::uint16_t b = dt == DType::BF16 ? (inf ? 0x7f80 : 0x7fc1) : (inf ? 0xfc00 : 0x7e01);
+          std::memcpy(bytes.data() + 2 * i, &b, 2);
+        }
+      }
+    };
+    CAPTURE(static_cast<int>(dt));
+    CHECK(hf::detail::first_bad_element<float>(bytes.data(), dt, n) == n);
+    for (const std::size_t at : {std::size_t{0}, std::size_t{4095}, std::size_t{4096}, n - 1}) {
+      CAPTURE(at);
+      std::vector<std::uint8_t> keep = bytes;
+      put_bad(at, at % 2 == 1);
+      if (at + 3 < n) put_bad(at + 3, false);  // a later one in the same block
+      CHECK(hf::detail::first_bad_element<float>(bytes.data(), dt, n) == at);
+      bytes = keep;
+    }
+  }
+  // F64 beyond float's range is bad for float only
+  std::vector<std::uint8_t> big(8);
+  const double x = 1e300;
+  std::memcpy(big.data(), &x, 8);
+  CHECK(hf::detail::first_bad_element<float>(big.data(), DType::F64, 1) == 0);
+  CHECK(hf::detail::first_bad_element<double>(big.data(), DType::F64, 1) == 1);
+}
+
 TEST_CASE("hf: hostile shards and indexes are refused naming the file and the tensor") {
   const std::string shard2 = "model-00002-of-00003.safetensors";
   SUBCASE("a missing shard") {

@@ -96,8 +96,10 @@ class ParameterArena {
 
   void allocate() {
     GRAPHMOE_CHECK(!allocated(), "ParameterArena::allocate", "already allocated");
-    values_ = Tensor<T, B>(Shape{size_});
-    grads_ = Tensor<T, B>(Shape{size_});
+    // zeros the system fills when first written: a loaded model's values are written once (no
+    // fill pass first), and the gradients of a model that never runs backward take no memory
+    values_ = Tensor<T, B>::zeros_on_demand(Shape{size_});
+    grads_ = Tensor<T, B>::zeros_on_demand(Shape{size_});
   }
   bool allocated() const { return !values_.empty(); }
 

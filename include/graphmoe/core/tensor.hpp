@@ -8,12 +8,15 @@
 // Storage comes from backend_allocator<Backend>: 64-byte aligned host memory for graphmoe::cpu.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "graphmoe/config.hpp"
@@ -35,6 +38,18 @@ struct backend_allocator<cpu> {
     return p;
   }
   static void deallocate(void* p) noexcept { std::free(p); }
+  // Zero-filled memory for a large, long-lived buffer (Tensor::zeros_on_demand: a model's
+  // parameters and gradients), with its deleter: anonymous pages from the kernel, which read as
+  // zero and are backed only when first written, so there is no fill pass and pages never written
+  // (the gradients of a model that only runs inference) take no memory. No MADV_HUGEPAGE: where
+  // the system compacts memory for it on request (transparent_hugepage/defrag = madvise, the
+  // common setting) the first touch of a fresh buffer stalled for seconds (6 s for 4 GB).
+  static std::shared_ptr<void> allocate_pages(std::size_t bytes) {
+    const std::size_t n = bytes == 0 ? kAlignment : bytes;
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return std::shared_ptr<void>(p, [n](void* q) { ::munmap(q, n); });
+  }
   static void zero(void* p, std::size_t bytes) { std::memset(p, 0, bytes); }
   static void copy(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
 };
@@ -57,6 +72,22 @@ class Tensor {
   // output). On a GPU the fill is a launch of its own; the CUDA emulation fills new device
   // tensors with NaN bytes, so that a test reading an element nobody wrote fails.
   static Tensor uninitialized(const Shape& shape) { return Tensor(shape, Uninitialized{}); }
+  // Zero-filled, for large long-lived buffers: where the backend's allocator has allocate_pages
+  // (graphmoe::cpu), memory the system zero-fills page by page when it is first written (nothing
+  // is filled here); elsewhere Tensor(shape).
+  static Tensor zeros_on_demand(const Shape& shape) {
+    if constexpr (requires(std::size_t n) { Alloc::allocate_pages(n); }) {
+      Tensor t;
+      t.shape_ = shape;
+      std::shared_ptr<void> mem =
+          Alloc::allocate_pages(static_cast<std::size_t>(shape.numel()) * sizeof(T));
+      t.data_ = static_cast<T*>(mem.get());
+      t.storage_ = std::shared_ptr<T>(std::move(mem), t.data_);
+      return t;
+    } else {
+      return Tensor(shape);
+    }
+  }
   // A non-owning view onto memory that the caller keeps alive (e.g. an Eigen matrix).
   static Tensor borrow(T* data, const Shape& shape) {
     Tensor t;
