@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "graphmoe/train/checkpoint.hpp"
+#include "support/dp_programs.hpp"
 #include "support/processes.hpp"
 
 #if !defined(GRAPHMOE_TRAIN_LM) || !defined(GRAPHMOE_MPIEXEC)
@@ -50,6 +51,10 @@ using graphmoe::load_safetensors;
 using graphmoe::SafetensorsFile;
 using graphmoe::Tensor;
 using graphmoe::test::check_refused;
+using graphmoe::test::check_same_metrics;
+using graphmoe::test::metrics_rows;
+using graphmoe::test::set;
+using graphmoe::test::with;
 using graphmoe::test::Result;
 using graphmoe::test::Scratch;
 using graphmoe::test::slurp;
@@ -83,68 +88,6 @@ std::vector<std::string> lm_args(const std::string& corpus, const std::string& o
           "--eval-every", "1", "--threads", "1", "--out", out};
 }
 
-std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
-  args.insert(args.end(), more.begin(), more.end());
-  return args;
-}
-
-// args with the value of `option` (which must be there) replaced: CLI11 refuses an option twice.
-std::vector<std::string> set(std::vector<std::string> args, const std::string& option,
-                             const std::string& value) {
-  const auto it = std::find(args.begin(), args.end(), option);
-  REQUIRE(it != args.end());
-  *(it + 1) = value;
-  return args;
-}
-
-// metrics.csv: step -> (train_loss, val_loss).
-std::map<long, std::pair<double, double>> losses(const std::string& csv) {
-  std::istringstream in(csv);
-  std::string line;
-  std::getline(in, line);
-  std::vector<std::string> header;
-  for (std::istringstream h(line); std::getline(h, line, ',');) header.push_back(line);
-  std::size_t step_col = header.size(), train_col = header.size(), val_col = header.size();
-  for (std::size_t i = 0; i < header.size(); ++i) {
-    if (header[i] == "step") step_col = i;
-    if (header[i] == "train_loss") train_col = i;
-    if (header[i] == "val_loss") val_col = i;
-  }
-  std::map<long, std::pair<double, double>> rows;
-  if (step_col == header.size() || train_col == header.size() || val_col == header.size())
-    return rows;
-  while (std::getline(in, line)) {
-    std::vector<std::string> f;
-    for (std::istringstream l(line); std::getline(l, line, ',');) f.push_back(line);
-    if (f.size() != header.size()) continue;
-    rows[std::stol(f[step_col])] = {std::stod(f[train_col]), std::stod(f[val_col])};
-  }
-  return rows;
-}
-
-bool close(double a, double b) {
-  return std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= 1e-5 * std::max(std::abs(a), std::abs(b));
-}
-
-// The losses of `got` at the steps in [first, last] equal `want`'s, to 1e-5 relative; on failure
-// the message shows both runs.
-void check_same_losses(const Result& want_run, const std::string& want_csv, const Result& got_run,
-                       const std::string& got_csv, long first, long last) {
-  INFO("reference run:\n" << want_run.text() << "metrics.csv:\n" << want_csv);
-  INFO("data-parallel run:\n" << got_run.text() << "metrics.csv:\n" << got_csv);
-  REQUIRE(want_run.status == 0);
-  REQUIRE(got_run.status == 0);
-  const auto want = losses(want_csv), got = losses(got_csv);
-  for (long step = first; step <= last; ++step) {
-    CAPTURE(step);
-    REQUIRE(want.count(step) == 1);
-    REQUIRE(got.count(step) == 1);
-    CHECK(close(want.at(step).first, got.at(step).first));    // training loss (whole batch)
-    CHECK(close(want.at(step).second, got.at(step).second));  // validation loss
-  }
-}
-
-
 }  // namespace
 
 TEST_CASE("train_lm --dp 2 under mpiexec -n 2 trains like one process with the same global batch") {
@@ -153,7 +96,7 @@ TEST_CASE("train_lm --dp 2 under mpiexec -n 2 trains like one process with the s
   write_corpus(corpus);
   const Result one = run(s, 0, lm_args(corpus, s / "one", 5));
   const Result two = run(s, 2, with(lm_args(corpus, s / "two", 5), {"--dp", "2"}));
-  check_same_losses(one, slurp(s / "one/metrics.csv"), two, slurp(s / "two/metrics.csv"), 1, 5);
+  check_same_metrics(one, slurp(s / "one/metrics.csv"), two, slurp(s / "two/metrics.csv"), 1, 5);
   INFO(two.text());
   // rank 0 alone prints and writes: one result line, one progress report, the usual files
   CHECK(two.out.find("router=softmax") == two.out.rfind("router=softmax"));
@@ -180,10 +123,10 @@ TEST_CASE("a train_lm checkpoint written under --dp 4 resumes with --dp 1 and --
   const Result r2 = run(s, 2, with(lm_args(corpus, s / "r2", 6), {"--resume", "--dp", "2"}));
   CHECK(r1.err.find("resumed from") != std::string::npos);
   CHECK(r2.err.find("resumed from") == r2.err.rfind("resumed from"));  // rank 0 says it once
-  check_same_losses(r1, slurp(s / "r1/metrics.csv"), r2, slurp(s / "r2/metrics.csv"), 1, 6);
+  check_same_metrics(r1, slurp(s / "r1/metrics.csv"), r2, slurp(s / "r2/metrics.csv"), 1, 6);
   // and both continue the run one process would have made uninterrupted
   const Result whole = run(s, 0, lm_args(corpus, s / "whole", 6));
-  check_same_losses(whole, slurp(s / "whole/metrics.csv"), r2, slurp(s / "r2/metrics.csv"), 1, 6);
+  check_same_metrics(whole, slurp(s / "whole/metrics.csv"), r2, slurp(s / "r2/metrics.csv"), 1, 6);
 }
 
 TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one process, and "
@@ -193,7 +136,7 @@ TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one
   write_corpus(corpus);
   const Result whole = run(s, 0, lm_args(corpus, s / "whole", 6));
   const Result ep = run(s, 2, with(lm_args(corpus, s / "ep", 3), {"--dp", "2", "--ep", "2"}));
-  check_same_losses(whole, slurp(s / "whole/metrics.csv"), ep, slurp(s / "ep/metrics.csv"), 1, 3);
+  check_same_metrics(whole, slurp(s / "whole/metrics.csv"), ep, slurp(s / "ep/metrics.csv"), 1, 3);
   {
     INFO(ep.text());
     CHECK(ep.err.find("parameters identical on every rank") != std::string::npos);
@@ -201,7 +144,7 @@ TEST_CASE("train_lm --dp 2 --ep 2 (experts split over the ranks) trains like one
   fs::copy(s / "ep", s / "r1");
   const Result r1 = run(s, 0, with(lm_args(corpus, s / "r1", 6), {"--resume"}));
   CHECK(r1.err.find("resumed from") != std::string::npos);
-  check_same_losses(whole, slurp(s / "whole/metrics.csv"), r1, slurp(s / "r1/metrics.csv"), 1, 6);
+  check_same_metrics(whole, slurp(s / "whole/metrics.csv"), r1, slurp(s / "r1/metrics.csv"), 1, 6);
 }
 
 TEST_CASE("train_lm --dp 2 and --dp 2 --ep 2 with the modern blocks and bias balancing train like "
@@ -221,9 +164,9 @@ TEST_CASE("train_lm --dp 2 and --dp 2 --ep 2 with the modern blocks and bias bal
   };
   const Result whole = run(s, 0, modern(s / "whole", 4));
   const Result dp = run(s, 2, with(modern(s / "dp", 4), {"--dp", "2"}));
-  check_same_losses(whole, slurp(s / "whole/metrics.csv"), dp, slurp(s / "dp/metrics.csv"), 1, 4);
+  check_same_metrics(whole, slurp(s / "whole/metrics.csv"), dp, slurp(s / "dp/metrics.csv"), 1, 4);
   const Result ep = run(s, 2, with(modern(s / "ep", 4), {"--dp", "2", "--ep", "2"}));
-  check_same_losses(whole, slurp(s / "whole/metrics.csv"), ep, slurp(s / "ep/metrics.csv"), 1, 4);
+  check_same_metrics(whole, slurp(s / "whole/metrics.csv"), ep, slurp(s / "ep/metrics.csv"), 1, 4);
   // the biases moved, and the data-parallel checkpoint holds the one-process values
   const SafetensorsFile a = load_safetensors(s / "whole/checkpoint.safetensors");
   const SafetensorsFile b = load_safetensors(s / "dp/checkpoint.safetensors");
@@ -266,17 +209,18 @@ TEST_CASE("train_lm: evaluations do not count towards a bias-balancing router's 
   REQUIRE(b.contains(bias));
   const Tensor<float, cpu> ba = a.at(bias).to_tensor<float>(), bb = b.at(bias).to_tensor<float>();
   for (index_t e = 0; e < ba.numel(); ++e) CHECK(ba.data()[e] == bb.data()[e]);
-  const auto la = losses(slurp(s / "each/metrics.csv")), lb = losses(slurp(s / "end/metrics.csv"));
+  const auto la = metrics_rows(slurp(s / "each/metrics.csv"));
+  const auto lb = metrics_rows(slurp(s / "end/metrics.csv"));
   REQUIRE(la.count(4));
   REQUIRE(lb.count(4));
-  CHECK(la.at(4).second == lb.at(4).second);  // the same model at the end
+  CHECK(la.at(4).val_loss == lb.at(4).val_loss);  // the same model at the end
 }
 
 // The validation loss of the last metrics row.
 double last_val_loss(const std::string& csv) {
-  const auto rows = losses(csv);
+  const auto rows = metrics_rows(csv);
   REQUIRE_FALSE(rows.empty());
-  return rows.rbegin()->second.second;
+  return rows.rbegin()->second.val_loss;
 }
 
 // A run that cannot change its weights (the learning rate far below float's resolution): its first

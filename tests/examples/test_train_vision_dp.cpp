@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "support/dp_programs.hpp"
 #include "support/processes.hpp"
 
 #if !defined(GRAPHMOE_TRAIN_VISION) || !defined(GRAPHMOE_MPIEXEC)
@@ -37,10 +38,12 @@ namespace {
 
 const std::string kTrainVision = GRAPHMOE_TRAIN_VISION;
 
-using graphmoe::test::check_refused;
+using graphmoe::test::check_dp_refusals;
+using graphmoe::test::check_same_metrics;
 using graphmoe::test::Result;
 using graphmoe::test::Scratch;
 using graphmoe::test::slurp;
+using graphmoe::test::with;
 
 // `ranks` = 0: train_vision alone; otherwise under mpiexec -n ranks. Killed after 90 s.
 Result run(const Scratch& s, int ranks, const std::vector<std::string>& args) {
@@ -84,60 +87,6 @@ std::vector<std::string> vision_args(const std::string& data, const std::string&
           "--threads", "1", "--out", out};
 }
 
-std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
-  args.insert(args.end(), more.begin(), more.end());
-  return args;
-}
-
-// args with the value of `option` (which must be there) replaced: CLI11 refuses an option twice.
-std::vector<std::string> set(std::vector<std::string> args, const std::string& option,
-                             const std::string& value) {
-  const auto it = std::find(args.begin(), args.end(), option);
-  REQUIRE(it != args.end());
-  *(it + 1) = value;
-  return args;
-}
-
-struct Row {
-  double ema = 0, loss = 0, accuracy = 0;  // loss: the step's own, recovered from the EMA
-};
-
-// metrics.csv: step -> its row. train_loss is an EMA (0.98 old + 0.02 new, the first step's loss
-// at step 1); with a row every step, each step's own loss is recovered from two consecutive ones.
-std::map<long, Row> rows(const std::string& csv) {
-  std::istringstream in(csv);
-  std::string line;
-  std::getline(in, line);
-  std::vector<std::string> header;
-  for (std::istringstream h(line); std::getline(h, line, ',');) header.push_back(line);
-  std::size_t step_col = header.size(), train_col = header.size(), acc_col = header.size();
-  for (std::size_t i = 0; i < header.size(); ++i) {
-    if (header[i] == "step") step_col = i;
-    if (header[i] == "train_loss") train_col = i;
-    if (header[i] == "test_accuracy") acc_col = i;
-  }
-  std::map<long, Row> out;
-  if (step_col == header.size() || train_col == header.size() || acc_col == header.size())
-    return out;
-  while (std::getline(in, line)) {
-    std::vector<std::string> f;
-    for (std::istringstream l(line); std::getline(l, line, ',');) f.push_back(line);
-    if (f.size() != header.size()) continue;
-    const long step = std::stol(f[step_col]);
-    Row r;
-    r.ema = std::stod(f[train_col]);
-    r.accuracy = std::stod(f[acc_col]);
-    r.loss = step == 1 ? r.ema : out.count(step - 1) ? (r.ema - 0.98 * out.at(step - 1).ema) / 0.02 : std::nan("");
-    out[step] = r;
-  }
-  return out;
-}
-
-bool close(double a, double b, double rel = 1e-5) {
-  return std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= rel * std::max(std::abs(a), std::abs(b));
-}
-
-
 }  // namespace
 
 TEST_CASE("train_vision --dp 2 under mpiexec -n 2 trains like one process with the same global batch") {
@@ -146,20 +95,10 @@ TEST_CASE("train_vision --dp 2 under mpiexec -n 2 trains like one process with t
   write_images(data);
   const Result one = run(s, 0, vision_args(data, s / "one"));
   const Result two = run(s, 2, with(vision_args(data, s / "two"), {"--dp", "2"}));
-  const std::string one_csv = slurp(s / "one/metrics.csv"), two_csv = slurp(s / "two/metrics.csv");
-  INFO("reference run:\n" << one.text() << "metrics.csv:\n" << one_csv);
-  INFO("data-parallel run:\n" << two.text() << "metrics.csv:\n" << two_csv);
-  REQUIRE(one.status == 0);
-  REQUIRE(two.status == 0);
-  const auto want = rows(one_csv), got = rows(two_csv);
-  for (long step = 1; step <= 5; ++step) {
-    CAPTURE(step);
-    REQUIRE(want.count(step) == 1);
-    REQUIRE(got.count(step) == 1);
-    CHECK(close(want.at(step).ema, got.at(step).ema));    // the metrics' EMA of the whole batch's loss
-    CHECK(close(want.at(step).loss, got.at(step).loss));  // the step's own loss
-    CHECK(want.at(step).accuracy == got.at(step).accuracy);  // sharded: the counts are summed
-  }
+  // the training loss's EMA, each step's own loss, the (sharded: counts summed) test accuracy
+  check_same_metrics(one, slurp(s / "one/metrics.csv"), two, slurp(s / "two/metrics.csv"), 1, 5,
+                     /*step_losses=*/true);
+  INFO(two.text());
   // rank 0 alone prints and writes: one result line, one progress report, the usual files
   CHECK(two.out.find("router=softmax") == two.out.rfind("router=softmax"));
   CHECK(two.out.find("router=softmax") != std::string::npos);
@@ -187,14 +126,6 @@ TEST_CASE("train_vision --dp: a batch not a multiple of --dp and worlds of the w
   const auto args = [&](const std::vector<std::string>& more) {
     return with(vision_args(data, s / "out"), more);
   };
-  check_refused(run(s, 2, set(args({"--dp", "3"}), "--batch", "6")),
-                {"train_vision: error: graphmoe::train_vision: --dp 3 must equal the number of MPI "
-                 "processes, which is 2: launch with mpirun -n 3"});
-  const Result odd = run(s, 2, set(args({"--dp", "2"}), "--batch", "5"));
-  check_refused(odd, {"graphmoe::train_vision: --batch 5 is not a multiple of --dp 2: --batch is "
-                      "the global batch"});
-  CHECK(odd.err.find("is not a multiple") == odd.err.rfind("is not a multiple"));  // rank 0 only
-  check_refused(run(s, 2, args({})),
-                {"this is one of 2 processes started by an MPI launcher, but --dp is 1", "Pass --dp 2"});
-  CHECK(!fs::exists(s / "out"));  // nothing was written
+  check_dp_refusals("train_vision", [&](const std::vector<std::string>& a) { return run(s, 2, a); },
+                    args, "6", "5", s / "out");
 }
