@@ -29,9 +29,15 @@ Two rules come on top of the ranks:
   - the folder graph has no cycle (implied by the ranks; checked and reported on its own so that
     a change of the rank table cannot hide one).
 
-And one on the CUDA system: no header under backend/cuda/ reaches Eigen, directly or through
+And two on the backends: no header under backend/cuda/ reaches Eigen, directly or through
 the headers it includes (nvcc would otherwise compile Eigen for the device; the CPU backend and
-core/eigen.hpp are Eigen's only entry points).
+core/eigen.hpp are Eigen's only entry points); and a backend calls its own system, never back up
+into the op layer: a call in a backend header of a function that ops/ defines (gemm, axpy,
+gelu_forward, ...; the functions at namespace scope of ops/*.hpp outside namespace detail) must
+pass a backend tag first (`gemm(cpu{}, ...)`, `axpy(B{}, ...)`). An untagged call would resolve
+at instantiation to the op layer's checked entry point, an upward call that the include graph
+does not show. Found by reading the code (comments and strings left out): a name followed by
+`(` that is not a member call, not qualified by anything but graphmoe::, and not a declaration.
 
 Exits 1 naming every offending include (file, line, included header, the rule), 0 when clean.
 A header in a folder the table does not know is an error too, so a new folder gets a rank.
@@ -65,6 +71,79 @@ EIGEN_ALLOWED = {
                                    "the same values bit for bit",
 }
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"](graphmoe/[^">]+)[">]')
+# an op-layer entry point: a function defined at column 0 of an ops/ header
+OP_FUNCTION_RE = re.compile(r'^(?:inline\s+|constexpr\s+)*[A-Za-z_][\w:<>, ]*?[\s&*]+([a-z_][a-z0-9_]*)\s*\(')
+# a backend tag as a call's first argument
+TAG_RE = re.compile(r'^\s*(?:graphmoe::)?(?:cpu|cuda|B|Bk|Backend)\s*(?:\{\}|\(\))?\s*$')
+CALL_RE = re.compile(r'(?<![\w.>:])((?:graphmoe::)?)([a-z_][a-z0-9_]*)\s*\(')
+NOT_A_TYPE = {"return", "else", "do", "case", "co_return", "throw"}
+
+
+def op_functions(base):
+    """The names of the op layer's entry points (ops/*.hpp, outside namespace detail)."""
+    names = set()
+    ops = os.path.join(base, "ops")
+    if not os.path.isdir(ops):
+        return names
+    for name in sorted(os.listdir(ops)):
+        if not name.endswith(".hpp"):
+            continue
+        in_detail = False
+        with open(os.path.join(ops, name), encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("namespace detail"):
+                    in_detail = True
+                elif line.startswith("}  // namespace detail"):
+                    in_detail = False
+                elif not in_detail and not line.startswith(("return", "if", "for", "while")):
+                    m = OP_FUNCTION_RE.match(line)
+                    if m:
+                        names.add(m.group(1))
+    return names
+
+
+def code_only(text):
+    """text with string literals emptied and // comments removed (line numbers kept)."""
+    lines = []
+    for line in text.split("\n"):
+        line = re.sub(r'"(?:\\.|[^"\\])*"', '""', line)
+        cut = line.find("//")
+        lines.append(line if cut < 0 else line[:cut])
+    return "\n".join(lines)
+
+
+def untagged_op_calls(rel, text, names):
+    """Calls in a backend header of op-layer functions without a backend tag first."""
+    code = code_only(text)
+    found = []
+    for m in CALL_RE.finditer(code):
+        name = m.group(2)
+        if name not in names:
+            continue
+        before = code[:m.start()].rstrip()
+        word = re.search(r"(\w+)$", before)
+        if before and (before[-1] in ">*&" or (word and word.group(1) not in NOT_A_TYPE)):
+            continue  # a declaration: a return type precedes the name
+        i = j = m.end()
+        depth = 0
+        while j < len(code):
+            c = code[j]
+            if c in "([{":
+                depth += 1
+            elif c in ")]}":
+                if depth == 0:
+                    break
+                depth -= 1
+            elif c == "," and depth == 0:
+                break
+            j += 1
+        if TAG_RE.match(code[i:j]):
+            continue
+        line = code.count("\n", 0, m.start()) + 1
+        found.append(f"{rel}:{line}: calls {m.group(1)}{name}({code[i:j].strip()[:30]}, ...) "
+                     "without a backend tag: a backend calls its own system "
+                     f"({name}(<tag>{{}}, ...)), not the op layer")
+    return found
 EIGEN_RE = re.compile(r'^\s*#\s*include\s*[<"](Eigen|unsupported/Eigen)/')
 
 
@@ -90,6 +169,7 @@ def main():
         print(f"check_includes: no graphmoe/ under '{root}'", file=sys.stderr)
         return 2
     errors = []
+    ops = op_functions(base)
     edges = {}  # (from folder, to folder) -> first example
     includes = {}  # header -> the graphmoe headers it includes
     eigen = set()  # headers that include Eigen directly
@@ -105,6 +185,9 @@ def main():
             if rank_of(src) is None or src == "backend":
                 errors.append(f"{rel}: folder '{src}' has no rank in tools/check_includes.py")
                 continue
+            if src.startswith("backend/"):
+                with open(path, encoding="utf-8") as f:
+                    errors.extend(untagged_op_calls(rel, f.read(), ops))
             with open(path, encoding="utf-8") as f:
                 for lineno, line in enumerate(f, 1):
                     if EIGEN_RE.match(line):
@@ -193,7 +276,8 @@ def main():
             print("  " + e)
         return 1
     print(f"check_includes: {headers} headers, {len(edges)} folder edges, no upward include, "
-          "no folder cycle, no backend/cuda header reaches Eigen (allowed: "
+          "no folder cycle, no untagged call from a backend into the op layer "
+          f"({len(ops)} op functions), no backend/cuda header reaches Eigen (allowed: "
           + "; ".join(f"{h}: {why}" for h, why in EIGEN_ALLOWED.items()) + ")")
     return 0
 

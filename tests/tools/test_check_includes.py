@@ -64,8 +64,27 @@ expect("a CUDA header reaching Eigen",
        "backend/cuda/gemm.cuh: reaches Eigen through core/eigen.hpp")
 expect("missing header", {**CLEAN, "layers/linear.hpp": inc("ops/nothing.hpp")}, 1,
        "no such header")
+# a backend calls its own system: an op-layer function called without a backend tag first is an
+# upward call; tagged calls, member calls, other namespaces' functions, declarations, comments
+# and strings are not
+OPS = {"ops/gemm.hpp": inc("backend/cpu/gemm.hpp", "core/tensor.hpp") +
+       "namespace graphmoe {\ntemplate <class T, Backend B>\nvoid gemm(Trans ta, const Tensor<T, B>& a) {\n"
+       "  gemm(B{}, ta, a);\n}\nnamespace detail {\ninline void helper(int) {}\n}  // namespace detail\n}\n"}
+TAGGED = ("template <class T>\nvoid gemm(cpu, Trans ta, const Tensor<T, cpu>& a) {}\n"
+          "template <class T>\nvoid experts(const Tensor<T, cpu>& a) {\n"
+          "  gemm(cpu{}, Trans::N, a);  // gemm(a) in a comment\n"
+          "  pool.gemm(Trans::N, a);\n  detail::gemm(a);\n  helper(3);\n"
+          "  const char* s = \"gemm(a)\";\n}\n")
+expect("a backend calling its own system", {**CLEAN, **OPS, "backend/cpu/gemm.hpp": inc("core/tensor.hpp") + TAGGED}, 0,
+       "no untagged call from a backend into the op layer (1 op functions)")
+expect("a backend calling up into the op layer",
+       {**CLEAN, **OPS, "backend/cpu/gemm.hpp": inc("core/tensor.hpp") + TAGGED +
+        "template <class T>\nvoid more(const Tensor<T, cpu>& a) {\n  if (true) gemm(Trans::T, a);\n"
+        "  graphmoe::gemm(Trans::N, a);\n}\n"}, 1,
+       "backend/cpu/gemm.hpp:14: calls gemm(Trans::T, ...) without a backend tag",
+       "backend/cpu/gemm.hpp:15: calls graphmoe::gemm(Trans::N, ...) without a backend tag")
 
 if failures:
     print("\n".join(failures))
     sys.exit(1)
-print("test_check_includes: 9 cases passed")
+print("test_check_includes: 11 cases passed")

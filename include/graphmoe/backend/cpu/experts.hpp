@@ -1,5 +1,7 @@
 // graphmoe/backend/cpu/experts.hpp: the CPU system's expert FFNs over the dispatched rows
 // (contract and argument checks: ops/experts.hpp, which calls these through the backend tag).
+// The GEMMs, bias adds and activations are the CPU system's own (tag-first) functions on the
+// plan's slices, whose shapes the expert bank fixed: nothing is checked again per expert.
 //
 // One GEMM pair per expert on its rows only. The experts run one after another (each GEMM
 // multi-threaded) or across the threads (each GEMM single-threaded), as ExpertParallelism says.
@@ -41,15 +43,15 @@ void expert_ffn_forward(cpu, const DispatchPlan<cpu>& plan, const ExpertFfn<T, T
   const bool bias = !f.b1.empty();
   detail::for_each_expert_cpu(plan, f.num_experts, par, [&](index_t e, index_t r0, index_t r1) {
     Tensor<T, cpu> h = f.h.slice(r0, r1), a = f.a.slice(r0, r1), y = ys.slice(r0, r1);
-    gemm(Trans::N, Trans::T, T(1), f.xc.slice(r0, r1), f.w1[e], T(0), h);
-    if (bias) add_row_vector(f.b1[e], h);
+    gemm(cpu{}, Trans::N, Trans::T, T(1), f.xc.slice(r0, r1), f.w1[e], T(0), h);
+    if (bias) add_row_vector(cpu{}, f.b1[e], h);
     if (act.swiglu())
       swiglu_forward(cpu{}, h, a);
     else
-      gelu_forward(act.gelu, h, a);
+      gelu_forward(cpu{}, act.gelu, h, a);
     const Tensor<T, cpu> ac = a;
-    gemm(Trans::N, Trans::T, T(1), ac, f.w2[e], T(0), y);
-    if (bias) add_row_vector(f.b2[e], y);
+    gemm(cpu{}, Trans::N, Trans::T, T(1), ac, f.w2[e], T(0), y);
+    if (bias) add_row_vector(cpu{}, f.b2[e], y);
   });
 }
 
@@ -67,20 +69,20 @@ void expert_ffn_backward(cpu, const DispatchPlan<cpu>& plan, const ExpertFfn<T, 
     const Tensor<T, cpu> dyc = dyc_all.slice(r0, r1), xc = f.xc.slice(r0, r1);
     Tensor<T, cpu> ac = f.a.slice(r0, r1);
     // y = a w2^T + b2
-    if (bias) accumulate_column_sums(dy, f.db2[e]);
-    gemm(Trans::T, Trans::N, T(1), dyc, ac, T(1), dw2);       // dw2 += dy^T a
+    if (bias) accumulate_column_sums(cpu{}, dy, f.db2[e]);
+    gemm(cpu{}, Trans::T, Trans::N, T(1), dyc, ac, T(1), dw2);       // dw2 += dy^T a
     if (act.swiglu()) {
       Tensor<T, cpu> da = f.da.slice(r0, r1);
-      gemm(Trans::N, Trans::N, T(1), dyc, f.w2[e], T(0), da);  // da = dy w2
+      gemm(cpu{}, Trans::N, Trans::N, T(1), dyc, f.w2[e], T(0), da);  // da = dy w2
       swiglu_backward(cpu{}, h, da, dh);                       // dh = [dgate | dup]
     } else {
-      gemm(Trans::N, Trans::N, T(1), dyc, f.w2[e], T(0), dh);  // da = dy w2 (into dh)
-      gelu_backward(act.gelu, h, dh, dh);                      // dh = gelu'(h) da
+      gemm(cpu{}, Trans::N, Trans::N, T(1), dyc, f.w2[e], T(0), dh);  // da = dy w2 (into dh)
+      gelu_backward(cpu{}, act.gelu, h, dh, dh);               // dh = gelu'(h) da
     }
-    if (bias) accumulate_column_sums(dh, f.db1[e]);
+    if (bias) accumulate_column_sums(cpu{}, dh, f.db1[e]);
     Tensor<T, cpu> dhc = dh;
-    gemm(Trans::T, Trans::N, T(1), dhc, xc, T(1), dw1);       // dw1 += dh^T x
-    gemm(Trans::N, Trans::N, T(1), dhc, f.w1[e], T(0), dx);   // dx = dh w1
+    gemm(cpu{}, Trans::T, Trans::N, T(1), dhc, xc, T(1), dw1);       // dw1 += dh^T x
+    gemm(cpu{}, Trans::N, Trans::N, T(1), dhc, f.w1[e], T(0), dx);   // dx = dh w1
   });
 }
 

@@ -184,7 +184,7 @@ LossValue load_balance_loss(cuda, const Tensor<T, cuda>& p,
   const bool grad = dp != nullptr && !dp->empty();
   Tensor<T, cpu> hdp = grad ? Tensor<T, cpu>(dp->shape()) : Tensor<T, cpu>();
   const LossValue loss = detail::load_balance_loss_host<T>(hp, hi, coef, grad ? &hdp : nullptr);
-  if (grad && !loss.bad.found()) axpy(T(1), to_device(hdp), *dp);
+  if (grad && !loss.bad.found()) axpy(cuda{}, T(1), to_device(hdp), *dp);
   return loss;
 }
 
@@ -204,7 +204,7 @@ SeqAuxLossValue seq_aux_loss(cuda, const Tensor<T, cuda>& p,
   Tensor<T, cpu> hdp = grad ? Tensor<T, cpu>(dp->shape()) : Tensor<T, cpu>();
   const SeqAuxLossValue loss =
       detail::seq_aux_loss_host<T>(hp, hi, seq_len, coef, grad ? &hdp : nullptr);
-  if (grad && !loss.bad_id.found() && !loss.bad_row.found()) axpy(T(1), to_device(hdp), *dp);
+  if (grad && !loss.bad_id.found() && !loss.bad_row.found()) axpy(cuda{}, T(1), to_device(hdp), *dp);
   return loss;
 }
 
@@ -214,7 +214,7 @@ double z_loss(cuda, const Tensor<T, cuda>& gamma, double coef, Tensor<T, cuda>* 
   const bool grad = dgamma != nullptr && !dgamma->empty();
   Tensor<T, cpu> hdg = grad ? Tensor<T, cpu>(dgamma->shape()) : Tensor<T, cpu>();
   const double loss = detail::z_loss_host<T>(hg, coef, grad ? &hdg : nullptr);
-  if (grad) axpy(T(1), to_device(hdg), *dgamma);
+  if (grad) axpy(cuda{}, T(1), to_device(hdg), *dgamma);
   return loss;
 }
 
