@@ -7,9 +7,14 @@
 //   4  a token graph without `impl`
 //   5  (not a user policy) a causal LM with the ExpertChoice selector, which it refuses
 //   6  a complete token graph without the incremental form, asked for a decode cache
+//   7  (not a user policy) a layer with a compute type other than T on graphmoe::cpu, a backend
+//      without mixed_precision
 #include "graphmoe/routing/router.hpp"
 #if GRAPHMOE_CF_CASE == 5 || GRAPHMOE_CF_CASE == 6
 #include "graphmoe/models/transformer_lm.hpp"
+#endif
+#if GRAPHMOE_CF_CASE == 7
+#include "graphmoe/layers/linear.hpp"
 #endif
 
 namespace user {
@@ -62,6 +67,10 @@ struct MySelector {
 }  // namespace user
 
 int main() {
+#if GRAPHMOE_CF_CASE == 7
+  graphmoe::Linear<float, graphmoe::cpu, double> linear;
+  (void)linear;
+#endif
 #if GRAPHMOE_CF_CASE == 5
   graphmoe::TransformerLM<graphmoe::ExpertChoiceRouter, float> lm{graphmoe::TransformerLMConfig{}};
   (void)lm;

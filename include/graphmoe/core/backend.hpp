@@ -14,7 +14,12 @@
 //                                       may read and write directly (element access t(i, j),
 //                                       fill, to_vector; a host-memory tensor also borrows as a
 //                                       Tensor<T, cpu> of the same bytes)
-// plus a specialisation of backend_allocator<B> (core/tensor.hpp) for its storage.
+// plus a specialisation of backend_allocator<B> (core/tensor.hpp) for its storage. What a backend
+// may offer beyond that is a trait read here (a tag opts in with a static member; without it, no):
+//   static constexpr bool mixed_precision   its GEMMs take operands of a compute type C other
+//                                       than the parameters' T (bf16 / fp16 with fp32
+//                                       accumulation: Linear, ExpertBank and the models with
+//                                       C != T); backend_mixed_precision<B>
 #pragma once
 
 #include <concepts>
@@ -30,6 +35,7 @@ struct cpu {
 struct cuda {
   static constexpr const char* name = "cuda";
   static constexpr bool host_memory = false;
+  static constexpr bool mixed_precision = true;
 };
 
 template <class B>
@@ -37,5 +43,9 @@ concept Backend = std::is_empty_v<B> && std::default_initializable<B> && require
   { B::name } -> std::convertible_to<const char*>;
   { B::host_memory } -> std::convertible_to<bool>;
 };
+
+// Whether B computes with GEMM operands of a type other than the parameters' (see above).
+template <class B>
+inline constexpr bool backend_mixed_precision = requires { requires B::mixed_precision; };
 
 }  // namespace graphmoe

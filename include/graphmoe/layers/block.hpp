@@ -52,8 +52,8 @@ struct BlockConfig {
 
 template <class RouterPolicy, class T, class B = cpu, class C = T>
 class TransformerBlock {
-  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
-                "graphmoe::TransformerBlock: a compute type other than T needs the cuda backend");
+  static_assert(std::is_same_v<C, T> || backend_mixed_precision<B>,
+                "graphmoe::TransformerBlock: a compute type other than T needs a backend with mixed_precision (graphmoe::cuda)");
 
  public:
   // experts: the expert-parallel communicator of the MoE layer (MoELayer::declare), or nullptr

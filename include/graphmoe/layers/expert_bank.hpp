@@ -48,8 +48,8 @@ namespace graphmoe {
 // ops/experts.hpp; ExpertParallelism only applies to the CPU).
 template <class T, class B = cpu, class C = T>
 class ExpertBank {
-  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
-                "graphmoe::ExpertBank: a compute type other than T needs the cuda backend");
+  static_assert(std::is_same_v<C, T> || backend_mixed_precision<B>,
+                "graphmoe::ExpertBank: a compute type other than T needs a backend with mixed_precision (graphmoe::cuda)");
 
  public:
   // activation: GELU (w1 has F rows per expert) or SwiGLU (2F: gate | up); bias: declare b1, b2.

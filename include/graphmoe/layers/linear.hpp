@@ -33,8 +33,8 @@ namespace graphmoe {
 
 template <class T, class B = cpu, class C = T>
 class Linear {
-  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
-                "graphmoe::Linear: a compute type other than T needs the cuda backend");
+  static_assert(std::is_same_v<C, T> || backend_mixed_precision<B>,
+                "graphmoe::Linear: a compute type other than T needs a backend with mixed_precision (graphmoe::cuda)");
 
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t in, index_t out,

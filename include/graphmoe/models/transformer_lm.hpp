@@ -315,9 +315,9 @@ class TransformerLM {
  public:
   using router_policy = RouterPolicy;
   using compute_type = C;
-  static_assert(std::is_same_v<C, T> || !std::is_same_v<B, cpu>,
-                "graphmoe::TransformerLM: a compute type other than T (mixed precision) needs the "
-                "cuda backend");
+  static_assert(std::is_same_v<C, T> || backend_mixed_precision<B>,
+                "graphmoe::TransformerLM: a compute type other than T (mixed precision) needs a "
+                "backend with mixed_precision (graphmoe::cuda)");
   static_assert(!selector_chooses_across_tokens<typename RouterPolicy::selector>(),
                 "graphmoe::TransformerLM: this selector (e.g. ExpertChoice) chooses a token's "
                 "experts from its whole sequence, later tokens included, which a causal LM must not "

@@ -219,8 +219,9 @@ class SelectorImpl<ScheduledTopK, T, B> : public TopKSelectorBase<T, B> {
 // grouped form select(p, k, seq_len, sel), which the router calls with GraphContext::seq_len.
 template <class T, class B>
 class SelectorImpl<ExpertChoice, T, B> {
-  static_assert(std::is_same_v<B, cpu>,
-                "graphmoe::ExpertChoice has a CPU implementation only (graphmoe::cpu backend)");
+  static_assert(B::host_memory,
+                "graphmoe::ExpertChoice reads the scores and writes its selection on the host: it "
+                "needs a backend whose tensors live in host memory (graphmoe::cpu)");
 
  public:
   void configure(const RouterConfig& cfg) {
