@@ -43,6 +43,14 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   if (m.norm_eps != d.norm_eps) j["norm_eps"] = m.norm_eps;
   if (a.num_kv_heads != 0) j["num_kv_heads"] = a.num_kv_heads;
   if (a.head_dim != 0) j["head_dim"] = a.head_dim;
+  if (a.latent()) {
+    j["kv_lora_rank"] = a.kv_lora_rank;
+    j["q_lora_rank"] = a.q_lora_rank;
+    j["qk_nope_head_dim"] = a.qk_nope_head_dim;
+    j["qk_rope_head_dim"] = a.qk_rope_head_dim;
+    j["v_head_dim"] = a.v_head_dim;
+    j["latent_norm_eps"] = a.latent_norm_eps;
+  }
   if (a.rope_theta != 0) {
     j["rope_theta"] = a.rope_theta;
     j["rope_layout"] = a.rope_layout == graphmoe::RopeLayout::Interleaved ? "interleaved" : "half-split";
@@ -179,6 +187,13 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   auto& a = m.attention;
   if (j.contains("num_kv_heads")) a.num_kv_heads = config_field<index_t>(j, "num_kv_heads", where);
   if (j.contains("head_dim")) a.head_dim = config_field<index_t>(j, "head_dim", where);
+  for (const auto& [key, field] :
+       {std::pair<const char*, index_t*>{"kv_lora_rank", &a.kv_lora_rank},
+        {"q_lora_rank", &a.q_lora_rank}, {"qk_nope_head_dim", &a.qk_nope_head_dim},
+        {"qk_rope_head_dim", &a.qk_rope_head_dim}, {"v_head_dim", &a.v_head_dim}})
+    if (j.contains(key)) *field = config_field<index_t>(j, key, where);
+  if (j.contains("latent_norm_eps"))
+    a.latent_norm_eps = config_field<double>(j, "latent_norm_eps", where);
   if (j.contains("rope_theta")) a.rope_theta = config_field<double>(j, "rope_theta", where);
   if (j.contains("rope_layout"))
     a.rope_layout = one_of("rope_layout", {"half-split", "interleaved"}) == 1

@@ -80,6 +80,11 @@ int main(int argc, char** argv) {
   app.add_option("--norm-eps", m.norm_eps, "the norms' epsilon")->check(examples::real(1e-12, 0.5));
   app.add_option("--kv-heads", m.attention.num_kv_heads, "key/value heads, dividing --heads (grouped-query; 1: multi-query; 0: --heads)")->check(examples::integer<index_t>(0, examples::kMaxHeads));
   app.add_option("--head-dim", m.attention.head_dim, "each attention head's width (0: --d-model / --heads)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
+  app.add_option("--kv-lora-rank", m.attention.kv_lora_rank, "> 0: multi-head latent attention (DeepSeek-V2/V3) with a key/value latent this wide; needs --rope-theta, --qk-nope-head-dim, --qk-rope-head-dim, --v-head-dim")->check(examples::integer<index_t>(0, examples::kMaxWidth));
+  app.add_option("--q-lora-rank", m.attention.q_lora_rank, "multi-head latent attention: the query latent's width (0: queries straight from the input)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
+  app.add_option("--qk-nope-head-dim", m.attention.qk_nope_head_dim, "multi-head latent attention: each head's key/query width without RoPE")->check(examples::integer<index_t>(0, examples::kMaxWidth));
+  app.add_option("--qk-rope-head-dim", m.attention.qk_rope_head_dim, "multi-head latent attention: the rotary key/query width (even; one rotary key shared by the heads)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
+  app.add_option("--v-head-dim", m.attention.v_head_dim, "multi-head latent attention: each head's value width (at most --qk-nope-head-dim + --qk-rope-head-dim)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
   app.add_option("--rope-theta", m.attention.rope_theta, "rotary position embeddings' base (0: learned positions)")->check(examples::real(0, 1e12));
   app.add_option("--rope-layout", rope_layout, "RoPE's pairs: half-split (Hugging Face's rotate_half) or interleaved")->check(CLI::IsMember({"half-split", "interleaved"}));
   app.add_option("--qk-norm", qk_norm, "RMSNorm of queries and keys: none, full (over the projection, OLMoE) or per-head (Qwen3)")->check(CLI::IsMember({"none", "full", "per-head"}));

@@ -184,6 +184,31 @@ TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM with the modern blocks, each rout
   }
 }
 
+// Multi-head latent attention (DeepSeek-V3's, with a query latent and values narrower than the
+// query heads) in the modern blocks, with the routers that read no attention.
+TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM with multi-head latent attention", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const auto mla = [](TransformerLMConfig& c) {
+    c.num_heads = 4;
+    c.norm = NormKind::RMSNorm;
+    c.attention.rope_theta = 10000.0;
+    c.attention.rope_layout = RopeLayout::Interleaved;
+    c.attention.qkv_bias = false;
+    c.attention.out_bias = false;
+    c.attention.kv_lora_rank = 6;
+    c.attention.q_lora_rank = 5;
+    c.attention.qk_nope_head_dim = 3;
+    c.attention.qk_rope_head_dim = 2;
+    c.attention.v_head_dim = 4;
+    c.tie_embeddings = false;
+    c.activation = FfnActivation::SwiGLU;
+    c.ffn_bias = false;
+  };
+  const double f = std::is_same_v<T, float> ? 3.0 : 1.0;
+  compare_lm<SoftmaxRouter, T>(MoELayout::Switch, ExpertLayout::Compact, mla, f);
+  compare_lm<SimilarityRouter, T>(MoELayout::Switch, ExpertLayout::Compact, mla, f);
+}
+
 TEST_CASE_TEMPLATE("cuda vs cpu: TransformerLM, GLaM and dense layouts", T, float, double) {
   SKIP_WITHOUT_CUDA_DEVICE();
   compare_lm<SimilarityRouter, T>(MoELayout::GLaM);

@@ -19,6 +19,7 @@
 // test_emu_cuda_modern_ops).
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -29,10 +30,12 @@
 
 #include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
+#include "graphmoe/backend/cuda/heads.cuh"
 #include "graphmoe/backend/cuda/rmsnorm.cuh"
 #include "graphmoe/backend/cuda/rope.cuh"
 #include "graphmoe/backend/cuda/swiglu.cuh"
 #include "graphmoe/core/deferred_check.hpp"
+#include "graphmoe/ops/heads.hpp"
 #include "graphmoe/ops/rmsnorm.hpp"
 #include "graphmoe/ops/rope.hpp"
 #include "graphmoe/ops/swiglu.hpp"
@@ -222,6 +225,41 @@ TEST_CASE("cuda vs cpu: rope bad input throws the CPU message, also deferred") {
   CHECK(cpu_msg.find("rope_forward: the head dimension dh = 3") != std::string::npos);
   CHECK(error_of([&] { rope_forward(xd, pos, 4, 10000.0, RopeLayout::HalfSplit, yd); }) ==
         cpu_msg);
+}
+
+// ---- concat_heads / split_heads (multi-head latent attention's joins) ---------------------------
+
+TEST_CASE_TEMPLATE("cuda vs cpu: concat_heads and split_heads, the same bits", T, float, double) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Rng rng(76);
+  for (const auto& [n, heads, wa, wb] : std::vector<std::array<index_t, 4>>{
+           {1, 1, 1, 1}, {7, 3, 2, 5}, {33, 16, 48, 16}, {5, 1, 512, 64}}) {
+    CAPTURE(n);
+    CAPTURE(heads);
+    const auto a = random_tensor<T>(Shape{n, heads * wa}, rng);
+    const auto b = random_tensor<T>(Shape{n, heads * wb}, rng);
+    Tensor<T> y;
+    Tensor<T, cuda> yd;
+    concat_heads(a, b, heads, y);
+    concat_heads(to_device(a), to_device(b), heads, yd);
+    CHECK(to_host(yd).to_vector() == y.to_vector());
+    Tensor<T> a2, b2;
+    Tensor<T, cuda> a2d, b2d;
+    split_heads(y, heads, wa, a2, b2);
+    split_heads(yd, heads, wa, a2d, b2d);
+    CHECK(to_host(a2d).to_vector() == a.to_vector());
+    CHECK(to_host(b2d).to_vector() == b2.to_vector());
+  }
+  std::string cpu_msg = error_of([&] {
+    Tensor<float> a, b;
+    split_heads(Tensor<float>({2, 6}), 3, 2, a, b);
+  });
+  std::string dev_msg = error_of([&] {
+    Tensor<float, cuda> a, b;
+    split_heads(Tensor<float, cuda>({2, 6}), 3, 2, a, b);
+  });
+  CHECK(!cpu_msg.empty());
+  CHECK(dev_msg == cpu_msg);
 }
 
 // ---- swiglu -------------------------------------------------------------------------------------

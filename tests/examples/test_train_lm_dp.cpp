@@ -186,6 +186,39 @@ TEST_CASE("train_lm --dp 2 and --dp 2 --ep 2 with the modern blocks and bias bal
   CHECK(moved > 0);
 }
 
+TEST_CASE("train_lm with multi-head latent attention: --dp 2 trains like one process, the "
+          "checkpoint resumes, and its config rebuilds the layer") {
+  Scratch s("dp_mla");
+  const std::string corpus = s / "corpus.txt";
+  write_corpus(corpus);
+  auto mla = [&](const std::string& out, int steps) {
+    return with(lm_args(corpus, out, steps),
+                {"--norm", "rmsnorm", "--rope-theta", "10000", "--qkv-bias", "false",
+                 "--kv-lora-rank", "4", "--q-lora-rank", "6", "--qk-nope-head-dim", "2",
+                 "--qk-rope-head-dim", "2", "--v-head-dim", "3"});
+  };
+  const Result whole = run(s, 0, mla(s / "whole", 6));
+  const Result dp = run(s, 2, with(mla(s / "dp", 3), {"--dp", "2"}));
+  check_same_metrics(whole, slurp(s / "whole/metrics.csv"), dp, slurp(s / "dp/metrics.csv"), 1, 3);
+  const SafetensorsFile f = load_safetensors(s / "whole/checkpoint.safetensors");
+  CHECK(f.at("model.blocks.0.attn.kv_a_proj_with_mqa.weight").to_tensor<float>().shape() ==
+        (graphmoe::Shape{4 + 2, 8}));
+  CHECK(f.at("model.blocks.0.attn.q_b_proj.weight").to_tensor<float>().shape() ==
+        (graphmoe::Shape{2 * 4, 6}));
+  CHECK(f.at("model.blocks.0.attn.out_proj.weight").to_tensor<float>().shape() ==
+        (graphmoe::Shape{8, 2 * 3}));
+  CHECK_FALSE(f.contains("model.blocks.0.attn.k_proj.weight"));
+  // resumed from the data-parallel checkpoint: the rest of the uninterrupted run
+  fs::copy(s / "dp", s / "r1");
+  const Result r1 = run(s, 0, with(mla(s / "r1", 6), {"--resume"}));
+  CHECK(r1.err.find("resumed from") != std::string::npos);
+  check_same_metrics(whole, slurp(s / "whole/metrics.csv"), r1, slurp(s / "r1/metrics.csv"), 1, 6);
+  // a resume with other latent widths is refused by the checkpoint's config
+  fs::copy(s / "dp", s / "r2");
+  const Result other = run(s, 0, set(with(mla(s / "r2", 6), {"--resume"}), "--kv-lora-rank", "5"));
+  check_refused(other, {"kv_lora_rank"});
+}
+
 TEST_CASE("train_lm: evaluations do not count towards a bias-balancing router's loads") {
   // validation batches and the routing-metrics probe run in Mode::Eval: a run that evaluates after
   // every step trains exactly as one that evaluates once at the end (the same biases, bit for bit)

@@ -24,7 +24,8 @@ using namespace graphmoe::test;
 namespace {
 
 // Two variants that together switch every option on; the third is the first with heads wider
-// than d_model / num_heads (head_dim 6: q is 24 wide for d_model 8) and q/k/v biases.
+// than d_model / num_heads (head_dim 6: q is 24 wide for d_model 8) and q/k/v biases; the fourth
+// the first with multi-head latent attention.
 TransformerLMConfig modern_config(int variant) {
   const bool v0 = variant != 1;  // variants 0 and 2
   TransformerLMConfig c;
@@ -51,6 +52,16 @@ TransformerLMConfig modern_config(int variant) {
   c.attention.qkv_bias = variant != 0;
   c.attention.out_bias = false;
   c.attention.head_dim = variant == 2 ? 6 : 0;
+  if (variant == 3) {  // multi-head latent attention in place of the heads above
+    c.attention.num_kv_heads = 0;
+    c.attention.qk_norm = QKNorm::None;
+    c.attention.qkv_bias = false;
+    c.attention.kv_lora_rank = 4;
+    c.attention.q_lora_rank = 5;
+    c.attention.qk_nope_head_dim = 2;
+    c.attention.qk_rope_head_dim = 2;
+    c.attention.v_head_dim = 3;
+  }
   c.expert_d_ff = 3;
   c.shared_d_ff = 4;
   c.shared_expert_gate = v0;
@@ -201,9 +212,133 @@ TEST_CASE("attention with GQA, RoPE, QK-norm and head_dim: matches a loop-by-loo
   }
 }
 
+// Multi-head latent attention: the layer against a loop-by-loop evaluation of its formulas
+// (layers/latent_attention.hpp) in double, and its gradients by finite differences; with and
+// without the query latent, with v as wide as the query heads and narrower, both RoPE layouts.
+TEST_CASE("multi-head latent attention: matches a loop-by-loop evaluation, finite-difference gradients") {
+  for (int variant : {0, 1, 2}) {
+    CAPTURE(variant);
+    AttentionOptions o;
+    o.rope_theta = variant == 1 ? 500.0 : 10000.0;
+    o.rope_layout = variant == 2 ? RopeLayout::Interleaved : RopeLayout::HalfSplit;
+    o.qkv_bias = false;
+    o.out_bias = variant == 1;
+    o.kv_lora_rank = 5;
+    o.q_lora_rank = variant == 0 ? 0 : 6;
+    o.qk_nope_head_dim = 3;
+    o.qk_rope_head_dim = 4;
+    o.v_head_dim = variant == 2 ? 7 : 2;  // 7 = dn + dr: no padding
+    o.latent_norm_eps = 1e-5;
+    const index_t b = 2, t = 5, d = 8, h = 3, dn = 3, dr = 4, dv = o.v_head_dim, r = 5,
+                  rq = o.q_lora_rank, dqk = dn + dr;
+    ParameterArena<double> arena;
+    MultiHeadAttention<double> attn;
+    attn.declare(arena, "a.", d, h, true, o);
+    arena.allocate();
+    attn.bind(arena);
+    Rng rng(11);
+    attn.init(rng, 0.5);
+    for (const auto& info : arena.params())  // non-trivial norm weights and biases
+      if (info.name.find("norm") != std::string::npos || info.name.find("bias") != std::string::npos)
+        fill_normal(arena.value(info.name), rng, 0.5);
+    CHECK(arena.contains("a.q_proj.weight") == (rq == 0));
+    CHECK(arena.contains("a.q_a_layernorm.weight") == (rq > 0));
+    CHECK(arena.value("a.kv_a_proj_with_mqa.weight").shape() == (Shape{r + dr, d}));
+    CHECK(arena.value("a.kv_b_proj.weight").shape() == (Shape{h * (dn + dv), r}));
+    CHECK(arena.value("a.out_proj.weight").shape() == (Shape{d, h * dv}));
+    Tensor<double> x = random_normal<double>({b, t, d}, rng), a;
+    attn.forward(x, a);
+
+    // y = W v (+ bias) for a named linear map
+    auto linear = [&](const std::string& name, const std::vector<double>& in) {
+      Tensor<double> w = arena.value(name + ".weight");
+      std::vector<double> y(static_cast<std::size_t>(w.dim(0)), 0.0);
+      for (index_t i = 0; i < w.dim(0); ++i)
+        for (index_t j = 0; j < w.dim(1); ++j) y[i] += w(i, j) * in[j];
+      if (arena.contains(name + ".bias"))
+        for (index_t i = 0; i < w.dim(0); ++i) y[i] += arena.value(name + ".bias")(i);
+      return y;
+    };
+    auto rms = [&](std::vector<double> v, const std::string& name) {
+      const double inv = rms_inv(v.data(), static_cast<index_t>(v.size()), o.latent_norm_eps);
+      Tensor<double> w = arena.value(name);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] *= inv * w(static_cast<index_t>(i));
+      return v;
+    };
+    const index_t n = b * t;
+    std::vector<std::vector<double>> q(n), k(n), v(n);
+    for (index_t row = 0; row < n; ++row) {
+      const std::vector<double> xr(x.data() + row * d, x.data() + (row + 1) * d);
+      const std::vector<double> qraw =
+          rq == 0 ? linear("a.q_proj", xr)
+                  : linear("a.q_b_proj", rms(linear("a.q_a_proj", xr), "a.q_a_layernorm.weight"));
+      const std::vector<double> ckv = linear("a.kv_a_proj_with_mqa", xr);
+      const std::vector<double> c(ckv.begin(), ckv.begin() + r);
+      std::vector<double> kpe(ckv.begin() + r, ckv.end());
+      rope_ref(kpe.data(), dr, row % t, o.rope_theta, o.rope_layout);
+      const std::vector<double> kv = linear("a.kv_b_proj", rms(c, "a.kv_a_layernorm.weight"));
+      q[row].resize(static_cast<std::size_t>(h * dqk));
+      k[row].resize(static_cast<std::size_t>(h * dqk));
+      v[row].resize(static_cast<std::size_t>(h * dv));
+      for (index_t hh = 0; hh < h; ++hh) {
+        std::vector<double> qpe(qraw.begin() + hh * dqk + dn, qraw.begin() + (hh + 1) * dqk);
+        rope_ref(qpe.data(), dr, row % t, o.rope_theta, o.rope_layout);
+        for (index_t j = 0; j < dn; ++j) {
+          q[row][hh * dqk + j] = qraw[hh * dqk + j];
+          k[row][hh * dqk + j] = kv[hh * (dn + dv) + j];
+        }
+        for (index_t j = 0; j < dr; ++j) {
+          q[row][hh * dqk + dn + j] = qpe[j];
+          k[row][hh * dqk + dn + j] = kpe[j];
+        }
+        for (index_t j = 0; j < dv; ++j) v[row][hh * dv + j] = kv[hh * (dn + dv) + dn + j];
+      }
+    }
+    double worst = 0;
+    for (index_t bb = 0; bb < b; ++bb)
+      for (index_t i = 0; i < t; ++i) {
+        std::vector<double> att(static_cast<std::size_t>(h * dv), 0.0);
+        for (index_t hh = 0; hh < h; ++hh) {
+          std::vector<double> sc;
+          double mx = -1e300;
+          for (index_t j = 0; j <= i; ++j) {
+            double dot = 0;
+            for (index_t c = 0; c < dqk; ++c) dot += q[bb * t + i][hh * dqk + c] * k[bb * t + j][hh * dqk + c];
+            sc.push_back(dot / std::sqrt(static_cast<double>(dqk)));
+            mx = std::max(mx, sc.back());
+          }
+          double z = 0;
+          for (double& e : sc) z += (e = std::exp(e - mx));
+          for (index_t j = 0; j <= i; ++j)
+            for (index_t c = 0; c < dv; ++c) att[hh * dv + c] += sc[j] / z * v[bb * t + j][hh * dv + c];
+        }
+        const std::vector<double> y = linear("a.out_proj", att);
+        for (index_t c = 0; c < d; ++c) worst = std::max(worst, std::abs(y[c] - a(bb, i, c)));
+      }
+    CHECK(worst < 1e-12);
+    // the layer's gradients, by finite differences
+    Tensor<double> w = random_normal<double>(a.shape(), rng);
+    auto loss = [&] {
+      Tensor<double> y;
+      attn.forward(x, y);
+      return weighted_sum(y, w);
+    };
+    attn.forward(x, a);
+    arena.zero_grad();
+    Tensor<double> dx;
+    attn.backward(w, dx);
+    check_gradient("dx", x, dx, loss);
+    for (const auto& info : arena.params()) {
+      Tensor<double> val = arena.value(info.name);
+      check_gradient(info.name, val, arena.grad(info.name), loss);
+    }
+  }
+}
+
 TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole model", Policy,
                    SoftmaxRouter, SimilarityRouter, AttentionRouter, SimilaritySigmoidBiasRouter) {
-  for (int variant : {0, 1, 2}) {
+  for (int variant : {0, 1, 2, 3}) {
+    if (variant == 3 && Policy::needs_attention) continue;  // refused: a test case below
     CAPTURE(variant);
     const TransformerLMConfig cfg = modern_config(variant);
     TransformerLM<Policy, double> lm(cfg, 3);
@@ -215,8 +350,11 @@ TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole m
     CHECK(lm.block(1).has_shared());
     // SwiGLU: the fused gate|up projection (2F rows), no biases
     CHECK(lm.arena().value("blocks.1.moe.experts.w1").dim(1) == (variant != 1 ? 6 : 3));
-    CHECK(lm.arena().value("blocks.1.attn.q_proj.weight").shape() ==
-          (Shape{variant == 2 ? 24 : cfg.d_model, cfg.d_model}));
+    if (variant != 3)
+      CHECK(lm.arena().value("blocks.1.attn.q_proj.weight").shape() ==
+            (Shape{variant == 2 ? 24 : cfg.d_model, cfg.d_model}));
+    else  // 4 heads of 2 + 2 through a query latent of 5
+      CHECK(lm.arena().value("blocks.1.attn.q_b_proj.weight").shape() == (Shape{16, 5}));
     CHECK(lm.arena().contains("blocks.1.moe.experts.b1") == (variant == 1));
     CHECK_FALSE(lm.block(0).has_shared());
     CHECK(lm.arena().contains("blocks.1.shared_expert_gate.weight") == (variant != 1));
@@ -237,7 +375,8 @@ TEST_CASE_TEMPLATE("modern LM blocks: finite-difference gradients of the whole m
 
 TEST_CASE_TEMPLATE("modern LM blocks: causal, and incremental decoding equals the full forward", Policy,
                    SoftmaxRouter, SimilarityRouter, AttentionRouter, SigmoidBiasRouter) {
-  for (int variant : {0, 1, 2}) {
+  for (int variant : {0, 1, 2, 3}) {
+    if (variant == 3 && Policy::needs_attention) continue;
     CAPTURE(variant);
     const TransformerLMConfig cfg = modern_config(variant);
     TransformerLM<Policy, double> lm(cfg, 7);
@@ -255,12 +394,16 @@ TEST_CASE_TEMPLATE("modern LM blocks: causal, and incremental decoding equals th
       for (index_t c = 0; c < cfg.vocab_size; ++c) CHECK(lm.logits()(0, i, c) == full(0, i, c));
     // one token per step; the KV cache holds the num_kv_heads heads only
     auto cache = lm.decode_cache(1);
-    const index_t dh = cfg.attention.head_dim_for(cfg.d_model, cfg.num_heads);
+    // (multi-head latent attention: every head's key and padded value, dn + dr = 4 wide)
+    const bool mla = cfg.attention.latent();
+    const index_t dh = mla ? 4 : cfg.attention.head_dim_for(cfg.d_model, cfg.num_heads);
+    const index_t kvh = mla ? cfg.num_heads : cfg.attention.num_kv_heads;
     for (const auto& b : cache.blocks) {
-      CHECK(b.kv.kv_heads() == cfg.attention.num_kv_heads);
+      CHECK(b.kv.kv_heads() == kvh);
       CHECK(b.kv.heads() == cfg.num_heads);
+      CHECK(b.kv.head_dim() == dh);
     }
-    CHECK(cache.kv_values_per_token() == cfg.num_layers * 2 * cfg.attention.num_kv_heads * dh);
+    CHECK(cache.kv_values_per_token() == cfg.num_layers * 2 * kvh * dh);
     double worst = 0;
     for (index_t i = 0; i < t; ++i) {
       Tensor<std::int32_t> one(Shape{1});
@@ -362,6 +505,24 @@ TEST_CASE("modern LM blocks: bad options are refused naming the field") {
   CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("must divide d_model = 8"), Error);
   c.attention.head_dim = 4;  // which head_dim allows
   CHECK_NOTHROW((TransformerLM<SoftmaxRouter, double>(c, 1)));
+  // multi-head latent attention: its options, and not with the Attention graph
+  c = modern_config(3);
+  c.attention.v_head_dim = 5;  // above qk_nope_head_dim + qk_rope_head_dim = 4
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("v_head_dim = 5 must be at most"), Error);
+  c = modern_config(3);
+  c.attention.qk_rope_head_dim = 3;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("qk_rope_head_dim = 3 must be even"), Error);
+  c = modern_config(3);
+  c.attention.num_kv_heads = 2;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("leave head_dim = 0, num_kv_heads = 0"), Error);
+  c = modern_config(3);
+  c.attention.rope_theta = 0;
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("rope_theta must be > 0"), Error);
+  c = modern_config(0);
+  c.attention.v_head_dim = 3;  // without kv_lora_rank
+  CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("set kv_lora_rank too"), Error);
+  CHECK_THROWS_WITH_AS((TransformerLM<AttentionRouter, double>(modern_config(3), 1)),
+                       doctest::Contains("multi-head latent attention (kv_lora_rank = 4) does not expose"), Error);
   c = modern_config(0);
   c.attention.rope_theta = -1;
   CHECK_THROWS_WITH_AS((TransformerLM<SoftmaxRouter, double>(c, 1)), doctest::Contains("rope_theta"), Error);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "graphmoe/core/threads.hpp"
+#include "graphmoe/ops/heads.hpp"
 #include "graphmoe/ops/rmsnorm.hpp"
 #include "graphmoe/ops/rope.hpp"
 #include "graphmoe/ops/swiglu.hpp"
@@ -451,4 +452,49 @@ TEST_CASE("swiglu: bad input") {
                        Error);
   CHECK_THROWS_WITH_AS(swiglu_backward(Tensor<double>({3, 5}), Tensor<double>({3, 2}), dgu),
                        doctest::Contains("swiglu_backward: gu has shape (3, 5)"), Error);
+}
+
+TEST_CASE("concat_heads and split_heads: the columns of each head, inverse of each other") {
+  Rng rng(3);
+  const index_t n = 4, heads = 3, wa = 2, wb = 5;
+  const Tensor<double> a = random_normal<double>({n, heads * wa}, rng);
+  const Tensor<double> b = random_normal<double>({n, heads * wb}, rng);
+  Tensor<double> y;
+  concat_heads(a, b, heads, y);
+  REQUIRE(y.shape() == (Shape{n, heads * (wa + wb)}));
+  for (index_t i = 0; i < n; ++i)
+    for (index_t h = 0; h < heads; ++h)
+      for (index_t j = 0; j < wa + wb; ++j)
+        CHECK(y(i, h * (wa + wb) + j) == (j < wa ? a(i, h * wa + j) : b(i, h * wb + j - wa)));
+  Tensor<double> a2, b2;
+  split_heads(y, heads, wa, a2, b2);
+  CHECK(a2.to_vector() == a.to_vector());
+  CHECK(b2.to_vector() == b.to_vector());
+  // one head: a column split
+  Tensor<double> c1, c2;
+  split_heads(b, 1, 4, c1, c2);
+  REQUIRE(c1.shape() == (Shape{n, 4}));
+  REQUIRE(c2.shape() == (Shape{n, heads * wb - 4}));
+  for (index_t i = 0; i < n; ++i) {
+    for (index_t j = 0; j < 4; ++j) CHECK(c1(i, j) == b(i, j));
+    for (index_t j = 4; j < heads * wb; ++j) CHECK(c2(i, j - 4) == b(i, j));
+  }
+}
+
+TEST_CASE("concat_heads and split_heads: bad input") {
+  Tensor<double> y, a, b;
+  CHECK_THROWS_WITH_AS(concat_heads(Tensor<double>({2, 6}), Tensor<double>({3, 3}), 3, y),
+                       doctest::Contains("concat_heads: a has 2 rows and b 3"), Error);
+  CHECK_THROWS_WITH_AS(concat_heads(Tensor<double>({2, 6}), Tensor<double>({2, 4}), 3, y),
+                       doctest::Contains("concat_heads: b must be an (N, heads * w) matrix with heads = 3"),
+                       Error);
+  CHECK_THROWS_WITH_AS(concat_heads(Tensor<double>({2, 6}), Tensor<double>({2, 3}), 0, y),
+                       doctest::Contains("heads must be >= 1, got 0"), Error);
+  CHECK_THROWS_WITH_AS(split_heads(Tensor<double>({2, 6}), 3, 2, a, b),
+                       doctest::Contains("split_heads: width_a = 2 must be in [1, 1]"), Error);
+  CHECK_THROWS_WITH_AS(split_heads(Tensor<double>({2, 7}), 3, 1, a, b),
+                       doctest::Contains("split_heads: x must be an (N, heads * w) matrix"), Error);
+  Tensor<double> wrong({2, 5});
+  CHECK_THROWS_WITH_AS(split_heads(Tensor<double>({2, 6}), 3, 1, wrong, b),
+                       doctest::Contains("output a has shape (2, 5), expected (2, 3)"), Error);
 }

@@ -527,6 +527,7 @@ class Checkpoint {
     const AttentionOptions &a = m.attention, &b = c.attention;
     same(a.head_dim_for(m.d_model, m.num_heads) == b.head_dim_for(c.d_model, c.num_heads),
          "attention head_dim");
+    same(a.kv_lora_rank == b.kv_lora_rank, "attention kv_lora_rank (multi-head latent attention)");
     same(a.num_kv_heads == b.num_kv_heads && a.rope_theta == b.rope_theta &&
              a.rope_layout == b.rope_layout && a.qk_norm == b.qk_norm &&
              (a.qk_norm == QKNorm::None || a.qk_norm_eps == b.qk_norm_eps) &&

@@ -286,6 +286,9 @@ inline ModelConfig to_model_config(const TransformerLMConfig& c, Family family) 
     refuse(f, "activation", "is GELU (the families' feed-forward networks are SwiGLU)");
   if (c.ffn_bias) refuse(f, "ffn_bias", "is true (biases on the feed-forward networks)");
   if (c.attention.out_bias) refuse(f, "attention.out_bias", "is true (a bias on the output projection)");
+  if (c.attention.latent())
+    refuse(f, "attention.kv_lora_rank", "= ", c.attention.kv_lora_rank,
+           " (multi-head latent attention: DeepSeek-V3's, not a family the writer saves)");
   if (c.attention.qkv_bias && f != Family::Qwen2Moe)
     refuse(f, "attention.qkv_bias", "is true (only Qwen2-MoE has q/k/v biases)");
   const QKNorm want = f == Family::Olmoe ? QKNorm::Full

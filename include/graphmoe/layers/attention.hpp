@@ -9,6 +9,9 @@
 //   o = concat_h softmax(q_h k_h^T / sqrt(dh) [+ causal mask]) v_h
 //   a = o Wo^T + bo                                               Wo (D, H dh)
 //
+// With AttentionOptions::kv_lora_rank > 0 the layer computes multi-head latent attention instead
+// (DeepSeek-V2/V3: layers/latent_attention.hpp), which the Attention token graph does not read.
+//
 // dh is D / H unless AttentionOptions::head_dim sets it (Hugging Face's head_dim: Qwen3-MoE's
 // releases have H dh = 2 D); the scores are scaled by 1 / sqrt(dh) either way.
 // AttentionOptions holds the modern variants (num_kv_heads, rope_theta and layout, qk_norm, the
@@ -31,6 +34,7 @@
 
 #include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/core/decode.hpp"
+#include "graphmoe/layers/latent_attention.hpp"
 #include "graphmoe/layers/linear.hpp"
 #include "graphmoe/ops/attention.hpp"
 #include "graphmoe/ops/decode.hpp"
@@ -65,6 +69,17 @@ struct AttentionOptions {
   // (keys, values), and the output projection back (Hugging Face's head_dim).
   index_t head_dim = 0;
   static constexpr index_t kMaxHeadDim = 65536;
+  // Multi-head latent attention (DeepSeek-V2/V3), on when kv_lora_rank > 0
+  // (layers/latent_attention.hpp): keys and values from a latent of kv_lora_rank (RMSNorm'ed,
+  // then each head's qk_nope_head_dim key and v_head_dim value), one rotary key of
+  // qk_rope_head_dim that the heads share, queries from x or through a latent of q_lora_rank
+  // (0: none); latent_norm_eps is the two latents' RMSNorm epsilon. It needs RoPE (rope_theta >
+  // 0) and replaces head_dim, num_kv_heads, qk_norm and the q/k/v biases (all left unset).
+  index_t q_lora_rank = 0, kv_lora_rank = 0;
+  index_t qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  double latent_norm_eps = 1e-6;
+
+  bool latent() const { return kv_lora_rank > 0; }
 
   // The width of one head for a model of d_model and num_heads.
   index_t head_dim_for(index_t d_model, index_t num_heads) const {
@@ -74,6 +89,18 @@ struct AttentionOptions {
   void validate(index_t d_model, index_t num_heads) const {
     const char* op = "AttentionOptions";
     GRAPHMOE_CHECK(num_heads >= 1, op, "num_heads must be >= 1, got ", num_heads);
+    GRAPHMOE_CHECK(kv_lora_rank >= 0 && q_lora_rank >= 0, op,
+                   "kv_lora_rank and q_lora_rank must be >= 0, got ", kv_lora_rank, " and ",
+                   q_lora_rank);
+    if (latent()) {
+      validate_latent();
+      return;
+    }
+    GRAPHMOE_CHECK(q_lora_rank == 0 && qk_nope_head_dim == 0 && qk_rope_head_dim == 0 &&
+                       v_head_dim == 0,
+                   op, "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim belong to "
+                   "multi-head latent attention: set kv_lora_rank too (got ", q_lora_rank, ", ",
+                   qk_nope_head_dim, ", ", qk_rope_head_dim, ", ", v_head_dim, ")");
     GRAPHMOE_CHECK(head_dim >= 0 && head_dim <= kMaxHeadDim, op, "head_dim = ", head_dim,
                    " must be in [0, ", kMaxHeadDim, "] (0: d_model / num_heads)");
     GRAPHMOE_CHECK(head_dim != 0 || d_model % num_heads == 0, op, "num_heads = ", num_heads,
@@ -94,6 +121,37 @@ struct AttentionOptions {
     GRAPHMOE_CHECK(qk_norm_eps > 0 && qk_norm_eps < 1, op, "qk_norm_eps must be in (0, 1), got ",
                    qk_norm_eps);
   }
+
+ private:
+  void validate_latent() const {
+    const char* op = "AttentionOptions";
+    GRAPHMOE_CHECK(kv_lora_rank <= kMaxHeadDim && q_lora_rank <= kMaxHeadDim, op,
+                   "kv_lora_rank = ", kv_lora_rank, " and q_lora_rank = ", q_lora_rank,
+                   " must be at most ", kMaxHeadDim);
+    GRAPHMOE_CHECK(qk_nope_head_dim >= 1 && qk_nope_head_dim <= kMaxHeadDim &&
+                       v_head_dim >= 1 && v_head_dim <= kMaxHeadDim,
+                   op, "multi-head latent attention needs qk_nope_head_dim and v_head_dim in [1, ",
+                   kMaxHeadDim, "], got ", qk_nope_head_dim, " and ", v_head_dim);
+    GRAPHMOE_CHECK(qk_rope_head_dim >= 2 && qk_rope_head_dim <= kMaxHeadDim &&
+                       qk_rope_head_dim % 2 == 0,
+                   op, "qk_rope_head_dim = ", qk_rope_head_dim,
+                   " must be even and >= 2 (RoPE rotates pairs)");
+    GRAPHMOE_CHECK(v_head_dim <= qk_nope_head_dim + qk_rope_head_dim, op, "v_head_dim = ",
+                   v_head_dim, " must be at most qk_nope_head_dim + qk_rope_head_dim = ",
+                   qk_nope_head_dim + qk_rope_head_dim);
+    GRAPHMOE_CHECK(rope_theta > 0 && rope_theta < 1e300, op,
+                   "multi-head latent attention rotates its rotary part: rope_theta must be > 0, "
+                   "got ", rope_theta);
+    GRAPHMOE_CHECK(rope_layout == RopeLayout::HalfSplit || rope_layout == RopeLayout::Interleaved,
+                   op, static_cast<int>(rope_layout), " is not a RopeLayout");
+    GRAPHMOE_CHECK(head_dim == 0 && num_kv_heads == 0 && qk_norm == QKNorm::None && !qkv_bias, op,
+                   "multi-head latent attention sets its own head widths and has no key/value "
+                   "groups, QK-norm or q/k/v biases: leave head_dim = 0, num_kv_heads = 0, "
+                   "qk_norm = None and qkv_bias = false (got ", head_dim, ", ", num_kv_heads,
+                   ", ", static_cast<int>(qk_norm), ", ", qkv_bias, ")");
+    GRAPHMOE_CHECK(latent_norm_eps > 0 && latent_norm_eps < 1, op,
+                   "latent_norm_eps must be in (0, 1), got ", latent_norm_eps);
+  }
 };
 
 template <class T, class B = cpu, class C = T>
@@ -101,6 +159,15 @@ class MultiHeadAttention {
  public:
   void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t d_model,
                index_t num_heads, bool causal, const AttentionOptions& opts = {}) {
+    if (opts.latent()) {  // multi-head latent attention: LatentAttention computes it
+      opts.validate(d_model, num_heads);
+      d_ = d_model;
+      heads_ = kv_heads_ = num_heads;
+      causal_ = causal;
+      opts_ = opts;
+      latent_.declare(arena, prefix, d_model, num_heads, causal, opts);
+      return;
+    }
     GRAPHMOE_CHECK(num_heads >= 1 && (opts.head_dim != 0 || d_model % num_heads == 0),
                    "MultiHeadAttention", "num_heads = ", num_heads, " must divide d_model = ",
                    d_model, " (or set AttentionOptions::head_dim)");
@@ -123,6 +190,11 @@ class MultiHeadAttention {
     }
   }
   void bind(const ParameterArena<T, B>& arena) {
+    if (opts_.latent()) {
+      latent_.bind(arena);
+      bound_ = true;
+      return;
+    }
     q_.bind(arena);
     k_.bind(arena);
     v_.bind(arena);
@@ -142,10 +214,18 @@ class MultiHeadAttention {
   }
   // The four projections read their C weights from mirror (Linear::attach_mirror). C != T only.
   void attach_mirror(ComputeMirror<T, C, B>* mirror) {
+    if (opts_.latent()) {
+      latent_.attach_mirror(mirror);
+      return;
+    }
     for (Linear<T, B, C>* l : {&q_, &k_, &v_, &o_}) l->attach_mirror(mirror);
   }
   // Projections ~ N(0, std^2); the output projection scaled by out_scale (GPT-2's 1/sqrt(2 L)).
   void init(Rng& rng, double stddev, double out_scale = 1.0) {
+    if (opts_.latent()) {
+      latent_.init(rng, stddev, out_scale);
+      return;
+    }
     q_.init(rng, stddev);
     k_.init(rng, stddev);
     v_.init(rng, stddev);
@@ -160,6 +240,10 @@ class MultiHeadAttention {
     check_bound("forward");
     GRAPHMOE_CHECK(x.rank() == 3 && x.dim(2) == d_, "MultiHeadAttention", "input has shape ",
                    x.shape(), ", expected (B, T, ", d_, ")");
+    if (opts_.latent()) {
+      latent_.forward(x, a);
+      return;
+    }
     const Shape s = x.shape();
     const Shape flat{s[0] * s[1], d_};
     const Shape hs{s[0], s[1], heads_ * dh_};  // q, k, v and the heads' outputs
@@ -223,6 +307,8 @@ class MultiHeadAttention {
   // Allocates (zeroed) the gradient sinks the Attention graph accumulates into; call between
   // forward and the MoE layer's backward when the block's router reads this cache.
   void enable_graph_gradients() {
+    GRAPHMOE_CHECK(!opts_.latent(), "MultiHeadAttention",
+                   "the Attention token graph does not read multi-head latent attention");
     cache_.dprobs = Tensor<T, B>(cache_.probs.shape());
     cache_.dv = Tensor<T, B>(cache_.v.shape());
     cache_.dout = Tensor<T, B>(cache_.out.shape());
@@ -231,6 +317,10 @@ class MultiHeadAttention {
   // da (B, T, D) -> dx (B, T, D) assigned; folds in the Attention graph's gradients if any.
   void backward(const Tensor<T, B>& da, Tensor<T, B>& dx) {
     check_bound("backward");
+    if (opts_.latent()) {
+      latent_.backward(da, dx);
+      return;
+    }
     const Shape s = da.shape();
     const Shape flat{s[0] * s[1], d_};
     const Shape hs{s[0], s[1], heads_ * dh_}, hflat{s[0] * s[1], heads_ * dh_};
@@ -277,6 +367,10 @@ class MultiHeadAttention {
                    "that are not decoded yet)");
     GRAPHMOE_CHECK(x.rank() == 2 && x.dim(1) == d_, "MultiHeadAttention", "input has shape ",
                    x.shape(), ", expected (n, ", d_, ")");
+    if (opts_.latent()) {
+      latent_.decode(x, rows, kv, step, a);
+      return;
+    }
     Tensor<T, B> q, k, v, o;
     q_.forward(x, q);
     k_.forward(x, k);
@@ -311,6 +405,7 @@ class MultiHeadAttention {
   // An empty KV cache of this layer for `slots` sequences of at most max_len tokens.
   // It holds the num_kv_heads key/value heads (grouped-query attention's saving at decode time).
   KVCache<T, B> kv_cache(index_t slots, index_t max_len) const {
+    if (opts_.latent()) return latent_.kv_cache(slots, max_len);
     return KVCache<T, B>(slots, heads_, kv_heads_, max_len, dh_);
   }
 
@@ -399,6 +494,7 @@ class MultiHeadAttention {
   Tensor<C, B> xc_;  // C != T: the input in C, shared by the q, k, v projections
   AttentionCache<T, B> cache_;
   bool sinks_ready_ = false;
+  LatentAttention<T, B, C> latent_;  // AttentionOptions::latent(): the layer computed instead
 };
 
 }  // namespace graphmoe

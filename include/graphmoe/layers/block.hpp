@@ -67,6 +67,11 @@ class TransformerBlock {
                        (cfg.shared_d_ff > 0 || !cfg.shared_expert_gate),
                    "TransformerBlock", "shared experts (shared_d_ff = ", cfg.shared_d_ff,
                    ", gate ", cfg.shared_expert_gate, ") need an MoE block and a width > 0");
+    if constexpr (RouterPolicy::needs_attention)
+      GRAPHMOE_CHECK(!cfg.moe || !cfg.attention.latent(), "TransformerBlock",
+                     "the Attention token graph reads each head's attention and values through "
+                     "the output projection, which multi-head latent attention (kv_lora_rank = ",
+                     cfg.attention.kv_lora_rank, ") does not expose: route with another graph");
     ln1_.declare(arena, prefix + "ln1.", cfg.d_model, cfg.norm, cfg.norm_eps);
     attn_.declare(arena, prefix + "attn.", cfg.d_model, cfg.num_heads, cfg.causal, cfg.attention);
     ln2_.declare(arena, prefix + "ln2.", cfg.d_model, cfg.norm, cfg.norm_eps);

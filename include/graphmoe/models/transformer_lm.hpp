@@ -286,7 +286,8 @@ struct TransformerLMConfig {
                    "TransformerLMConfig", "sizes must be positive (vocab >= 2), got vocab ",
                    vocab_size, ", max_seq_len ", max_seq_len, ", d_model ", d_model, ", layers ",
                    num_layers, ", d_ff ", d_ff);
-    GRAPHMOE_CHECK(num_heads >= 1 && (attention.head_dim != 0 || d_model % num_heads == 0),
+    GRAPHMOE_CHECK(num_heads >= 1 && (attention.head_dim != 0 || attention.latent() ||
+                                       d_model % num_heads == 0),
                    "TransformerLMConfig", "num_heads = ", num_heads, " must divide d_model = ",
                    d_model, " (or set attention.head_dim)");
     GRAPHMOE_CHECK(num_classes >= 0, "TransformerLMConfig", "num_classes must be >= 0, got ", num_classes);

@@ -93,6 +93,11 @@ void upcycle(const TransformerLM<RFrom, T, B, C>& from, TransformerLM<RTo, T, B,
   same(aa.num_kv_heads == ba.num_kv_heads, "attention.num_kv_heads");
   same(aa.head_dim_for(a.d_model, a.num_heads) == ba.head_dim_for(b.d_model, b.num_heads),
        "attention.head_dim");
+  same(aa.kv_lora_rank == ba.kv_lora_rank && aa.q_lora_rank == ba.q_lora_rank &&
+           aa.qk_nope_head_dim == ba.qk_nope_head_dim &&
+           aa.qk_rope_head_dim == ba.qk_rope_head_dim && aa.v_head_dim == ba.v_head_dim &&
+           aa.latent_norm_eps == ba.latent_norm_eps,
+       "multi-head latent attention (kv_lora_rank, q_lora_rank, head widths)");
   same(aa.rope_theta == ba.rope_theta, "attention.rope_theta");
   same(aa.rope_layout == ba.rope_layout, "attention.rope_layout");
   same(aa.qk_norm == ba.qk_norm, "attention.qk_norm");

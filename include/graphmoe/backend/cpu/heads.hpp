@@ -1,5 +1,5 @@
-// graphmoe/backend/cpu/heads.hpp: the CPU system's key/value head sharing (contract and argument
-// checks: ops/heads.hpp, which calls these through the backend tag).
+// graphmoe/backend/cpu/heads.hpp: the CPU system's key/value head sharing and head joins and
+// splits (contract and argument checks: ops/heads.hpp, which calls these through the backend tag).
 #pragma once
 
 #include <algorithm>
@@ -33,6 +33,30 @@ void repeat_heads_backward(cpu, const Tensor<T, cpu>& dy, index_t kv_heads, inde
         dxr[c * dh + j] = s;
       }
   }
+}
+
+template <class T>
+void concat_heads(cpu, const Tensor<T, cpu>& a, const Tensor<T, cpu>& b, index_t heads,
+                  Tensor<T, cpu>& y) {
+  const index_t n = a.rows(), wa = a.cols() / heads, wb = b.cols() / heads, w = wa + wb;
+  for (index_t i = 0; i < n; ++i)
+    for (index_t h = 0; h < heads; ++h) {
+      T* yr = y.data() + i * heads * w + h * w;
+      std::copy_n(a.data() + i * heads * wa + h * wa, wa, yr);
+      std::copy_n(b.data() + i * heads * wb + h * wb, wb, yr + wa);
+    }
+}
+
+template <class T>
+void split_heads(cpu, const Tensor<T, cpu>& x, index_t heads, index_t width_a, Tensor<T, cpu>& a,
+                 Tensor<T, cpu>& b) {
+  const index_t n = x.rows(), w = x.cols() / heads, wa = width_a, wb = w - wa;
+  for (index_t i = 0; i < n; ++i)
+    for (index_t h = 0; h < heads; ++h) {
+      const T* xr = x.data() + i * heads * w + h * w;
+      std::copy_n(xr, wa, a.data() + i * heads * wa + h * wa);
+      std::copy_n(xr + wa, wb, b.data() + i * heads * wb + h * wb);
+    }
 }
 
 }  // namespace graphmoe
