@@ -107,6 +107,54 @@ double max_abs_diff(const Tensor<double>& a, const Tensor<double>& b) {
   return m;
 }
 
+using Rows = std::vector<std::vector<double>>;
+
+// Causal attention of row i of sequence bb (T rows each), written out: for every head h,
+// softmax(q_h k_g^T / sqrt(dqk)) v_g over positions 0..i, where g = h / group is the key/value
+// head it reads. q, k, v: each row's heads side by side (q and k dqk wide, v dv wide per head).
+std::vector<double> reference_heads(const Rows& q, const Rows& k, const Rows& v, index_t t,
+                                    index_t bb, index_t i, index_t heads, index_t group,
+                                    index_t dqk, index_t dv) {
+  std::vector<double> att(static_cast<std::size_t>(heads * dv), 0.0);
+  for (index_t hh = 0; hh < heads; ++hh) {
+    const index_t g = hh / group;
+    std::vector<double> sc;
+    double mx = -1e300;
+    for (index_t j = 0; j <= i; ++j) {
+      double dot = 0;
+      for (index_t c = 0; c < dqk; ++c) dot += q[bb * t + i][hh * dqk + c] * k[bb * t + j][g * dqk + c];
+      sc.push_back(dot / std::sqrt(static_cast<double>(dqk)));
+      mx = std::max(mx, sc.back());
+    }
+    double z = 0;
+    for (double& e : sc) z += (e = std::exp(e - mx));
+    for (index_t j = 0; j <= i; ++j)
+      for (index_t c = 0; c < dv; ++c) att[hh * dv + c] += sc[j] / z * v[bb * t + j][g * dv + c];
+  }
+  return att;
+}
+
+// An attention layer's gradients with respect to x and every parameter, by finite differences of
+// a random weighting of its output.
+void check_layer_gradients(MultiHeadAttention<double>& attn, ParameterArena<double>& arena,
+                           Tensor<double> x, const Shape& out, Rng& rng) {
+  Tensor<double> w = random_normal<double>(out, rng), a;
+  auto loss = [&] {
+    Tensor<double> y;
+    attn.forward(x, y);
+    return weighted_sum(y, w);
+  };
+  attn.forward(x, a);
+  arena.zero_grad();
+  Tensor<double> dx;
+  attn.backward(w, dx);
+  check_gradient("dx", x, dx, loss);
+  for (const auto& info : arena.params()) {
+    Tensor<double> val = arena.value(info.name);
+    check_gradient(info.name, val, arena.grad(info.name), loss);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("attention with GQA, RoPE, QK-norm and head_dim: matches a loop-by-loop evaluation") {
@@ -141,7 +189,7 @@ TEST_CASE("attention with GQA, RoPE, QK-norm and head_dim: matches a loop-by-loo
       return y;
     };
     const index_t n = b * t;
-    std::vector<std::vector<double>> q(n), k(n), v(n);
+    Rows q(n), k(n), v(n);
     for (index_t r = 0; r < n; ++r) {
       q[r] = proj("a.q_proj", dq, r);
       k[r] = proj("a.k_proj", kvh * dh, r);
@@ -170,22 +218,7 @@ TEST_CASE("attention with GQA, RoPE, QK-norm and head_dim: matches a loop-by-loo
     double worst = 0;
     for (index_t bb = 0; bb < b; ++bb)
       for (index_t i = 0; i < t; ++i) {
-        std::vector<double> att(static_cast<std::size_t>(dq), 0.0);
-        for (index_t hh = 0; hh < h; ++hh) {
-          const index_t g = hh / (h / kvh);
-          std::vector<double> sc;
-          double mx = -1e300;
-          for (index_t j = 0; j <= i; ++j) {
-            double dot = 0;
-            for (index_t c = 0; c < dh; ++c) dot += q[bb * t + i][hh * dh + c] * k[bb * t + j][g * dh + c];
-            sc.push_back(dot / std::sqrt(static_cast<double>(dh)));
-            mx = std::max(mx, sc.back());
-          }
-          double z = 0;
-          for (double& s : sc) z += (s = std::exp(s - mx));
-          for (index_t j = 0; j <= i; ++j)
-            for (index_t c = 0; c < dh; ++c) att[hh * dh + c] += sc[j] / z * v[bb * t + j][g * dh + c];
-        }
+        const std::vector<double> att = reference_heads(q, k, v, t, bb, i, h, h / kvh, dh, dh);
         for (index_t c = 0; c < d; ++c) {
           double y = 0;
           for (index_t j = 0; j < dq; ++j) y += att[j] * wo(c, j);
@@ -193,22 +226,7 @@ TEST_CASE("attention with GQA, RoPE, QK-norm and head_dim: matches a loop-by-loo
         }
       }
     CHECK(worst < 1e-12);
-    // the layer's gradients, by finite differences
-    Tensor<double> w = random_normal<double>(a.shape(), rng);
-    auto loss = [&] {
-      Tensor<double> y;
-      attn.forward(x, y);
-      return weighted_sum(y, w);
-    };
-    attn.forward(x, a);
-    arena.zero_grad();
-    Tensor<double> dx;
-    attn.backward(w, dx);
-    check_gradient("dx", x, dx, loss);
-    for (const auto& info : arena.params()) {
-      Tensor<double> val = arena.value(info.name);
-      check_gradient(info.name, val, arena.grad(info.name), loss);
-    }
+    check_layer_gradients(attn, arena, x, a.shape(), rng);
   }
 }
 
@@ -266,7 +284,7 @@ TEST_CASE("multi-head latent attention: matches a loop-by-loop evaluation, finit
       return v;
     };
     const index_t n = b * t;
-    std::vector<std::vector<double>> q(n), k(n), v(n);
+    Rows q(n), k(n), v(n);
     for (index_t row = 0; row < n; ++row) {
       const std::vector<double> xr(x.data() + row * d, x.data() + (row + 1) * d);
       const std::vector<double> qraw =
@@ -297,41 +315,12 @@ TEST_CASE("multi-head latent attention: matches a loop-by-loop evaluation, finit
     double worst = 0;
     for (index_t bb = 0; bb < b; ++bb)
       for (index_t i = 0; i < t; ++i) {
-        std::vector<double> att(static_cast<std::size_t>(h * dv), 0.0);
-        for (index_t hh = 0; hh < h; ++hh) {
-          std::vector<double> sc;
-          double mx = -1e300;
-          for (index_t j = 0; j <= i; ++j) {
-            double dot = 0;
-            for (index_t c = 0; c < dqk; ++c) dot += q[bb * t + i][hh * dqk + c] * k[bb * t + j][hh * dqk + c];
-            sc.push_back(dot / std::sqrt(static_cast<double>(dqk)));
-            mx = std::max(mx, sc.back());
-          }
-          double z = 0;
-          for (double& e : sc) z += (e = std::exp(e - mx));
-          for (index_t j = 0; j <= i; ++j)
-            for (index_t c = 0; c < dv; ++c) att[hh * dv + c] += sc[j] / z * v[bb * t + j][hh * dv + c];
-        }
-        const std::vector<double> y = linear("a.out_proj", att);
+        const std::vector<double> y =
+            linear("a.out_proj", reference_heads(q, k, v, t, bb, i, h, 1, dqk, dv));
         for (index_t c = 0; c < d; ++c) worst = std::max(worst, std::abs(y[c] - a(bb, i, c)));
       }
     CHECK(worst < 1e-12);
-    // the layer's gradients, by finite differences
-    Tensor<double> w = random_normal<double>(a.shape(), rng);
-    auto loss = [&] {
-      Tensor<double> y;
-      attn.forward(x, y);
-      return weighted_sum(y, w);
-    };
-    attn.forward(x, a);
-    arena.zero_grad();
-    Tensor<double> dx;
-    attn.backward(w, dx);
-    check_gradient("dx", x, dx, loss);
-    for (const auto& info : arena.params()) {
-      Tensor<double> val = arena.value(info.name);
-      check_gradient(info.name, val, arena.grad(info.name), loss);
-    }
+    check_layer_gradients(attn, arena, x, a.shape(), rng);
   }
 }
 

@@ -270,7 +270,7 @@ class MultiHeadAttention {
       v_.forward(xf, xc_, vdst);
     }
     if (!plain) {
-      if (opts_.rope_theta > 0) set_positions(s[0], s[1]);
+      if (opts_.rope_theta > 0) sequence_positions(s[0], s[1], positions_, positions_t_);
       Tensor<T, B> kr;
       modern_qk(qp, kp, positions_, qt_, kr, true);
       if (kv_heads_ == heads_) {
@@ -378,13 +378,7 @@ class MultiHeadAttention {
     const index_t n = x.rows();
     if (!opts_.plain()) {
       Tensor<std::int32_t, B> pos;
-      if (opts_.rope_theta > 0) {
-        Tensor<std::int32_t, cpu> host(Shape{n});
-        for (index_t i = 0; i < n; ++i)
-          host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
-        pos = Tensor<std::int32_t, B>(Shape{n});
-        copy_from_host(pos, host);
-      }
+      if (opts_.rope_theta > 0) pos = decode_positions<B>(rows);
       Tensor<T, B> qr, kr;
       modern_qk(q, k, pos, qr, kr, false);
       q = qr;
@@ -420,15 +414,6 @@ class MultiHeadAttention {
   // Set by bind(): a layer used before it is bound has no parameters to read.
   bool bound_ = false;
   void check_bound(const char* op) const { detail::require_bound(bound_, "MultiHeadAttention", op); }
-  // positions_ (B T): each row's position in its sequence, for RoPE (rebuilt when the shape changes)
-  void set_positions(index_t b, index_t t) {
-    if (positions_.shape() == Shape{b * t} && positions_t_ == t) return;
-    Tensor<std::int32_t, cpu> host(Shape{b * t});
-    for (index_t i = 0; i < b * t; ++i) host.data()[i] = static_cast<std::int32_t>(i % t);
-    positions_ = Tensor<std::int32_t, B>(Shape{b * t});
-    copy_from_host(positions_, host);
-    positions_t_ = t;
-  }
   // qp (n, H dh), kp (n, Hkv dh) the projections' outputs -> q, k after the norms and RoPE. keep:
   // the forward's caches for backward (the norms' inputs and inverse RMS).
   void modern_qk(const Tensor<T, B>& qp, const Tensor<T, B>& kp,

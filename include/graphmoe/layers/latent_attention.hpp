@@ -96,7 +96,7 @@ class LatentAttention {
   void forward(const Tensor<T, B>& x, Tensor<T, B>& a) {
     const Shape s = x.shape();
     const index_t n = s[0] * s[1], dqk = dn_ + dr_;
-    set_positions(s[0], s[1]);
+    sequence_positions(s[0], s[1], positions_, positions_t_);
     project(x.view(Shape{n, d_}), positions_, true, q_t_, k_t_, v_t_);
     const Shape hs{s[0], s[1], heads_ * dqk};
     const Tensor<T, B> vpad = padded(v_t_);
@@ -153,13 +153,8 @@ class LatentAttention {
   void decode(const Tensor<T, B>& x, const DecodeRows& rows, KVCache<T, B>& kv,
               AttentionStep<T, B>& step, Tensor<T, B>& a) {
     const index_t n = x.rows(), dqk = dn_ + dr_;
-    Tensor<std::int32_t, cpu> host(Shape{n});
-    for (index_t i = 0; i < n; ++i)
-      host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
-    Tensor<std::int32_t, B> pos(Shape{n});
-    copy_from_host(pos, host);
     Tensor<T, B> q, k, v, opad;
-    project(x, pos, false, q, k, v);
+    project(x, decode_positions<B>(rows), false, q, k, v);
     if (step.probs.shape() != Shape{n, heads_, kv.max_len()}) step.probs = Tensor<T, B>();
     if (step.row_entropy.shape() != Shape{n, heads_}) step.row_entropy = Tensor<T, B>();
     attention_decode(q, k, padded(v), rows, kv, step.probs, step.row_entropy, opad);
@@ -181,14 +176,6 @@ class LatentAttention {
   std::vector<Linear<T, B, C>*> linears() {
     if (rq_ == 0) return {&q_, &kva_, &kvb_, &o_};
     return {&qa_, &qb_, &kva_, &kvb_, &o_};
-  }
-  void set_positions(index_t b, index_t t) {
-    if (positions_.shape() == Shape{b * t} && positions_t_ == t) return;
-    Tensor<std::int32_t, cpu> host(Shape{b * t});
-    for (index_t i = 0; i < b * t; ++i) host.data()[i] = static_cast<std::int32_t>(i % t);
-    positions_ = Tensor<std::int32_t, B>(Shape{b * t});
-    copy_from_host(positions_, host);
-    positions_t_ = t;
   }
   // x (n, D) -> q, k (n, H (dn + dr)) with RoPE at pos, v (n, H dv). keep: the norms' inputs and
   // inverse RMS for backward.

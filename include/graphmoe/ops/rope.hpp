@@ -29,10 +29,12 @@
 
 #include "graphmoe/backend/cpu/rope.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/decode.hpp"
 #include "graphmoe/core/deferred_check.hpp"
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/rope.hpp"
 #include "graphmoe/core/tensor.hpp"
+#include "graphmoe/ops/elementwise.hpp"
 
 namespace graphmoe {
 
@@ -74,6 +76,31 @@ inline void rope_check_positions(const char* op, const Shape& shape, const Offen
 }
 
 }  // namespace detail
+
+// The positions RoPE reads for a (batch, seq) batch of rows: row i is at i % seq in its sequence.
+// positions is rebuilt only when it does not hold them already (seq_of: the seq it was built for).
+template <Backend B>
+void sequence_positions(index_t batch, index_t seq, Tensor<std::int32_t, B>& positions,
+                        index_t& seq_of) {
+  if (positions.shape() == Shape{batch * seq} && seq_of == seq) return;
+  Tensor<std::int32_t, cpu> host(Shape{batch * seq});
+  for (index_t i = 0; i < batch * seq; ++i) host.data()[i] = static_cast<std::int32_t>(i % seq);
+  positions = Tensor<std::int32_t, B>(Shape{batch * seq});
+  copy_from_host(positions, host);
+  seq_of = seq;
+}
+
+// The positions of a decode step's rows (rows.pos), on B.
+template <Backend B>
+Tensor<std::int32_t, B> decode_positions(const DecodeRows& rows) {
+  const index_t n = rows.size();
+  Tensor<std::int32_t, cpu> host(Shape{n});
+  for (index_t i = 0; i < n; ++i)
+    host.data()[i] = static_cast<std::int32_t>(rows.pos[static_cast<std::size_t>(i)]);
+  Tensor<std::int32_t, B> pos(Shape{n});
+  copy_from_host(pos, host);
+  return pos;
+}
 
 // y = x with every head's pairs rotated by position * inv_freq.
 template <class T, Backend B>
