@@ -107,6 +107,21 @@ double max_abs_diff(const Tensor<double>& a, const Tensor<double>& b) {
   return m;
 }
 
+// An attention layer of d_model d and h heads declared, bound and drawn from Rng(seed), with its
+// norm weights and biases drawn too (not 1 and 0), so that a misplaced one shows; returns the rng.
+Rng make_layer(ParameterArena<double>& arena, MultiHeadAttention<double>& attn, index_t d,
+               index_t h, const AttentionOptions& o, std::uint64_t seed) {
+  attn.declare(arena, "a.", d, h, true, o);
+  arena.allocate();
+  attn.bind(arena);
+  Rng rng(seed);
+  attn.init(rng, 0.5);
+  for (const auto& info : arena.params())
+    if (info.name.find("norm") != std::string::npos || info.name.find("bias") != std::string::npos)
+      fill_normal(arena.value(info.name), rng, 0.5);
+  return rng;
+}
+
 using Rows = std::vector<std::vector<double>>;
 
 // Causal attention of row i of sequence bb (T rows each), written out: for every head h,
@@ -167,14 +182,7 @@ TEST_CASE("attention with GQA, RoPE, QK-norm and head_dim: matches a loop-by-loo
     CHECK(dq == (variant == 2 ? 24 : d));
     ParameterArena<double> arena;
     MultiHeadAttention<double> attn;
-    attn.declare(arena, "a.", d, h, true, o);
-    arena.allocate();
-    attn.bind(arena);
-    Rng rng(5);
-    attn.init(rng, 0.5);
-    for (const auto& info : arena.params())  // non-trivial norm weights and biases
-      if (info.name.find("norm") != std::string::npos || info.name.find("bias") != std::string::npos)
-        fill_normal(arena.value(info.name), rng, 0.5);
+    Rng rng = make_layer(arena, attn, d, h, o, 5);
     Tensor<double> x = random_normal<double>({b, t, d}, rng), a;
     attn.forward(x, a);
 
@@ -251,14 +259,7 @@ TEST_CASE("multi-head latent attention: matches a loop-by-loop evaluation, finit
                   rq = o.q_lora_rank, dqk = dn + dr;
     ParameterArena<double> arena;
     MultiHeadAttention<double> attn;
-    attn.declare(arena, "a.", d, h, true, o);
-    arena.allocate();
-    attn.bind(arena);
-    Rng rng(11);
-    attn.init(rng, 0.5);
-    for (const auto& info : arena.params())  // non-trivial norm weights and biases
-      if (info.name.find("norm") != std::string::npos || info.name.find("bias") != std::string::npos)
-        fill_normal(arena.value(info.name), rng, 0.5);
+    Rng rng = make_layer(arena, attn, d, h, o, 11);
     CHECK(arena.contains("a.q_proj.weight") == (rq == 0));
     CHECK(arena.contains("a.q_a_layernorm.weight") == (rq > 0));
     CHECK(arena.value("a.kv_a_proj_with_mqa.weight").shape() == (Shape{r + dr, d}));

@@ -97,13 +97,13 @@ class LatentAttention {
     const Shape s = x.shape();
     const index_t n = s[0] * s[1], dqk = dn_ + dr_;
     sequence_positions(s[0], s[1], positions_, positions_t_);
-    project(x.view(Shape{n, d_}), positions_, true, q_t_, k_t_, v_t_);
+    Tensor<T, B> v;
+    project(x.view(Shape{n, d_}), positions_, true, q_t_, k_t_, v);
     const Shape hs{s[0], s[1], heads_ * dqk};
-    const Tensor<T, B> vpad = padded(v_t_);
+    vpad_ = padded(v);
     probs_ = Tensor<T, B>();
     Tensor<T, B> opad;
-    attention_forward(q_t_.view(hs), k_t_.view(hs), vpad.view(hs), heads_, causal_, probs_, opad);
-    vpad_ = vpad;
+    attention_forward(q_t_.view(hs), k_t_.view(hs), vpad_.view(hs), heads_, causal_, probs_, opad);
     prepare_output("LatentAttention", "a", a, s);
     Tensor<T, B> af = a.view(Shape{n, d_});
     o_.forward(unpadded(opad.view(Shape{n, heads_ * dqk})), af);
@@ -237,7 +237,7 @@ class LatentAttention {
   Linear<T, B, C> q_, qa_, qb_, kva_, kvb_, o_;
   index_t id_qan_ = -1, id_kvn_ = -1;
   Tensor<T, B> qan_, dqan_, kvn_, dkvn_;
-  Tensor<T, B> q_t_, k_t_, v_t_, vpad_, probs_;  // the forward's, for backward
+  Tensor<T, B> q_t_, k_t_, vpad_, probs_;  // the forward's, for backward
   Tensor<T, B> ql_, ql_inv_, c_, c_inv_;         // the norms' inputs and inverse RMS
   Tensor<std::int32_t, B> positions_;
   index_t positions_t_ = 0;
