@@ -6,15 +6,17 @@ Remake them (from the repository root; needs torch and transformers, which CI do
 
     ~/.cache/graphmoe/venv-torch/bin/python scripts/hf-fixtures.py tests/hf/fixtures
 
-For each family (llama, mixtral, olmoe, qwen2_moe, qwen3_moe) it builds a random model with
-transformers (2 layers, hidden 64, 4 heads, 2 key/value heads where the family has grouped-query
-attention, 8 experts of top-2, vocab 128; qwen3_moe with head_dim 32, so that its query heads are
-twice hidden wide as in the Qwen3-MoE releases; seed fixed), draws every weight (norm weights near 1,
-biases and router weights included, so that a tensor loaded into the wrong place shows), saves it
-with save_pretrained (safetensors; mixtral sharded through max_shard_size, which writes
-model.safetensors.index.json; llama in float32, mixtral, olmoe and qwen3_moe in bfloat16, qwen2_moe
-in float16) under DIR/<family>/, reloads it from disk in float32 with eager attention (the file's
-16-bit values are exact in float32) and writes DIR/<family>/expected.json:
+For each family (llama, mixtral, olmoe, qwen2_moe, qwen3_moe, deepseek_v3) it builds a random model
+with transformers (2 layers, hidden 64, 4 heads, 2 key/value heads where the family has
+grouped-query attention, 8 experts of top-2, vocab 128; qwen3_moe with head_dim 32, so that its
+query heads are twice hidden wide as in the Qwen3-MoE releases; deepseek_v3 with multi-head latent
+attention, group-limited top-3 of sigmoid scores with a selection bias and a shared expert, vocab
+96; seed fixed), draws every weight (norm weights near 1, biases, router weights and DeepSeek's
+selection biases included, so that a tensor loaded into the wrong place shows), saves it with
+save_pretrained (safetensors; mixtral sharded through max_shard_size, which writes
+model.safetensors.index.json; llama in float32, mixtral, olmoe, qwen3_moe and deepseek_v3 in
+bfloat16, qwen2_moe in float16) under DIR/<family>/, reloads it from disk in float32 with eager
+attention (the file's 16-bit values are exact in float32) and writes DIR/<family>/expected.json:
 
   prompts        3 prompts' token ids (lengths 5, 9, 16)
   logits         transformers' float32 logits, subsampled: row t of prompt p holds the columns
@@ -23,8 +25,9 @@ in float16) under DIR/<family>/, reloads it from disk in float32 with eager atte
   experts        per prompt, per MoE layer (key: the layer's index), each token's chosen experts
                  (the router's top-k indices, sorted)
   router_margin  the smallest gap, over every token and MoE layer, between the k-th and the
-                 (k+1)-th softmax score (how far the choice is from a tie; informational;
-                 null for the dense llama)
+                 (k+1)-th score that chooses (softmax; deepseek_v3: sigmoid + selection bias
+                 within the chosen groups): how far the choice is from a tie; informational;
+                 null for the dense llama
   greedy         transformers' greedy continuation of the first prompt: GREEDY_TOKENS new token
                  ids (argmax of each step's float32 logits, a full forward per step, eos not
                  stopping it)
@@ -42,9 +45,10 @@ import sys
 
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 SEED = 1234
 PROMPT_LENGTHS = (5, 9, 16)
@@ -59,7 +63,7 @@ COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention
 # family -> (config class, model class, config fields, storage dtype, save_pretrained arguments)
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM,
-              dict(intermediate_size=64, rms_norm_eps=1e-5, rope_theta=500000.0),
+              dict(intermediate_size=16, rms_norm_eps=1e-5, rope_theta=500000.0),
               torch.float32, {}),
     "mixtral": (MixtralConfig, MixtralForCausalLM,
                 dict(intermediate_size=8, num_local_experts=8, num_experts_per_tok=2,
@@ -81,12 +85,28 @@ FAMILIES = {
                        num_experts_per_tok=2, head_dim=32, norm_topk_prob=True,
                        rms_norm_eps=1e-6, rope_theta=1e6),
                   torch.bfloat16, {}),
+    # multi-head latent attention with a query latent and interleaved RoPE, one dense block
+    # first, 8 routed experts in 4 groups (2 groups chosen, k = 3), one shared expert, sigmoid
+    # scores with a selection bias, gates renormalised and scaled by 2.5
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM,
+                    dict(vocab_size=96, num_key_value_heads=4, intermediate_size=16,
+                         moe_intermediate_size=4, n_routed_experts=8, num_experts_per_tok=3,
+                         n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                         kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
+                         norm_topk_prob=True, rope_interleave=True, rms_norm_eps=1e-6,
+                         rope_theta=10000.0),
+                    torch.bfloat16, {}),
 }
 
 
 def draw_weights(model, gen):
-    """Every parameter drawn: norms near 1, biases around 0, matrices N(0, 1 / fan_in)."""
+    """Every parameter drawn: norms near 1, biases around 0, matrices N(0, 1 / fan_in); and
+    DeepSeek-V3's selection biases (a buffer) around 0."""
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if p.dim() == 1 and "norm" in name:
@@ -101,7 +121,7 @@ def routers(model):
     """(layer index, router module) of every MoE layer, in order."""
     out = []
     for name, mod in model.named_modules():
-        if type(mod).__name__.endswith("TopKRouter"):
+        if type(mod).__name__.lower().endswith("topkrouter"):
             parts = name.split(".")
             out.append((int(parts[parts.index("layers") + 1]), mod))
     return sorted(out, key=lambda x: x[0])
@@ -122,8 +142,9 @@ def make(family, out_dir, seed):
 
     # transformers' own reading of the saved files, in float32 (16-bit values are exact there)
     model = model_cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
-    hooks, seen = [], {}
+    hooks, seen, mods = [], {}, {}
     for layer, mod in routers(model):
+        mods[layer] = mod
         def hook(mod, args, out, layer=layer):
             seen[layer] = out
         hooks.append(mod.register_forward_hook(hook))
@@ -142,8 +163,17 @@ def make(family, out_dir, seed):
         chosen = {}
         for layer, (router_logits, _, indices) in sorted(seen.items()):
             chosen[str(layer)] = indices.sort(-1).values.tolist()
-            probs = torch.softmax(router_logits.float(), -1).sort(-1, descending=True).values
             k = indices.shape[-1]
+            if hasattr(mods[layer], "e_score_correction_bias"):
+                # the scores that choose: sigmoid + bias, within the chosen groups
+                s = torch.sigmoid(router_logits.float()) + mods[layer].e_score_correction_bias
+                g = mods[layer].num_group
+                top2 = s.view(s.shape[0], g, -1).topk(2, dim=-1).values.sum(-1)
+                keep = torch.zeros_like(top2).scatter(1, top2.topk(mods[layer].topk_group).indices, 1)
+                s = s.masked_fill(keep.repeat_interleave(s.shape[1] // g, 1) == 0, -math.inf)
+                probs = s.sort(-1, descending=True).values
+            else:
+                probs = torch.softmax(router_logits.float(), -1).sort(-1, descending=True).values
             margin = min(margin, (probs[:, k - 1] - probs[:, k]).min().item())
         experts.append(chosen)
     for h in hooks:

@@ -10,8 +10,9 @@ not have; the versions of scripts/hf-fixtures.py):
 
 It runs the test program's case "hf writer: models for transformers" with
 GRAPHMOE_HF_WRITER_OUT=<models dir>: graphmoe writes one model per family (llama, mixtral,
-olmoe, qwen2_moe, qwen3_moe: the fixtures' shapes, every weight drawn at random; mixtral in BF16
-over several shards with an index, the others in F32) and a Qwen3-MoE model whose router was a
+olmoe, qwen2_moe, qwen3_moe, deepseek_v3: the fixtures' shapes, every weight drawn at random,
+deepseek_v3's selection biases included; mixtral in BF16 over several shards with an index, the
+others in F32) and a Qwen3-MoE model whose router was a
 SimilarityRouter with a learned tau, saved with its graph dropped; beside each,
 <name>.expected.json holds graphmoe's float logits on 3 prompts (lengths 5, 9, 16) and every MoE
 layer's chosen experts, computed on the model read back from the written directory. This script
@@ -39,7 +40,7 @@ def routers(model):
     """(layer index, router module) of every MoE layer, in order."""
     out = []
     for name, mod in model.named_modules():
-        if type(mod).__name__.endswith("TopKRouter"):
+        if type(mod).__name__.lower().endswith("topkrouter"):
             parts = name.split(".")
             out.append((int(parts[parts.index("layers") + 1]), mod))
     return sorted(out, key=lambda x: x[0])

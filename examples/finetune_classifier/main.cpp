@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Fine-tune a graphmoe LM checkpoint as a sequence classifier"};
   auto* ck_opt = app.add_option("--checkpoint", opt.checkpoint, "LM checkpoint (train_lm's checkpoint.safetensors; or --hf)")->check(CLI::ExistingFile);
   auto* vocab_opt = app.add_option("--vocab", vocab, "the LM's vocabulary (train_lm's vocab.txt)")->check(CLI::ExistingFile);
-  app.add_option("--hf", opt.hf_dir, "a Hugging Face model directory instead of --checkpoint and --vocab (docs/reference/hugging-face.md): its config.json fixes the model, its weights start the backbone, its tokenizer encodes the texts (special tokens included); the family's own softmax router")->check(CLI::ExistingDirectory)->excludes(ck_opt)->excludes(vocab_opt);
+  app.add_option("--hf", opt.hf_dir, "a Hugging Face model directory instead of --checkpoint and --vocab (docs/reference/hugging-face.md): its config.json fixes the model, its weights start the backbone, its tokenizer encodes the texts (special tokens included); the family's own router (softmax; DeepSeek-V3: sigmoid-bias)")->check(CLI::ExistingDirectory)->excludes(ck_opt)->excludes(vocab_opt);
   app.add_option("--task", task, "sst2, sst5 or banking77")->check(CLI::IsMember({"sst2", "sst5", "banking77"}));
   app.add_option("--data-dir", dir, "folder holding sst2/, sst5/, banking77/ (default: $GRAPHMOE_DATA_DIR or ../shared/data)");
   app.add_option("--epochs", opt.epochs, "epochs")->check(examples::integer<int>(1, examples::kMaxEpochs));
@@ -84,7 +84,8 @@ int main(int argc, char** argv) {
 #if defined(GRAPHMOE_EXAMPLES_HF_TOKENIZER)
       const hf::Checkpoint ck = hf::Checkpoint::open(opt.hf_dir);  // config and headers checked
       opt.model = ck.config().lm;
-      opt.router = "softmax";
+      // the family's own router: DeepSeek-V3's sigmoid scores with a selection bias, else softmax
+      opt.router = hf::sigmoid_routed(ck.config().family) ? "sigmoid-bias" : "softmax";
       examples::require_cpu_router("finetune_classifier", opt.router, opt.device);
       std::shared_ptr<hf::Tokenizer> tok = hf::load_tokenizer(opt.hf_dir);
       GRAPHMOE_CHECK(tok->vocab_size() <= opt.model.vocab_size, "finetune_classifier", "'",

@@ -119,8 +119,7 @@ void check_pretrained(const SafetensorsFile& f, const ParameterArena<T, B>& aren
 // handed to load_backbone by name; the classification head keeps its initialisation).
 template <class Policy, class Model>
 void load_hf_backbone(const Options& opt, Model& model) {
-  if constexpr (std::is_same_v<typename Policy::scorer, LinearScorer> &&
-                std::is_same_v<typename Policy::selector, TopK>) {
+  if constexpr (hf::loadable_router<Policy>) {
     const auto lm = hf::load_lm<Policy, Scalar>(opt.hf_dir);
     model.load_backbone([&](const std::string& name, const Shape& shape) {
       GRAPHMOE_CHECK(lm->arena().contains(name), "finetune_classifier --hf", "'", opt.hf_dir,

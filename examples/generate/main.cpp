@@ -27,7 +27,8 @@
 //   [7] "king" | block 0: experts 3 (0.61) 1 (0.39); alone 3 2; from [6] "the" 0.42 [2] "said" 0.18
 //
 // --hf DIR instead of --checkpoint and --vocab: a Hugging Face model directory (hf/reader.hpp: the
-// five families, loaded as hf::load_lm<SoftmaxRouter, float> on the CPU; --device cuda refused)
+// six families, loaded on the CPU in float with the family's own router, SoftmaxRouter or
+// DeepSeek-V3's SigmoidBiasRouter; --device cuda refused)
 // with its tokenizer (hf::load_tokenizer: tokenizer.json, or tokenizer.model where libsentencepiece
 // is linked). Prompts are encoded with the special tokens the tokenizer adds (a bos) and refused
 // beyond max_position_embeddings; generation stops at config.json's eos ids and the tokenizer's;
@@ -353,7 +354,8 @@ std::string read_prompt(const std::string& value, bool is_file, const char* flag
 }
 
 // --hf DIR: the model (hf::Checkpoint: config.json, every header checked) and its tokenizer, the
-// prompts encoded and checked against max_position_embeddings, then the SoftmaxRouter's CPU run.
+// prompts encoded and checked against max_position_embeddings, then the CPU run with the family's
+// own router (SoftmaxRouter; DeepSeek-V3: SigmoidBiasRouter).
 int generate_hf(const std::string& dir, const std::vector<std::string>& texts, const char* prompt_flag,
                 index_t num_samples, const std::vector<std::string>& stops,
                 const std::vector<std::string>& bans, GenerateOptions gen) {
@@ -365,8 +367,12 @@ int generate_hf(const std::string& dir, const std::vector<std::string>& texts, c
   generate_cli::Input in;
   in.hf = &ck;
   in.config = mc.lm;
-  in.router = "softmax";
-  in.model_name = mc.architecture + " '" + dir + "' (SoftmaxRouter, float)";
+  // the family's own router: DeepSeek-V3's sigmoid scores with a selection bias, else softmax
+  const bool sigmoid = hf::sigmoid_routed(mc.family) && mc.lm.layout != MoELayout::Dense;
+  in.router = sigmoid ? "sigmoid-bias" : "softmax";
+  examples::require_cpu_router("generate", in.router, "cpu");
+  in.model_name = mc.architecture + " '" + dir + "' (" +
+                  (sigmoid ? "SigmoidBiasRouter" : "SoftmaxRouter") + ", float)";
   GRAPHMOE_CHECK(gen.sampling.top_k <= in.config.vocab_size, "generate", "--top-k ",
                  gen.sampling.top_k, " exceeds the vocabulary of ", in.config.vocab_size,
                  " tokens (0 samples among all of them)");
@@ -390,6 +396,10 @@ int generate_hf(const std::string& dir, const std::vector<std::string>& texts, c
   in.printer = v.printer;
   in.label = v.label;
   in.batch = in.prompts.size() > 1;
+  if (sigmoid)
+    return examples::on_device<SigmoidBiasRouter>("generate", "cpu", in.router, [&]<class B>() {
+      return generate_cli::run<SigmoidBiasRouter, B>(in);
+    });
   return examples::on_device<SoftmaxRouter>("generate", "cpu", in.router, [&]<class B>() {
     return generate_cli::run<SoftmaxRouter, B>(in);
   });
@@ -414,7 +424,7 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();  // --help shows every default
   auto* ckpt_opt = app.add_option("--checkpoint", checkpoint, "the model (a train_lm checkpoint.safetensors; with --vocab)")->check(CLI::ExistingFile);
   auto* vocab_opt = app.add_option("--vocab", vocab, "its vocabulary (the vocab.txt train_lm wrote beside it)")->check(CLI::ExistingFile);
-  auto* hf_opt = app.add_option("--hf", hf_dir, "or the model as a Hugging Face model directory (config.json, safetensors and tokenizer.json or tokenizer.model; Llama, Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE; CPU)")
+  auto* hf_opt = app.add_option("--hf", hf_dir, "or the model as a Hugging Face model directory (config.json, safetensors and tokenizer.json or tokenizer.model; Llama, Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; CPU)")
                      ->excludes(ckpt_opt)->excludes(vocab_opt);
   auto* p_text = app.add_option("--prompt", prompt, "the text to continue (words, or characters for a --char model; any text with --hf; - reads stdin)");
   auto* p_file = app.add_option("--prompt-file", prompt_file, "read the prompt from this file (- for stdin; its line breaks are <eos> in a word model)")->excludes(p_text);

@@ -40,12 +40,14 @@ int run(const Input& in) {
   std::unique_ptr<LM> owned;
   if (in.hf != nullptr) {
 #if !defined(__CUDACC__)
-    if constexpr (std::is_same_v<B, cpu> && std::is_same_v<Policy, SoftmaxRouter>) {
+    if constexpr (std::is_same_v<B, cpu> && (std::is_same_v<Policy, SoftmaxRouter> ||
+                                             std::is_same_v<Policy, SigmoidBiasRouter>)) {
       owned = std::make_unique<LM>(in.config, typename LM::NoInit{});
       in.hf->load(*owned);  // every tensor checked (finite, shapes) before any is written
     }
 #endif
-    GRAPHMOE_CHECK(owned != nullptr, "generate", "--hf runs the SoftmaxRouter on the CPU only");
+    GRAPHMOE_CHECK(owned != nullptr, "generate", "--hf runs the family's own router "
+                   "(SoftmaxRouter; DeepSeek-V3: SigmoidBiasRouter) on the CPU only");
   } else {
     owned = std::make_unique<LM>(in.config, 0);
     LM& m = *owned;

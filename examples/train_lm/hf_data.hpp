@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/device_dispatch.hpp"
 #include "graphmoe/hf/reader.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 #include "train_lm/options.hpp"
@@ -43,20 +44,24 @@ inline const std::vector<std::string>& hf_fixed_flags() {
       "--rope-layout", "--qk-norm", "--qkv-bias", "--out-bias", "--tie-embeddings",
       "--expert-d-ff", "--shared-d-ff", "--shared-expert-gate", "--first-dense", "--moe-every",
       "--router-bias", "--norm-topk-prob", "--routed-scaling-factor", "--n-group", "--topk-group",
-      "--bias-update-rate", "--layout", "--layers", "--d-model", "--heads", "--d-ff", "--experts",
+      "--layout", "--layers", "--d-model", "--heads", "--d-ff", "--experts",
       "--top-k", "--capacity-factor", "--expert-layout", "--k-min", "--k-max", "--char",
       "--normalise", "--max-vocab", "--upcycle-from", "--attack-rate", "--attack-seed",
       "--attack-word"};
   return flags;
 }
 
-// The routers a Hugging Face model loads into (Router<LinearScorer, Graph, TopK>): its own
-// (softmax), a graph router from a = 0 (blended-*: the same model at step 0, graph upcycling), or
-// the graph applied to the pretrained weights at once (similarity, attention: another model).
-inline const std::vector<std::string>& hf_router_names() {
-  static const std::vector<std::string> names = {"softmax", "blended-similarity",
-                                                 "blended-attention", "similarity", "attention"};
-  return names;
+// The routers a Hugging Face model loads into. Softmax families (Router<LinearScorer, Graph,
+// TopK>): their own (softmax), a graph router from a = 0 (blended-*: the same model at step 0,
+// graph upcycling), or the graph applied to the pretrained weights at once (similarity,
+// attention: another model). DeepSeek-V3 (Router<SigmoidScorer, Graph, BiasBalancedTopK>): its
+// own (sigmoid-bias) or the Similarity graph at once (the Attention graph does not read latent
+// attention; no blended form of the sigmoid scorer is built).
+inline const std::vector<std::string>& hf_router_names(bool sigmoid_routed) {
+  static const std::vector<std::string> softmax = {"softmax", "blended-similarity",
+                                                   "blended-attention", "similarity", "attention"};
+  static const std::vector<std::string> sigmoid = {"sigmoid-bias", "sigmoid-bias-similarity"};
+  return sigmoid_routed ? sigmoid : softmax;
 }
 
 // The fingerprint of a tokenizer: FNV-1a of its file's bytes, the files that set its special
@@ -95,22 +100,30 @@ void load_hf(Options& opt, Data& data, Given&& given) {
   for (const std::string& f : hf_fixed_flags())
     GRAPHMOE_CHECK(!given(f), op, f, " is not an option of --hf: the model directory '",
                    opt.hf_dir, "' fixes the model's shape and its tokenizer the vocabulary");
-  const auto& routers = hf_router_names();
-  if (std::find(routers.begin(), routers.end(), opt.router) == routers.end()) {
-    std::string list;
-    for (const auto& r : routers) list += (list.empty() ? "" : ", ") + r;
-    graphmoe::detail::throw_error(op, "--router ", opt.router, " cannot load a Hugging Face model "
-                                  "(its router is a linear map, softmax and top-k): use one of ",
-                                  list);
-  }
   GRAPHMOE_CHECK(!opt.dp.expert_parallel(), op, "--ep: a Hugging Face model is loaded whole "
                  "(train without --ep)");
   auto ck = std::make_shared<const hf::Checkpoint>(hf::Checkpoint::open(opt.hf_dir));
   const TransformerLMConfig& hc = ck->config().lm;
+  // the router: the family's own unless --router names another of its kind
+  const bool sigmoid = hf::sigmoid_routed(ck->config().family);
+  if (!given("--router")) opt.router = sigmoid ? "sigmoid-bias" : "softmax";
+  const auto& routers = hf_router_names(sigmoid);
+  if (std::find(routers.begin(), routers.end(), opt.router) == routers.end()) {
+    std::string list;
+    for (const auto& r : routers) list += (list.empty() ? "" : ", ") + r;
+    graphmoe::detail::throw_error(
+        op, "--router ", opt.router, " cannot load the ", ck->config().architecture, " '",
+        opt.hf_dir, "' (its router is ",
+        sigmoid ? "sigmoid scores with a selection bias" : "a linear map, softmax and top-k",
+        "): use one of ", list);
+  }
+  examples::require_cpu_router("train_lm", opt.router, opt.device);
   TransformerLMConfig m = hc;  // the directory's model, with this run's router and training options
   m.router.allow_unused_options = true;
   m.router.options<Similarity>() = opt.model.router.options<Similarity>();
   m.router.options<Attention>() = opt.model.router.options<Attention>();
+  if (given("--bias-update-rate"))  // DeepSeek-V3's bias balancing while fine-tuning
+    m.router.options<BiasBalancedTopK>() = opt.model.router.options<BiasBalancedTopK>();
   if (given("--load-balance")) m.router.load_balance_coef = opt.model.router.load_balance_coef;
   if (given("--z-loss")) m.router.z_loss_coef = opt.model.router.z_loss_coef;
   if (given("--seq-aux-loss-coef")) m.router.seq_aux_loss_coef = opt.model.router.seq_aux_loss_coef;

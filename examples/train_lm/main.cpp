@@ -191,8 +191,9 @@ int main(int argc, char** argv) {
     if (!opt.save_hf.empty()) {
       GRAPHMOE_CHECK(!opt.hf_dir.empty(), "train_lm", "--save-hf needs --hf (the Hugging Face "
                      "model's family and keys; a train_lm model saves with graphmoe::hf::save_lm)");
-      GRAPHMOE_CHECK(opt.router == "softmax" || opt.save_hf_drop_graph, "train_lm", "--save-hf "
-                     "with --router ", opt.router, ": its token graph cannot be expressed in a "
+      GRAPHMOE_CHECK(opt.router == "softmax" || opt.router == "sigmoid-bias" ||
+                         opt.save_hf_drop_graph,
+                     "train_lm", "--save-hf with --router ", opt.router, ": its token graph cannot be expressed in a "
                      "transformers model. Pass --save-hf-drop-graph to save its linear router's "
                      "weights without the graph (the saved model then routes as the softmax router "
                      "does, without the graph, so it is not the model trained), or keep "

@@ -162,10 +162,10 @@ void upcycle_from_checkpoint(const Options& opt, const TransformerLMConfig& mc, 
 }
 
 // Whether a Hugging Face model loads into (and saves from) the router Policy: a linear map to
-// softmax scores and a top-k choice, with any token graph (hf/reader.hpp).
+// softmax scores and a top-k choice, or (DeepSeek-V3) to sigmoid scores with a selection bias,
+// with any token graph (hf::loadable_router; Checkpoint::load refuses the other kind by name).
 template <class Policy>
-inline constexpr bool hf_router = std::is_same_v<typename Policy::scorer, LinearScorer> &&
-                                  std::is_same_v<typename Policy::selector, TopK>;
+inline constexpr bool hf_router = hf::loadable_router<Policy>;
 
 // --hf: lm (initialised from the run's seed) takes the directory's weights (hf::Checkpoint::load);
 // the token graph's own parameters (Blended's a, a learned temperature) keep their initial values,
@@ -191,7 +191,7 @@ void load_hf_weights(const Options& opt, const TransformerLMConfig& mc, const Da
     (void)mc, (void)lm;
     graphmoe::detail::throw_error("train_lm --hf", "--router ", opt.router, " cannot load a "
                                   "Hugging Face model (its router is a linear map, softmax and "
-                                  "top-k)");
+                                  "top-k, or DeepSeek-V3's sigmoid scores with a selection bias)");
   }
 }
 

@@ -22,7 +22,9 @@
 #include "graphmoe/hf/tokenizer.hpp"
 #include "graphmoe/hf/writer.hpp"
 #include "graphmoe/inference/generate.hpp"
+#include "examples_routers.hpp"  // built_for_cpu<Policy>
 #include "support/byte_level_tokenizer.hpp"
+#include "support/deepseek_config.hpp"
 #include "support/processes.hpp"
 
 #if !defined(GRAPHMOE_GENERATE)
@@ -92,9 +94,10 @@ struct Expected {
   std::vector<std::int32_t> tokens;
   std::string text;
 };
+template <class Router = SoftmaxRouter>
 Expected expected(const std::string& dir, const std::string& prompt, GenerateOptions opt) {
   set_num_threads(1);
-  auto lm = hf::load_lm<SoftmaxRouter, float>(dir);
+  auto lm = hf::load_lm<Router, float>(dir);
   auto tok = hf::load_tokenizer(dir);
   const std::vector<std::int32_t> ids = tok->encode(prompt);
   REQUIRE(!ids.empty());
@@ -335,4 +338,29 @@ TEST_CASE("generate --hf: what does not apply is refused by name, with exit stat
   check_refused(run(s, hf_args(dir, "the", {"--ban", " the king"})),
                 {"--ban ' the king' is 2 tokens", "\" the\" \" king\"", "one token"});
   check_refused(run(s, hf_args(dir, "the", {"--device", "cuda"})), {"--hf with --device cuda", "CPU only"});
+}
+
+TEST_CASE("generate --hf: a DeepSeek-V3 model runs with its own router (SigmoidBiasRouter)") {
+  if constexpr (!examples::built_for_cpu<SigmoidBiasRouter>) return;
+  Scratch s("generate_hf_deepseek");
+  const std::string dir = s / "deepseek";
+  const hf::ModelConfig mc = test::deepseek_v3_config(kModelVocab, kContext);
+  TransformerLM<SigmoidBiasRouter, float, cpu> lm(mc.lm, 7);
+  // a selection bias of its own, so that a model routed without it would choose otherwise
+  Tensor<float> bias = lm.arena().value(lm.arena().find("blocks.1.moe.router.selector.expert_bias"));
+  for (index_t e = 0; e < bias.numel(); ++e) bias.data()[e] = 0.05f * static_cast<float>(e % 3) - 0.05f;
+  hf::save_lm(lm, mc, dir);
+  write(dir + "/tokenizer.json", tokenizer_json().dump());
+  write(dir + "/tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "</s>"})");
+  const std::string prompt = " the king said";
+  GenerateOptions greedy;
+  greedy.max_new_tokens = 12;
+  greedy.sampling.greedy = true;
+  const Expected g = expected<SigmoidBiasRouter>(dir, prompt, greedy);
+  const Result a = run(s, hf_args(dir, prompt, {"--greedy", "--max-new-tokens", "12"}));
+  INFO(a.text());
+  REQUIRE(a.status == 0);
+  CHECK(a.out == g.text + "\n");
+  CHECK(a.err.find("DeepseekV3ForCausalLM") != std::string::npos);
+  CHECK(a.err.find("SigmoidBiasRouter") != std::string::npos);
 }

@@ -34,6 +34,7 @@
 #include "graphmoe/train/lm_batcher.hpp"
 #include "graphmoe/train/training_state.hpp"
 #include "support/byte_level_tokenizer.hpp"
+#include "support/deepseek_config.hpp"
 #include "support/processes.hpp"
 
 #if !defined(GRAPHMOE_TRAIN_LM)
@@ -369,3 +370,45 @@ TEST_CASE("finetune_classifier --hf: the backbone and the tokenizer from a Huggi
   CHECK(none.err.find("tokenizer") != std::string::npos);
 }
 #endif
+
+TEST_CASE("train_lm --hf: a DeepSeek-V3 model fine-tunes with its own router, its selection bias keeps balancing, --save-hf writes it back") {
+  if constexpr (!examples::built_for_cpu<SigmoidBiasRouter>) return;
+  Scratch s("train_lm_hf_deepseek");
+  const std::string dir = s / "deepseek", train = s / "train.txt", valid = s / "valid.txt";
+  const hf::ModelConfig mc = test::deepseek_v3_config(kModelVocab, kContext);
+  using DS = TransformerLM<SigmoidBiasRouter, float, cpu>;
+  const DS lm(mc.lm, 11);
+  hf::save_lm(lm, mc, dir);
+  write(dir + "/tokenizer.json", tokenizer_json().dump());
+  write(dir + "/tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "</s>"})");
+  write_corpus(train, 60, 3);
+  write_corpus(valid, 20, 5);
+  const std::string out = s / "run", saved = s / "saved";
+  // no --router: the family's own, sigmoid-bias
+  const Result r = run(s, hf_args(dir, train, valid, out,
+                                  {"--steps", "3", "--lr", "1e-2", "--sample-tokens", "0",
+                                   "--bias-update-rate", "0.01", "--save-hf", saved,
+                                   "--save-hf-dtype", "f32"}));
+  INFO(r.text());
+  REQUIRE(r.status == 0);
+  CHECK(r.err.find("DeepseekV3ForCausalLM") != std::string::npos);
+  CHECK(r.err.find("into --router sigmoid-bias") != std::string::npos);
+  auto back = hf::load_lm<SigmoidBiasRouter, float>(saved);
+  TransformerLMConfig cfg = mc.lm;
+  cfg.max_seq_len = kSeq;
+  DS trained(cfg, DS::NoInit{});
+  load_arena(load_safetensors(out + "/checkpoint.safetensors"), trained.arena(), "model.");
+  CHECK(values_of(back->arena()) == values_of(trained.arena()));
+  // the selection bias moved: 3 steps of +-0.01 per expert
+  const std::string bias = "blocks.1.moe.router.selector.expert_bias";
+  const Tensor<float> b = back->arena().value(back->arena().find(bias));
+  index_t moved = 0;
+  for (index_t e = 0; e < b.numel(); ++e) moved += std::abs(b.data()[e]) > 0.005f ? 1 : 0;
+  CHECK(moved > 0);
+  const nlohmann::json sj = nlohmann::json::parse(slurp(saved + "/config.json"));
+  CHECK(sj["architectures"][0] == "DeepseekV3ForCausalLM");
+  // a router of the other kind is refused by name
+  check_refused(run(s, hf_args(dir, train, valid, s / "softmax", {"--steps", "1", "--router", "softmax"})),
+                {"--router softmax cannot load the DeepseekV3ForCausalLM", "sigmoid scores",
+                 "sigmoid-bias"});
+}

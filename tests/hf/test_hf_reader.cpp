@@ -604,3 +604,138 @@ TEST_CASE("hf: an absurd config.json on disk fails before the shards are read") 
   std::ofstream(c / "config.json") << "{\"architectures\": [";
   check_error(open_error(c.path()), {c / "config.json", "is not valid JSON"});
 }
+
+TEST_CASE("hf: DeepSeek-V3 (latent attention, sigmoid-bias group routing) loads and computes transformers' logits and expert choices") {
+  const std::string dir = fixture("deepseek_v3");
+  const nlohmann::json ex = read_json(dir + "/expected.json");
+  const hf::Checkpoint ck = hf::Checkpoint::open(dir);
+  const hf::ModelConfig& mc = ck.config();
+  CHECK(mc.family == hf::Family::DeepseekV3);
+  CHECK(hf::sigmoid_routed(mc.family));
+  const AttentionOptions& a = mc.lm.attention;
+  CHECK(a.kv_lora_rank == 16);
+  CHECK(a.q_lora_rank == 16);
+  CHECK(a.qk_nope_head_dim == 8);
+  CHECK(a.qk_rope_head_dim == 8);
+  CHECK(a.v_head_dim == 8);
+  CHECK(a.latent_norm_eps == 1e-6);
+  CHECK(a.rope_layout == RopeLayout::Interleaved);
+  CHECK(a.rope_theta == 10000.0);
+  CHECK(a.num_kv_heads == 0);
+  const auto& t = mc.lm.router.options<TopK>();
+  CHECK(t.n_group == 4);
+  CHECK(t.topk_group == 2);
+  CHECK(t.routed_scaling_factor == 2.5);
+  CHECK(t.norm_topk_prob);
+  CHECK(mc.lm.router.k == 3);
+  CHECK_FALSE(mc.lm.router.options<SigmoidScorer>().bias);
+  CHECK(mc.lm.first_k_dense == 1);
+  CHECK(mc.lm.shared_d_ff == 4);
+  CHECK_FALSE(mc.lm.shared_expert_gate);
+  CHECK(mc.mtp_layers == 1);
+
+  auto lm = hf::load_lm<SigmoidBiasRouter, float>(dir);
+  const Comparison c = compare(*lm, ex);
+  MESSAGE("deepseek_v3 (", ck.tensor_count(), " tensors): float logits within ", c.logits,
+          " relative, logsumexp ", c.logsumexp, ", experts ", c.expert_rows - c.expert_mismatches,
+          " of ", c.expert_rows, " token-layers identical");
+  CHECK(c.logits <= 1e-4);
+  CHECK(c.logsumexp <= 1e-4);
+  CHECK(c.expert_rows > 0);
+  CHECK(c.expert_mismatches == 0);
+  // the selection bias is loaded (e_score_correction_bias -> moe.router.selector.expert_bias)
+  const Tensor<float> bias = lm->arena().value(lm->arena().find("blocks.1.moe.router.selector.expert_bias"));
+  CHECK(std::any_of(bias.data(), bias.data() + bias.numel(), [](float x) { return x != 0; }));
+  auto lmd = hf::load_lm<SigmoidBiasRouter, double>(dir);
+  const Comparison d = compare(*lmd, ex);
+  MESSAGE("deepseek_v3: double logits within ", d.logits, " relative of transformers' float32");
+  CHECK(d.logits <= 1e-4);
+  CHECK(d.expert_mismatches == 0);
+  // a graph router over the same scores loads the same weights
+  auto sim = hf::load_lm<SimilaritySigmoidBiasRouter, float>(dir);
+  CHECK(parameters(sim->arena()) == parameters(lm->arena()));
+
+  // the other kind of router is refused by name, both ways
+  check_error(error_of([&] { (void)hf::load_lm<SoftmaxRouter, float>(dir); }),
+              {"DeepseekV3ForCausalLM", "sigmoids and a selection bias", "SigmoidBiasRouter"});
+  check_error(error_of([&] { (void)hf::load_lm<SigmoidBiasRouter, float>(fixture("qwen3_moe")); }),
+              {"Qwen3MoeForCausalLM", "softmax top-k", "SoftmaxRouter"});
+}
+
+TEST_CASE("hf: DeepSeek-V3's multi-token-prediction layers are skipped, other extra layers are not") {
+  FixtureCopy c("deepseek_v3");
+  c.tensors("model.safetensors", [](std::vector<LoadedTensor>& ts) {
+    LoadedTensor t = named(ts, "model.layers.1.mlp.gate.weight");
+    t.name = "model.layers.2.mlp.gate.weight";  // layer num_hidden_layers: the MTP module
+    ts.push_back(t);
+  });
+  auto ref = hf::load_lm<SigmoidBiasRouter, float>(fixture("deepseek_v3"));
+  auto lm = hf::load_lm<SigmoidBiasRouter, float>(c.path());
+  CHECK(parameters(lm->arena()) == parameters(ref->arena()));
+  c.config([](nlohmann::json& j) { j["num_nextn_predict_layers"] = 0; });
+  check_error(open_error(c.path()), {"'model.layers.2.mlp.gate.weight' is left over"});
+  c.config([](nlohmann::json& j) { j["num_nextn_predict_layers"] = 1; });
+  c.tensors("model.safetensors", [](std::vector<LoadedTensor>& ts) {
+    LoadedTensor t = named(ts, "model.norm.weight");
+    t.name = "model.layers.3.input_layernorm.weight";  // beyond the one MTP layer
+    ts.push_back(t);
+  });
+  check_error(error_of([&] { (void)hf::load_lm<SigmoidBiasRouter, float>(c.path()); }),
+              {"'model.layers.3.input_layernorm.weight' is left over"});
+}
+
+TEST_CASE("hf: DeepSeek-V3 config keys are read, and refused by name where graphmoe cannot compute them") {
+  const std::string path = "dir/config.json";
+  const nlohmann::json ds = read_json(fixture("deepseek_v3") + "/config.json");
+  using J = nlohmann::json;
+  auto refused = [&](const std::function<void(J&)>& edit, const std::vector<std::string>& parts) {
+    J j = ds;
+    edit(j);
+    std::vector<std::string> all = parts;
+    all.push_back("'dir/config.json'");
+    check_error(error_of([&] { (void)hf::parse_config(j, path); }), all);
+  };
+  refused([](J& j) { j["n_group"] = 3; }, {"key 'n_group' = 3 does not divide n_routed_experts = 8"});
+  refused([](J& j) { j["n_group"] = 8; }, {"key 'n_group' = 8 makes groups of one expert"});
+  refused([](J& j) { j["topk_group"] = 5; }, {"key 'topk_group' = 5 is outside [1, 4]"});
+  refused([](J& j) { j["topk_group"] = 1; }, {"key 'num_experts_per_tok' = 3", "topk_group = 1 groups of 2"});
+  refused([](J& j) { j["num_key_value_heads"] = 2; }, {"key 'num_key_value_heads' = 2 differs"});
+  refused([](J& j) { j["v_head_dim"] = 17; }, {"key 'v_head_dim' = 17 is above"});
+  refused([](J& j) { j["qk_rope_head_dim"] = 7; }, {"key 'qk_rope_head_dim' = 7 is odd"});
+  refused([](J& j) { j["head_dim"] = 16; }, {"key 'head_dim' differs from qk_rope_head_dim = 8"});
+  refused([](J& j) { j["qk_head_dim"] = 12; }, {"key 'qk_head_dim' differs"});
+  refused([](J& j) { j.erase("kv_lora_rank"); }, {"key 'kv_lora_rank' is missing"});
+  refused([](J& j) { j["n_shared_experts"] = 0; }, {"key 'n_shared_experts' = 0 is outside"});
+  refused([](J& j) { j["scoring_func"] = "softmax"; }, {"key 'scoring_func' is not 'sigmoid'"});
+  refused([](J& j) { j["topk_method"] = "greedy"; }, {"key 'topk_method' = 'greedy'"});
+  refused([](J& j) { j["moe_layer_freq"] = 2; }, {"key 'moe_layer_freq' is not 1"});
+  refused([](J& j) { j["attention_bias"] = true; }, {"key 'attention_bias' is true"});
+  refused([](J& j) { j["num_mtp_layers"] = 2; }, {"key 'num_mtp_layers' = 2 disagrees"});
+  refused([](J& j) {
+    j["rope_scaling"] = {{"type", "yarn"}, {"factor", 40}, {"mscale", 1.0}};
+  }, {"key 'rope_scaling'", "scaled RoPE"});
+  refused([](J& j) { j["router_aux_loss_coef"] = 0.01; }, {"key 'router_aux_loss_coef'", "is not known"});
+  // understood: the original release's remote-code keys, q_proj without a query latent, half-split
+  // RoPE, defaults of absent keys
+  J orig = ds;
+  orig["scoring_func"] = "sigmoid";
+  orig["topk_method"] = "noaux_tc";
+  orig["moe_layer_freq"] = 1;
+  orig["ep_size"] = 1;
+  orig["seq_aux"] = true;
+  orig["aux_loss_alpha"] = 0.001;
+  orig["auto_map"] = {{"AutoConfig", "configuration_deepseek.DeepseekV3Config"}};
+  orig["q_lora_rank"] = nullptr;
+  orig["rope_interleave"] = false;
+  orig.erase("routed_scaling_factor");
+  orig.erase("num_nextn_predict_layers");
+  const hf::ModelConfig o = hf::parse_config(orig, path);
+  CHECK(o.lm.attention.q_lora_rank == 0);
+  CHECK(o.lm.attention.rope_layout == RopeLayout::HalfSplit);
+  CHECK(o.lm.router.seq_aux_loss_coef == doctest::Approx(0.001));
+  CHECK(o.lm.router.options<TopK>().routed_scaling_factor == 2.5);
+  CHECK(o.mtp_layers == 1);
+  J all_dense = ds;
+  all_dense["first_k_dense_replace"] = 5;  // every layer dense, as transformers builds it
+  CHECK(hf::parse_config(all_dense, path).lm.first_k_dense == 2);
+}

@@ -43,7 +43,21 @@ namespace {
 
 using LM = TransformerLM<SoftmaxRouter, float>;
 
-const std::vector<std::string> kFamilies = {"llama", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"};
+const std::vector<std::string> kFamilies = {"llama",     "mixtral",   "olmoe",
+                                            "qwen2_moe", "qwen3_moe", "deepseek_v3"};
+
+// f.template operator()<Router>(family) for every family, with the router its checkpoints load
+// into: SigmoidBiasRouter for DeepSeek-V3, SoftmaxRouter for the others.
+template <class F>
+void for_each_family(F&& f) {
+  for (const std::string& family : kFamilies) {
+    CAPTURE(family);
+    if (family == "deepseek_v3")
+      f.template operator()<SigmoidBiasRouter>(family);
+    else
+      f.template operator()<SoftmaxRouter>(family);
+  }
+}
 
 std::string fixture(const std::string& family) {
   return (fs::path(GRAPHMOE_HF_FIXTURES) / family).string();
@@ -107,8 +121,9 @@ std::vector<T> logits_of(TransformerLM<R, T>& lm, const std::vector<std::int32_t
   return std::vector<T>(l.data(), l.data() + l.numel());
 }
 
+// token ids below 96, the smallest fixture vocabulary (deepseek_v3's)
 const std::vector<std::vector<std::int32_t>> kPrompts = {
-    {5, 17, 99, 3, 64}, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {127, 0, 42, 42, 11, 90, 33, 8, 71, 64, 12, 5, 100, 2, 77, 19}};
+    {5, 17, 93, 3, 64}, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {95, 0, 42, 42, 11, 90, 33, 8, 71, 64, 12, 5, 88, 2, 77, 19}};
 
 // Every parameter drawn as scripts/hf-fixtures.py draws them (norms near 1, biases near 0,
 // matrices N(0, 1 / fan_in)): far from ties between experts, unlike a fresh model's small router.
@@ -151,6 +166,7 @@ const std::set<std::string> kAbsentAllowed = {"transformers_version"};
 const std::set<std::string> kDifferentAllowed = {
     "head_dim",           // Mixtral: null (= hidden / heads) there, the number here
     "max_window_layers",  // Qwen2-MoE: unused without sliding windows (28 there, the layers here)
+    "num_nextn_predict_layers",  // DeepSeek-V3: 1 there (the default, with no MTP tensors), 0 here
     "dtype"};             // the dtype saved (checked separately)
 const std::set<std::string> kExtraAllowed = {"rope_theta", "torch_dtype", "num_experts"};
 
@@ -186,10 +202,9 @@ struct Fail {
 }  // namespace
 
 TEST_CASE("hf writer: every fixture loaded, saved in F32 and read back is the same model") {
-  for (const std::string& family : kFamilies) {
-    CAPTURE(family);
+  for_each_family([&]<class R>(const std::string& family) {
     const hf::Checkpoint ck = hf::Checkpoint::open(fixture(family));
-    auto lm = hf::load_lm<SoftmaxRouter, float>(fixture(family));
+    auto lm = hf::load_lm<R, float>(fixture(family));
     TempDir t;
     const std::string out = t / "model";
     hf::save_lm(*lm, ck.config(), out);
@@ -198,7 +213,7 @@ TEST_CASE("hf writer: every fixture loaded, saved in F32 and read back is the sa
     for (const auto& e : fs::directory_iterator(out)) files.push_back(e.path().filename().string());
     std::sort(files.begin(), files.end());
     CHECK(files == std::vector<std::string>{"config.json", "model.safetensors"});
-    auto back = hf::load_lm<SoftmaxRouter, float>(out);
+    auto back = hf::load_lm<R, float>(out);
     CHECK(same_bits(parameters(back->arena()), parameters(lm->arena())));
     for (const auto& p : kPrompts) CHECK(logits_of(*back, p) == logits_of(*lm, p));
     // config.json: transformers' keys and values, the token ids kept
@@ -212,14 +227,13 @@ TEST_CASE("hf writer: every fixture loaded, saved in F32 and read back is the sa
     CHECK(hf::detail::computation_difference(re.lm, ck.config().lm).empty());
     CHECK(re.lm.router.load_balance_coef == ck.config().lm.router.load_balance_coef);
     CHECK(re.lm.max_seq_len == ck.config().lm.max_seq_len);
-  }
+  });
 }
 
 TEST_CASE("hf writer: BF16 in shards with an index, a BF16 fixture is written byte for byte") {
-  for (const std::string& family : kFamilies) {
-    CAPTURE(family);
+  for_each_family([&]<class R>(const std::string& family) {
     const hf::Checkpoint ck = hf::Checkpoint::open(fixture(family));
-    auto lm = hf::load_lm<SoftmaxRouter, float>(fixture(family));
+    auto lm = hf::load_lm<R, float>(fixture(family));
     TempDir t;
     const std::string out = t / "model";
     hf::SaveOptions o;
@@ -241,7 +255,7 @@ TEST_CASE("hf writer: BF16 in shards with an index, a BF16 fixture is written by
       CHECK(read_safetensors_header(f).metadata == std::map<std::string, std::string>{{"format", "pt"}});
     }
     // every value is the BF16 rounding of the model's
-    auto back = hf::load_lm<SoftmaxRouter, float>(out);
+    auto back = hf::load_lm<R, float>(out);
     const std::vector<float> a = parameters(lm->arena()), b = parameters(back->arena());
     REQUIRE(a.size() == b.size());
     std::size_t wrong = 0;
@@ -263,17 +277,16 @@ TEST_CASE("hf writer: BF16 in shards with an index, a BF16 fixture is written by
       }
     }
     CHECK(read_json(out + "/config.json")["dtype"] == "bfloat16");
-  }
+  });
 }
 
 TEST_CASE("hf writer: random models of every family round-trip, F32 and F16") {
-  for (const std::string& family : kFamilies) {
-    CAPTURE(family);
+  for_each_family([&]<class R>(const std::string& family) {
     const hf::ModelConfig mc = hf::Checkpoint::open(fixture(family)).config();
-    LM lm(mc.lm, 1234);  // graphmoe's own init
+    TransformerLM<R, float> lm(mc.lm, 1234);  // graphmoe's own init
     TempDir t;
     hf::save_lm(lm, mc.family, t / "f32");
-    auto back = hf::load_lm<SoftmaxRouter, float>(t / "f32");
+    auto back = hf::load_lm<R, float>(t / "f32");
     CHECK(same_bits(parameters(back->arena()), parameters(lm.arena())));
     CHECK(logits_of(*back, kPrompts[2]) == logits_of(lm, kPrompts[2]));
     const nlohmann::json cj = read_json(t / "f32/config.json");
@@ -283,13 +296,13 @@ TEST_CASE("hf writer: random models of every family round-trip, F32 and F16") {
     hf::SaveOptions o;
     o.dtype = DType::F16;
     hf::save_lm(lm, mc.family, t / "f16", o);
-    auto half = hf::load_lm<SoftmaxRouter, float>(t / "f16");
+    auto half = hf::load_lm<R, float>(t / "f16");
     const std::vector<float> a = parameters(lm.arena()), b = parameters(half->arena());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < a.size(); ++i)
       wrong += hf::detail::f16_to_float(hf::detail::float_to_f16(a[i])) != b[i] ? 1 : 0;
     CHECK(wrong == 0);
-  }
+  });
 }
 
 TEST_CASE("hf writer: a double model is written with one rounding") {
@@ -557,9 +570,9 @@ TEST_CASE("hf writer: models for transformers (GRAPHMOE_HF_WRITER_OUT)") {
     manifest.push_back(name);
   };
   std::uint64_t seed = 100;
-  for (const std::string& family : kFamilies) {
+  for_each_family([&]<class R>(const std::string& family) {
     const hf::ModelConfig mc = hf::Checkpoint::open(fixture(family)).config();
-    LM lm(mc.lm, seed);
+    TransformerLM<R, float> lm(mc.lm, seed);
     draw_weights(lm, seed++);
     hf::SaveOptions o;
     o.overwrite = true;
@@ -568,9 +581,9 @@ TEST_CASE("hf writer: models for transformers (GRAPHMOE_HF_WRITER_OUT)") {
       o.max_shard_size = 50000;
     }
     hf::save_lm(lm, mc, (out / family).string(), o);
-    auto back = hf::load_lm<SoftmaxRouter, float>((out / family).string());
-    write_expected(family, *back, std::string("SoftmaxRouter, random weights, ") + hf::torch_dtype_name(o.dtype));
-  }
+    auto back = hf::load_lm<R, float>((out / family).string());
+    write_expected(family, *back, std::string(R::name()) + ", random weights, " + hf::torch_dtype_name(o.dtype));
+  });
   {  // a Similarity router with a learned tau, saved with its graph dropped: the graph-free model
     const hf::ModelConfig mc = hf::Checkpoint::open(fixture("qwen3_moe")).config();
     TransformerLMConfig cfg = mc.lm;

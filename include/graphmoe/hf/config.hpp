@@ -4,8 +4,8 @@
 //   c.lm                                                   // the TransformerLMConfig to declare
 //
 // Architectures (config.json's "architectures"): LlamaForCausalLM, MixtralForCausalLM,
-// OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM. Every key of the file is either
-// understood (it sets a field, or is checked to hold the value the model computes with), known
+// OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM. Every key of
+// the file is either understood (it sets a field, or is checked to hold the value the model computes with), known
 // not to change the computation (token ids, generation and training-only settings), or refused
 // by name: a key the reader does not know could change what the model computes, so it is never
 // ignored. Refused values say why (scaled RoPE, sliding windows in use, biases graphmoe's blocks
@@ -13,11 +13,16 @@
 // Sizes are checked against limits (hidden_size <= 65536, num_local_experts <= 4096, ...) before
 // anything is declared or allocated. docs/reference/hugging-face.md lists every key.
 //
-// The router of every family is a linear map without bias to softmax scores, top-k in float
-// (LinearScorer with bias = false, TopK with norm_topk_prob as the family sets it, scale 1).
+// The router of every family but DeepSeek-V3 is a linear map without bias to softmax scores,
+// top-k in float (LinearScorer with bias = false, TopK with norm_topk_prob as the family sets it,
+// scale 1). DeepSeek-V3's is a linear map to sigmoid scores, a per-expert selection bias
+// (e_score_correction_bias), group-limited top-k, gates normalised or not and scaled by
+// routed_scaling_factor (SigmoidScorer with bias = false, BiasBalancedTopK reading TopK's
+// norm_topk_prob, routed_scaling_factor, n_group and topk_group).
 // Errors: graphmoe::Error "graphmoe::hf::read_config: '<path>': key '<key>' ...".
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -36,10 +41,10 @@
 
 namespace graphmoe::hf {
 
-enum class Family { Llama, Mixtral, Olmoe, Qwen2Moe, Qwen3Moe };
+enum class Family { Llama, Mixtral, Olmoe, Qwen2Moe, Qwen3Moe, DeepseekV3 };
 
 // "LlamaForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
-// "Qwen3MoeForCausalLM".
+// "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM".
 inline const char* architecture_name(Family f) {
   switch (f) {
     case Family::Llama: return "LlamaForCausalLM";
@@ -47,6 +52,7 @@ inline const char* architecture_name(Family f) {
     case Family::Olmoe: return "OlmoeForCausalLM";
     case Family::Qwen2Moe: return "Qwen2MoeForCausalLM";
     case Family::Qwen3Moe: return "Qwen3MoeForCausalLM";
+    case Family::DeepseekV3: return "DeepseekV3ForCausalLM";
   }
   return "?";
 }
@@ -58,12 +64,13 @@ inline const char* model_type_name(Family f) {
     case Family::Olmoe: return "olmoe";
     case Family::Qwen2Moe: return "qwen2_moe";
     case Family::Qwen3Moe: return "qwen3_moe";
+    case Family::DeepseekV3: return "deepseek_v3";
   }
   return "?";
 }
 inline const std::vector<Family>& families() {
   static const std::vector<Family> all = {Family::Llama, Family::Mixtral, Family::Olmoe,
-                                          Family::Qwen2Moe, Family::Qwen3Moe};
+                                          Family::Qwen2Moe, Family::Qwen3Moe, Family::DeepseekV3};
   return all;
 }
 
@@ -78,6 +85,11 @@ struct ConfigLimits {
   static constexpr std::int64_t positions = std::int64_t(1) << 24;           // 16,777,216
 };
 
+// Whether the family's router is DeepSeek-V3's (sigmoid scores, a selection bias, groups): loaded
+// into a Router<SigmoidScorer, Graph, BiasBalancedTopK> (SigmoidBiasRouter and its graph forms);
+// the other families' into a Router<LinearScorer, Graph, TopK>.
+inline bool sigmoid_routed(Family f) { return f == Family::DeepseekV3; }
+
 // What config.json says, mapped onto graphmoe.
 struct ModelConfig {
   std::string path;          // the config.json read
@@ -89,6 +101,10 @@ struct ModelConfig {
   std::vector<std::int64_t> bos_token_ids, eos_token_ids;
   std::optional<std::int64_t> pad_token_id;
   std::string dtype;
+  // DeepSeek-V3's multi-token-prediction modules (num_nextn_predict_layers): layers
+  // num_hidden_layers .. num_hidden_layers + mtp_layers - 1 of the checkpoint, which the causal
+  // LM does not run (transformers does not load them either); their tensors are skipped.
+  std::int64_t mtp_layers = 0;
 };
 
 namespace detail {
@@ -278,6 +294,7 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
   const Family fam = out.family;
   const bool moe = fam != Family::Llama;
   const bool qwen = fam == Family::Qwen2Moe || fam == Family::Qwen3Moe;
+  const bool ds = fam == Family::DeepseekV3;
 
   detail::ConfigKeys k(j, path, out.architecture);
   k.ignore("architectures");
@@ -315,9 +332,41 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
   c.num_layers = k.integer("num_hidden_layers", 1, ConfigLimits::layers);
   c.num_heads = k.integer("num_attention_heads", 1, ConfigLimits::heads);
   // head_dim: every family's attention reads it when set (getattr(config, "head_dim", ...)), and
-  // hidden_size / num_attention_heads otherwise
+  // hidden_size / num_attention_heads otherwise; DeepSeek-V3's multi-head latent attention has
+  // its own widths (and its config's head_dim is qk_rope_head_dim, the rotary width)
   index_t dh = 0;
-  if (!k.absent_or_null("head_dim")) {
+  if (ds) {
+    AttentionOptions& a = c.attention;
+    a.kv_lora_rank = k.integer("kv_lora_rank", 1, ConfigLimits::hidden_size);
+    a.q_lora_rank = k.absent_or_null("q_lora_rank")
+                        ? 0
+                        : k.integer("q_lora_rank", 1, ConfigLimits::hidden_size);
+    a.qk_nope_head_dim = k.integer("qk_nope_head_dim", 1, ConfigLimits::hidden_size);
+    a.qk_rope_head_dim = k.integer("qk_rope_head_dim", 2, ConfigLimits::hidden_size);
+    if (a.qk_rope_head_dim % 2 != 0)
+      k.fail("qk_rope_head_dim", "= " + std::to_string(a.qk_rope_head_dim) +
+                                     " is odd: RoPE rotates pairs");
+    a.v_head_dim = k.integer("v_head_dim", 1, ConfigLimits::hidden_size);
+    if (a.v_head_dim > a.qk_nope_head_dim + a.qk_rope_head_dim)
+      k.fail("v_head_dim", "= " + std::to_string(a.v_head_dim) +
+                               " is above qk_nope_head_dim + qk_rope_head_dim = " +
+                               std::to_string(a.qk_nope_head_dim + a.qk_rope_head_dim) +
+                               ": graphmoe's latent attention pads v to the key width");
+    if (!k.absent_or_null("head_dim") &&
+        k.integer("head_dim", 1, ConfigLimits::hidden_size) != a.qk_rope_head_dim)
+      k.fail("head_dim", "differs from qk_rope_head_dim = " + std::to_string(a.qk_rope_head_dim) +
+                             " (DeepSeek-V3's config sets head_dim to the rotary width)");
+    if (!k.absent_or_null("qk_head_dim") &&  // derived, and saved by transformers
+        k.integer("qk_head_dim", 1, ConfigLimits::hidden_size) !=
+            a.qk_nope_head_dim + a.qk_rope_head_dim)
+      k.fail("qk_head_dim", "differs from qk_nope_head_dim + qk_rope_head_dim = " +
+                                std::to_string(a.qk_nope_head_dim + a.qk_rope_head_dim));
+    // the latents' RMSNorm: DeepseekV3RMSNorm's default epsilon, not rms_norm_eps
+    a.latent_norm_eps = 1e-6;
+    a.rope_layout = k.boolean("rope_interleave", true) ? RopeLayout::Interleaved
+                                                       : RopeLayout::HalfSplit;
+    dh = a.qk_nope_head_dim + a.qk_rope_head_dim;
+  } else if (!k.absent_or_null("head_dim")) {
     dh = k.integer("head_dim", 1, ConfigLimits::hidden_size);
     if (fam == Family::Olmoe && dh * c.num_heads != c.d_model)
       k.fail("head_dim", "= " + std::to_string(dh) + " with num_attention_heads = " +
@@ -334,6 +383,10 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
     dh = c.d_model / c.num_heads;
   }
   const std::int64_t kv = k.integer("num_key_value_heads", 1, c.num_heads, c.num_heads);
+  if (ds && kv != c.num_heads)
+    k.fail("num_key_value_heads", "= " + std::to_string(kv) + " differs from num_attention_heads = " +
+                                      std::to_string(c.num_heads) +
+                                      ": multi-head latent attention gives every head its keys");
   if (c.num_heads % kv != 0)
     k.fail("num_key_value_heads", "= " + std::to_string(kv) + " does not divide num_attention_heads = " +
                                       std::to_string(c.num_heads));
@@ -354,7 +407,7 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
   c.activation = FfnActivation::SwiGLU;
   c.ffn_bias = false;
   c.tie_embeddings = k.boolean("tie_word_embeddings", false);
-  c.attention.rope_layout = RopeLayout::HalfSplit;
+  if (!ds) c.attention.rope_layout = RopeLayout::HalfSplit;  // DeepSeek's: rope_interleave
   c.attention.out_bias = false;
   c.attention.qkv_bias = false;
   if (fam == Family::Qwen2Moe) {
@@ -365,7 +418,8 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
   }
   if (fam == Family::Llama && k.boolean("mlp_bias", false))
     k.fail("mlp_bias", "is true: biases on the MLP projections are not read");
-  if (fam == Family::Llama) (void)k.integer("pretraining_tp", 1, 1024, 1);  // the same products, sliced
+  if (fam == Family::Llama || ds)
+    (void)k.integer("pretraining_tp", 1, 1024, 1);  // the same products, sliced
   if (k.number("attention_dropout", 0.0, 1.0, 0.0) != 0.0)
     k.fail("attention_dropout", "is not 0: graphmoe's attention has no dropout");
   if (fam == Family::Olmoe) {
@@ -460,17 +514,75 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
         e = e2;
       }
       if (!a && !b) k.fail("num_local_experts", "is missing (nor is there 'num_experts')");
+    } else if (ds) {
+      // transformers' DeepseekV3Config: n_routed_experts (num_local_experts is its alias)
+      const bool a = !k.absent_or_null("n_routed_experts"), b = !k.absent_or_null("num_local_experts");
+      if (a) e = k.integer("n_routed_experts", 1, ConfigLimits::experts);
+      if (b) {
+        const std::int64_t e2 = k.integer("num_local_experts", 1, ConfigLimits::experts);
+        if (a && e2 != e)
+          k.fail("num_local_experts", "= " + std::to_string(e2) +
+                                          " disagrees with n_routed_experts = " + std::to_string(e));
+        e = e2;
+      }
+      if (!a && !b) k.fail("n_routed_experts", "is missing (nor is there 'num_local_experts')");
     } else {
       e = k.integer("num_experts", 1, ConfigLimits::experts);
     }
     c.router.num_experts = e;
     c.router.k = k.integer("num_experts_per_tok", 1, e);
-    c.router.options<LinearScorer>().bias = false;  // the families' routers have no bias
     auto& topk = c.router.options<TopK>();
-    topk.norm_topk_prob = fam == Family::Mixtral ? true : k.boolean("norm_topk_prob", false);
-    topk.routed_scaling_factor = 1.0;
-    // training only: graphmoe's load-balancing loss (its normalisation differs from transformers')
-    c.router.load_balance_coef = k.number("router_aux_loss_coef", 0.0, 1e6, 0.0);
+    if (ds) {
+      c.router.options<SigmoidScorer>().bias = false;  // DeepSeek-V3's gate has no bias
+      // DeepseekV3Config's defaults where a key is absent
+      topk.norm_topk_prob = k.boolean("norm_topk_prob", true);
+      topk.routed_scaling_factor = k.number("routed_scaling_factor", 0.0, 1e6, 2.5, /*lo_open=*/true);
+      topk.n_group = k.integer("n_group", 1, e, 8);
+      if (e % topk.n_group != 0)
+        k.fail("n_group", "= " + std::to_string(topk.n_group) + " does not divide n_routed_experts = " +
+                              std::to_string(e));
+      if (topk.n_group > 1 && e / topk.n_group < 2)
+        k.fail("n_group", "= " + std::to_string(topk.n_group) + " makes groups of one expert (a "
+                              "group's score is the sum of its two best scores)");
+      topk.topk_group = k.integer("topk_group", 1, topk.n_group, 4);
+      if (c.router.k > topk.topk_group * (e / topk.n_group))
+        k.fail("num_experts_per_tok", "= " + std::to_string(c.router.k) +
+                                          " experts cannot come from topk_group = " +
+                                          std::to_string(topk.topk_group) + " groups of " +
+                                          std::to_string(e / topk.n_group));
+      // the original release's remote-code keys, with the only values this routing computes
+      if (k.string("scoring_func", "sigmoid") != "sigmoid")
+        k.fail("scoring_func", "is not 'sigmoid' (DeepSeek-V3's router scores are sigmoids)");
+      if (const std::string m = k.string("topk_method", "noaux_tc"); m != "noaux_tc")
+        k.fail("topk_method", "= '" + m + "': only 'noaux_tc' (top-k of the biased scores within "
+                              "the best groups) is built");
+      if (k.integer("moe_layer_freq", 1, ConfigLimits::layers, 1) != 1)
+        k.fail("moe_layer_freq", "is not 1: DeepSeek-V3's MoE layers are every layer from "
+                                 "first_k_dense_replace on");
+      k.ignore("ep_size");   // expert parallelism of the original code: the same products
+      k.ignore("auto_map");  // the original remote code's class names
+      // training only: the sequence-wise balance loss (seq_aux) or the batch one
+      const double alpha = k.number("aux_loss_alpha", 0.0, 1e6, 0.0);
+      (k.boolean("seq_aux", true) ? c.router.seq_aux_loss_coef : c.router.load_balance_coef) = alpha;
+      const bool m1 = !k.absent_or_null("num_nextn_predict_layers"),
+                 m2 = !k.absent_or_null("num_mtp_layers");
+      out.mtp_layers = 1;  // DeepseekV3Config's default
+      if (m1) out.mtp_layers = k.integer("num_nextn_predict_layers", 0, ConfigLimits::layers);
+      if (m2) {
+        const std::int64_t n = k.integer("num_mtp_layers", 0, ConfigLimits::layers);
+        if (m1 && n != out.mtp_layers)
+          k.fail("num_mtp_layers", "= " + std::to_string(n) +
+                                       " disagrees with num_nextn_predict_layers = " +
+                                       std::to_string(out.mtp_layers));
+        out.mtp_layers = n;
+      }
+    } else {
+      c.router.options<LinearScorer>().bias = false;  // the families' routers have no bias
+      topk.norm_topk_prob = fam == Family::Mixtral ? true : k.boolean("norm_topk_prob", false);
+      topk.routed_scaling_factor = 1.0;
+      // training only: graphmoe's load-balancing loss (its normalisation differs from transformers')
+      c.router.load_balance_coef = k.number("router_aux_loss_coef", 0.0, 1e6, 0.0);
+    }
     if (fam == Family::Mixtral && k.number("router_jitter_noise", 0.0, 1.0, 0.0) != 0.0)
       k.fail("router_jitter_noise", "is not 0: the router's multiplicative jitter in training is not built");
     if (fam == Family::Mixtral) {
@@ -499,6 +611,19 @@ inline ModelConfig parse_config(const nlohmann::json& j, const std::string& path
     if (fam == Family::Qwen2Moe) {
       c.shared_d_ff = k.integer("shared_expert_intermediate_size", 1, ConfigLimits::intermediate_size);
       c.shared_expert_gate = true;
+    }
+    if (ds) {
+      // layers from first_k_dense_replace on are MoE (none when it is num_hidden_layers or more)
+      c.first_k_dense =
+          std::min<std::int64_t>(k.integer("first_k_dense_replace", 0, ConfigLimits::layers, 3),
+                                 c.num_layers);
+      // the shared experts: one MLP of n_shared_experts x moe_intermediate_size, ungated
+      const std::int64_t n = k.integer("n_shared_experts", 1, 1024, 1);
+      if (n * c.expert_d_ff > ConfigLimits::intermediate_size)
+        k.fail("n_shared_experts", "x moe_intermediate_size = " + std::to_string(n * c.expert_d_ff) +
+                                       " is above " + std::to_string(ConfigLimits::intermediate_size));
+      c.shared_d_ff = n * c.expert_d_ff;
+      c.shared_expert_gate = false;
     }
   }
   k.finish();

@@ -23,7 +23,9 @@
 // nothing. Every error is graphmoe::Error naming the file and the tensor or key.
 //
 // The router: Router<LinearScorer, Graph, TopK> (SoftmaxRouter is the families' own; a graph
-// router loads the same weights and routes through its graph, a different model by design). A
+// router loads the same weights and routes through its graph, a different model by design);
+// DeepSeek-V3's: Router<SigmoidScorer, Graph, BiasBalancedTopK> (SigmoidBiasRouter), its
+// e_score_correction_bias the selector's expert_bias. The other kind is refused by name. A
 // token graph's own parameters (those whose name contains ".router.graph." under the model's
 // prefix: Blended<G>'s "blocks.i.moe.router.graph.blend", a learned temperature "...graph.log_tau",
 // a projection) are not Hugging Face tensors: load() leaves them as they are, so they keep the
@@ -43,7 +45,11 @@
 // block_sparse_moe.gate) -> moe.router.weight, expert e's gate and up projections (w1 and w3 for
 // Mixtral) -> rows [2eF, 2eF + F) and [2eF + F, 2(e+1)F) of moe.experts.w1, its down projection
 // (w2) -> moe.experts.w2[e], Qwen2-MoE's mlp.shared_expert.* -> shared_expert.fc1 / fc2 and
-// mlp.shared_expert_gate -> shared_expert_gate.
+// mlp.shared_expert_gate -> shared_expert_gate. DeepSeek-V3: self_attn.{q_proj | q_a_proj,
+// q_a_layernorm, q_b_proj}, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj -> the same names under
+// attn., o_proj -> attn.out_proj, mlp.gate.e_score_correction_bias -> moe.router.selector.expert_bias,
+// mlp.shared_experts.* -> shared_expert.fc1 / fc2; its multi-token-prediction layers
+// (model.layers.L .. L + num_nextn_predict_layers - 1) are skipped, as transformers skips them.
 //
 // POSIX (open, mmap), little-endian hosts (train/checkpoint.hpp). The files must not change
 // while load() runs (a file shortened under a mapping would raise SIGBUS).
@@ -75,6 +81,20 @@
 #include "graphmoe/train/checkpoint.hpp"
 
 namespace graphmoe::hf {
+
+// Whether a router can hold a checkpoint's weights: a softmax top-k (Router<LinearScorer, Graph,
+// TopK>, every family but DeepSeek-V3) or sigmoid scores with a selection bias
+// (Router<SigmoidScorer, Graph, BiasBalancedTopK>, DeepSeek-V3); which of the two a family needs
+// is sigmoid_routed(family).
+template <class Router>
+inline constexpr bool softmax_topk_router = std::is_same_v<typename Router::scorer, LinearScorer> &&
+                                            std::is_same_v<typename Router::selector, TopK>;
+template <class Router>
+inline constexpr bool sigmoid_bias_router =
+    std::is_same_v<typename Router::scorer, SigmoidScorer> &&
+    std::is_same_v<typename Router::selector, BiasBalancedTopK>;
+template <class Router>
+inline constexpr bool loadable_router = softmax_topk_router<Router> || sigmoid_bias_router<Router>;
 
 // One tensor a checkpoint holds, and the part of a graphmoe parameter it fills.
 struct TensorSlot {
@@ -109,10 +129,28 @@ void for_each_tensor(const ModelConfig& mc, F&& f) {
     slot(L + "input_layernorm.weight", Shape{d}, G + "ln1.weight");
     slot(L + "post_attention_layernorm.weight", Shape{d}, G + "ln2.weight");
     const std::string A = L + "self_attn.";
-    slot(A + "q_proj.weight", Shape{dq, d}, G + "attn.q_proj.weight");
-    slot(A + "k_proj.weight", Shape{dkv, d}, G + "attn.k_proj.weight");
-    slot(A + "v_proj.weight", Shape{dkv, d}, G + "attn.v_proj.weight");
-    slot(A + "o_proj.weight", Shape{d, dq}, G + "attn.out_proj.weight");
+    if (c.attention.latent()) {  // DeepSeek-V3's multi-head latent attention
+      const AttentionOptions& a = c.attention;
+      const index_t h = c.num_heads, dqk = a.qk_nope_head_dim + a.qk_rope_head_dim;
+      if (a.q_lora_rank == 0) {
+        slot(A + "q_proj.weight", Shape{h * dqk, d}, G + "attn.q_proj.weight");
+      } else {
+        slot(A + "q_a_proj.weight", Shape{a.q_lora_rank, d}, G + "attn.q_a_proj.weight");
+        slot(A + "q_a_layernorm.weight", Shape{a.q_lora_rank}, G + "attn.q_a_layernorm.weight");
+        slot(A + "q_b_proj.weight", Shape{h * dqk, a.q_lora_rank}, G + "attn.q_b_proj.weight");
+      }
+      slot(A + "kv_a_proj_with_mqa.weight", Shape{a.kv_lora_rank + a.qk_rope_head_dim, d},
+           G + "attn.kv_a_proj_with_mqa.weight");
+      slot(A + "kv_a_layernorm.weight", Shape{a.kv_lora_rank}, G + "attn.kv_a_layernorm.weight");
+      slot(A + "kv_b_proj.weight", Shape{h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank},
+           G + "attn.kv_b_proj.weight");
+      slot(A + "o_proj.weight", Shape{d, h * a.v_head_dim}, G + "attn.out_proj.weight");
+    } else {
+      slot(A + "q_proj.weight", Shape{dq, d}, G + "attn.q_proj.weight");
+      slot(A + "k_proj.weight", Shape{dkv, d}, G + "attn.k_proj.weight");
+      slot(A + "v_proj.weight", Shape{dkv, d}, G + "attn.v_proj.weight");
+      slot(A + "o_proj.weight", Shape{d, dq}, G + "attn.out_proj.weight");
+    }
     if (c.attention.qkv_bias) {
       slot(A + "q_proj.bias", Shape{dq}, G + "attn.q_proj.bias");
       slot(A + "k_proj.bias", Shape{dkv}, G + "attn.k_proj.bias");
@@ -131,6 +169,8 @@ void for_each_tensor(const ModelConfig& mc, F&& f) {
     const bool mixtral = mc.family == Family::Mixtral;
     const std::string M = L + (mixtral ? "block_sparse_moe." : "mlp.");
     slot(M + "gate.weight", Shape{e, d}, G + "moe.router.weight");
+    if (sigmoid_routed(mc.family))  // DeepSeek-V3's selection bias
+      slot(M + "gate.e_score_correction_bias", Shape{e}, G + "moe.router.selector.expert_bias");
     for (index_t x = 0; x < e; ++x) {
       const std::string X = M + "experts." + std::to_string(x) + ".";
       slot(X + (mixtral ? "w1" : "gate_proj") + ".weight", Shape{w, d}, G + "moe.experts.w1",
@@ -141,8 +181,8 @@ void for_each_tensor(const ModelConfig& mc, F&& f) {
            x * d * w);
     }
     if (c.shared_d_ff > 0) {
-      mlp(M + "shared_expert.", G + "shared_expert.", c.shared_d_ff, "gate_proj", "up_proj",
-          "down_proj");
+      mlp(M + (mc.family == Family::DeepseekV3 ? "shared_experts." : "shared_expert."),
+          G + "shared_expert.", c.shared_d_ff, "gate_proj", "up_proj", "down_proj");
       if (c.shared_expert_gate)
         slot(M + "shared_expert_gate.weight", Shape{1, d}, G + "shared_expert_gate.weight");
     }
@@ -367,6 +407,32 @@ class Checkpoint {
   }
 
   const ModelConfig& config() const { return config_; }
+
+  // Refuses (at compile time) a router no checkpoint has, and (here) one of the other kind than
+  // the family's: a softmax top-k (Router<LinearScorer, Graph, TopK>) for every family but
+  // DeepSeek-V3, sigmoid scores with a selection bias (Router<SigmoidScorer, Graph,
+  // BiasBalancedTopK>) for DeepSeek-V3. A dense model (Llama) takes either.
+  template <class Router>
+  void require_router() const {
+    constexpr bool sigmoid_bias = sigmoid_bias_router<Router>;
+    static_assert(loadable_router<Router>,
+                  "graphmoe::hf::Checkpoint: a Hugging Face MoE router is a linear map to "
+                  "softmax scores and a top-k choice (Router<LinearScorer, Graph, TopK>: "
+                  "SoftmaxRouter, SimilarityRouter, AttentionRouter) or, for DeepSeek-V3, to "
+                  "sigmoid scores with a selection bias (Router<SigmoidScorer, Graph, "
+                  "BiasBalancedTopK>: SigmoidBiasRouter and its graph forms)");
+    if (config_.lm.layout != MoELayout::Dense)
+      GRAPHMOE_CHECK(sigmoid_bias == sigmoid_routed(config_.family), "hf::Checkpoint", "'",
+                     config_.path,
+                     "' describes a ", config_.architecture, ", whose router ",
+                     sigmoid_routed(config_.family)
+                         ? "scores with sigmoids and a selection bias: load it into a "
+                           "Router<SigmoidScorer, Graph, BiasBalancedTopK> (SigmoidBiasRouter, "
+                           "SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter), not "
+                         : "is a softmax top-k: load it into a Router<LinearScorer, Graph, TopK> "
+                           "(SoftmaxRouter, SimilarityRouter, AttentionRouter), not ",
+                     Router::name());
+  }
   const std::string& dir() const { return dir_; }
   // The weight files (model.safetensors, or the shards the index names, in name order), and the
   // index ("" without one).
@@ -389,12 +455,7 @@ class Checkpoint {
   // parameter.
   template <class Router, class T>
   void load(TransformerLM<Router, T, cpu>& lm) const {
-    static_assert(std::is_same_v<typename Router::scorer, LinearScorer> &&
-                      std::is_same_v<typename Router::selector, TopK>,
-                  "graphmoe::hf::Checkpoint::load: a Hugging Face MoE router is a linear map to "
-                  "softmax scores and a top-k choice: use a Router<LinearScorer, Graph, TopK> "
-                  "(SoftmaxRouter; SimilarityRouter and AttentionRouter route the same weights "
-                  "through their graph)");
+    require_router<Router>();
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                   "graphmoe::hf::Checkpoint::load: T must be float or double");
     GRAPHMOE_CHECK(lm.bound(), load_op, "the model is not bound: declare it, allocate its arena "
@@ -527,7 +588,11 @@ class Checkpoint {
     const AttentionOptions &a = m.attention, &b = c.attention;
     same(a.head_dim_for(m.d_model, m.num_heads) == b.head_dim_for(c.d_model, c.num_heads),
          "attention head_dim");
-    same(a.kv_lora_rank == b.kv_lora_rank, "attention kv_lora_rank (multi-head latent attention)");
+    same(a.kv_lora_rank == b.kv_lora_rank && a.q_lora_rank == b.q_lora_rank &&
+             a.qk_nope_head_dim == b.qk_nope_head_dim && a.qk_rope_head_dim == b.qk_rope_head_dim &&
+             a.v_head_dim == b.v_head_dim && (!b.latent() || a.latent_norm_eps == b.latent_norm_eps),
+         "multi-head latent attention's options (kv_lora_rank, q_lora_rank, qk_nope_head_dim, "
+         "qk_rope_head_dim, v_head_dim, latent_norm_eps)");
     same(a.num_kv_heads == b.num_kv_heads && a.rope_theta == b.rope_theta &&
              a.rope_layout == b.rope_layout && a.qk_norm == b.qk_norm &&
              (a.qk_norm == QKNorm::None || a.qk_norm_eps == b.qk_norm_eps) &&
@@ -541,9 +606,12 @@ class Checkpoint {
            "number of experts or k");
       const auto &t = m.router.options<TopK>(), &u = c.router.options<TopK>();
       same(t.norm_topk_prob == u.norm_topk_prob &&
-               t.routed_scaling_factor == u.routed_scaling_factor && t.n_group == u.n_group,
-           "top-k options (norm_topk_prob, routed_scaling_factor, n_group)");
-      same(!m.router.options<LinearScorer>().bias, "router bias (the checkpoint's routers have none)");
+               t.routed_scaling_factor == u.routed_scaling_factor && t.n_group == u.n_group &&
+               t.topk_group == u.topk_group,
+           "top-k options (norm_topk_prob, routed_scaling_factor, n_group, topk_group)");
+      same(sigmoid_routed(config_.family) ? !m.router.options<SigmoidScorer>().bias
+                                          : !m.router.options<LinearScorer>().bias,
+           "router bias (the checkpoint's routers have none)");
       same(m.router.capacity_factor <= 0, "capacity_factor (the checkpoint's routers drop no token)");
     }
   }
@@ -673,13 +741,29 @@ class Checkpoint {
     });
     for (std::size_t f = 0; f < headers_.size(); ++f)
       for (std::size_t e = 0; e < headers_[f].entries.size(); ++e)
-        GRAPHMOE_CHECK(used[base[f] + e] != 0, op, "'", files_[f], "': tensor '",
+        GRAPHMOE_CHECK(used[base[f] + e] != 0 || is_mtp_tensor(headers_[f].entries[e].name), op,
+                       "'", files_[f], "': tensor '",
                        headers_[f].entries[e].name, "' is left over: ", config_.architecture,
                        " as '", config_.path, "' describes it has no such tensor");
     // in the files' order, for sequential reads
     std::sort(plan_.begin(), plan_.end(), [](const Planned& a, const Planned& b) {
       return a.file != b.file ? a.file < b.file : a.entry.begin < b.entry.begin;
     });
+  }
+
+  // A tensor of DeepSeek-V3's multi-token-prediction modules: "model.layers.<j>." with j in
+  // [num_hidden_layers, num_hidden_layers + mtp_layers), skipped as transformers skips them.
+  bool is_mtp_tensor(const std::string& name) const {
+    if (config_.mtp_layers == 0) return false;
+    static const std::string head = "model.layers.";
+    if (name.compare(0, head.size(), head) != 0) return false;
+    std::size_t i = head.size();
+    std::int64_t j = 0;
+    const std::size_t start = i;
+    while (i < name.size() && name[i] >= '0' && name[i] <= '9' && i - start < 9)
+      j = j * 10 + (name[i++] - '0');
+    if (i == start || i >= name.size() || name[i] != '.') return false;
+    return j >= config_.lm.num_layers && j < config_.lm.num_layers + config_.mtp_layers;
   }
 
   std::string dir_, index_;
@@ -710,6 +794,7 @@ bool has_graph_parameters(const TransformerLMConfig& cfg) {
 template <class Router, class T = float>
 std::unique_ptr<TransformerLM<Router, T, cpu>> load_lm(const std::string& dir) {
   const Checkpoint ck = Checkpoint::open(dir);
+  ck.require_router<Router>();
   using LM = TransformerLM<Router, T, cpu>;
   auto lm = has_graph_parameters<Router, T>(ck.config().lm)
                 ? std::make_unique<LM>(ck.config().lm, std::uint64_t{0})

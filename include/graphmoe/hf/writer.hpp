@@ -19,13 +19,17 @@
 //
 // Refused by name (graphmoe::Error "graphmoe::hf::save: ..."), before anything is written: a model
 // the family cannot express: LayerNorm, learned positions, GELU, biases the family lacks (FFN,
-// output projection, q/k/v outside Qwen2-MoE), a QK-norm other than the family's, a router bias,
-// routed_scaling_factor != 1, group-limited routing, a capacity factor, shared experts outside
-// Qwen2-MoE, dense blocks Mixtral and OLMoE lack, a classification head, an expert-parallel
-// (sharded) parameter, a weight that is not finite. A router with a token graph (SimilarityRouter,
+// output projection, q/k/v outside Qwen2-MoE), a QK-norm other than the family's, latent
+// attention and interleaved RoPE outside DeepSeek-V3, a router bias, routed_scaling_factor != 1
+// and group-limited routing outside DeepSeek-V3, a capacity factor, shared experts outside
+// Qwen2-MoE and DeepSeek-V3, dense blocks Mixtral and OLMoE lack, a router of the other kind than
+// the family's (DeepSeek-V3: Router<SigmoidScorer, Graph, BiasBalancedTopK>, its expert_bias
+// written as e_score_correction_bias; the others: Router<LinearScorer, Graph, TopK>), a
+// classification head, an expert-parallel (sharded) parameter, a weight that is not finite. A router with a token graph (SimilarityRouter,
 // AttentionRouter) routes through a graph transformers does not have: refused unless
 // SaveOptions::drop_graph, which writes its linear router's weights only (the saved model then
-// routes as SoftmaxRouter; the graph's parameters, e.g. a learned log_tau, are not written).
+// routes as SoftmaxRouter, or SigmoidBiasRouter; the graph's parameters, e.g. a learned log_tau,
+// are not written).
 // Other scorers and selectors are a compile-time error. Training-only settings that config.json
 // cannot hold (z_loss_coef, seq_aux_loss_coef) are not written; load_balance_coef is
 // router_aux_loss_coef.
@@ -198,7 +202,12 @@ inline std::string computation_difference(const TransformerLMConfig& m, const Tr
   if (a.num_kv_heads != b.num_kv_heads) return "attention.num_kv_heads";
   if (a.head_dim_for(m.d_model, m.num_heads) != b.head_dim_for(c.d_model, c.num_heads))
     return "attention.head_dim";
-  if (a.rope_theta != b.rope_theta || a.rope_layout != b.rope_layout) return "attention.rope_theta";
+  if (a.rope_theta != b.rope_theta || a.rope_layout != b.rope_layout)
+    return "attention.rope_theta or rope_layout";
+  if (a.kv_lora_rank != b.kv_lora_rank || a.q_lora_rank != b.q_lora_rank ||
+      a.qk_nope_head_dim != b.qk_nope_head_dim || a.qk_rope_head_dim != b.qk_rope_head_dim ||
+      a.v_head_dim != b.v_head_dim || (a.latent() && a.latent_norm_eps != b.latent_norm_eps))
+    return "multi-head latent attention's options";
   if (a.qk_norm != b.qk_norm || (a.qk_norm != QKNorm::None && a.qk_norm_eps != b.qk_norm_eps))
     return "attention.qk_norm";
   if (a.qkv_bias != b.qkv_bias || a.out_bias != b.out_bias) return "attention biases";
@@ -210,9 +219,11 @@ inline std::string computation_difference(const TransformerLMConfig& m, const Tr
       return "router.num_experts or router.k";
     const auto &t = m.router.options<TopK>(), &u = c.router.options<TopK>();
     if (t.norm_topk_prob != u.norm_topk_prob) return "norm_topk_prob";
-    if (t.routed_scaling_factor != u.routed_scaling_factor || t.n_group != u.n_group)
-      return "routed_scaling_factor or n_group";
-    if (m.router.options<LinearScorer>().bias != c.router.options<LinearScorer>().bias)
+    if (t.routed_scaling_factor != u.routed_scaling_factor || t.n_group != u.n_group ||
+        t.topk_group != u.topk_group)
+      return "routed_scaling_factor, n_group or topk_group";
+    if (m.router.options<LinearScorer>().bias != c.router.options<LinearScorer>().bias ||
+        m.router.options<SigmoidScorer>().bias != c.router.options<SigmoidScorer>().bias)
       return "router bias";
     if (m.router.capacity_factor != c.router.capacity_factor) return "capacity_factor";
   }
@@ -280,15 +291,26 @@ inline ModelConfig to_model_config(const TransformerLMConfig& c, Family family) 
   if (c.norm != NormKind::RMSNorm) refuse(f, "norm", "is LayerNorm (the families use RMSNorm)");
   if (c.learned_positions())
     refuse(f, "attention.rope_theta", "= 0 (learned position embeddings; the families use RoPE)");
-  if (c.attention.rope_layout != RopeLayout::HalfSplit)
-    refuse(f, "attention.rope_layout", "is Interleaved (the families rotate half-split pairs)");
+  const bool ds = f == Family::DeepseekV3;
+  if (c.attention.rope_layout != RopeLayout::HalfSplit && !ds)
+    refuse(f, "attention.rope_layout", "is Interleaved (the families but DeepSeek-V3 rotate "
+           "half-split pairs)");
   if (c.activation != FfnActivation::SwiGLU)
     refuse(f, "activation", "is GELU (the families' feed-forward networks are SwiGLU)");
   if (c.ffn_bias) refuse(f, "ffn_bias", "is true (biases on the feed-forward networks)");
   if (c.attention.out_bias) refuse(f, "attention.out_bias", "is true (a bias on the output projection)");
-  if (c.attention.latent())
+  if (c.attention.latent() && !ds)
     refuse(f, "attention.kv_lora_rank", "= ", c.attention.kv_lora_rank,
-           " (multi-head latent attention: DeepSeek-V3's, not a family the writer saves)");
+           " (multi-head latent attention: only DeepSeek-V3 has it)");
+  if (ds && !c.attention.latent())
+    refuse(f, "attention.kv_lora_rank", "= 0 (DeepSeek-V3's attention is multi-head latent "
+           "attention)");
+  if (ds && c.attention.latent_norm_eps != 1e-6)
+    refuse(f, "attention.latent_norm_eps", "= ", c.attention.latent_norm_eps,
+           " (DeepSeek-V3's latent norms use 1e-6)");
+  if (ds && c.attention.num_kv_heads != 0 && c.attention.num_kv_heads != c.num_heads)
+    refuse(f, "attention.num_kv_heads", "= ", c.attention.num_kv_heads,
+           " (multi-head latent attention gives every head its keys)");
   if (c.attention.qkv_bias && f != Family::Qwen2Moe)
     refuse(f, "attention.qkv_bias", "is true (only Qwen2-MoE has q/k/v biases)");
   const QKNorm want = f == Family::Olmoe ? QKNorm::Full
@@ -309,6 +331,9 @@ inline ModelConfig to_model_config(const TransformerLMConfig& c, Family family) 
     if (moe_layers > 0) refuse(f, "layout", "has MoE blocks (Llama is dense)");
   } else {
     if (moe_layers == 0) refuse(f, "layout", "has no MoE block (save a dense model as Llama)");
+    if (ds && (c.moe_every != 1 || c.layout != MoELayout::Switch))
+      refuse(f, "layout", "is not MoE in every block from first_k_dense on (moe_every = ",
+             c.moe_every, ")");
     if ((f == Family::Mixtral || f == Family::Olmoe) && moe_layers != c.num_layers)
       refuse(f, "layout", "has dense blocks (first_k_dense = ", c.first_k_dense, ", moe_every = ",
              c.moe_every, "; every block of ", architecture_name(f), " is MoE)");
@@ -316,18 +341,28 @@ inline ModelConfig to_model_config(const TransformerLMConfig& c, Family family) 
     if (c.layout == MoELayout::GLaM && (f == Family::Qwen2Moe || f == Family::Qwen3Moe) &&
         c.moe_every != 1)
       refuse(f, "moe_every", "= ", c.moe_every, " with the GLaM layout");
-    if (c.shared_d_ff > 0 && f != Family::Qwen2Moe)
-      refuse(f, "shared_d_ff", "= ", c.shared_d_ff, " (shared experts: only Qwen2-MoE has them)");
+    if (c.shared_d_ff > 0 && f != Family::Qwen2Moe && !ds)
+      refuse(f, "shared_d_ff", "= ", c.shared_d_ff,
+             " (shared experts: only Qwen2-MoE and DeepSeek-V3 have them)");
+    if (ds && (c.shared_d_ff == 0 || c.shared_d_ff % c.experts_width() != 0 || c.shared_expert_gate))
+      refuse(f, c.shared_expert_gate ? "shared_expert_gate" : "shared_d_ff",
+             c.shared_expert_gate ? "is true" : "= " + std::to_string(c.shared_d_ff),
+             " (DeepSeek-V3's blocks have n_shared_experts x moe_intermediate_size = a multiple of "
+             "expert_d_ff = ", c.experts_width(), " of shared experts, ungated)");
     if (f == Family::Qwen2Moe && (c.shared_d_ff == 0 || !c.shared_expert_gate))
       refuse(f, c.shared_d_ff == 0 ? "shared_d_ff" : "shared_expert_gate",
              c.shared_d_ff == 0 ? "= 0" : "is false",
              " (Qwen2-MoE's blocks have one shared expert behind a sigmoid gate)");
     const RouterConfig& r = c.router;
-    if (r.options<LinearScorer>().bias) refuse(f, "router bias", "(LinearScorer bias) is on");
+    if (ds ? r.options<SigmoidScorer>().bias : r.options<LinearScorer>().bias)
+      refuse(f, "router bias", ds ? "(SigmoidScorer bias) is on" : "(LinearScorer bias) is on");
     const auto& t = r.options<TopK>();
-    if (t.routed_scaling_factor != 1.0)
+    if (t.routed_scaling_factor != 1.0 && !ds)
       refuse(f, "routed_scaling_factor", "= ", t.routed_scaling_factor, " (not 1)");
-    if (t.n_group != 1) refuse(f, "n_group", "= ", t.n_group, " (group-limited routing)");
+    if (t.n_group != 1 && !ds) refuse(f, "n_group", "= ", t.n_group, " (group-limited routing)");
+    if (ds && t.n_group > 1 && r.num_experts / t.n_group < 2)
+      refuse(f, "n_group", "= ", t.n_group, " (groups of one expert: a group's score is the sum "
+             "of its two best scores)");
     if (f == Family::Mixtral && !t.norm_topk_prob)
       refuse(f, "norm_topk_prob", "is false (Mixtral always renormalises the top-k gates)");
     if (r.capacity_factor > 0)
@@ -385,6 +420,32 @@ inline nlohmann::json config_json(const ModelConfig& mc) {
   if (f != Family::Qwen2Moe) j["attention_bias"] = false;
   if (f == Family::Mixtral) j.erase("attention_bias");  // MixtralConfig has none
   // every family's attention reads head_dim when the config has it (OLMoE's is refused above)
+  if (f == Family::DeepseekV3) {
+    const AttentionOptions& a = c.attention;
+    const RouterConfig& r = c.router;
+    const auto& t = r.options<TopK>();
+    j["head_dim"] = a.qk_rope_head_dim;  // as DeepseekV3Config sets them
+    j["qk_head_dim"] = a.qk_nope_head_dim + a.qk_rope_head_dim;
+    j["kv_lora_rank"] = a.kv_lora_rank;
+    j["q_lora_rank"] = a.q_lora_rank == 0 ? J(nullptr) : J(a.q_lora_rank);
+    j["qk_nope_head_dim"] = a.qk_nope_head_dim;
+    j["qk_rope_head_dim"] = a.qk_rope_head_dim;
+    j["v_head_dim"] = a.v_head_dim;
+    j["rope_interleave"] = a.rope_layout == RopeLayout::Interleaved;
+    j["pretraining_tp"] = 1;
+    j["n_routed_experts"] = r.num_experts;
+    j["num_experts_per_tok"] = r.k;
+    j["moe_intermediate_size"] = c.experts_width();
+    j["n_shared_experts"] = c.shared_d_ff / c.experts_width();
+    j["first_k_dense_replace"] = std::min(c.first_k_dense, c.num_layers);
+    j["norm_topk_prob"] = t.norm_topk_prob;
+    j["routed_scaling_factor"] = t.routed_scaling_factor;
+    j["n_group"] = t.n_group;
+    j["topk_group"] = t.topk_group;
+    j["num_nextn_predict_layers"] = 0;  // no multi-token-prediction modules are written
+    j["output_router_logits"] = false;
+    return j;
+  }
   if (f == Family::Llama || f == Family::Mixtral || f == Family::Qwen3Moe || dh * c.num_heads != c.d_model)
     j["head_dim"] = dh;
   if (f == Family::Llama) {
@@ -430,7 +491,8 @@ inline nlohmann::json config_json(const ModelConfig& mc) {
       j["mlp_only_layers"] = dense;
       break;
     }
-    case Family::Llama: break;
+    case Family::Llama:
+    case Family::DeepseekV3: break;  // returned above
   }
   return j;
 }
@@ -441,10 +503,12 @@ inline nlohmann::json config_json(const ModelConfig& mc) {
 template <class Router, class T>
 void save_lm(const TransformerLM<Router, T, cpu>& lm, const ModelConfig& mc, const std::string& dir,
              const SaveOptions& opts = {}) {
-  static_assert(std::is_same_v<typename Router::scorer, LinearScorer> &&
-                    std::is_same_v<typename Router::selector, TopK>,
+  constexpr bool sigmoid_bias = sigmoid_bias_router<Router>;
+  static_assert(loadable_router<Router>,
                 "graphmoe::hf::save_lm: the families' routers are a linear map to softmax scores "
-                "and a top-k choice: only a Router<LinearScorer, Graph, TopK> can be saved");
+                "and a top-k choice (Router<LinearScorer, Graph, TopK>) or, DeepSeek-V3's, to "
+                "sigmoid scores with a selection bias (Router<SigmoidScorer, Graph, "
+                "BiasBalancedTopK>): only those can be saved");
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "graphmoe::hf::save_lm: T must be float or double");
   namespace fs = std::filesystem;
@@ -456,13 +520,20 @@ void save_lm(const TransformerLM<Router, T, cpu>& lm, const ModelConfig& mc, con
   GRAPHMOE_CHECK(lm.bound(), op, "the model is not bound");
   const TransformerLMConfig& cfg = lm.config();
   const Family f = mc.family;
+  if (cfg.layout != MoELayout::Dense && sigmoid_bias != sigmoid_routed(f))
+    graphmoe::detail::throw_error(
+        op, "the model's router ", Router::name(), " is not ", architecture_name(f), "'s (",
+        sigmoid_routed(f) ? "sigmoid scores with a selection bias: a Router<SigmoidScorer, Graph, "
+                            "BiasBalancedTopK>"
+                          : "softmax top-k: a Router<LinearScorer, Graph, TopK>",
+        ")");
   constexpr bool has_graph = !std::is_same_v<typename Router::graph, Independent>;
   if (has_graph && !opts.drop_graph && cfg.layout != MoELayout::Dense)
     graphmoe::detail::throw_error(
         op, "the model's router routes through the token graph '", Router::graph::name, "' (",
         Router::name(), "), which ", architecture_name(f), " in transformers does not have; "
         "set SaveOptions::drop_graph to write its linear router's weights only (the saved "
-        "model then routes as SoftmaxRouter)");
+        "model then routes without the graph)");
 
   // 1. config.json, and the model it describes read back as the reader reads it.
   ModelConfig desc = to_model_config(cfg, f);
