@@ -56,7 +56,7 @@ inline const std::vector<std::string>& hf_fixed_flags() {
 // graph upcycling), or the graph applied to the pretrained weights at once (similarity,
 // attention: another model). DeepSeek-V3 (Router<SigmoidScorer, Graph, BiasBalancedTopK>): its
 // own (sigmoid-bias) or the Similarity graph at once (the Attention graph does not read latent
-// attention; no blended form of the sigmoid scorer is built).
+// attention; no blended router of the sigmoid scorer is among the programs' routers).
 inline const std::vector<std::string>& hf_router_names(bool sigmoid_routed) {
   static const std::vector<std::string> softmax = {"softmax", "blended-similarity",
                                                    "blended-attention", "similarity", "attention"};

@@ -654,6 +654,13 @@ TEST_CASE("hf: DeepSeek-V3 (latent attention, sigmoid-bias group routing) loads 
   // a graph router over the same scores loads the same weights
   auto sim = hf::load_lm<SimilaritySigmoidBiasRouter, float>(dir);
   CHECK(parameters(sim->arena()) == parameters(lm->arena()));
+  // graph upcycling: Blended<Similarity> over the sigmoid scores starts at a = 0, the model itself
+  using BlendedSigmoid = Router<SigmoidScorer, Blended<Similarity>, BiasBalancedTopK>;
+  auto blended = hf::load_lm<BlendedSigmoid, float>(dir);
+  for (const auto& p : ex["prompts"]) {
+    const auto prompt = p.get<std::vector<std::int32_t>>();
+    CHECK(logits_of(*blended, prompt) == logits_of(*lm, prompt));
+  }
 
   // the other kind of router is refused by name, both ways
   check_error(error_of([&] { (void)hf::load_lm<SoftmaxRouter, float>(dir); }),
