@@ -1,5 +1,6 @@
 // Cross-backend tests of the token graphs on the GPU (routing/token_graphs.hpp on the op layer of
-// ops/token_graph.hpp, kernels in backend/cuda/token_graph.cuh): GraphImpl<Independent | Similarity | Attention, T, cuda> against
+// ops/token_graph.hpp, kernels in backend/cuda/similarity_graph.cuh and attention_graph.cuh):
+// GraphImpl<Independent | Similarity | Attention, T, cuda> against
 // the CPU GraphImpl, the reference, on random inputs (as test_cuda_ops.cu does for the ops).
 //
 //   error metric   err = max_i |cuda_i - cpu_i| / max_i |cpu_i|     (normwise, L-infinity, from
@@ -374,7 +375,7 @@ TEST_CASE_TEMPLATE("cuda vs cpu: Attention forward and backward into the attenti
 }
 
 #if defined(GRAPHMOE_CUDA_EMULATION)
-// The Attention graph does every head's work at once (token_graph.cuh): its launches and cuBLAS
+// The Attention graph does every head's work at once (attention_graph.cuh): its launches and cuBLAS
 // calls for a forward and backward do not grow with the number of heads: 13 launches and 21
 // cuBLAS calls at 2 heads and at 8 (the form with one pass per head: 20 and 27 at 2 heads, 68 and
 // 99 at 8).

@@ -1,9 +1,10 @@
 // The token-graph kernels' math on the host: backend/cuda/detail/token_graph_math.hpp (the
 // online softmax, the causal masks, the entropy sums, the posterior logits, the head choice),
 // compiled by g++ and driven in the kernels' tile order by plain loops that copy the kernels of
-// backend/cuda/token_graph.cuh phase by phase (one "block" at a time, its "threads" as loops),
-// and the Attention graph's sequence of strided GEMMs with the same arguments as
-// backend/cuda/token_graph.cuh's attention_graph_forward / _backward. Everything is compared with the CPU GraphImpl, the reference,
+// backend/cuda/similarity_graph.cuh phase by phase (one "block" at a time, its "threads" as
+// loops), and the Attention graph's per-head sequence of strided GEMMs (the per-head form of
+// backend/cuda/attention_graph.cuh's attention_graph_forward / _backward, with the same row
+// kernels). Everything is compared with the CPU GraphImpl, the reference,
 // for float and double, causal and not, both tau modes, sequence lengths that are not multiples
 // of the tiles (16 owned rows, 32 streamed columns, depth chunks of 32).
 //
@@ -311,9 +312,9 @@ void check_similarity(const SimilarityCase& sc, bool causal, TauMode mode, bool 
   if (detach) CHECK(normwise_error(du0, du) == 0.0);
 }
 
-// ---- the Attention graph, the same launches as backend/cuda/token_graph.cuh --------------------
+// ---- the Attention graph, per head, with the row kernels of backend/cuda/attention_graph.cuh ----
 
-// graph_gemm of token_graph.cuh on the host: per batch, row-major C (m, n; ldc) =
+// gemm.cuh's batched_gemm on the host: per batch, row-major C (m, n; ldc) =
 // alpha op(A) op(B) + beta C, A with row stride lda, B with ldb, batch strides sa, sb, sc.
 template <class T>
 void graph_gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A,

@@ -8,20 +8,19 @@
 // (B, H, T, T) added to dL/dP (entries above the diagonal ignored when causal) and assigns dq, dk,
 // dv. Dimensions beyond cuBLAS's int range throw (a limit of this system).
 //
-// Products: cuBLAS strided-batched GEMMs on the strided head matrices, without copies. Head h of
-// sequence b of a (B, T, H dh) tensor is a (T, dh) row-major matrix with row stride H dh at
-// offset b T H dh + h dh, the column-major (dh, T) matrix with lda = H dh that cuBLAS reads (see
-// gemm.cuh for the row-/column-major correspondence). The (b, h) pairs are not one strided batch
-// (the stride from head to head is dh, from sequence to sequence T H dh), so each call batches
-// one of the two: the H heads of one sequence (B calls) or one head of all B sequences (H calls),
-// whichever makes fewer calls. For every pair, row-major:
+// Products: strided-batched GEMMs (gemm.cuh's batched_gemm) on the strided head matrices,
+// without copies. Head h of sequence b of a (B, T, H dh) tensor is a (T, dh) row-major matrix
+// with row stride H dh at offset b T H dh + h dh. The (b, h) pairs are not one strided batch (the
+// stride from head to head is dh, from sequence to sequence T H dh), so each call batches one of
+// the two: the H heads of one sequence (B calls) or one head of all B sequences (H calls),
+// whichever makes fewer calls (HeadBatches). For every pair:
 //
-//   forward    probs = Q K^T                      cublas(T, N) into probs, raw scores
+//   forward    probs = Q K^T                      raw scores
 //              softmax rows (masked, scaled)      one block per row, in place, with the entropy
-//              out = probs V                      cublas(N, N)
-//   backward   dS = dO V^T                        cublas(T, N) into a (B, H, T, T) buffer
+//              out = probs V
+//   backward   dS = dO V^T                        into a (B, H, T, T) buffer
 //              dS = P (dS + extra - rowsum) / sqrt(dh)     one block per row, in place
-//              dv = P^T dO, dq = dS K, dk = dS^T Q         cublas(N, T), (N, N), (N, T)
+//              dv = P^T dO, dq = dS K, dk = dS^T Q
 //
 // Unlike the CPU op, the causal products are dense (the masked half is computed and then
 // overwritten with zeros by the row kernels): two GEMM shapes per product instead of a block
@@ -47,53 +46,27 @@ namespace graphmoe {
 
 namespace detail {
 
-inline void cublas_gemm_strided_batched(cublasHandle_t h, cublasOperation_t ta,
-                                        cublasOperation_t tb, int m, int n, int k, float alpha,
-                                        const float* a, int lda, long long sa, const float* b,
-                                        int ldb, long long sb, float beta, float* c, int ldc,
-                                        long long sc, int batch) {
-  GRAPHMOE_CUBLAS_CHECK(cublasSgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
-                                                  sb, &beta, c, ldc, sc, batch));
-}
-inline void cublas_gemm_strided_batched(cublasHandle_t h, cublasOperation_t ta,
-                                        cublasOperation_t tb, int m, int n, int k, double alpha,
-                                        const double* a, int lda, long long sa, const double* b,
-                                        int ldb, long long sb, double beta, double* c, int ldc,
-                                        long long sc, int batch) {
-  GRAPHMOE_CUBLAS_CHECK(cublasDgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
-                                                  sb, &beta, c, ldc, sc, batch));
-}
-
-// Where the matrices of the (b, h) pairs lie, batch by batch. A "head" operand is a (B, T, H dh)
-// tensor (q, k, v, out and their gradients); a "pair" operand is (B, H, T, T) (probs, dS).
+// Where the matrices of the (b, h) pairs lie, call by call: each call is one batched_gemm over
+// the H heads of one sequence (B calls) or over one head of all B sequences (H calls). A "head"
+// operand is a (B, T, H dh) tensor (q, k, v, out and their gradients), a (T, dh) matrix per pair
+// with row stride H dh; a "pair" operand is (B, H, T, T) (probs, dS).
 class HeadBatches {
  public:
   explicit HeadBatches(const AttentionDims& d) : d_(d), over_heads_(d.batch <= d.heads) {}
 
   index_t calls() const { return over_heads_ ? d_.batch : d_.heads; }
-  int batch_count() const { return static_cast<int>(over_heads_ ? d_.heads : d_.batch); }
-  index_t base(bool pair, index_t call) const {
-    const index_t nn = d_.seq * d_.seq;
-    if (over_heads_) return pair ? call * d_.heads * nn : call * d_.seq * d_.width;
-    return pair ? call * nn : call * d_.head_dim;
-  }
-  long long stride(bool pair) const {
-    const index_t nn = d_.seq * d_.seq;
-    if (over_heads_) return pair ? nn : d_.head_dim;
-    return pair ? d_.heads * nn : d_.seq * d_.width;
-  }
-
-  // For every pair, column-major C = op(A) op(B) (alpha 1, beta 0: C is assigned, never read).
+  index_t batch() const { return over_heads_ ? d_.heads : d_.batch; }
+  // Call `call`'s matrices of a head operand and of a pair operand.
   template <class T>
-  void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const T* a,
-            bool a_pair, int lda, const T* b, bool b_pair, int ldb, T* c, bool c_pair,
-            int ldc) const {
-    const cublasHandle_t h = cublas_handle();
-    for (index_t call = 0; call < calls(); ++call)
-      cublas_gemm_strided_batched(h, ta, tb, m, n, k, T(1), a + base(a_pair, call), lda,
-                                  stride(a_pair), b + base(b_pair, call), ldb, stride(b_pair),
-                                  T(0), c + base(c_pair, call), ldc, stride(c_pair),
-                                  batch_count());
+  MatrixBatch<T> heads(T* x, index_t call) const {
+    return {x + (over_heads_ ? call * d_.seq * d_.width : call * d_.head_dim), d_.width,
+            over_heads_ ? d_.head_dim : d_.seq * d_.width};
+  }
+  template <class T>
+  MatrixBatch<T> pairs(T* x, index_t call) const {
+    const index_t nn = d_.seq * d_.seq;
+    return {x + (over_heads_ ? call * d_.heads * nn : call * nn), d_.seq,
+            over_heads_ ? nn : d_.heads * nn};
   }
 
  private:
@@ -181,22 +154,22 @@ void attention_forward(cuda, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k,
   const AttentionDims dims = AttentionDims::of(q.shape(), num_heads);
   if (q.numel() == 0) return;
   detail::check_cublas_dims(op, dims);
-  const int n = static_cast<int>(dims.seq), dh = static_cast<int>(dims.head_dim);
-  const int w = static_cast<int>(dims.width);
+  const index_t n = dims.seq, dh = dims.head_dim;
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
-  const detail::HeadBatches batches(dims);
-  constexpr bool kHead = false, kPair = true;
-  // probs^T = K Q^T (column-major): raw scores, scaled inside the softmax.
-  batches.gemm(CUBLAS_OP_T, CUBLAS_OP_N, n, n, dh, k.data(), kHead, w, q.data(), kHead, w,
-               probs.data(), kPair, n);
+  const detail::HeadBatches hb(dims);
+  // probs = Q K^T: raw scores, scaled inside the softmax
+  for (index_t g = 0; g < hb.calls(); ++g)
+    detail::batched_gemm(n, n, dh, T(1), hb.heads(q.data(), g), hb.heads(k.data(), g).t(), T(0),
+                         hb.pairs(probs.data(), g), hb.batch(), detail::GemmMath::Default, op);
   const index_t rows = dims.pairs() * dims.seq;
   detail::launch_kernel<detail::attention_softmax_kernel<T>>(
       detail::grid_for_rows(rows), detail::threads_for_row(dims.seq), probs.data(),
       row_entropy != nullptr ? row_entropy->data() : nullptr, rows, dims.seq, causal, scale);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  // out^T = V^T probs^T
-  batches.gemm(CUBLAS_OP_N, CUBLAS_OP_N, dh, n, n, v.data(), kHead, w, probs.data(), kPair, n,
-               out.data(), kHead, w);
+  // out = probs V
+  for (index_t g = 0; g < hb.calls(); ++g)
+    detail::batched_gemm(n, dh, n, T(1), hb.pairs(probs.data(), g), hb.heads(v.data(), g), T(0),
+                         hb.heads(out.data(), g), hb.batch(), detail::GemmMath::Default, op);
 }
 
 // dq, dk, dv (B, T, H dh), assigned, prepared by ops/attention.hpp; dprobs_extra is empty or
@@ -214,29 +187,29 @@ void attention_backward(cuda, const Tensor<T, cuda>& q, const Tensor<T, cuda>& k
   const bool extra = !dprobs_extra.empty();
   if (q.numel() == 0) return;
   detail::check_cublas_dims(op, dims);
-  const int n = static_cast<int>(dims.seq), dh = static_cast<int>(dims.head_dim);
-  const int w = static_cast<int>(dims.width);
+  const index_t n = dims.seq, dh = dims.head_dim;
   const T scale = T(1) / std::sqrt(static_cast<T>(dh));
-  const detail::HeadBatches batches(dims);
-  constexpr bool kHead = false, kPair = true;
+  const detail::HeadBatches hb(dims);
   auto ds = Tensor<T, cuda>::uninitialized(dims.probs_shape());  // (B, H, T, T), a GEMM's output
-  // dS^T = V dO^T: dP = dO V^T, row-major
-  batches.gemm(CUBLAS_OP_T, CUBLAS_OP_N, n, n, dh, v.data(), kHead, w, dout.data(), kHead, w,
-               ds.data(), kPair, n);
+  // dP = dO V^T
+  for (index_t g = 0; g < hb.calls(); ++g)
+    detail::batched_gemm(n, n, dh, T(1), hb.heads(dout.data(), g), hb.heads(v.data(), g).t(), T(0),
+                         hb.pairs(ds.data(), g), hb.batch(), detail::GemmMath::Default, op);
   const index_t rows = dims.pairs() * dims.seq;
   detail::launch_kernel<detail::attention_softmax_backward_kernel<T>>(
       detail::grid_for_rows(rows), detail::threads_for_row(dims.seq), probs.data(), ds.data(),
       extra ? dprobs_extra.data() : nullptr, rows, dims.seq, causal, scale);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  // dv^T = dO^T P
-  batches.gemm(CUBLAS_OP_N, CUBLAS_OP_T, dh, n, n, dout.data(), kHead, w, probs.data(), kPair, n,
-               dv.data(), kHead, w);
-  // dq^T = K^T dS^T
-  batches.gemm(CUBLAS_OP_N, CUBLAS_OP_N, dh, n, n, k.data(), kHead, w, ds.data(), kPair, n,
-               dq.data(), kHead, w);
-  // dk^T = Q^T dS
-  batches.gemm(CUBLAS_OP_N, CUBLAS_OP_T, dh, n, n, q.data(), kHead, w, ds.data(), kPair, n,
-               dk.data(), kHead, w);
+  for (index_t g = 0; g < hb.calls(); ++g) {
+    const auto dsg = hb.pairs(ds.data(), g);
+    // dv = P^T dO;  dq = dS K;  dk = dS^T Q
+    detail::batched_gemm(n, dh, n, T(1), hb.pairs(probs.data(), g).t(), hb.heads(dout.data(), g),
+                         T(0), hb.heads(dv.data(), g), hb.batch(), detail::GemmMath::Default, op);
+    detail::batched_gemm(n, dh, n, T(1), dsg, hb.heads(k.data(), g), T(0), hb.heads(dq.data(), g),
+                         hb.batch(), detail::GemmMath::Default, op);
+    detail::batched_gemm(n, dh, n, T(1), dsg.t(), hb.heads(q.data(), g), T(0),
+                         hb.heads(dk.data(), g), hb.batch(), detail::GemmMath::Default, op);
+  }
 }
 
 }  // namespace graphmoe

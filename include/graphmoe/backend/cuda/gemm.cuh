@@ -25,6 +25,10 @@
 //
 // cuBLAS takes int dimensions: a product whose dimensions exceed INT_MAX throws here (a limit of
 // this backend, not of the op).
+//
+// detail::batched_gemm, at the end, is the backend's one strided-batched product (many problems
+// of one shape, each operand a MatrixBatch view: pointer, row stride, batch stride, op): the
+// attention op's heads, the token graphs' per-sequence products and the padded experts.
 #pragma once
 
 #include <cublas_v2.h>
@@ -33,6 +37,7 @@
 
 #include <climits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "graphmoe/backend/cuda/allocator.cuh"
@@ -198,5 +203,115 @@ void gemm(cuda, Trans ta, Trans tb, float alpha, const Tensor<T, cuda>& A,
       detail::cublas_ld(A.cols()), &beta, C.data(), CUDA_R_32F, static_cast<int>(n),
       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
+
+namespace detail {
+
+// ---- strided-batched products --------------------------------------------------------------
+
+// One operand of a strided-batched product: a row-major matrix per problem, problem g's at
+// data + g * stride (stride 0: the same matrix for every problem), its rows ld elements apart (a
+// column slice of a wider matrix has the wider row as ld), read as op(X). T is the element type,
+// const for an operand that is only read.
+template <class T>
+struct MatrixBatch {
+  T* data = nullptr;
+  index_t ld = 0;
+  index_t stride = 0;
+  Trans op = Trans::N;
+
+  // The same matrices read transposed.
+  MatrixBatch t() const { return {data, ld, stride, op == Trans::N ? Trans::T : Trans::N}; }
+  // The matrices from their row `row` on (the view of a block of rows).
+  MatrixBatch from_row(index_t row) const { return {data + row * ld, ld, stride, op}; }
+};
+template <class T>
+MatrixBatch(T*, index_t, index_t) -> MatrixBatch<T>;
+template <class T>
+MatrixBatch(T*, index_t) -> MatrixBatch<T>;
+template <class T>
+MatrixBatch(T*, index_t, index_t, Trans) -> MatrixBatch<T>;
+
+// How the products of a batched GEMM are computed: Default in the operands' type (float: true
+// fp32, gemm's math mode; 16-bit operands: fp32 accumulation); TF32 on TF32 tensor cores (float
+// operands only, CUBLAS_COMPUTE_32F_FAST_TF32).
+enum class GemmMath { Default, TF32 };
+
+// The scalar type of a product with C of element type T: T for float and double, float for bf16
+// and half.
+template <class T>
+using gemm_scalar_t = decltype(cublas_scalar(T{}));
+
+template <class T>
+inline constexpr cudaDataType_t gemm_data_type_v =
+    std::is_same_v<T, float>    ? CUDA_R_32F
+    : std::is_same_v<T, double> ? CUDA_R_64F
+                                : cuda_data_type_v<T>;
+
+inline void cublas_gemm_strided(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                int n, int k, float alpha, const float* a, int lda, long long sa,
+                                const float* b, int ldb, long long sb, float beta, float* c,
+                                int ldc, long long sc, int batch) {
+  GRAPHMOE_CUBLAS_CHECK(cublasSgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
+                                                  sb, &beta, c, ldc, sc, batch));
+}
+inline void cublas_gemm_strided(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                int n, int k, double alpha, const double* a, int lda, long long sa,
+                                const double* b, int ldb, long long sb, double beta, double* c,
+                                int ldc, long long sc, int batch) {
+  GRAPHMOE_CUBLAS_CHECK(cublasDgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb,
+                                                  sb, &beta, c, ldc, sc, batch));
+}
+
+// For each of `batch` problems g, row-major
+//   C_g (m, n) = alpha op(A_g) op(B_g) + beta C_g
+// (beta = 0: C is not read). A and B of one element type TA, C of TC: TA = TC (float, double,
+// bf16 or half) or 16-bit TA with float TC. float and double with GemmMath::Default run
+// cublas<S|D>gemmStridedBatched; the others cublasGemmStridedBatchedEx (fp32 accumulation, fp64
+// for double, TF32 tensor cores under GemmMath::TF32). As gemm, computed as the column-major
+// C^T = op(B)^T op(A)^T. `what` names the caller in the error when a dimension exceeds cuBLAS's
+// int range.
+template <class A, class B, class C>
+void batched_gemm(index_t m, index_t n, index_t k, std::type_identity_t<gemm_scalar_t<C>> alpha,
+                  MatrixBatch<A> a, MatrixBatch<B> b, std::type_identity_t<gemm_scalar_t<C>> beta,
+                  MatrixBatch<C> c, index_t batch, GemmMath math = GemmMath::Default,
+                  const char* what = "batched gemm") {
+  using TA = std::remove_const_t<A>;
+  static_assert(std::is_same_v<TA, std::remove_const_t<B>> && !std::is_const_v<C>,
+                "batched_gemm: A and B of one element type, C writable");
+  static_assert(std::is_same_v<TA, C> ||
+                    (std::is_same_v<C, float> &&
+                     (std::is_same_v<TA, __nv_bfloat16> || std::is_same_v<TA, __half>)),
+                "batched_gemm: A, B and C of one type, or 16-bit A and B with a float C");
+  GRAPHMOE_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && a.ld <= INT_MAX &&
+                     b.ld <= INT_MAX && c.ld <= INT_MAX && batch <= INT_MAX,
+                 what, "products (", m, ", ", n, ", ", k, ") x ", batch,
+                 " exceed cuBLAS's int range");
+  constexpr bool float_operands = std::is_same_v<TA, float>;
+  GRAPHMOE_CHECK(math == GemmMath::Default || float_operands, what,
+                 "TF32 products need float operands");
+  if (m == 0 || n == 0 || batch == 0) return;
+  const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
+  const int lda = cublas_ld(a.ld), ldb = cublas_ld(b.ld), ldc = cublas_ld(c.ld);
+  const auto sa = static_cast<long long>(a.stride), sb = static_cast<long long>(b.stride),
+             sc = static_cast<long long>(c.stride);
+  // row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T
+  if constexpr (std::is_same_v<TA, C> && (std::is_same_v<C, float> || std::is_same_v<C, double>)) {
+    if (math == GemmMath::Default) {
+      cublas_gemm_strided(cublas_handle(), cublas_op(b.op), cublas_op(a.op), in, im, ik, alpha,
+                          b.data, ldb, sb, a.data, lda, sa, beta, c.data, ldc, sc,
+                          static_cast<int>(batch));
+      return;
+    }
+  }
+  const cublasComputeType_t compute = std::is_same_v<C, double> ? CUBLAS_COMPUTE_64F
+                                      : math == GemmMath::TF32  ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                : CUBLAS_COMPUTE_32F;
+  GRAPHMOE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      cublas_handle(), cublas_op(b.op), cublas_op(a.op), in, im, ik, &alpha, b.data,
+      gemm_data_type_v<TA>, ldb, sb, a.data, gemm_data_type_v<TA>, lda, sa, &beta, c.data,
+      gemm_data_type_v<C>, ldc, sc, static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace detail
 
 }  // namespace graphmoe

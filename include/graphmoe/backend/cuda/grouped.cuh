@@ -337,15 +337,9 @@ struct ExpertSwigluBackwardOp {
   }
 };
 
-template <class T>
-inline constexpr cudaDataType_t gemm_data_type_v =
-    std::is_same_v<T, float>    ? CUDA_R_32F
-    : std::is_same_v<T, double> ? CUDA_R_64F
-                                : cuda_data_type_v<T>;
-
 // C_g = op(A_g) op(B_g) + beta C_g for g < batch, where X_g is the matrix X0 (its shape, row-major
-// as gemm reads it) moved by g * sx elements: one cublasGemmStridedBatchedEx. TA = TC, or 16-bit
-// TA with float TC; fp32 accumulation (fp64 for double), as gemm.
+// as gemm reads it) moved by g * sx elements: one batched_gemm (gemm.cuh). TA = TC, or 16-bit TA
+// with float TC; fp32 accumulation (fp64 for double), as gemm.
 template <class TA, class TC>
 void strided_gemm(Trans ta, Trans tb, TC beta, const Tensor<TA, cuda>& a0, index_t sa,
                   const Tensor<TA, cuda>& b0, index_t sb, const Tensor<TC, cuda>& c0, index_t sc,
@@ -354,18 +348,9 @@ void strided_gemm(Trans ta, Trans tb, TC beta, const Tensor<TA, cuda>& a0, index
   TC unused_beta = beta;
   index_t m = 0, n = 0, k = 0;
   cublas_gemm_prepare(ta, tb, a0, b0, c, unused_beta, m, n, k);
-  GRAPHMOE_CHECK(batch <= INT_MAX, "strided_gemm", "batch ", batch, " exceeds cuBLAS's int range");
-  if (m == 0 || n == 0 || batch == 0) return;
-  using S = decltype(cublas_scalar(TC{}));
-  const S alpha = S(1), b = cublas_scalar(beta);
-  // row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (as gemm)
-  GRAPHMOE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      cublas_handle(), cublas_op(tb), cublas_op(ta), static_cast<int>(n), static_cast<int>(m),
-      static_cast<int>(k), &alpha, b0.data(), gemm_data_type_v<TA>, cublas_ld(b0.cols()),
-      static_cast<long long>(sb), a0.data(), gemm_data_type_v<TA>, cublas_ld(a0.cols()),
-      static_cast<long long>(sa), &b, c.data(), gemm_data_type_v<TC>, static_cast<int>(n),
-      static_cast<long long>(sc), static_cast<int>(batch),
-      std::is_same_v<TC, double> ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  batched_gemm(m, n, k, gemm_scalar_t<TC>(1), MatrixBatch{a0.data(), a0.cols(), sa, ta},
+               MatrixBatch{b0.data(), b0.cols(), sb, tb}, cublas_scalar(beta),
+               MatrixBatch{c.data(), n, sc}, batch, GemmMath::Default, "strided_gemm");
 }
 
 // One GEMM call over the experts with rows: C_e = op(A_e) op(B_e) + beta C_e, where

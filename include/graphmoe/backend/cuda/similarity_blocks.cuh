@@ -1,6 +1,6 @@
 // graphmoe/backend/cuda/similarity_blocks.cuh: the CUDA Similarity graph's block path, its
 // (T, T) products on cuBLAS (tensor cores under GraphPrecision::TF32 / BF16) and its row work in
-// fused masked-softmax kernels (internal; called by token_graph.cuh's entry points, which choose
+// fused masked-softmax kernels (internal; called by similarity_graph.cuh's entry points, which choose
 // it for a reduced precision or any of exclude_self, projection and a learned temperature).
 //
 // As the CPU graph (backend/cpu/token_graph.hpp), in blocks of `bi` rows of every sequence at
@@ -18,7 +18,7 @@
 // Exact).
 //
 // Precision: Exact runs every product in T (cublasSgemm / Dgemm, CUBLAS_DEFAULT_MATH: no TF32);
-// TF32 hands the float operands to cublasGemmStridedBatchedEx with CUBLAS_COMPUTE_32F_FAST_TF32;
+// TF32 hands the float operands to cuBLAS with CUBLAS_COMPUTE_32F_FAST_TF32 (GemmMath::TF32);
 // BF16 converts U, Q, R and dp to bf16 once per call and the kernels write S and dL a second
 // time in bf16, the GEMMs' inputs (CUDA_R_16BF, fp32 output and accumulation). Softmax, lse,
 // entropies, c_i and every output stay fp32.
@@ -43,7 +43,7 @@
 #include "graphmoe/backend/cuda/allocator.cuh"
 #include "graphmoe/backend/cuda/convert.cuh"
 #include "graphmoe/backend/cuda/copy.cuh"
-#include "graphmoe/backend/cuda/detail/graph_blas.cuh"
+#include "graphmoe/backend/cuda/detail/graph_products.cuh"
 #include "graphmoe/backend/cuda/detail/kernel.cuh"
 #include "graphmoe/backend/cuda/gemm.cuh"
 #include "graphmoe/config.hpp"
@@ -57,48 +57,6 @@ inline constexpr index_t kSimilarityBlockEntries = index_t(1) << 26;
 // A causal graph's rows per block (at least; the scratch bound may allow fewer only).
 inline constexpr index_t kSimilarityCausalRows = 256;
 
-// ---- products -----------------------------------------------------------------------------------
-
-// The float operands of TF32 products, or bf16 ones.
-template <class In>
-inline constexpr cudaDataType_t similarity_in_type_v =
-    std::is_same_v<In, float> ? CUDA_R_32F : CUDA_R_16BF;
-
-// For each of `batch` problems, row-major C (m, n; ldc) = alpha op(A) op(B) + beta C with A, B of
-// element type In and C of T. Exact: In = T, cuBLAS in T (graph_gemm); TF32: In = T = float on
-// tensor cores; BF16: In = bf16, T = float.
-template <class In, class T>
-void graph_gemm_prec(GraphPrecision prec, Trans ta, Trans tb, index_t m, index_t n, index_t k,
-                     T alpha, const In* A, index_t lda, index_t sa, const In* B, index_t ldb,
-                     index_t sb, T beta, T* C, index_t ldc, index_t sc, index_t batch) {
-  if constexpr (std::is_same_v<In, T>) {
-    if (prec == GraphPrecision::Exact) {
-      graph_gemm(ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch);
-      return;
-    }
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    GRAPHMOE_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX &&
-                       ldb <= INT_MAX && ldc <= INT_MAX && batch <= INT_MAX,
-                   "Similarity", "block products (", m, ", ", n, ", ", k, ") x ", batch,
-                   " exceed cuBLAS's int range");
-    if (m == 0 || n == 0 || batch == 0) return;
-    const cublasComputeType_t compute =
-        std::is_same_v<In, float> ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    const float al = alpha, be = beta;
-    // row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (as graph_gemm)
-    GRAPHMOE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-        cublas_handle(), cublas_op(tb), cublas_op(ta), static_cast<int>(n), static_cast<int>(m),
-        static_cast<int>(k), &al, B, similarity_in_type_v<In>, static_cast<int>(ldb),
-        static_cast<long long>(sb), A, similarity_in_type_v<In>, static_cast<int>(lda),
-        static_cast<long long>(sa), &be, C, CUDA_R_32F, static_cast<int>(ldc),
-        static_cast<long long>(sc), static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
-  } else {
-    GRAPHMOE_CHECK(false, "Similarity", "precision ", graph_precision_name(prec),
-                   " needs a float router");
-  }
-}
-
 // ---- row kernels --------------------------------------------------------------------------------
 
 // Where a block's rows lie: row a of sequence b at base + b * batch_stride + a * row_stride.
@@ -109,6 +67,8 @@ struct BlockRows {
   GRAPHMOE_HOST_DEVICE T* row(index_t b, index_t a) const {
     return base + b * batch_stride + a * row_stride;
   }
+  // The rows as one operand of a batched_gemm over the sequences.
+  MatrixBatch<T> batch() const { return {base, row_stride, batch_stride}; }
 };
 
 // The columns of row i (in its sequence) that take part in its softmax: [0, valid), minus i
@@ -252,26 +212,6 @@ class SimilarityScratch {
   index_t used_ = 0;
 };
 
-// The (T, T) products' operands in their input type In: the tensors themselves (In = T: Exact,
-// TF32) or bf16 copies made once per call and kept until it returns (BF16). Both token graphs'
-// block products read their operands through one of these per call.
-template <class T, class In>
-class GraphOperands {
- public:
-  const In* operator()(const Tensor<T, cuda>& x) {
-    if constexpr (std::is_same_v<In, T>) {
-      return x.data();
-    } else {
-      copies_.emplace_back();
-      convert(x, copies_.back());
-      return copies_.back().data();
-    }
-  }
-
- private:
-  std::deque<Tensor<In, cuda>> copies_;  // a deque: the copies never move
-};
-
 // The precision of the projection products (Q = U W_s and its gradients): Exact stays Exact,
 // the tensor-core precisions use TF32 (W_s and U stay float).
 inline GraphPrecision similarity_projection_precision(GraphPrecision p) {
@@ -293,8 +233,9 @@ template <class In, class T>
 void similarity_block_logits(GraphPrecision prec, const BlockRows<T>& rows, const In* qin,
                              const In* uin, index_t i0, index_t bi, index_t jn, index_t d,
                              index_t len, index_t nb, T inv_tau) {
-  graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, d, inv_tau, qin + i0 * d, d, len * d,
-                         uin, d, len * d, T(0), rows.base, rows.row_stride, rows.batch_stride, nb);
+  batched_gemm(bi, jn, d, inv_tau, per_sequence(qin, d, len).from_row(i0),
+               per_sequence(uin, d, len).t(), T(0), rows.batch(), nb, graph_gemm_math<In>(prec),
+               "Similarity");
 }
 
 template <class T, class In>
@@ -312,9 +253,9 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
   if (!st.stores) st.s = Tensor<T, cuda>();
   if (args.projection) {
     if (st.q.shape() != u.shape()) st.q = Tensor<T, cuda>(u.shape());
-    graph_gemm_prec<T, T>(similarity_projection_precision(prec), Trans::N, Trans::N, n, d, d,
-                          T(1), u.data(), d, 0, params.w_s.data(), d, 0, T(0), st.q.data(), d,
-                          0, 1);
+    const GemmMath pm = graph_gemm_math<T>(similarity_projection_precision(prec));
+    batched_gemm(n, d, d, T(1), whole(u.data(), d), whole(params.w_s.data(), d), T(0),
+                 whole(st.q.data(), d), 1, pm, "Similarity");
   } else {
     st.q = Tensor<T, cuda>();
   }
@@ -342,14 +283,14 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
         st.stores ? len : jn, i0, len, args.causal, args.exclude_self, st.lse.data(),
         st.entropy.data(), st.self.data());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
-    // p_blk = S R
-    if constexpr (kCopies)
-      graph_gemm_prec<In, T>(prec, Trans::N, Trans::N, bi, e, jn, T(1), sb, jn, bi * jn, rin, e,
-                             len * e, T(0), p.data() + i0 * e, e, len * e, nb);
-    else
-      graph_gemm_prec<In, T>(prec, Trans::N, Trans::N, bi, e, jn, T(1), rows.base,
-                             rows.row_stride, rows.batch_stride, rin, e, len * e, T(0),
-                             p.data() + i0 * e, e, len * e, nb);
+    // p_blk = S R (S: the bf16 copy, or the rows themselves)
+    const MatrixBatch<const In> s_blk =
+        kCopies ? MatrixBatch<const In>{sb, jn, bi * jn}
+                : MatrixBatch<const In>{reinterpret_cast<const In*>(rows.base), rows.row_stride,
+                                        rows.batch_stride};
+    batched_gemm(bi, e, jn, T(1), s_blk, per_sequence(rin, e, len), T(0),
+                 per_sequence(p.data(), e, len).from_row(i0), nb, graph_gemm_math<In>(prec),
+                 "Similarity");
   }
 }
 
@@ -365,6 +306,7 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
   const T inv_tau = static_cast<T>(1.0 / st.tau);
   const bool to_u = !args.detach, proj = args.projection;
   const bool to_tau = to_u && args.learned_tau && !params.dlog_tau.empty();
+  const GemmMath math = graph_gemm_math<In>(prec);
   dr.zero();
   if (n == 0) return;
   constexpr bool kCopies = !std::is_same_v<In, T>;
@@ -402,8 +344,9 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
     if (!st.stores)  // L, turned into S by the kernel
       similarity_block_logits(prec, rows, qin, uin, i0, bi, jn, d, len, nb, inv_tau);
     if (to_u)  // G = dp_blk R^T
-      graph_gemm_prec<In, T>(prec, Trans::N, Trans::T, bi, jn, e, T(1), dpin + i0 * e, e,
-                             len * e, rin, e, len * e, T(0), g, jn, bi * jn, nb);
+      batched_gemm(bi, jn, e, T(1), per_sequence(dpin, e, len).from_row(i0),
+                   per_sequence(rin, e, len).t(), T(0), MatrixBatch{g, jn, bi * jn}, nb, math,
+                   "Similarity");
     if (!st.stores || to_u || kCopies) {
       launch_kernel<similarity_dlogit_rows_kernel<T, In>>(
           grid_for_rows(nb * bi), threads_for_row(jn), rows, !st.stores, g, sb, db,
@@ -412,18 +355,23 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
           args.exclude_self);
       GRAPHMOE_CUDA_CHECK_LAUNCH();
     }
-    // dr[:jn] += S^T dp_blk
-    const In* s_op = kCopies ? sb : reinterpret_cast<const In*>(rows.base);
-    const index_t s_ld = kCopies ? jn : rows.row_stride, s_st = kCopies ? bi * jn : rows.batch_stride;
-    graph_gemm_prec<In, T>(prec, Trans::T, Trans::N, jn, e, bi, T(1), s_op, s_ld, s_st,
-                           dpin + i0 * e, e, len * e, T(1), dr.data(), e, len * e, nb);
+    // dr[:jn] += S^T dp_blk (S: the bf16 copy, or the rows)
+    const MatrixBatch<const In> s_blk =
+        kCopies ? MatrixBatch<const In>{sb, jn, bi * jn}
+                : MatrixBatch<const In>{reinterpret_cast<const In*>(rows.base), rows.row_stride,
+                                        rows.batch_stride};
+    batched_gemm(jn, e, bi, T(1), s_blk.t(), per_sequence(dpin, e, len).from_row(i0), T(1),
+                 per_sequence(dr.data(), e, len), nb, math, "Similarity");
     if (!to_u) continue;
-    const In* d_op = kCopies ? static_cast<const In*>(db) : reinterpret_cast<const In*>(g);
+    // dL: the bf16 copy, or G overwritten
+    const MatrixBatch<const In> dl_blk{kCopies ? static_cast<const In*>(db)
+                                               : reinterpret_cast<const In*>(g),
+                                       jn, bi * jn};
     // dQ_blk += dL U / tau;  dU[:jn] += dL^T Q_blk / tau
-    graph_gemm_prec<In, T>(prec, Trans::N, Trans::N, bi, d, jn, inv_tau, d_op, jn, bi * jn, uin, d,
-                           len * d, T(1), dq_rows + i0 * d, d, len * d, nb);
-    graph_gemm_prec<In, T>(prec, Trans::T, Trans::N, jn, d, bi, inv_tau, d_op, jn, bi * jn,
-                           qin + i0 * d, d, len * d, T(1), du.data(), d, len * d, nb);
+    batched_gemm(bi, d, jn, inv_tau, dl_blk, per_sequence(uin, d, len), T(1),
+                 per_sequence(dq_rows, d, len).from_row(i0), nb, math, "Similarity");
+    batched_gemm(jn, d, bi, inv_tau, dl_blk.t(), per_sequence(qin, d, len).from_row(i0), T(1),
+                 per_sequence(du.data(), d, len), nb, math, "Similarity");
   }
   if (to_tau) {
     const Tensor<T, cpu> h = to_host(tau_rows);
@@ -434,11 +382,11 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
     GRAPHMOE_CUDA_CHECK_LAUNCH();
   }
   if (proj && to_u) {  // dU += dQ W_s^T;  dW_s += U^T dQ
-    const GraphPrecision pp = similarity_projection_precision(prec);
-    graph_gemm_prec<T, T>(pp, Trans::N, Trans::T, n, d, d, T(1), dq.data(), d, 0,
-                          params.w_s.data(), d, 0, T(1), du.data(), d, 0, 1);
-    graph_gemm_prec<T, T>(pp, Trans::T, Trans::N, d, d, n, T(1), u.data(), d, 0, dq.data(), d, 0,
-                          T(1), params.dw_s.data(), d, 0, 1);
+    const GemmMath pm = graph_gemm_math<T>(similarity_projection_precision(prec));
+    batched_gemm(n, d, d, T(1), whole(dq.data(), d), whole(params.w_s.data(), d).t(), T(1),
+                 whole(du.data(), d), 1, pm, "Similarity");
+    batched_gemm(d, d, n, T(1), whole(u.data(), d).t(), whole(dq.data(), d), T(1),
+                 whole(params.dw_s.data(), d), 1, pm, "Similarity");
   }
 }
 

@@ -24,7 +24,7 @@ namespace graphmoe {
 // Attention::Options::memory: Store keeps A^p (N x T values) for backward; Recompute keeps each
 // row's log-sum-exp and recomputes the block's A^p; Auto stores while T <= kGraphStoreMaxLen.
 // The numerical work is the op attention_graph_forward / _backward (ops/token_graph.hpp; how each
-// backend computes it: backend/cpu/token_graph.hpp, backend/cuda/token_graph.cuh).
+// backend computes it: backend/cpu/token_graph.hpp, backend/cuda/attention_graph.cuh).
 //
 // Backends differ in what the last forward keeps (the accessors say what each holds):
 //   CPU   A^p when it stores (stores()), the row entropies and the self weights A^p[i,i] on the

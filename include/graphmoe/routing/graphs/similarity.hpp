@@ -37,7 +37,7 @@ inline double similarity_tau(index_t d_model, const Similarity::Options& opts) {
 // policies.hpp); precision: the (T, T) products in T (Exact) or, on the CUDA backend with a float
 // router, on TF32 / bf16 tensor cores. The numerical work is the op similarity_graph_forward /
 // _backward (ops/token_graph.hpp; how each backend computes it: backend/cpu/token_graph.hpp,
-// backend/cuda/token_graph.cuh and similarity_blocks.cuh). A backend that lacks an option
+// backend/cuda/similarity_graph.cuh and similarity_blocks.cuh). A backend that lacks an option
 // (token_graph_support) refuses it in configure.
 //
 // Backends differ in what the last forward keeps (the accessors say what each holds):

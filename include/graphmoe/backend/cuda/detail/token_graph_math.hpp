@@ -1,5 +1,6 @@
 // graphmoe/backend/cuda/detail/token_graph_math.hpp: the per-element and per-tile math of the
-// token-graph kernels (backend/cuda/token_graph.cuh), as host/device functions (internal).
+// token-graph kernels (backend/cuda/similarity_graph.cuh, attention_graph.cuh), as host/device
+// functions (internal).
 //
 // The kernels call these functions; so does tests/cuda/test_host_graphs.cpp, compiled by g++,
 // which drives them in the kernels' tile order and compares with the CPU GraphImpl. This header
@@ -32,7 +33,7 @@
 
 namespace graphmoe::detail::graph_math {
 
-// Tile sizes of the Similarity kernels (token_graph.cuh); the host test uses the same.
+// Tile sizes of the Similarity kernels (similarity_graph.cuh); the host test uses the same.
 inline constexpr int kOwnTile = 16;     // rows (or columns) owned by one thread block
 inline constexpr int kStreamTile = 32;  // streamed columns (or rows) per step, one per warp lane
 inline constexpr int kDepthTile = 32;   // depth of one step of a tile's dot products
