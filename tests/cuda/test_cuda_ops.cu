@@ -380,12 +380,12 @@ TEST_CASE_TEMPLATE("cuda vs cpu: dispatch plan, dispatch and combine, forward an
         check_equal("slot_token", plan.slot_token, dplan.slot_token);
         check_equal("slot_source", plan.slot_source, dplan.slot_source);
         check_equal("source_slot", plan.source_slot, dplan.source_slot);
-        CHECK(dplan.host_offsets.to_vector() == plan.expert_offsets.to_vector());
+        CHECK(dplan.backend.host_offsets.to_vector() == plan.expert_offsets.to_vector());
         for (index_t x = 0; x < e; ++x) {
           CHECK(dplan.count(x) == plan.count(x));
           CHECK(dplan.offset(x) == plan.offset(x));
         }
-        const auto slot_expert = to_host(dplan.slot_expert);
+        const auto slot_expert = to_host(dplan.backend.slot_expert);
         for (index_t s = 0; s < n * k; ++s)
           CHECK(slot_expert.data()[s] == idx.data()[plan.slot_source.data()[s]]);
 
@@ -555,8 +555,8 @@ TEST_CASE_TEMPLATE("cuda vs cpu: the padded dispatch plan, dispatch and combine"
     check_equal("slot_token", plan.slot_token, dplan.slot_token);
     check_equal("slot_source", plan.slot_source, dplan.slot_source);
     check_equal("source_slot", plan.source_slot, dplan.source_slot);
-    CHECK(dplan.host_offsets.to_vector() == plan.expert_offsets.to_vector());
-    const auto slot_expert = to_host(dplan.slot_expert);
+    CHECK(dplan.backend.host_offsets.to_vector() == plan.expert_offsets.to_vector());
+    const auto slot_expert = to_host(dplan.backend.slot_expert);
     for (index_t s = 0; s < e * cap; ++s) CHECK(slot_expert.data()[s] == s / cap);
 
     const index_t slots = e * cap;
@@ -628,7 +628,7 @@ TEST_CASE("cuda vs cpu: the padded plan's errors, at once and deferred, and no r
     make_padded_dispatch_plan(d_idx, d_drop, 3, 3, dplan);
 #endif
   });
-  CHECK(dplan.host_offsets.to_vector() == std::vector<std::int32_t>{0, 3, 6, 9});
+  CHECK(dplan.backend.host_offsets.to_vector() == std::vector<std::int32_t>{0, 3, 6, 9});
   CHECK(to_host(dplan.source_slot).to_vector() == std::vector<std::int32_t>{0, 3, 1, -1, 2, 4});
 }
 

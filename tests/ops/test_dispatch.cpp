@@ -239,7 +239,7 @@ TEST_CASE("dispatch: a plan whose rebuild failed is invalid until rebuilt") {
   auto idx = Tensor<std::int32_t>::from({3, 2}, {0, 1, 2, 3, 1, 1});
   make_dispatch_plan(idx, 4, plan);
   CHECK(plan.count(1) == 3);
-  CHECK(plan.host_offsets.to_vector() == plan.expert_offsets.to_vector());
+  for (index_t e = 0; e <= 4; ++e) CHECK(plan.offset(e) == plan.expert_offsets.data()[e]);
   auto bad = Tensor<std::int32_t>::from({3, 2}, {0, 1, 2, 7, 1, 1});
   CHECK_THROWS_WITH_AS(make_dispatch_plan(bad, 4, plan),
                        doctest::Contains("expert id 7 of token 1, choice 1 is out of range [0, 4)"),

@@ -23,10 +23,15 @@
 
 namespace graphmoe {
 
-// The arrays live in B's memory. count() and offset() read host memory on every backend:
-// host_offsets, which a backend whose memory is the host's (cpu) makes a handle of
-// expert_offsets itself, and the others fill with a copy (cuda copies the E + 1 offsets back
-// once per plan: the expert bank schedules its GEMMs from the host).
+// What a backend keeps in its plans beyond the arrays every backend fills: nothing by default. A
+// backend whose memory is not the host's specialises it with at least host_offsets, a host copy of
+// expert_offsets (Tensor<std::int32_t, cpu>, E + 1 entries), which count() and offset() read: the
+// expert bank schedules its GEMMs from the host (cuda: backend/cuda/dispatch.cuh, which copies the
+// offsets back once per plan and also keeps the expert of every slot).
+template <class B>
+struct DispatchPlanBackendState {};
+
+// The arrays live in B's memory; `backend` holds B's own (DispatchPlanBackendState).
 template <class B = cpu>
 struct DispatchPlan {
   index_t num_tokens = 0, k = 0, num_experts = 0;
@@ -35,10 +40,7 @@ struct DispatchPlan {
   Tensor<std::int32_t, B> slot_token;      // (S): the token row held by sorted slot s
   Tensor<std::int32_t, B> slot_source;     // (S): the assignment (t k + j) held by slot s
   Tensor<std::int32_t, B> source_slot;     // (N k): inverse of slot_source
-  Tensor<std::int32_t, cpu> host_offsets;  // (E + 1): expert_offsets on the host
-  // (S): the expert of slot s (the sorted ids). Filled by the backends whose kernels read it
-  // (cuda: the grouped expert bias); empty on cpu.
-  Tensor<std::int32_t, B> slot_expert;
+  DispatchPlanBackendState<B> backend;
 
   // S, the rows of xs and ys: N k, or E C in the padded layout.
   index_t num_slots() const { return capacity > 0 ? num_experts * capacity : num_tokens * k; }
@@ -47,13 +49,22 @@ struct DispatchPlan {
   index_t count(index_t e) const {
     GRAPHMOE_CHECK(e >= 0 && e < num_experts, "DispatchPlan::count", "expert ", e,
                    " is out of range [0, ", num_experts, ")");
-    return host_offsets.data()[e + 1] - host_offsets.data()[e];
+    return host_offsets()[e + 1] - host_offsets()[e];
   }
   // First slot of expert e (the row of xs where its block starts).
   index_t offset(index_t e) const {
     GRAPHMOE_CHECK(e >= 0 && e <= num_experts, "DispatchPlan::offset", "expert ", e,
                    " is out of range [0, ", num_experts, "]");
-    return host_offsets.data()[e];
+    return host_offsets()[e];
+  }
+
+ private:
+  // expert_offsets in host memory: the array itself on a backend whose memory is the host's.
+  const std::int32_t* host_offsets() const {
+    if constexpr (B::host_memory)
+      return expert_offsets.data();
+    else
+      return backend.host_offsets.data();
   }
 };
 
@@ -62,6 +73,22 @@ namespace detail {
 template <class B>
 void plan_tensor(Tensor<std::int32_t, B>& t, const Shape& shape) {
   if (t.empty() || t.shape() != shape) t = new_output<std::int32_t, B>(shape);  // written in full
+}
+
+// Sets a plan's counts and sizes the arrays every backend fills, for n tokens routed to k of
+// num_experts experts: N k slots, or E C in the padded layout (capacity C > 0). k is left to the
+// caller (a padded plan's op keeps it 0, invalid, until the plan is built).
+template <class B>
+void size_dispatch_plan(DispatchPlan<B>& plan, index_t n, index_t k, index_t num_experts,
+                        index_t capacity) {
+  plan.num_tokens = n;
+  plan.num_experts = num_experts;
+  plan.capacity = capacity;
+  const index_t slots = capacity > 0 ? num_experts * capacity : n * k;
+  plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
+  plan_tensor(plan.slot_token, Shape{slots});
+  plan_tensor(plan.slot_source, Shape{slots});
+  plan_tensor(plan.source_slot, Shape{n * k});
 }
 }  // namespace detail
 

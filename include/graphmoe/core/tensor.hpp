@@ -282,13 +282,13 @@ void prepare_accumulator(const char* op, const char* what, Tensor<T, B>& out,
 namespace detail {
 // A host tensor with t's values: t itself on the CPU; a copy (to_host, found by argument-dependent
 // lookup in graphmoe/backend/cuda/copy.cuh) for a device tensor.
+template <class T>
+Tensor<T, cpu> host_values(const Tensor<T, cpu>& t) {
+  return t;
+}
 template <class T, class B>
 Tensor<T, cpu> host_values(const Tensor<T, B>& t) {
-  if constexpr (std::is_same_v<B, cpu>) {
-    return t;
-  } else {
-    return to_host(t);
-  }
+  return to_host(t);
 }
 }  // namespace detail
 

@@ -2,9 +2,11 @@
 // between routing/graphs/ and a backend: what a backend supports, the resolved options of one
 // call, the learned parameters and the state one forward leaves for its backward.
 //
-// The state structs hold every backend's fields; a backend fills the ones it computes and leaves
-// the others empty (each field says who fills it). The graph classes of routing/graphs/ own one
-// state each and read it through their accessors (stores(), self_weight(), heads(), ...).
+// A state struct holds the fields the graph classes read (through their accessors: stores(),
+// self_weight(), heads(), ...); a backend fills the ones it computes and leaves the others empty
+// (each field says). What only a backend reads is its own: the member `backend`, of the type
+// SimilarityGraphBackendState<T, B> / AttentionGraphBackendState<T, B>, empty unless B
+// specialises it (the CPU's in backend/cpu/token_graph.hpp, CUDA's in backend/cuda/).
 #pragma once
 
 #include <cstdint>
@@ -66,6 +68,13 @@ struct SimilarityGraphParams {
   Tensor<T, B> w_s, dw_s;          // (D, D)  Options::projection
 };
 
+// What a backend keeps of a token graph's forward for itself (the file comment): nothing unless
+// the backend specialises these.
+template <class T, class B>
+struct SimilarityGraphBackendState {};
+template <class T, class B>
+struct AttentionGraphBackendState {};
+
 // What a Similarity forward leaves for its backward (and for the graph's accessors).
 template <class T, class B>
 struct SimilarityGraphState {
@@ -75,8 +84,8 @@ struct SimilarityGraphState {
   Tensor<T, B> self;      // (N) S[i, i]; empty where a backend does not compute it (CUDA fused path)
   Tensor<T, B> s;         // (N, T) S, when the forward stored it (stores); else empty
   Tensor<T, B> q;         // (N, D) Q = U W_s under projection; else empty
-  Tensor<T, B> work;      // CUDA's block path: scratch kept between calls (grows, never shrinks)
   bool stores = false;    // whether s holds S; the backward follows
+  SimilarityGraphBackendState<T, B> backend;
 };
 
 // ---- Attention ----------------------------------------------------------------------------------
@@ -95,17 +104,14 @@ struct AttentionGraphArgs {
 // What an Attention forward leaves for its backward (and for the graph's accessors).
 template <class T, class B>
 struct AttentionGraphState {
-  Tensor<T, B> post;                 // (N, T) A^p when stored (stores); else empty
-  Tensor<T, B> lse;                  // (N) row log-sum-exp of the logits            CPU
-  Tensor<T, B> self;                 // (N) A^p[i, i]                                CPU
-  Tensor<T, B> entropy;              // (N) H(A^p[i, :]) on the device               CUDA
-  Tensor<std::int32_t, B> head_dev;  // (N) h* on the device                         CUDA
-  Tensor<T, B> queries;              // (N, D) each row's queries, masked to its head  CUDA
-  std::vector<int> heads;            // (N) h* of each token, on the host            CPU
-  index_t tokens = 0;                // N of the last forward (set by ops/token_graph.hpp)
-  std::vector<double> row_entropy;   // (N) H(A^p[i, :]) on the host                 CPU
-  index_t seq_len = 0;               // the sequence length of the last forward
-  bool stores = false;               // whether post holds A^p; the backward follows
+  Tensor<T, B> post;                // (N, T) A^p when stored (stores); else empty
+  Tensor<T, B> self;                // (N) A^p[i, i]; empty where a backend does not compute it
+  std::vector<double> row_entropy;  // (N) H(A^p[i, :]) on the host; empty where a backend keeps
+                                    // the entropies on the device (CUDA)
+  index_t tokens = 0;               // N of the last forward (set by ops/token_graph.hpp)
+  index_t seq_len = 0;              // the sequence length of the last forward
+  bool stores = false;              // whether post holds A^p; the backward follows
+  AttentionGraphBackendState<T, B> backend;
 };
 
 }  // namespace graphmoe

@@ -203,14 +203,11 @@ void attention_graph_forward(const Tensor<T, B>& u, const Tensor<T, B>& r,
   });
 }
 
-// h* of every token of the last forward: the CPU keeps it on the host, a backend that keeps it on
-// the device (CUDA) provides attention_graph_heads(B, state), which reads it back (on request).
+// h* of every token of the last forward, from the backend's state (CUDA reads it back from the
+// device on request).
 template <class T, Backend B>
 std::vector<int> attention_graph_heads(const AttentionGraphState<T, B>& state) {
-  if constexpr (requires { attention_graph_heads(B{}, state); })
-    return attention_graph_heads(B{}, state);
-  else
-    return state.heads;
+  return attention_graph_heads(B{}, state);
 }
 
 // dr (N, E) = A^p^T dp assigned; unless args.detach, the cache's gradients (dprobs, dout, dv,

@@ -77,6 +77,22 @@ ParameterArena<T, cpu> host_mirror(const ParameterArena<T, B>& arena) {
   h.allocate();
   return h;
 }
+
+// load_arena (train/checkpoint.hpp) into an arena of any backend: a host arena directly, any other
+// through a host mirror (everything checked there before the values are copied to the device).
+template <class T>
+void load_arena_any(const SafetensorsFile& f, ParameterArena<T, cpu>& arena,
+                    const std::string& prefix) {
+  load_arena(f, arena, prefix);
+}
+template <class T, class B>
+void load_arena_any(const SafetensorsFile& f, ParameterArena<T, B>& arena,
+                    const std::string& prefix) {
+  ParameterArena<T, cpu> mirror = host_mirror(arena);
+  load_arena(f, mirror, prefix);
+  copy_from_host(arena.values(), mirror.values());
+  arena.mark_values_written();
+}
 }  // namespace detail
 
 // The model and AdamW state of any backend (device tensors are copied to the host first).
@@ -159,14 +175,7 @@ const std::map<std::string, std::string>& load_training_state(const SafetensorsF
                         ", which is neither a model parameter ('model.<name>') nor a state "
                         "tensor of this optimizer");
   }
-  if constexpr (std::is_same_v<B, cpu>) {
-    load_arena(f, arena, "model.");  // validates everything before copying
-  } else {
-    ParameterArena<T, cpu> mirror = detail::host_mirror(arena);
-    load_arena(f, mirror, "model.");
-    copy_from_host(arena.values(), mirror.values());
-    arena.mark_values_written();
-  }
+  detail::load_arena_any(f, arena, "model.");  // validates everything before copying
   for (std::size_t i = 0; i < state.size(); ++i)
     copy_from_host(state[i].second, loaded[i].view(state[i].second.shape()));
   adam.set_steps(steps);

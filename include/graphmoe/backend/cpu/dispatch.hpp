@@ -23,8 +23,7 @@ inline index_t row_grain(index_t d) { return std::max<index_t>(1, 8192 / std::ma
 }  // namespace detail
 
 // The plan of indices (N, k), checked by ops/dispatch.hpp; returns the first expert id outside
-// [0, num_experts) (the plan untouched then). host_offsets is a handle of expert_offsets (the
-// host's memory is the backend's); slot_expert stays empty.
+// [0, num_experts) (the plan untouched then).
 inline Offender make_dispatch_plan(cpu, const Tensor<std::int32_t, cpu>& indices,
                                    index_t num_experts, DispatchPlan<cpu>& plan) {
   const index_t n = indices.dim(0), k = indices.dim(1), slots = n * k;
@@ -34,15 +33,8 @@ inline Offender make_dispatch_plan(cpu, const Tensor<std::int32_t, cpu>& indices
     if (ids[a] < 0 || ids[a] >= num_experts) return {a, static_cast<double>(ids[a])};
     ++cursor[static_cast<std::size_t>(ids[a]) + 1];
   }
-  plan.num_tokens = n;
+  detail::size_dispatch_plan(plan, n, k, num_experts, 0);
   plan.k = k;
-  plan.num_experts = num_experts;
-  plan.capacity = 0;
-  detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
-  detail::plan_tensor(plan.slot_token, Shape{slots});
-  detail::plan_tensor(plan.slot_source, Shape{slots});
-  detail::plan_tensor(plan.source_slot, Shape{slots});
-  plan.host_offsets = plan.expert_offsets;
   std::int32_t* offsets = plan.expert_offsets.data();
   for (index_t e = 0; e < num_experts; ++e) {
     cursor[static_cast<std::size_t>(e) + 1] += cursor[static_cast<std::size_t>(e)];
@@ -67,14 +59,7 @@ inline Offender make_padded_dispatch_plan(cpu, const Tensor<std::int32_t, cpu>& 
                                           index_t num_experts, index_t capacity,
                                           DispatchPlan<cpu>& plan) {
   const index_t n = indices.dim(0), k = indices.dim(1), slots = num_experts * capacity;
-  plan.num_tokens = n;
-  plan.num_experts = num_experts;
-  plan.capacity = capacity;
-  detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
-  detail::plan_tensor(plan.slot_token, Shape{slots});
-  detail::plan_tensor(plan.slot_source, Shape{slots});
-  detail::plan_tensor(plan.source_slot, Shape{n * k});
-  plan.host_offsets = plan.expert_offsets;
+  detail::size_dispatch_plan(plan, n, k, num_experts, capacity);
   for (index_t e = 0; e <= num_experts; ++e)
     plan.expert_offsets.data()[e] = static_cast<std::int32_t>(e * capacity);
   std::fill_n(plan.slot_token.data(), slots, std::int32_t{-1});

@@ -48,8 +48,8 @@
 // memory is O(kBlock x T + T x dh) per thread besides A^p when stored; the cache's probs
 // (B, H, T, T) belong to the attention layer.
 //
-// The CPU fills every field of the states (core/token_graph.hpp) but the CUDA-only ones
-// (entropy and head_dev of the Attention state).
+// The CPU fills every field of the states (core/token_graph.hpp); its own part of the Attention
+// state (AttentionGraphBackendState<T, cpu>, below) holds each row's log-sum-exp and h*.
 #pragma once
 
 #include <algorithm>
@@ -284,6 +284,17 @@ class SimilarityGraphCpu {
 
 // ---- Attention ----------------------------------------------------------------------------------
 
+}  // namespace detail
+
+// What the CPU keeps of an Attention forward for its backward, besides the common fields.
+template <class T>
+struct AttentionGraphBackendState<T, cpu> {
+  Tensor<T, cpu> lse;      // (N) row log-sum-exp of the logits (the backward's recomputed rows)
+  std::vector<int> heads;  // (N) h* of each token
+};
+
+namespace detail {
+
 template <class T>
 class AttentionGraphCpu {
  public:
@@ -301,9 +312,9 @@ class AttentionGraphCpu {
       st_.post = Tensor<T, cpu>(Shape{n, len});
     if (!st_.stores) st_.post = Tensor<T, cpu>();
     st_.seq_len = len;
-    st_.heads.assign(static_cast<std::size_t>(n), 0);
+    st_.backend.heads.assign(static_cast<std::size_t>(n), 0);
     st_.row_entropy.assign(static_cast<std::size_t>(n), 0.0);
-    st_.lse = Tensor<T, cpu>(Shape{n});
+    st_.backend.lse = Tensor<T, cpu>(Shape{n});
     st_.self = Tensor<T, cpu>(Shape{n});
     auto R = as_matrix(r);
     auto P = as_matrix(p);
@@ -325,7 +336,7 @@ class AttentionGraphCpu {
           head_query(c, b, h, i0, bi, Q);
           logits(c, b, h, i0, bi, jn, Q, msq, Ap);
           for (index_t a = 0; a < bi; ++a) {
-            if (st_.heads[static_cast<std::size_t>(s0 + i0 + a)] != h) {
+            if (st_.backend.heads[static_cast<std::size_t>(s0 + i0 + a)] != h) {
               Ap.row(a).setZero();
               continue;
             }
@@ -400,10 +411,10 @@ class AttentionGraphCpu {
             logits(c, b, h, i0, bi, jn, Q, msq, Ap);
           }
           for (index_t a = 0; a < bi; ++a) {
-            if (st_.heads[static_cast<std::size_t>(s0 + i0 + a)] != h) {
+            if (st_.backend.heads[static_cast<std::size_t>(s0 + i0 + a)] != h) {
               Ap.row(a).setZero();
             } else if (!stores) {  // the logits are -inf at or below the floor: exp gives 0
-              detail::exp_shifted(Ap.row(a).data(), st_.lse.data()[s0 + i0 + a], Ap.row(a).data(),
+              detail::exp_shifted(Ap.row(a).data(), st_.backend.lse.data()[s0 + i0 + a], Ap.row(a).data(),
                                   jn);
             }
           }
@@ -417,7 +428,7 @@ class AttentionGraphCpu {
           if (!c.dprobs.empty()) {
             MatrixMap<T> dA(c.dprobs.data() + ((b * nh + h) * len) * len, len, len);
             for (index_t a = 0; a < bi; ++a) {
-              if (st_.heads[static_cast<std::size_t>(s0 + i0 + a)] != h) continue;
+              if (st_.backend.heads[static_cast<std::size_t>(s0 + i0 + a)] != h) continue;
               dA.row(i0 + a).head(jn).array() +=
                   (A.row(i0 + a).head(jn).array() > floor)
                       .select(dL.row(a).array() / A.row(i0 + a).head(jn).array(), T(0));
@@ -465,7 +476,7 @@ class AttentionGraphCpu {
  private:
   bool head_used(index_t s0, index_t len, index_t h) const {
     for (index_t i = 0; i < len; ++i)
-      if (st_.heads[static_cast<std::size_t>(s0 + i)] == h) return true;
+      if (st_.backend.heads[static_cast<std::size_t>(s0 + i)] == h) return true;
     return false;
   }
 
@@ -530,7 +541,7 @@ class AttentionGraphCpu {
       std::copy(e, e + m, x + j0);
     });
     row *= static_cast<T>(1.0 / sum);
-    st_.lse.data()[g] = mx + static_cast<T>(std::log(sum));
+    st_.backend.lse.data()[g] = mx + static_cast<T>(std::log(sum));
     st_.self.data()[g] = i < row.size() ? row(i) : T(0);
     st_.row_entropy[static_cast<std::size_t>(g)] = std::log(sum) - dot / sum;
     return true;
@@ -594,12 +605,12 @@ class AttentionGraphCpu {
         for (index_t i = 0; i < len; ++i)
           prefix[static_cast<std::size_t>(h)] += ent[static_cast<std::size_t>(h * len + i)];
       const int best = argmin_prefix(len - 1);
-      for (index_t i = 0; i < len; ++i) st_.heads[static_cast<std::size_t>(s0 + i)] = best;
+      for (index_t i = 0; i < len; ++i) st_.backend.heads[static_cast<std::size_t>(s0 + i)] = best;
     } else {
       for (index_t i = 0; i < len; ++i) {
         for (index_t h = 0; h < nh; ++h)
           prefix[static_cast<std::size_t>(h)] += ent[static_cast<std::size_t>(h * len + i)];
-        st_.heads[static_cast<std::size_t>(s0 + i)] = argmin_prefix(i);
+        st_.backend.heads[static_cast<std::size_t>(s0 + i)] = argmin_prefix(i);
       }
     }
   }
@@ -660,6 +671,12 @@ void attention_graph_backward(cpu, const Tensor<T, cpu>& r, const Tensor<T, cpu>
                               const AttentionGraphArgs& args, AttentionGraphState<T, cpu>& state,
                               Tensor<T, cpu>& dr) {
   detail::AttentionGraphCpu<T>(args, state).backward(r, p, dp, cache, dr);
+}
+
+// h* of every token of the last forward.
+template <class T>
+std::vector<int> attention_graph_heads(cpu, const AttentionGraphState<T, cpu>& state) {
+  return state.backend.heads;
 }
 
 // The mean row entropy of the last forward (in double).

@@ -37,7 +37,7 @@
 // The (T, T)-sized work is O(T^2 D) per sequence, as H passes of T^2 dh were, in three large
 // products instead of 3 H small ones, and the (N, T) passes (posterior, dprobs, the column sums)
 // run once instead of once per head. A^p is stored (N, T), as on the CPU, and so is Q~ (N, D)
-// from forward to backward (state.queries); scratch: G (N, T) in forward, dL (N, T) and dQ~
+// from forward to backward (state.backend.queries); scratch: G (N, T) in forward, dL (N, T) and dQ~
 // (N, D) in backward. A causal attention layer (AttentionCache::causal) has A = 0 above the
 // diagonal, so A^p and dL are 0 there: the (T, T)-sized products (G, p, dr, dp r^T, dQ~, dV) run
 // in blocks of kAttentionCausalRows rows of every sequence whose columns stop at the block's last
@@ -69,6 +69,19 @@
 #include "graphmoe/core/offender.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/token_graph.hpp"
+
+namespace graphmoe {
+
+// What the CUDA Attention graph keeps of a forward (core/token_graph.hpp): everything stays on
+// the device.
+template <class T>
+struct AttentionGraphBackendState<T, cuda> {
+  Tensor<T, cuda> entropy;              // (N) H(A^p[i, :])
+  Tensor<std::int32_t, cuda> head_dev;  // (N) h*
+  Tensor<T, cuda> queries;              // (N, H dh) each row's queries, masked to its head
+};
+
+}  // namespace graphmoe
 
 namespace graphmoe::detail {
 
@@ -359,11 +372,10 @@ Offender attention_forward_as(const Tensor<T, cuda>& r, const AttentionCache<T, 
   state.seq_len = len;
   if (state.post.empty() || state.post.shape() != Shape{n, len})
     state.post = Tensor<T, cuda>::uninitialized(Shape{n, len});  // every row written below
-  if (state.entropy.empty() || state.entropy.shape() != Shape{n})
-    state.entropy = Tensor<T, cuda>::uninitialized(Shape{n});
-  if (state.head_dev.empty() || state.head_dev.shape() != Shape{n})
-    state.head_dev = Tensor<std::int32_t, cuda>::uninitialized(Shape{n});
-  state.heads.clear();  // on the device only (attention_graph_heads)
+  if (state.backend.entropy.empty() || state.backend.entropy.shape() != Shape{n})
+    state.backend.entropy = Tensor<T, cuda>::uninitialized(Shape{n});
+  if (state.backend.head_dev.empty() || state.backend.head_dev.shape() != Shape{n})
+    state.backend.head_dev = Tensor<std::int32_t, cuda>::uninitialized(Shape{n});
   if (n == 0) return {};
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
 
@@ -382,7 +394,7 @@ Offender attention_forward_as(const Tensor<T, cuda>& r, const AttentionCache<T, 
   auto prefix = Tensor<double, cuda>::uninitialized(Shape{nb, nh});  // zeroed by the kernel
   launch_kernel<attention_choose_heads_kernel<T>>(grid_for(nb), kThreads, ent, nb, nh, len,
                                                   args.causal_heads, prefix.data(),
-                                                  state.head_dev.data());
+                                                  state.backend.head_dev.data());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   // the posterior rows of every head at once (file comment)
   FirstIndexFlag bad{FirstIndexFlag::Deferrable{}};
@@ -392,9 +404,9 @@ Offender attention_forward_as(const Tensor<T, cuda>& r, const AttentionCache<T, 
   auto cvec = Tensor<T, cuda>::uninitialized(Shape{s.bias ? nh * s.dh : 0});
   auto msq = Tensor<T, cuda>::uninitialized(Shape{n, nh});
   // the masked queries, kept for the backward (every entry written)
-  if (state.queries.empty() || state.queries.shape() != Shape{n, s.dvc})
-    state.queries = Tensor<T, cuda>::uninitialized(Shape{n, s.dvc});
-  Tensor<T, cuda>& q = state.queries;
+  if (state.backend.queries.empty() || state.backend.queries.shape() != Shape{n, s.dvc})
+    state.backend.queries = Tensor<T, cuda>::uninitialized(Shape{n, s.dvc});
+  Tensor<T, cuda>& q = state.backend.queries;
   auto g = Tensor<T, cuda>::uninitialized(Shape{n, len});
   // |m_hj|^2 - |b_o|^2 of every head (N, H)
   attention_gram_terms(s, c, gram, z, cvec);
@@ -402,7 +414,7 @@ Offender attention_forward_as(const Tensor<T, cuda>& r, const AttentionCache<T, 
                                          s.bias ? cvec.data() : nullptr, msq.data(), n, nh, s.dh,
                                          static_cast<T>(nh));
   GRAPHMOE_CUDA_CHECK_LAUNCH();
-  attention_masked_queries(s, c, state.head_dev, q);
+  attention_masked_queries(s, c, state.backend.head_dev, q);
   // G = Q~ V^T per sequence (T, T): q_hi . v_hj (a_i . b_o cancels in the softmax); causal: the
   // row blocks' columns only (the kernel reads no column above the diagonal)
   GraphOperands<T, In> ops;
@@ -414,7 +426,7 @@ Offender attention_forward_as(const Tensor<T, cuda>& r, const AttentionCache<T, 
                  "Attention");
   launch_kernel<attention_posterior_rows_kernel<T>>(
       grid_for_rows(n), threads_for_row(len), c.probs.data(), g.data(), msq.data(),
-      state.head_dev.data(), state.post.data(), state.entropy.data(), bad.get(), n, nh, len,
+      state.backend.head_dev.data(), state.post.data(), state.backend.entropy.data(), bad.get(), n, nh, len,
       inv_var, c.causal);
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   // p = A^p r per sequence (on a flagged row's values when the check is deferred: arithmetic)
@@ -607,14 +619,14 @@ void attention_backward_as(const Tensor<T, cuda>& r, const Tensor<T, cuda>& p,
   const T inv_var = static_cast<T>(1.0 / (args.sigma * args.sigma));
   const Tensor<T, cuda> dl =
       attention_backward_dlogits(s, state.post, p, dp, dpin, ops(r), c.causal);
-  if (!c.dprobs.empty()) attention_backward_dprobs(s, dl, c, state.head_dev);
+  if (!c.dprobs.empty()) attention_backward_dprobs(s, dl, c, state.backend.head_dev);
   const bool dq_needed = !c.dout.empty() || !c.dw_o.empty();
   const In* dlin = dq_needed || !c.dv.empty() ? ops(dl) : nullptr;
-  if (dq_needed) attention_backward_dqueries(s, dlin, ops(c.v), c, state.head_dev, inv_var);
-  if (!c.dv.empty()) attention_backward_dv_logits(s, dlin, ops(state.queries), c.dv, inv_var);
+  if (dq_needed) attention_backward_dqueries(s, dlin, ops(c.v), c, state.backend.head_dev, inv_var);
+  if (!c.dv.empty()) attention_backward_dv_logits(s, dlin, ops(state.backend.queries), c.dv, inv_var);
   // the terms of -|m_hj|^2 / (2 sigma^2), every head at once through the Gram terms
   if (c.dw_o.empty() && c.dv.empty() && c.db_o.empty()) return;
-  const Tensor<T, cuda> colsum = attention_backward_colsums(s, dl, state.head_dev);
+  const Tensor<T, cuda> colsum = attention_backward_colsums(s, dl, state.backend.head_dev);
   if (!c.dv.empty()) attention_backward_dv_means(s, c, colsum, inv_var);
   const bool to_bias = !c.db_o.empty() && s.bias;
   if (c.dw_o.empty() && !to_bias) return;
@@ -643,8 +655,8 @@ Offender attention_graph_forward(cuda, const Tensor<T, cuda>& r, const Attention
 // h* of every token of the last forward, read back from the device.
 template <class T>
 std::vector<int> attention_graph_heads(cuda, const AttentionGraphState<T, cuda>& state) {
-  if (state.head_dev.empty()) return {};
-  const Tensor<std::int32_t, cpu> h = to_host(state.head_dev);
+  if (state.backend.head_dev.empty()) return {};
+  const Tensor<std::int32_t, cpu> h = to_host(state.backend.head_dev);
   return std::vector<int>(h.data(), h.data() + h.numel());
 }
 
@@ -664,7 +676,7 @@ void attention_graph_backward(cuda, const Tensor<T, cuda>& r, const Tensor<T, cu
 
 template <class T>
 double attention_graph_mean_entropy(cuda, const AttentionGraphState<T, cuda>& state) {
-  return detail::device_mean(state.entropy);
+  return detail::device_mean(state.backend.entropy);
 }
 
 }  // namespace graphmoe

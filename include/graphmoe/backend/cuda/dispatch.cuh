@@ -54,6 +54,14 @@
 
 namespace graphmoe {
 
+// What the CUDA system keeps in a dispatch plan (core/dispatch_plan.hpp) besides the arrays every
+// backend fills.
+template <>
+struct DispatchPlanBackendState<cuda> {
+  Tensor<std::int32_t, cpu> host_offsets;  // (E + 1): expert_offsets on the host (count, offset)
+  Tensor<std::int32_t, cuda> slot_expert;  // (S): the expert of slot s (the grouped expert bias)
+};
+
 namespace detail {
 
 // blockDim.x == kThreads, one block per expert (see the header). keep: 1 = place.
@@ -205,16 +213,10 @@ Offender make_dispatch_plan(cuda, const Tensor<I, cuda>& indices, index_t num_ex
                  "the compact expert layout inside a CUDA graph capture (it sorts with Thrust and "
                  "reads its expert offsets back to the host); capture with ExpertLayout::Padded");
   const index_t n = indices.dim(0), k = indices.dim(1), slots = n * k;
-  plan.num_tokens = n;
+  detail::size_dispatch_plan(plan, n, k, num_experts, 0);
   plan.k = k;
-  plan.num_experts = num_experts;
-  plan.capacity = 0;
-  detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
-  detail::plan_tensor(plan.slot_token, Shape{slots});
-  detail::plan_tensor(plan.slot_source, Shape{slots});
-  detail::plan_tensor(plan.source_slot, Shape{slots});
-  detail::plan_tensor(plan.slot_expert, Shape{slots});
-  detail::plan_tensor(plan.host_offsets, Shape{num_experts + 1});
+  detail::plan_tensor(plan.backend.slot_expert, Shape{slots});
+  detail::plan_tensor(plan.backend.host_offsets, Shape{num_experts + 1});
 
   detail::CudaThrustAllocator alloc;
   std::int64_t bad = -1;
@@ -223,12 +225,12 @@ Offender make_dispatch_plan(cuda, const Tensor<I, cuda>& indices, index_t num_ex
     detail::build_dispatch_plan(detail::thrust_policy(alloc), indices.data(),
                                 slots, static_cast<std::int32_t>(k),
                                 static_cast<std::int32_t>(num_experts),
-                                reinterpret_cast<std::uint32_t*>(plan.slot_expert.data()),
+                                reinterpret_cast<std::uint32_t*>(plan.backend.slot_expert.data()),
                                 plan.expert_offsets.data(), plan.slot_token.data(),
                                 plan.slot_source.data(), plan.source_slot.data());
     GRAPHMOE_CUDA_CHECK_LAUNCH();
-    to_host(plan.expert_offsets, plan.host_offsets);  // synchronises
-    if (plan.host_offsets.data()[num_experts] != slots)
+    to_host(plan.expert_offsets, plan.backend.host_offsets);  // synchronises
+    if (plan.backend.host_offsets.data()[num_experts] != slots)
       bad = detail::first_invalid_expert_id(detail::thrust_policy_sync(alloc),
                                             indices.data(), slots,
                                             static_cast<std::int32_t>(num_experts));
@@ -249,22 +251,17 @@ Offender make_padded_dispatch_plan(cuda, const Tensor<I, cuda>& indices,
                                    const Tensor<std::uint8_t, cuda>& keep, index_t num_experts,
                                    index_t capacity, DispatchPlan<cuda>& plan) {
   const index_t n = indices.dim(0), k = indices.dim(1), slots = num_experts * capacity;
-  plan.num_tokens = n;
-  plan.num_experts = num_experts;
-  plan.capacity = capacity;
-  detail::plan_tensor(plan.expert_offsets, Shape{num_experts + 1});
-  detail::plan_tensor(plan.slot_token, Shape{slots});
-  detail::plan_tensor(plan.slot_source, Shape{slots});
-  detail::plan_tensor(plan.source_slot, Shape{n * k});
-  detail::plan_tensor(plan.slot_expert, Shape{slots});
-  detail::plan_tensor(plan.host_offsets, Shape{num_experts + 1});
+  detail::size_dispatch_plan(plan, n, k, num_experts, capacity);
+  detail::plan_tensor(plan.backend.slot_expert, Shape{slots});
+  detail::plan_tensor(plan.backend.host_offsets, Shape{num_experts + 1});
   for (index_t e = 0; e <= num_experts; ++e)
-    plan.host_offsets.data()[e] = static_cast<std::int32_t>(e * capacity);
+    plan.backend.host_offsets.data()[e] = static_cast<std::int32_t>(e * capacity);
   detail::FirstIndexFlag bad{detail::FirstIndexFlag::Deferrable{}};
   detail::launch_kernel<detail::padded_plan_kernel<I>>(
       static_cast<unsigned>(num_experts), detail::kThreads, indices.data(), keep.data(), n * k,
       k, num_experts, capacity, plan.expert_offsets.data(), plan.slot_token.data(),
-      plan.slot_source.data(), plan.source_slot.data(), plan.slot_expert.data(), bad.get());
+      plan.slot_source.data(), plan.source_slot.data(), plan.backend.slot_expert.data(),
+      bad.get());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
   return bad.result<Offender>("make_padded_dispatch_plan", [indices](index_t a) {
     return Offender{a, static_cast<double>(detail::read_device_value(indices.data() + a))};

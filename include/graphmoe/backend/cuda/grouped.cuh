@@ -212,7 +212,7 @@ void add_expert_rows(const Tensor<T, cuda>& b, const CudaDispatchPlan& plan,
   const index_t n = y.numel();
   if (n == 0) return;
   detail::launch_kernel<detail::add_expert_rows_kernel<T>>(detail::grid_for(n), detail::kThreads,
-                                                           b.data(), plan.slot_expert.data(),
+                                                           b.data(), plan.backend.slot_expert.data(),
                                                            y.data(), y.rows(), y.cols(), b.rows());
   GRAPHMOE_CUDA_CHECK_LAUNCH();
 }
@@ -413,13 +413,13 @@ void expert_ffn_forward(cuda, const DispatchPlan<cuda>& plan, const ExpertFfn<T,
     const index_t hidden = f.h.cols() / 2;
     detail::for_each_index(rows * hidden, detail::ExpertBiasSwigluOp<T, C>{
                                               bias ? f.b1.data() : nullptr,
-                                              plan.slot_expert.data(), f.h.data(), a_out, ac_out,
+                                              plan.backend.slot_expert.data(), f.h.data(), a_out, ac_out,
                                               hidden, bias_experts});
   } else {
     detail::for_each_index(
         rows * f.h.cols(),
         detail::ExpertBiasGeluOp<T, C>{act.gelu, bias ? f.b1.data() : nullptr,
-                                       plan.slot_expert.data(), f.h.data(), a_out, ac_out,
+                                       plan.backend.slot_expert.data(), f.h.data(), a_out, ac_out,
                                        f.h.cols(), bias_experts});
   }
   detail::expert_gemm<T, C>(plan, e_, Trans::N, Trans::T, T(0), [&](index_t e, index_t r0, index_t r1) {

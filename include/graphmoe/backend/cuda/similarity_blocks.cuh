@@ -24,7 +24,7 @@
 // entropies, c_i and every output stay fp32.
 //
 // Memory: with args.store S is kept (N, T) in state.s, as on the CPU; the block scratch (L or
-// S, G, and their bf16 copies) lives in state.work, which grows to the largest block seen and is
+// S, G, and their bf16 copies) lives in state.backend.work, which grows to the largest block seen and is
 // kept between calls (no allocation or zero-fill per step). Block rows: as many as keep the
 // scratch under kSimilarityBlockEntries entries per buffer, at most kSimilarityCausalRows in a
 // causal graph (more blocks skip more of the masked half).
@@ -49,6 +49,17 @@
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/token_graph.hpp"
+
+namespace graphmoe {
+
+// What the CUDA Similarity graph keeps for itself (core/token_graph.hpp): the block path's
+// scratch, kept between calls (it grows to the largest block seen, never shrinks).
+template <class T>
+struct SimilarityGraphBackendState<T, cuda> {
+  Tensor<T, cuda> work;
+};
+
+}  // namespace graphmoe
 
 namespace graphmoe::detail {
 
@@ -186,7 +197,7 @@ inline index_t similarity_block_rows(index_t nb, index_t len, bool causal) {
   return std::min(bi, len);
 }
 
-// Scratch carved out of state.work (T entries, 64-entry aligned pieces; bf16 pieces take half).
+// Scratch carved out of state.backend.work (T entries, 64-entry aligned pieces; bf16 pieces take half).
 template <class T>
 class SimilarityScratch {
  public:
@@ -267,7 +278,7 @@ void similarity_blocks_forward(const Tensor<T, cuda>& u, const Tensor<T, cuda>& 
   constexpr bool kCopies = !std::is_same_v<In, T>;
 
   const index_t bi_max = similarity_block_rows(nb, len, args.causal);
-  SimilarityScratch<T> scratch(st.work);
+  SimilarityScratch<T> scratch(st.backend.work);
   const index_t block = nb * bi_max * len;
   const index_t off_l = st.stores ? 0 : scratch.template reserve<T>(block);
   const index_t off_sb = kCopies ? scratch.template reserve<In>(block) : 0;
@@ -327,7 +338,7 @@ void similarity_blocks_backward(const Tensor<T, cuda>& u, const Tensor<T, cuda>&
   const In* dpin = ops(dp);
 
   const index_t bi_max = similarity_block_rows(nb, len, args.causal);
-  SimilarityScratch<T> scratch(st.work);
+  SimilarityScratch<T> scratch(st.backend.work);
   const index_t block = nb * bi_max * len;
   const index_t off_l = st.stores ? 0 : scratch.template reserve<T>(block);
   const index_t off_g = to_u ? scratch.template reserve<T>(block) : 0;

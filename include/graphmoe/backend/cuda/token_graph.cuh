@@ -17,8 +17,8 @@
 //     in backward, as GraphMemory::Recompute does on the CPU) and there are no self weights
 //     (state.self stays empty).
 //   - Attention always keeps A^p (args.store is ignored, state.stores is true); its row entropies
-//     stay on the device (state.entropy; state.row_entropy, state.lse and state.self stay empty);
-//     h* stays on the device (state.head_dev; attention_graph_heads reads it back on request):
+//     stay on the device (state.backend.entropy; state.row_entropy and state.self stay empty);
+//     h* stays on the device (state.backend.head_dev; attention_graph_heads reads it back):
 //     every head's work runs at once with each row's queries masked to its head
 //     (attention_graph.cuh), so the forward has no read back to the host: its all-zero-row flag
 //     is a deferrable check (core/deferred_check.hpp).

@@ -97,7 +97,7 @@ class GraphImpl<Attention, T, B> {
   // A^p of the last forward, (N, T): row i holds token i's posterior over its sequence. Kept only
   // when the forward stored it (empty before any forward).
   const Tensor<T, B>& posterior() const {
-    GRAPHMOE_CHECK(state_.stores || state_.lse.empty(), "Attention",
+    GRAPHMOE_CHECK(state_.stores || state_.tokens == 0, "Attention",
                    "posterior(): the last forward did not keep A^p (Options::memory is Recompute, "
                    "or Auto with sequences of ", state_.seq_len, " > kGraphStoreMaxLen = ",
                    kGraphStoreMaxLen, " tokens); set memory = GraphMemory::Store to read it");
