@@ -453,6 +453,25 @@ TEST_CASE("hf writer: models a family cannot express are refused naming the fiel
   CHECK(t.entries().empty());
 }
 
+TEST_CASE("hf writer: a router of the other kind than the family's is refused, both ways") {
+  TempDir t;
+  const hf::ModelConfig mixtral = hf::Checkpoint::open(fixture("mixtral")).config();
+  TransformerLMConfig sc = mixtral.lm;
+  sc.router.allow_unused_options = true;
+  TransformerLM<SigmoidBiasRouter, float> sigmoid(sc, 2);
+  check_error(error_of([&] { hf::save_lm(sigmoid, mixtral, t / "m"); }),
+              {"MixtralForCausalLM's router is a softmax top-k", "SoftmaxRouter",
+               "not sigmoid/independent/bias-balanced-topk"});
+  const hf::ModelConfig ds = hf::Checkpoint::open(fixture("deepseek_v3")).config();
+  TransformerLMConfig dc = ds.lm;
+  dc.router.allow_unused_options = true;
+  TransformerLM<SoftmaxRouter, float> softmax(dc, 2);
+  check_error(error_of([&] { hf::save_lm(softmax, ds, t / "m"); }),
+              {"DeepseekV3ForCausalLM's router scores with sigmoids and a selection bias",
+               "SigmoidBiasRouter", "not linear/independent/topk"});
+  CHECK(t.entries().empty());
+}
+
 TEST_CASE("hf writer: a graph router is refused unless its graph is dropped") {
   const hf::ModelConfig mc = hf::Checkpoint::open(fixture("mixtral")).config();
   TransformerLMConfig cfg = mc.lm;

@@ -49,6 +49,7 @@ GRAPHMOE_HOST_DEVICE void choose_groups(const T* score, index_t n_group, index_t
       if (chosen[g]) continue;
       if (best < 0 || score[g] > score[best]) best = g;
     }
+    if (best < 0) break;  // every group chosen (topk_group > n_group)
     chosen[best] = 1;
   }
 }

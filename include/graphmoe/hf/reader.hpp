@@ -96,6 +96,24 @@ inline constexpr bool sigmoid_bias_router =
 template <class Router>
 inline constexpr bool loadable_router = softmax_topk_router<Router> || sigmoid_bias_router<Router>;
 
+namespace detail {
+// Refuses Router for a model of family f (at `where`, a file or directory) when it is of the
+// other kind than the family's; a dense model (moe false) takes either. Loading and saving.
+template <class Router>
+void check_router_kind(const char* op, const std::string& where, Family f, bool moe) {
+  if (!moe) return;
+  GRAPHMOE_CHECK(sigmoid_bias_router<Router> == sigmoid_routed(f), op, "'", where, "': ",
+                 architecture_name(f), "'s router ",
+                 sigmoid_routed(f)
+                     ? "scores with sigmoids and a selection bias: it takes a "
+                       "Router<SigmoidScorer, Graph, BiasBalancedTopK> (SigmoidBiasRouter, "
+                       "SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter), not "
+                     : "is a softmax top-k: it takes a Router<LinearScorer, Graph, TopK> "
+                       "(SoftmaxRouter, SimilarityRouter, AttentionRouter), not ",
+                 Router::name());
+}
+}  // namespace detail
+
 // One tensor a checkpoint holds, and the part of a graphmoe parameter it fills.
 struct TensorSlot {
   std::string name;    // in the checkpoint, e.g. "model.layers.0.mlp.gate_proj.weight"
@@ -414,24 +432,14 @@ class Checkpoint {
   // BiasBalancedTopK>) for DeepSeek-V3. A dense model (Llama) takes either.
   template <class Router>
   void require_router() const {
-    constexpr bool sigmoid_bias = sigmoid_bias_router<Router>;
     static_assert(loadable_router<Router>,
                   "graphmoe::hf::Checkpoint: a Hugging Face MoE router is a linear map to "
                   "softmax scores and a top-k choice (Router<LinearScorer, Graph, TopK>: "
                   "SoftmaxRouter, SimilarityRouter, AttentionRouter) or, for DeepSeek-V3, to "
                   "sigmoid scores with a selection bias (Router<SigmoidScorer, Graph, "
                   "BiasBalancedTopK>: SigmoidBiasRouter and its graph forms)");
-    if (config_.lm.layout != MoELayout::Dense)
-      GRAPHMOE_CHECK(sigmoid_bias == sigmoid_routed(config_.family), "hf::Checkpoint", "'",
-                     config_.path,
-                     "' describes a ", config_.architecture, ", whose router ",
-                     sigmoid_routed(config_.family)
-                         ? "scores with sigmoids and a selection bias: load it into a "
-                           "Router<SigmoidScorer, Graph, BiasBalancedTopK> (SigmoidBiasRouter, "
-                           "SimilaritySigmoidBiasRouter, AttentionSigmoidBiasRouter), not "
-                         : "is a softmax top-k: load it into a Router<LinearScorer, Graph, TopK> "
-                           "(SoftmaxRouter, SimilarityRouter, AttentionRouter), not ",
-                     Router::name());
+    detail::check_router_kind<Router>("hf::Checkpoint", config_.path, config_.family,
+                                      config_.lm.layout != MoELayout::Dense);
   }
   const std::string& dir() const { return dir_; }
   // The weight files (model.safetensors, or the shards the index names, in name order), and the

@@ -503,7 +503,6 @@ inline nlohmann::json config_json(const ModelConfig& mc) {
 template <class Router, class T>
 void save_lm(const TransformerLM<Router, T, cpu>& lm, const ModelConfig& mc, const std::string& dir,
              const SaveOptions& opts = {}) {
-  constexpr bool sigmoid_bias = sigmoid_bias_router<Router>;
   static_assert(loadable_router<Router>,
                 "graphmoe::hf::save_lm: the families' routers are a linear map to softmax scores "
                 "and a top-k choice (Router<LinearScorer, Graph, TopK>) or, DeepSeek-V3's, to "
@@ -520,13 +519,7 @@ void save_lm(const TransformerLM<Router, T, cpu>& lm, const ModelConfig& mc, con
   GRAPHMOE_CHECK(lm.bound(), op, "the model is not bound");
   const TransformerLMConfig& cfg = lm.config();
   const Family f = mc.family;
-  if (cfg.layout != MoELayout::Dense && sigmoid_bias != sigmoid_routed(f))
-    graphmoe::detail::throw_error(
-        op, "the model's router ", Router::name(), " is not ", architecture_name(f), "'s (",
-        sigmoid_routed(f) ? "sigmoid scores with a selection bias: a Router<SigmoidScorer, Graph, "
-                            "BiasBalancedTopK>"
-                          : "softmax top-k: a Router<LinearScorer, Graph, TopK>",
-        ")");
+  detail::check_router_kind<Router>(op, dir, f, cfg.layout != MoELayout::Dense);
   constexpr bool has_graph = !std::is_same_v<typename Router::graph, Independent>;
   if (has_graph && !opts.drop_graph && cfg.layout != MoELayout::Dense)
     graphmoe::detail::throw_error(
