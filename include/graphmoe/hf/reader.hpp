@@ -596,9 +596,7 @@ class Checkpoint {
     const AttentionOptions &a = m.attention, &b = c.attention;
     same(a.head_dim_for(m.d_model, m.num_heads) == b.head_dim_for(c.d_model, c.num_heads),
          "attention head_dim");
-    same(a.kv_lora_rank == b.kv_lora_rank && a.q_lora_rank == b.q_lora_rank &&
-             a.qk_nope_head_dim == b.qk_nope_head_dim && a.qk_rope_head_dim == b.qk_rope_head_dim &&
-             a.v_head_dim == b.v_head_dim && (!b.latent() || a.latent_norm_eps == b.latent_norm_eps),
+    same(a.same_latent(b),
          "multi-head latent attention's options (kv_lora_rank, q_lora_rank, qk_nope_head_dim, "
          "qk_rope_head_dim, v_head_dim, latent_norm_eps)");
     same(a.num_kv_heads == b.num_kv_heads && a.rope_theta == b.rope_theta &&

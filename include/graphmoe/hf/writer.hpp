@@ -204,10 +204,7 @@ inline std::string computation_difference(const TransformerLMConfig& m, const Tr
     return "attention.head_dim";
   if (a.rope_theta != b.rope_theta || a.rope_layout != b.rope_layout)
     return "attention.rope_theta or rope_layout";
-  if (a.kv_lora_rank != b.kv_lora_rank || a.q_lora_rank != b.q_lora_rank ||
-      a.qk_nope_head_dim != b.qk_nope_head_dim || a.qk_rope_head_dim != b.qk_rope_head_dim ||
-      a.v_head_dim != b.v_head_dim || (a.latent() && a.latent_norm_eps != b.latent_norm_eps))
-    return "multi-head latent attention's options";
+  if (!a.same_latent(b)) return "multi-head latent attention's options";
   if (a.qk_norm != b.qk_norm || (a.qk_norm != QKNorm::None && a.qk_norm_eps != b.qk_norm_eps))
     return "attention.qk_norm";
   if (a.qkv_bias != b.qkv_bias || a.out_bias != b.out_bias) return "attention biases";

@@ -80,6 +80,13 @@ struct AttentionOptions {
   double latent_norm_eps = 1e-6;
 
   bool latent() const { return kv_lora_rank > 0; }
+  // Whether o has the same latent attention: ranks, head widths and, when latent, the latents'
+  // norm eps (checkpoint readers and writers compare models with it).
+  bool same_latent(const AttentionOptions& o) const {
+    return kv_lora_rank == o.kv_lora_rank && q_lora_rank == o.q_lora_rank &&
+           qk_nope_head_dim == o.qk_nope_head_dim && qk_rope_head_dim == o.qk_rope_head_dim &&
+           v_head_dim == o.v_head_dim && (!latent() || latent_norm_eps == o.latent_norm_eps);
+  }
 
   // The width of one head for a model of d_model and num_heads.
   index_t head_dim_for(index_t d_model, index_t num_heads) const {
