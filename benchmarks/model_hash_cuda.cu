@@ -19,25 +19,16 @@
 #include <string>
 
 #include "graphmoe/cuda.cuh"
+#include "model_hash.hpp"
 
 using namespace graphmoe;
+using graphmoe::bench::double_bits;
 
 namespace {
 
-std::uint64_t fnv(const void* p, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
-  const auto* b = static_cast<const unsigned char*>(p);
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
 template <class T>
 std::uint64_t fnv_device(const Tensor<T, graphmoe::cuda>& t) {
-  const Tensor<T, cpu> h = to_host(t);
-  return fnv(h.data(), static_cast<std::size_t>(h.numel()) * sizeof(T));
-}
-std::uint64_t double_bits(double d) {
-  std::uint64_t u;
-  std::memcpy(&u, &d, sizeof u);
-  return u;
+  return bench::fnv_tensor(to_host(t));
 }
 
 Tensor<std::int32_t, cpu> random_ids(index_t batch, index_t len, index_t vocab, Rng& rng) {
