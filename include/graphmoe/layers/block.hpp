@@ -23,6 +23,7 @@
 
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "graphmoe/layers/attention.hpp"
 #include "graphmoe/layers/ffn.hpp"
@@ -280,33 +281,86 @@ class TransformerBlock {
   Tensor<T, B> h1_, u_;
 };
 
-// Over a model's blocks: the sum of the MoE blocks' auxiliary losses of the last forward
-// (MoELayer::losses, task = 0), and the training step every router sees (ScheduledTopK's k
-// schedule).
-template <class Blocks>
-Loss moe_losses(const Blocks& blocks) {
-  Loss s;
-  for (const auto& blk : blocks)
-    if (blk.is_moe()) s += blk.moe().losses();
-  return s;
-}
-template <class Blocks>
-void set_router_step(Blocks& blocks, std::int64_t step) {
-  for (auto& blk : blocks)
-    if (blk.is_moe()) blk.moe().router().set_step(step);
-}
-// After every optimizer step, for every router (RouterImpl::after_step: the step's loads summed
-// over comm's ranks go to each policy's after_step hook; nothing for a router without one).
-template <class Blocks, class T, class B>
-void routers_after_step(Blocks& blocks, ParameterArena<T, B>& arena, dist::Communicator* comm) {
-  for (auto& blk : blocks)
-    if (blk.is_moe()) blk.moe().router().after_step(arena, comm);
-}
-// Train or eval (core/mode.hpp) for every router and, through it, every policy that takes a mode.
-template <class Blocks>
-void set_router_mode(Blocks& blocks, Mode mode) {
-  for (auto& blk : blocks)
-    if (blk.is_moe()) blk.moe().router().set_mode(mode);
-}
+// A model's blocks in order, the scaffolding TransformerLM and VisionMoE share: block i
+// declared as "<prefix>blocks.<i>." with the BlockConfig config(i) gives, bound, drawn in order;
+// the forward keeps every block's input for the backward, which runs the blocks in reverse; and
+// over the MoE blocks, the routers' training step, mode, after-step hook and auxiliary losses.
+template <class RouterPolicy, class T, class B = cpu, class C = T>
+class BlockStack {
+ public:
+  using Block = TransformerBlock<RouterPolicy, T, B, C>;
+
+  // Replaces the stack with n blocks; config(i) -> BlockConfig; experts as in
+  // TransformerBlock::declare.
+  template <class ConfigOf>
+  void declare(ParameterArena<T, B>& arena, const std::string& prefix, index_t n, ConfigOf&& config,
+               dist::Communicator* experts = nullptr) {
+    blocks_.clear();
+    blocks_.resize(static_cast<std::size_t>(n));
+    for (index_t i = 0; i < n; ++i)
+      blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".",
+                                                   config(i), experts);
+  }
+  void bind(const ParameterArena<T, B>& arena) {
+    for (auto& b : blocks_) b.bind(arena);
+  }
+  void init(Rng& rng) {
+    for (auto& b : blocks_) b.init(rng);
+  }
+  void attach_mirror(ComputeMirror<T, C, B>* mirror) {
+    for (auto& b : blocks_) b.attach_mirror(mirror);
+  }
+
+  // h through every block; returns the last block's output (kept until the next forward).
+  const Tensor<T, B>& forward(const Tensor<T, B>& h) {
+    acts_.assign(blocks_.size() + 1, Tensor<T, B>());
+    acts_[0] = h;
+    for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
+    return acts_.back();
+  }
+  // The gradient of the last forward's output -> that of its input.
+  Tensor<T, B> backward(Tensor<T, B> dh) {
+    for (std::size_t l = blocks_.size(); l-- > 0;) {
+      Tensor<T, B> dprev;
+      blocks_[l].backward(dh, dprev);
+      dh = dprev;
+    }
+    return dh;
+  }
+
+  std::size_t size() const { return blocks_.size(); }
+  Block& operator[](std::size_t i) { return blocks_[i]; }
+  Block& at(std::size_t i) { return blocks_.at(i); }
+  auto begin() { return blocks_.begin(); }
+  auto end() { return blocks_.end(); }
+
+  // The sum of the MoE blocks' auxiliary losses of the last forward (MoELayer::losses, task = 0).
+  Loss moe_losses() const {
+    Loss s;
+    for (const auto& blk : blocks_)
+      if (blk.is_moe()) s += blk.moe().losses();
+    return s;
+  }
+  // The training step every router sees (ScheduledTopK's k schedule).
+  void set_step(std::int64_t step) {
+    for (auto& blk : blocks_)
+      if (blk.is_moe()) blk.moe().router().set_step(step);
+  }
+  // After every optimizer step, for every router (RouterImpl::after_step: the step's loads summed
+  // over comm's ranks go to each policy's after_step hook; nothing for a router without one).
+  void after_step(ParameterArena<T, B>& arena, dist::Communicator* comm) {
+    for (auto& blk : blocks_)
+      if (blk.is_moe()) blk.moe().router().after_step(arena, comm);
+  }
+  // Train or eval (core/mode.hpp) for every router and, through it, every policy that takes a mode.
+  void set_mode(Mode mode) {
+    for (auto& blk : blocks_)
+      if (blk.is_moe()) blk.moe().router().set_mode(mode);
+  }
+
+ private:
+  std::vector<Block> blocks_;
+  std::vector<Tensor<T, B>> acts_;  // acts_[l] is block l's input, acts_.back() the output
+};
 
 }  // namespace graphmoe

@@ -386,9 +386,7 @@ class TransformerLM {
     id_pos_ = -1;
     if (cfg_.learned_positions())
       id_pos_ = arena.add(prefix + "pos_emb.weight", Shape{cfg_.max_seq_len, cfg_.d_model});
-    blocks_.clear();
-    blocks_.resize(static_cast<std::size_t>(cfg_.num_layers));
-    for (index_t i = 0; i < cfg_.num_layers; ++i) {
+    blocks_.declare(arena, prefix, cfg_.num_layers, [&](index_t i) {
       BlockConfig bc;
       bc.d_model = cfg_.d_model;
       bc.num_heads = cfg_.num_heads;
@@ -407,9 +405,8 @@ class TransformerLM {
       bc.moe_config.bias = cfg_.ffn_bias;
       bc.init_std = cfg_.init_std;
       bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
-      blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc,
-                                                   experts);
-    }
+      return bc;
+    }, experts);
     ln_f_.declare(arena, prefix + "ln_f.", cfg_.d_model, cfg_.norm, cfg_.norm_eps);
     id_head_ = -1;
     if (!cfg_.tie_embeddings) id_head_ = arena.add(prefix + "lm_head.weight", Shape{cfg_.vocab_size, cfg_.d_model});
@@ -428,7 +425,7 @@ class TransformerLM {
       pos_ = arena.value(id_pos_);
       dpos_ = arena.grad(id_pos_);
     }
-    for (auto& b : blocks_) b.bind(arena);
+    blocks_.bind(arena);
     ln_f_.bind(arena);
     if (cfg_.num_classes > 0) cls_head_.bind(arena);
     arena_ = &arena;
@@ -446,7 +443,7 @@ class TransformerLM {
     if (on == (mirror_ != nullptr)) return;
     std::unique_ptr<ComputeMirror<T, C, B>> next;
     if (on) next = std::make_unique<ComputeMirror<T, C, B>>(*arena_);
-    for (auto& b : blocks_) b.attach_mirror(next.get());
+    blocks_.attach_mirror(next.get());
     headc_ = Tensor<C, B>();  // never convert into the mirror's storage
     mirror_ = std::move(next);
   }
@@ -457,7 +454,7 @@ class TransformerLM {
     check_bound("init");
     fill_normal(arena_->value(id_tok_), rng, cfg_.init_std);
     if (id_pos_ >= 0) fill_normal(arena_->value(id_pos_), rng, cfg_.init_std);
-    for (auto& b : blocks_) b.init(rng);
+    blocks_.init(rng);
     ln_f_.init();
     if (id_head_ >= 0) fill_normal(arena_->value(id_head_), rng, cfg_.init_std);
     if (cfg_.num_classes > 0) cls_head_.init(rng, cfg_.init_std);
@@ -504,7 +501,7 @@ class TransformerLM {
   // The loss of the last forward, broken down as forward returned it; after a replay of a
   // captured forward, the replay's.
   Loss last_loss() const {
-    Loss loss = moe_losses(blocks_);
+    Loss loss = blocks_.moe_losses();
     loss.task = has_loss_ ? ce_.loss : 0.0;
     return loss;
   }
@@ -585,7 +582,7 @@ class TransformerLM {
       class_log_probs_ = Tensor<T, B>();  // backward_classify needs a forward that finished
       throw;
     }
-    Loss loss = moe_losses(blocks_);  // the values are delivered once the scope ended
+    Loss loss = blocks_.moe_losses();  // the values are delivered once the scope ended
     if (!labels.empty()) loss.task = class_ce_.loss;
     return loss;
   }
@@ -727,18 +724,18 @@ class TransformerLM {
   index_t num_layers() const { return cfg_.num_layers; }
   TransformerBlock<RouterPolicy, T, B, C>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
   // Sets the training step of every router (ScheduledTopK's k schedule).
-  void set_step(std::int64_t step) { set_router_step(blocks_, step); }
+  void set_step(std::int64_t step) { blocks_.set_step(step); }
   // Call after every optimizer step (a collective over comm, the data-parallel communicator, when
   // given: every rank calls it): the routers' stateful policies update from the step's expert
   // loads (BiasBalancedTopK's bias). Nothing for routers without such a policy.
   void after_optimizer_step(dist::Communicator* comm = nullptr) {
-    routers_after_step(blocks_, arena(), comm);
+    blocks_.after_step(arena(), comm);
   }
   // Train (the default) or eval: passed to every router policy that takes a mode (core/mode.hpp),
   // e.g. a noisy scorer draws no noise in eval. Nothing in graphmoe's own layers depends on it.
   void set_mode(Mode mode) {
     mode_ = mode;
-    set_router_mode(blocks_, mode);
+    blocks_.set_mode(mode);
   }
   Mode mode() const { return mode_; }
 
@@ -756,22 +753,15 @@ class TransformerLM {
     if (id_pos_ >= 0)
       add_row_vector(pos_.slice(0, t).view(Shape{t * cfg_.d_model}),
                      h.view(Shape{b, t * cfg_.d_model}));
-    acts_.assign(blocks_.size() + 1, Tensor<T, B>());
-    acts_[0] = h;
-    for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
     xf_ = Tensor<T, B>();
-    ln_f_.forward(acts_.back(), xf_);
+    ln_f_.forward(blocks_.forward(h), xf_);
   }
   // dxf (B, T, D) -> parameter gradients of LN_f, the blocks and the embeddings
   void trunk_backward(const Tensor<T, B>& dxf) {
     const index_t b = ids_.dim(0), t = ids_.dim(1);
-    Tensor<T, B> dh;
-    ln_f_.backward(dxf, dh);
-    for (std::size_t l = blocks_.size(); l-- > 0;) {
-      Tensor<T, B> dprev;
-      blocks_[l].backward(dh, dprev);
-      dh = dprev;
-    }
+    Tensor<T, B> dtop;
+    ln_f_.backward(dxf, dtop);
+    const Tensor<T, B> dh = blocks_.backward(dtop);
     embedding_backward(ids_, dh, dtok_);
     // dpos += the sum over sequences, as one column sum over the (B, T D) view
     if (id_pos_ >= 0)
@@ -812,14 +802,13 @@ class TransformerLM {
   TransformerLMConfig cfg_;
   index_t id_tok_ = -1, id_pos_ = -1, id_head_ = -1;
   Tensor<T, B> tok_, dtok_, pos_, dpos_;
-  std::vector<TransformerBlock<RouterPolicy, T, B, C>> blocks_;
+  BlockStack<RouterPolicy, T, B, C> blocks_;
   Mode mode_ = Mode::Train;
   Norm<T, B> ln_f_;
   Linear<T, B> cls_head_;
   // forward cache
   Tensor<std::int32_t, B> ids_, targets_, labels_;
   Tensor<std::int32_t, cpu> lengths_;
-  std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_, dlogits_, class_logits_, class_log_probs_;
   CrossEntropyResult<B> ce_;  // the LM forward's loss and count of targets (cross-entropy)
   CrossEntropyResult<B> class_ce_;  // forward_classify's loss and count of labels

@@ -96,9 +96,7 @@ class VisionMoE {
     patch_.declare(arena, prefix + "patch_embed.", cfg_.patch_dim(), d);
     id_cls_ = arena.add(prefix + "cls_token", Shape{d});
     id_pos_ = arena.add(prefix + "pos_emb.weight", Shape{cfg_.num_patches() + 1, d});
-    blocks_.clear();
-    blocks_.resize(static_cast<std::size_t>(cfg_.num_layers));
-    for (index_t i = 0; i < cfg_.num_layers; ++i) {
+    blocks_.declare(arena, prefix, cfg_.num_layers, [&](index_t i) {
       BlockConfig bc;
       bc.d_model = d;
       bc.num_heads = cfg_.num_heads;
@@ -109,8 +107,8 @@ class VisionMoE {
       bc.moe_config.gelu = cfg_.gelu;
       bc.init_std = cfg_.init_std;
       bc.out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(cfg_.num_layers));
-      blocks_[static_cast<std::size_t>(i)].declare(arena, prefix + "blocks." + std::to_string(i) + ".", bc);
-    }
+      return bc;
+    });
     ln_f_.declare(arena, prefix + "ln_f.", d);
     head_.declare(arena, prefix + "head.", d, cfg_.num_classes);
     declared_in_ = &arena;
@@ -121,7 +119,7 @@ class VisionMoE {
   void bind(ParameterArena<T, B>& arena) {
     detail::check_model_bind(declared_in_, arena, "VisionMoE");
     patch_.bind(arena);
-    for (auto& b : blocks_) b.bind(arena);
+    blocks_.bind(arena);
     ln_f_.bind(arena);
     head_.bind(arena);
     arena_ = &arena;
@@ -133,7 +131,7 @@ class VisionMoE {
     patch_.init(rng, cfg_.init_std);
     fill_normal(arena_->value(id_cls_), rng, cfg_.init_std);
     fill_normal(arena_->value(id_pos_), rng, cfg_.init_std);
-    for (auto& b : blocks_) b.init(rng);
+    blocks_.init(rng);
     ln_f_.init();
     head_.init(rng, cfg_.init_std);
   }
@@ -168,7 +166,7 @@ class VisionMoE {
       log_probs_ = Tensor<T, B>();  // backward() needs a forward that finished
       throw;
     }
-    Loss loss = moe_losses(blocks_);  // the values are delivered once the scope ended
+    Loss loss = blocks_.moe_losses();  // the values are delivered once the scope ended
     if (!labels.empty()) loss.task = ce_.loss;
     return loss;
   }
@@ -190,11 +188,8 @@ class VisionMoE {
       hi.slice(1, t).copy_from(emb.slice(i * np, (i + 1) * np));
       axpy(T(1), pos, hi);
     }
-    acts_.assign(blocks_.size() + 1, Tensor<T, B>());
-    acts_[0] = h;
-    for (std::size_t l = 0; l < blocks_.size(); ++l) blocks_[l].forward(acts_[l], acts_[l + 1]);
     xf_ = Tensor<T, B>();
-    ln_f_.forward(acts_.back(), xf_);
+    ln_f_.forward(blocks_.forward(h), xf_);
     Tensor<T, B> cls_out(Shape{b, d});
     for (index_t i = 0; i < b; ++i) cls_out.slice(i, i + 1).copy_from(xf_[i].slice(0, 1));
     logits_ = Tensor<T, B>();
@@ -217,13 +212,9 @@ class VisionMoE {
     head_.backward(dlogits, &dcls);
     Tensor<T, B> dxf(Shape{b, t, d});
     for (index_t i = 0; i < b; ++i) dxf[i].slice(0, 1).copy_from(dcls.slice(i, i + 1));
-    Tensor<T, B> dh;
-    ln_f_.backward(dxf, dh);
-    for (std::size_t l = blocks_.size(); l-- > 0;) {
-      Tensor<T, B> dprev;
-      blocks_[l].backward(dh, dprev);
-      dh = dprev;
-    }
+    Tensor<T, B> dtop;
+    ln_f_.backward(dxf, dtop);
+    const Tensor<T, B> dh = blocks_.backward(dtop);
     const Tensor<T, B> dpos = arena_->grad(id_pos_), dclsv = arena_->grad(id_cls_).view(Shape{1, d});
     Tensor<T, B> demb(Shape{b * np, d});
     for (index_t i = 0; i < b; ++i) {
@@ -238,15 +229,15 @@ class VisionMoE {
   const VisionMoEConfig& config() const { return cfg_; }
   const Tensor<T, B>& logits() const { return logits_; }
   TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
-  void set_step(std::int64_t step) { set_router_step(blocks_, step); }
+  void set_step(std::int64_t step) { blocks_.set_step(step); }
   // After every optimizer step (TransformerLM::after_optimizer_step).
   void after_optimizer_step(dist::Communicator* comm = nullptr) {
-    routers_after_step(blocks_, arena(), comm);
+    blocks_.after_step(arena(), comm);
   }
   // Train (the default) or eval for every router policy that takes a mode (core/mode.hpp).
   void set_mode(Mode mode) {
     mode_ = mode;
-    set_router_mode(blocks_, mode);
+    blocks_.set_mode(mode);
   }
   Mode mode() const { return mode_; }
 
@@ -259,10 +250,9 @@ class VisionMoE {
   VisionMoEConfig cfg_;
   Linear<T, B> patch_, head_;
   index_t id_cls_ = -1, id_pos_ = -1;
-  std::vector<TransformerBlock<RouterPolicy, T, B>> blocks_;
+  BlockStack<RouterPolicy, T, B> blocks_;
   Mode mode_ = Mode::Train;
   LayerNorm<T, B> ln_f_;
-  std::vector<Tensor<T, B>> acts_;
   Tensor<T, B> xf_, logits_, log_probs_;
   CrossEntropyResult<B> ce_;  // the forward's loss and count of labels (cross-entropy)
   Tensor<std::int32_t, B> labels_;
