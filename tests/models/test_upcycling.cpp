@@ -191,6 +191,16 @@ TEST_CASE("upcycle: models it cannot make equal are refused, naming the problem,
   TransformerLM<SoftmaxRouter, double> plain(mc, 6);
   CHECK_THROWS_WITH(upcycle(sim, plain),
                     doctest::Contains("routes through the token graph 'similarity'"));
+  // dense to a selector that is not token-choice (SMoE-Dropout's ScheduledTopK): refused at run
+  // time (every router of train_lm instantiates upcycle), nothing written
+  {
+    TransformerLM<SMoEDropoutRouter, double> dropout(mc, 8);
+    const std::vector<double> before = values(dropout);
+    CHECK_THROWS_WITH(upcycle(dense, dropout),
+                      doctest::Contains("block 0 is dense in the model upcycled from: dense blocks "
+                                        "become MoE only through a token-choice selector"));
+    CHECK(values(dropout) == before);
+  }
   // MoE to dense: refused
   TransformerLM<SoftmaxRouter, double> dense2(dense_of(base), 7);
   CHECK_THROWS_WITH(upcycle(plain, dense2), doctest::Contains("block 0 is MoE in the model "

@@ -143,9 +143,12 @@ void upcycle(const TransformerLM<RFrom, T, B, C>& from, TransformerLM<RTo, T, B,
                      ": routed_scaling_factor is ", tc.routed_scaling_factor,
                      ", which would scale the copies' sum; use 1");
     } else {
-      static_assert(policy_detail::always_false<RTo>,
-                    "graphmoe::upcycle: dense blocks become MoE through a token-choice selector "
-                    "(TopK, BiasBalancedTopK: TokenChoiceOptions)");
+      // Refused at run time, not at compile time: a program that registers every router (train_lm)
+      // instantiates upcycle for all of them, and MoE-to-MoE upcycling needs no such selector.
+      GRAPHMOE_CHECK(false, op, "block ", i, " is dense in the model upcycled from: dense blocks "
+                     "become MoE only through a token-choice selector (TopK, BiasBalancedTopK: "
+                     "TokenChoiceOptions), whose renormalised gates sum the expert copies to the "
+                     "dense FFN; this router's selector chooses otherwise (e.g. ScheduledTopK)");
     }
     GRAPHMOE_CHECK(!(rc.capacity_factor > 0), op, "block ", i, ": a capacity (capacity_factor ",
                    rc.capacity_factor, ") drops tokens, whose output would then differ");
