@@ -15,7 +15,9 @@
 # Environment:
 #   FUZZ_BUILD_DIR   build folder (default build-fuzz)
 #   FUZZ_JOBS        targets fuzzed at once, and build parallelism (default 2)
-#   FUZZ_TARGETS     space-separated subset of the targets (default: all five)
+#   FUZZ_TARGETS     space-separated subset of the targets (default: all seven)
+#   FUZZ_TMPDIR      where the targets write their input files (default /dev/shm when writable,
+#                    else $TMPDIR: rewriting a file on ext4 costs a disk flush, 30x fewer inputs)
 #   FUZZ_CXX         the clang++ to use (default clang++)
 #   FUZZ_ARGS        extra libFuzzer flags for every target (e.g. "-seed=1" or "-max_len=65536")
 set -euo pipefail
@@ -29,7 +31,7 @@ fi
 build="${FUZZ_BUILD_DIR:-build-fuzz}"
 jobs="${FUZZ_JOBS:-2}"
 cxx="${FUZZ_CXX:-clang++}"
-all_targets=(safetensors training_state text_datasets image_datasets tokenizers)
+all_targets=(safetensors training_state text_datasets image_datasets tokenizers hf_config hf_tokenizer)
 read -r -a targets <<< "${FUZZ_TARGETS:-${all_targets[*]}}"
 read -r -a extra_args <<< "${FUZZ_ARGS:-}"
 
@@ -48,6 +50,9 @@ rm -rf "$build/seeds" "$build/logs" "$build/status"
 "$build/fuzz_make_seeds" "$build/seeds"
 mkdir -p "$build/logs" "$build/status"
 
+tmp="${FUZZ_TMPDIR:-}"
+if [ -z "$tmp" ] && [ -d /dev/shm ] && [ -w /dev/shm ]; then tmp=/dev/shm; fi
+if [ -n "$tmp" ]; then export TMPDIR="$tmp"; fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 

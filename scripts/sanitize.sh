@@ -32,7 +32,7 @@
 #                            train/data_parallel (on one process)
 #   replay_<target>          the fuzz targets of tests/fuzz on their seeds and regression inputs:
 #                            train/files, gzip, image_datasets, text_datasets, tokenizers,
-#                            checkpoint, training_state
+#                            checkpoint, training_state, hf/config, hf/reader, hf/tokenizer
 #   test_extension_api       testing/router_gradcheck.hpp (the public gradient checker; its
 #                            testing/gradcheck.hpp runs in every test's gradient check), core/mode.hpp,
 #                            the router's lifecycle and shape checks on user policies
@@ -62,7 +62,8 @@ done < tests/sanitize_subset.txt
 [ "${#programs[@]}" -gt 0 ] || { echo "sanitize.sh: no program in tests/sanitize_subset.txt" >&2; exit 1; }
 with_data=0
 targets=(test_sanitize_umbrella fuzz_make_seeds replay_safetensors replay_training_state
-         replay_text_datasets replay_image_datasets replay_tokenizers)
+         replay_text_datasets replay_image_datasets replay_tokenizers replay_hf_config
+         replay_hf_tokenizer)
 tests=(test_sanitize_umbrella fuzz_replay)
 for p in "${programs[@]}"; do
   [ "$p" = test_data ] && { with_data=1; continue; }

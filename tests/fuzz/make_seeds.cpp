@@ -1,13 +1,19 @@
 // tests/fuzz/make_seeds.cpp: writes the seed corpus of the fuzz targets, valid files made by
-// graphmoe's own writers (save_safetensors, save_training_state, the tokenizers' save) or written
-// out here, each prefixed with its target's selector byte where the target has one.
+// graphmoe's own writers (save_safetensors, save_training_state, the tokenizers' save), copied
+// from the Hugging Face golden fixtures (tests/hf/fixtures/*/config.json) or written out here,
+// each prefixed with its target's selector byte where the target has one.
 //
-//   fuzz_make_seeds OUT    writes OUT/<target>/<seed> for the five targets of tests/fuzz and
+//   fuzz_make_seeds OUT    writes OUT/<target>/<seed> for the seven targets of tests/fuzz and
 //                          reads every seed back through its reader, which must accept it
 //
 // No data file is part of the repository: every seed is made here, at build or run time.
+// GRAPHMOE_HF_FIXTURES (a compile definition: tests/hf/fixtures) is where the config.json seeds
+// come from. GRAPHMOE_FUZZ_HF_TOKENIZER is defined where the program links graphmoe::hf_tokenizer
+// (PCRE2 and utf8proc): the tokenizer.json seeds are then read back too; without it they are
+// written unchecked (the hf_tokenizer target is not built either).
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -15,9 +21,14 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/hf/config.hpp"
+#include "graphmoe/hf/reader.hpp"
 #include "graphmoe/train/checkpoint.hpp"
 #include "graphmoe/train/files.hpp"
 #include "graphmoe/train/gzip.hpp"
@@ -26,6 +37,13 @@
 #include "graphmoe/train/text_datasets.hpp"
 #include "graphmoe/train/tokenizers.hpp"
 #include "graphmoe/train/training_state.hpp"
+#ifdef GRAPHMOE_FUZZ_HF_TOKENIZER
+#include "graphmoe/hf/tokenizer.hpp"
+#endif
+
+#ifndef GRAPHMOE_HF_FIXTURES
+#error "GRAPHMOE_HF_FIXTURES (the folder of the Hugging Face golden fixtures) must be defined"
+#endif
 
 namespace fs = std::filesystem;
 using namespace graphmoe;
@@ -217,6 +235,242 @@ void tokenizer_seeds() {
   seed("tokenizers", "char_corpus.txt", 3, read_file(corpus));
 }
 
+// ---- Hugging Face model directories and tokenizers ----------------------------------------------
+
+const char* const kIndexSeparator = "\n#index#\n";  // fuzz_hf_config.cpp's
+
+// The config.json of every golden fixture, as transformers wrote it.
+void hf_config_seeds() {
+  int n = 0;
+  std::vector<fs::path> dirs;
+  for (const auto& e : fs::directory_iterator(GRAPHMOE_HF_FIXTURES))
+    if (e.is_directory() && fs::is_regular_file(e.path() / "config.json")) dirs.push_back(e.path());
+  std::sort(dirs.begin(), dirs.end());
+  for (const fs::path& d : dirs) {
+    const std::string name = d.filename().string() + ".json";
+    seed("hf_config", name.c_str(), -1, read_file((d / "config.json").string()));
+    ++n;
+  }
+  require(n >= 6, "hf_config: expected the six golden fixtures under GRAPHMOE_HF_FIXTURES");
+  // config.json, then an index naming shards (absent: Checkpoint::open reads the index through
+  // and refuses the first missing shard).
+  const fs::path fixtures(GRAPHMOE_HF_FIXTURES);
+  const std::string llama = read_file((fixtures / "llama" / "config.json").string());
+  seed("hf_config", "llama_index_one_shard", -1,
+       llama + kIndexSeparator +
+           "{\"metadata\": {\"total_size\": 1024}, \"weight_map\": {\"model.embed_tokens.weight\": "
+           "\"model-00001-of-00001.safetensors\", \"lm_head.weight\": "
+           "\"model-00001-of-00001.safetensors\"}}\n");
+  const std::string mixtral = read_file((fixtures / "mixtral" / "config.json").string());
+  seed("hf_config", "mixtral_index_two_shards", -1,
+       mixtral + kIndexSeparator +
+           "{\n  \"metadata\": {\"total_parameters\": 66880, \"total_size\": 133760},\n"
+           "  \"weight_map\": {\n    \"lm_head.weight\": \"model-00001-of-00002.safetensors\",\n"
+           "    \"model.layers.0.block_sparse_moe.gate.weight\":\n"
+           "      \"model-00002-of-00002.safetensors\",\n"
+           "    \"model.norm.weight\": \"model-00002-of-00002.safetensors\"\n  }\n}\n");
+}
+
+using ojson = nlohmann::ordered_json;
+
+// A BPE model: `base` tokens get ids 0, 1, ... in order, then each merge's result (when new).
+ojson bpe_model(const std::vector<std::string>& base,
+                const std::vector<std::pair<std::string, std::string>>& merges,
+                bool string_merges) {
+  ojson vocab = ojson::object(), list = ojson::array();
+  int next = 0;
+  for (const auto& t : base)
+    if (!vocab.contains(t)) vocab[t] = next++;
+  for (const auto& [a, b] : merges) {
+    if (!vocab.contains(a + b)) vocab[a + b] = next++;
+    if (string_merges) list.push_back(a + " " + b);
+    else list.push_back(ojson::array({a, b}));
+  }
+  ojson m = ojson::object();
+  m["type"] = "BPE";
+  m["dropout"] = nullptr;
+  m["unk_token"] = nullptr;
+  m["continuing_subword_prefix"] = nullptr;
+  m["end_of_word_suffix"] = nullptr;
+  m["fuse_unk"] = false;
+  m["byte_fallback"] = false;
+  m["ignore_merges"] = false;
+  m["vocab"] = vocab;
+  m["merges"] = list;
+  return m;
+}
+
+ojson added(int id, const std::string& content, bool special, bool normalized, bool lstrip = false,
+            bool rstrip = false, bool single_word = false) {
+  return ojson{{"id", id},          {"content", content}, {"single_word", single_word},
+               {"lstrip", lstrip},  {"rstrip", rstrip},   {"normalized", normalized},
+               {"special", special}};
+}
+
+ojson tokenizer_json(const ojson& model, const ojson& added_tokens, const ojson& normalizer,
+                     const ojson& pre_tokenizer, const ojson& post_processor,
+                     const ojson& decoder) {
+  ojson j = ojson::object();
+  j["version"] = "1.0";
+  j["truncation"] = nullptr;
+  j["padding"] = nullptr;
+  j["added_tokens"] = added_tokens;
+  j["normalizer"] = normalizer;
+  j["pre_tokenizer"] = pre_tokenizer;
+  j["post_processor"] = post_processor;
+  j["decoder"] = decoder;
+  j["model"] = model;
+  return j;
+}
+
+ojson bos_template(const std::string& bos, int id) {
+  return ojson{{"type", "TemplateProcessing"},
+               {"single", ojson::array({ojson{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+                                        ojson{{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+               {"pair", ojson::array({ojson{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+                                      ojson{{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+                                      ojson{{"Sequence", {{"id", "B"}, {"type_id", 1}}}}})},
+               {"special_tokens",
+                {{bos,
+                  {{"id", bos}, {"ids", ojson::array({id})}, {"tokens", ojson::array({bos})}}}}}};
+}
+
+const char* const kMeta = "\xe2\x96\x81";  // U+2581, sentencepiece's space
+const char* const kQwen2Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*)"
+    R"(|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+// Small hand-written tokenizer.json files in the layouts of tests/hf/make_tokenizers.py (the
+// reader reads BPE models only).
+void hf_tokenizer_seeds() {
+  const std::string M = kMeta;
+  // Llama-2 / Mixtral: sentencepiece-style BPE with byte fallback, in the normalizer form; byte
+  // tokens for the UTF-8 bytes of the fuzz target's texts.
+  {
+    std::vector<std::string> base = {"<unk>", "<s>", "</s>"};
+    for (const char* b : {"<0x0A>", "<0x09>", "<0x41>", "<0xC3>", "<0xA9>", "<0xE2>", "<0x82>",
+                          "<0xAC>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "<0xE4>", "<0xB8>",
+                          "<0xAD>"})
+      base.push_back(b);
+    for (const char* c : {"e", "l", "o", "H", "w", "r", "d", "t", "h", "a", "c", "n", "i", ","})
+      base.push_back(c);
+    base.push_back(M);
+    const ojson model = [&] {
+      ojson m = bpe_model(base, {{"l", "l"}, {"ll", "o"}, {"e", "llo"}, {"H", "ello"},
+                                 {M, "Hello"}, {M, "w"}, {"o", "r"}, {M + "w", "or"},
+                                 {M + "wor", "l"}, {M + "worl", "d"}, {"h", "e"}, {M, "t"},
+                                 {M + "t", "he"}},
+                          /*string_merges=*/true);
+      m["unk_token"] = "<unk>";
+      m["fuse_unk"] = true;
+      m["byte_fallback"] = true;
+      return m;
+    }();
+    const ojson added_tokens = ojson::array({added(0, "<unk>", true, false),
+                                             added(1, "<s>", true, false),
+                                             added(2, "</s>", true, false)});
+    const ojson normalizer = {
+        {"type", "Sequence"},
+        {"normalizers", ojson::array({ojson{{"type", "Prepend"}, {"prepend", M}},
+                                      ojson{{"type", "Replace"},
+                                            {"pattern", {{"String", " "}}},
+                                            {"content", M}}})}};
+    const ojson decoder = {
+        {"type", "Sequence"},
+        {"decoders",
+         ojson::array({ojson{{"type", "Replace"}, {"pattern", {{"String", M}}}, {"content", " "}},
+                       ojson{{"type", "ByteFallback"}}, ojson{{"type", "Fuse"}},
+                       ojson{{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}};
+    seed("hf_tokenizer", "llama2_byte_fallback.json", -1,
+         tokenizer_json(model, added_tokens, normalizer, nullptr, bos_template("<s>", 1), decoder)
+             .dump());
+  }
+  // GPT-2: ByteLevel pre-tokenizer with GPT-2's regex, ByteLevel decoder; "a b" merges; special
+  // tokens in and after the model's vocabulary, a single_word and an lstrip / rstrip token.
+  const std::string G = "\xc4\xa0", C = "\xc4\x8a";  // U+0120 (space), U+010A (newline)
+  std::vector<std::string> bytes_base = {"<|endoftext|>"};
+  for (const char* c : {"H", "e", "l", "o", "w", "r", "d", "t", "h", "a", "c", "f", "i", "s", "n",
+                        ",", "!", "'", "4", "2", ".", "T", "\xc3\x83", "\xc2\xa9", "\xc3\xa2"})
+    bytes_base.push_back(c);
+  bytes_base.push_back(G);
+  bytes_base.push_back(C);
+  const std::vector<std::pair<std::string, std::string>> bytes_merges = {
+      {"l", "l"}, {"ll", "o"}, {"H", "e"}, {"He", "llo"}, {G, "w"}, {"o", "r"}, {G + "w", "or"},
+      {G + "wor", "l"}, {G + "worl", "d"}, {"h", "e"}, {G, "t"}, {G + "t", "he"}, {"i", "t"},
+      {"\xc3\x83", "\xc2\xa9"}, {"c", "a"}, {"ca", "f"}, {"caf", "\xc3\x83\xc2\xa9"}, {G, G}};
+  {
+    const ojson model = bpe_model(bytes_base, bytes_merges, /*string_merges=*/true);
+    const int n = static_cast<int>(model["vocab"].size());
+    const ojson added_tokens =
+        ojson::array({added(0, "<|endoftext|>", true, false), added(n, "<|im_start|>", true, false),
+                      added(n + 1, "<|im_end|>", true, false),
+                      added(n + 2, "<|tool|>", false, true, /*lstrip=*/true, /*rstrip=*/true),
+                      added(n + 3, "the end", false, true, false, false, /*single_word=*/true)});
+    const ojson byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                              {"trim_offsets", true}, {"use_regex", true}};
+    seed("hf_tokenizer", "gpt2_byte_level.json", -1,
+         tokenizer_json(model, added_tokens, nullptr, byte_level,
+                        {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false},
+                         {"use_regex", true}},
+                        byte_level)
+             .dump());
+  }
+  // Qwen2: NFC, Split(regex) then ByteLevel without its regex; ["a", "b"] merges, ignore_merges.
+  {
+    ojson model = bpe_model(bytes_base, bytes_merges, /*string_merges=*/false);
+    model["ignore_merges"] = true;
+    const int n = static_cast<int>(model["vocab"].size());
+    const ojson added_tokens =
+        ojson::array({added(0, "<|endoftext|>", true, false), added(n, "<|im_start|>", true, false),
+                      added(n + 1, "<|im_end|>", true, false),
+                      added(n + 2, "LORD God", false, false)});
+    const ojson pre = {
+        {"type", "Sequence"},
+        {"pretokenizers",
+         ojson::array({ojson{{"type", "Split"}, {"pattern", {{"Regex", kQwen2Regex}}},
+                             {"behavior", "Isolated"}, {"invert", false}},
+                       ojson{{"type", "ByteLevel"}, {"add_prefix_space", false},
+                             {"trim_offsets", false}, {"use_regex", false}}})}};
+    seed("hf_tokenizer", "qwen2_split_byte_level.json", -1,
+         tokenizer_json(model, added_tokens, {{"type", "NFC"}}, pre,
+                        {{"type", "Sequence"},
+                         {"processors", ojson::array({ojson{{"type", "ByteLevel"},
+                                                            {"add_prefix_space", false},
+                                                            {"trim_offsets", false},
+                                                            {"use_regex", true}},
+                                                      bos_template("<|im_start|>", n)})}},
+                        {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
+                         {"use_regex", true}})
+             .dump());
+  }
+  // Mistral: NFKC, Metaspace pre-tokenizer (prepend_scheme first, no split) and decoder, byte
+  // fallback without fused unknowns; a model without "type" (its merges say BPE).
+  {
+    std::vector<std::string> base = {"<unk>", "<s>", "</s>", "<0x41>", "<0xC3>", "<0xA9>"};
+    for (const char* c : {"e", "l", "o", "H", "w", "r", "d", "f", "i", "x"}) base.push_back(c);
+    base.push_back(M);
+    ojson model = bpe_model(base, {{"l", "l"}, {"H", "e"}, {"He", "ll"}, {"Hell", "o"},
+                                   {M, "Hello"}, {"f", "i"}},
+                            /*string_merges=*/false);
+    model.erase("type");
+    model["unk_token"] = "<unk>";
+    model["byte_fallback"] = true;
+    const ojson metaspace = {{"type", "Metaspace"}, {"replacement", M}, {"prepend_scheme", "first"},
+                             {"split", false}};
+    seed("hf_tokenizer", "mistral_metaspace.json", -1,
+         tokenizer_json(model,
+                        ojson::array({added(0, "<unk>", true, false), added(1, "<s>", true, false),
+                                      added(2, "</s>", true, false)}),
+                        {{"type", "NFKC"}}, metaspace, bos_template("<s>", 1),
+                        {{"type", "Sequence"},
+                         {"decoders", ojson::array({ojson{{"type", "ByteFallback"}}, metaspace})}})
+             .dump());
+  }
+  // The least a file may hold: a model, no pipeline (decode joins the tokens with spaces).
+  seed("hf_tokenizer", "minimal.json", -1,
+       R"({"model": {"vocab": {"a": 0, "b": 1, "ab": 2, "c": 3}, "merges": ["a b"]}})");
+}
+
 // Every seed through its own reader: a seed the reader refuses would start the fuzzer from
 // rejected input only, so it fails here instead.
 void check_seeds() {
@@ -264,6 +518,34 @@ void check_seeds() {
           "word_corpus.txt: builds a vocabulary");
   require(CharTokenizer::build(payload(g_out / "tokenizers" / "char_corpus.txt", true)).size() > 2,
           "char_corpus.txt: builds a vocabulary");
+  for (const auto& e : fs::directory_iterator(g_out / "hf_config")) {
+    const std::string b = read_file(e.path().string());
+    const std::size_t sep = b.find(kIndexSeparator);
+    const fs::path dir = g_scratch / "hf_model";
+    fs::create_directories(dir);
+    write_bytes(dir / "config.json", b.substr(0, sep));
+    (void)hf::read_config((dir / "config.json").string());
+    if (sep == std::string::npos) continue;
+    // an index seed: read through to the first shard, which is missing
+    write_bytes(dir / "model.safetensors.index.json",
+                b.substr(sep + std::string(kIndexSeparator).size()));
+    std::string what;
+    try {
+      (void)hf::Checkpoint::open(dir.string());
+    } catch (const Error& err) {
+      what = err.what();
+    }
+    require(what.find("does not exist") != std::string::npos,
+            "hf_config index seeds: Checkpoint::open should read the index through and refuse "
+            "its missing shard");
+  }
+#ifdef GRAPHMOE_FUZZ_HF_TOKENIZER
+  for (const auto& e : fs::directory_iterator(g_out / "hf_tokenizer")) {
+    const std::string path = e.path().string();
+    const auto tok = hf::JsonTokenizer::from_string(read_file(path), path);
+    (void)tok->decode(tok->encode("Hello world caf\xc3\xa9"));
+  }
+#endif
 }
 
 }  // namespace
@@ -282,6 +564,8 @@ int main(int argc, char** argv) {
     text_seeds();
     image_seeds();
     tokenizer_seeds();
+    hf_config_seeds();
+    hf_tokenizer_seeds();
     check_seeds();
     fs::remove_all(g_scratch);
   } catch (const std::exception& e) {

@@ -603,6 +603,22 @@ TEST_CASE("hf: an absurd config.json on disk fails before the shards are read") 
   check_error(open_error(c.path()), {c / "config.json", "holds an array, not a JSON object"});
   std::ofstream(c / "config.json") << "{\"architectures\": [";
   check_error(open_error(c.path()), {c / "config.json", "is not valid JSON"});
+  // nested 75,000 deep (150 kB): nlohmann_json's recursive copy of such a value overflowed the
+  // stack; the nesting is refused before the value is built, in config.json and in the index
+  const std::string deep = "{\"architectures\": " + std::string(75000, '[') +
+                           std::string(75000, ']') + "}";
+  std::ofstream(c / "config.json") << deep;
+  check_error(open_error(c.path()), {c / "config.json", "nests JSON arrays and objects more than "
+                                     "256 levels deep (at byte 273)"});
+  FixtureCopy d("mixtral");
+  std::ofstream(d / "model.safetensors.index.json") << deep;
+  check_error(open_error(d.path()), {d / "model.safetensors.index.json", "more than 256 levels deep"});
+  // 256 levels are read (and refused for what they hold, not for their depth)
+  std::ofstream(c / "config.json") << "{\"architectures\": " + std::string(255, '[') +
+                                          std::string(255, ']') + "}";
+  const std::string e = open_error(c.path());
+  CHECK_MESSAGE(e.find("levels deep") == std::string::npos, e);
+  CHECK_MESSAGE(e.find("architectures") != std::string::npos, e);
 }
 
 TEST_CASE("hf: DeepSeek-V3 (latent attention, sigmoid-bias group routing) loads and computes transformers' logits and expert choices") {

@@ -241,6 +241,9 @@ TEST_CASE("hostile tokenizer.json files are refused by name") {
   CHECK_MESSAGE(contains(e, "graphmoe::hf::load_tokenizer: 'hostile.json': not valid JSON"), e);
   e = load_error("[1, 2]");
   CHECK_MESSAGE(contains(e, "'hostile.json': $: is an array, not an object"), e);
+  // nested 75,000 deep: refused before nlohmann_json builds (and would recursively copy) it
+  e = load_error("{\"model\": " + std::string(75000, '[') + std::string(75000, ']') + "}");
+  CHECK_MESSAGE(contains(e, "'hostile.json' nests JSON arrays and objects more than 256 levels"), e);
 
   auto edited = [&](auto&& edit) {
     nlohmann::json j = base;

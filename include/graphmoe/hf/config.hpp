@@ -644,6 +644,7 @@ inline ModelConfig read_config(const std::string& path) {
   GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0 && st.st_size <= (16 << 20), op, "'", path,
                  "' is larger than 16 MB: not a config.json");
   const std::string text = graphmoe::detail::read_file(op, path);
+  graphmoe::detail::check_json_depth(op, "'" + path + "'", text);
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);

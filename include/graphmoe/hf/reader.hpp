@@ -640,9 +640,11 @@ class Checkpoint {
     struct stat st {};
     GRAPHMOE_CHECK(::stat(index.c_str(), &st) == 0 && st.st_size <= (64 << 20), op, "'", index,
                    "' is larger than 64 MB: not an index");
+    const std::string text = graphmoe::detail::read_file(op, index);
+    graphmoe::detail::check_json_depth(op, "'" + index + "'", text);
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(graphmoe::detail::read_file(op, index));
+      j = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& e) {
       graphmoe::detail::throw_error(op, "'", index, "' is not valid JSON: ", e.what());
     }

@@ -544,6 +544,7 @@ class JsonTokenizer : public Tokenizer {
   }
   // The same from the file's text; `path` names it in errors.
   static std::unique_ptr<JsonTokenizer> from_string(std::string_view text, const std::string& path) {
+    graphmoe::detail::check_json_depth(detail::kLoadOp, "'" + path + "'", text);
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(text.begin(), text.end());
@@ -1555,6 +1556,7 @@ inline nlohmann::json read_side_json(const std::string& path) {
   GRAPHMOE_CHECK(S_ISREG(st.st_mode) && st.st_size <= (std::int64_t(1) << 26), kLoadOp, "'", path,
                  "' is not a regular file of at most 64 MiB");
   const std::string text = graphmoe::detail::read_file(kLoadOp, path);
+  graphmoe::detail::check_json_depth(kLoadOp, "'" + path + "'", text);
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {

@@ -7,6 +7,9 @@
 //                              or "... is not a regular file (a FIFO)" for FIFOs, devices, folders
 //   for_each_line(text, f)     calls f(line, line_number) for every line of text, without its
 //                              '\n' (or "\r\n"); a final '\n' does not start another line
+//   detail::check_json_depth(op, what, text)
+//                              refuses JSON nested deeper than kMaxJsonDepth (256) levels, before
+//                              nlohmann_json's recursive copies could overflow the stack
 //
 // For the readers (namespace detail): detail::read_file(op, path) names `op` in its error, and
 // detail::parse_error(op, path, line, parts...) throws "graphmoe::op: <path>:<line>: parts...".
@@ -131,6 +134,34 @@ inline bool parse_int(std::string_view s, long long lo, long long hi, long long&
   if (v < lo || v > hi) return false;
   out = v;
   return true;
+}
+
+// The JSON readers' nesting limit. nlohmann_json parses iteratively but copies, compares and
+// prints values recursively, so a file nested tens of thousands of levels deep (a few hundred
+// kilobytes of '[') would overflow the stack at the first copy of the parsed value. No file
+// graphmoe reads nests deeper than about ten levels.
+inline constexpr std::size_t kMaxJsonDepth = 256;
+
+// Throws "op: <what> nests JSON arrays and objects <n> levels deep (at byte <b>); at most 256
+// are read" when `text` opens more than kMaxJsonDepth arrays or objects at once (outside
+// strings). Run before nlohmann::json::parse: what it accepts is then safe to copy.
+inline void check_json_depth(const char* op, const std::string& what, std::string_view text) {
+  std::size_t depth = 0;
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;  // the escaped character, '"' included
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      GRAPHMOE_CHECK(++depth <= kMaxJsonDepth, op, what, " nests JSON arrays and objects more than ",
+                     kMaxJsonDepth, " levels deep (at byte ", i, "): not a file graphmoe reads");
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
 }
 
 // "'s'" quoted for messages, shortened to 40 bytes.

@@ -291,6 +291,7 @@ inline std::vector<TextExample> read_banking77_csv(const std::string& path,
 inline std::vector<std::string> read_banking77_categories(const std::string& path) {
   constexpr const char* op = "read_banking77_categories";
   const std::string text = detail::read_file(op, path);
+  detail::check_json_depth(op, "'" + path + "'", text);
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);

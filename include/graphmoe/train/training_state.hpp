@@ -59,6 +59,7 @@ inline std::int64_t metadata_int(const SafetensorsFile& f, const std::string& ke
 // parser's error.
 inline nlohmann::json metadata_json(const SafetensorsFile& f, const std::string& key) {
   const std::string& text = metadata_field(f, key);
+  detail::check_json_depth("metadata_json", "'" + f.path + "': metadata field '" + key + "'", text);
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
