@@ -37,3 +37,16 @@ set(GRAPHMOE_CUDA_DEVICE_TESTS OFF CACHE BOOL "Build the nvcc test binaries (CI 
 # ASan + UBSan build, which .ci/run runs after ctest, with the same assertions: this build leaves
 # them out instead of compiling them a second time at -O3 (about 190 CPU-s).
 set(GRAPHMOE_SKIP_SANITIZED_TESTS ON CACHE BOOL "Run the sanitizer subset's programs only in scripts/sanitize.sh's build (CI subset: cmake/ci.cmake)")
+
+# What the subsets above leave out is still compiled through template instantiation: each example
+# program's loop for the eleven other routers, its --device cuda loop for the default CUDA routers
+# (under the CUDA emulation) and routing_report's probes, one -fsyntax-only translation unit per
+# program (examples/CMakeLists.txt), so that a router that only a full build instantiates cannot
+# break it unseen.
+set(GRAPHMOE_EXAMPLE_SYNTAX_CHECK ON CACHE BOOL "Syntax-check the examples' left-out routers (CI: cmake/ci.cmake)")
+
+# The test programs at -O1 (tests/CMakeLists.txt, GRAPHMOE_TEST_OPTIMIZATION): a model test's
+# translation unit compiles in well under half its -O3 time (test_lm: 190 -> 74 CPU-s), and the
+# suite's run time stays small (docs/benchmarks.md, "CI time"). The examples and benchmarks keep
+# the build type's -O3: they are what users run and time.
+set(GRAPHMOE_TEST_OPTIMIZATION "-O1" CACHE STRING "Optimisation flag of the test programs (CI: cmake/ci.cmake)")

@@ -8,7 +8,7 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 apt_packages=(
-  build-essential cmake git pkg-config ca-certificates
+  build-essential cmake ninja-build git pkg-config ca-certificates
   libeigen3-dev doctest-dev libbenchmark-dev
   libopenblas-dev
   nlohmann-json3-dev libcli11-dev
