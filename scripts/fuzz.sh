@@ -41,7 +41,11 @@ if ! command -v "$cxx" > /dev/null; then
 fi
 
 echo "== fuzz: build ($cxx, $build)"
-cmake -S tests/fuzz -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Debug > /dev/null
+# Ninja when installed: it compiles the targets side by side (Make's generator builds the targets
+# named on one command line one after the other, each a single translation unit).
+generator=()
+if command -v ninja > /dev/null && [ ! -f "$build/Makefile" ]; then generator=(-G Ninja); fi
+cmake "${generator[@]}" -S tests/fuzz -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Debug > /dev/null
 build_targets=(fuzz_make_seeds)
 for t in "${targets[@]}"; do build_targets+=("fuzz_$t"); done
 cmake --build "$build" -j"$jobs" --target "${build_targets[@]}"

@@ -90,7 +90,9 @@ fi
 echo "== sanitize: configure ($build)"
 mkdir -p "$build"
 subset="$(IFS=';'; echo "${targets[*]}")"
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DGRAPHMOE_SANITIZE=ON \
+generator=()
+if command -v ninja > /dev/null && [ ! -f "$build/Makefile" ]; then generator=(-G Ninja); fi
+cmake "${generator[@]}" -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DGRAPHMOE_SANITIZE=ON \
   -DGRAPHMOE_ENABLE_CUDA=OFF -DGRAPHMOE_NATIVE=OFF -DGRAPHMOE_CUDA_EMULATION_TESTS=OFF \
   -DGRAPHMOE_BUILD_EXAMPLES=OFF -DGRAPHMOE_BUILD_BENCHMARKS=OFF \
   -DGRAPHMOE_DATA_DIR="$data_dir" -DGRAPHMOE_SANITIZE_SUBSET="$subset" \
