@@ -7,6 +7,7 @@ BUILD_DIR defaults to build (a Ninja build: scripts/test.sh configures one when 
 installed). Each output's last build counts once. The times are wall seconds per command; with
 -j2 on two otherwise idle cores they are about its CPU seconds. Prints one line per kind (header
 checks, tests, the CUDA emulation's tests, examples, the examples' syntax checks, benchmarks,
+the CPU kernels graphmoe_cpu_kernels compiles once,
 nvcc, links) and the N slowest translation units (default 15).
 """
 import argparse
@@ -19,6 +20,8 @@ def kind(output):
         return "header checks (one TU per public header)"
     if output.endswith(".cu.o"):
         return "nvcc (CUDA header check, CUDA loops, bench_cuda)"
+    if "graphmoe_cpu_kernels.dir/" in output:
+        return "CPU kernels compiled once (graphmoe_cpu_kernels)"
     if "syntax_check" in output:
         return "examples: -fsyntax-only checks"
     if output.startswith("tests/CMakeFiles/test_emu") or "emulation" in output:

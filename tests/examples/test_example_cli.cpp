@@ -386,8 +386,6 @@ TEST_CASE("examples: train_lm --resume refuses broken and malformed checkpoints,
 }
 
 TEST_CASE("examples: a diverged run stops naming the step, and its last checkpoint is kept") {
-  using Tensors = std::map<std::string, LoadedTensor>;
-  using Meta = std::map<std::string, std::string>;
   Scratch s("diverge");
   const std::string corpus = s / "corpus.txt";
   test::write_word_corpus(corpus);

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "graphmoe/backend/cpu/detail/extern_instances.hpp"
 #include "graphmoe/backend/cpu/detail/vexp.hpp"
 #include "graphmoe/core/attention_dims.hpp"
 #include "graphmoe/core/eigen.hpp"
@@ -154,4 +155,16 @@ void attention_backward(cpu, const Tensor<T, cpu>& q, const Tensor<T, cpu>& k,
     }
   });
 }
+// This header's float and double instances, for graphmoe/backend/cpu/instances.hpp (M(, T): their
+// explicit instantiation; extern before them with GRAPHMOE_EXTERN_CPU_KERNELS).
+#define GRAPHMOE_CPU_ATTENTION_INSTANCES(EXTERN, T) \
+  EXTERN template void attention_forward<T>(cpu, const Tensor<T, cpu>&, const Tensor<T, cpu>&,      \
+                                            const Tensor<T, cpu>&, index_t, bool, Tensor<T, cpu>&, \
+                                            Tensor<T, cpu>&, Tensor<T, cpu>*);                     \
+  EXTERN template void attention_backward<T>(                                                     \
+      cpu, const Tensor<T, cpu>&, const Tensor<T, cpu>&, const Tensor<T, cpu>&, index_t, bool,    \
+      const Tensor<T, cpu>&, const Tensor<T, cpu>&, const Tensor<T, cpu>&, Tensor<T, cpu>&,       \
+      Tensor<T, cpu>&, Tensor<T, cpu>&);
+GRAPHMOE_CPU_EXTERN_INSTANCES(GRAPHMOE_CPU_ATTENTION_INSTANCES)
+
 }  // namespace graphmoe

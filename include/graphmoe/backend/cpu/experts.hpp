@@ -10,6 +10,7 @@
 // backward through the (rows, F) scratch f.da. Empty biases: no bias add, no bias gradient.
 #pragma once
 
+#include "graphmoe/backend/cpu/detail/extern_instances.hpp"
 #include "graphmoe/backend/cpu/elementwise.hpp"
 #include "graphmoe/backend/cpu/gelu.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
@@ -85,5 +86,17 @@ void expert_ffn_backward(cpu, const DispatchPlan<cpu>& plan, const ExpertFfn<T, 
     gemm(cpu{}, Trans::N, Trans::N, T(1), dhc, f.w1[e], T(0), dx);   // dx = dh w1
   });
 }
+
+// This header's float and double instances, for graphmoe/backend/cpu/instances.hpp (M(, T): their
+// explicit instantiation; extern before them with GRAPHMOE_EXTERN_CPU_KERNELS).
+#define GRAPHMOE_CPU_EXPERTS_INSTANCES(EXTERN, T) \
+  EXTERN template void expert_ffn_forward<T>(cpu, const DispatchPlan<cpu>&,                       \
+                                             const ExpertFfn<T, T, cpu>&, FfnActivationForm,       \
+                                             ExpertParallelism, Tensor<T, cpu>&);                  \
+  EXTERN template void expert_ffn_backward<T>(                                                    \
+      cpu, const DispatchPlan<cpu>&, const ExpertFfn<T, T, cpu>&, FfnActivationForm,              \
+      ExpertParallelism, const Tensor<T, cpu>&, const Tensor<T, cpu>&, Tensor<T, cpu>&,           \
+      Tensor<T, cpu>&, Tensor<T, cpu>&);
+GRAPHMOE_CPU_EXTERN_INSTANCES(GRAPHMOE_CPU_EXPERTS_INSTANCES)
 
 }  // namespace graphmoe

@@ -14,6 +14,7 @@
 
 #include <type_traits>
 
+#include "graphmoe/backend/cpu/detail/extern_instances.hpp"
 #include "graphmoe/core/eigen.hpp"
 #include "graphmoe/core/threads.hpp"
 #include "graphmoe/core/trans.hpp"
@@ -116,5 +117,12 @@ void gemm(cpu, Trans ta, Trans tb, T alpha, const Tensor<T, cpu>& A, const Tenso
   auto c = as_matrix(C);
   detail::gemm_matrix(ta, tb, alpha, a, b, beta, c);
 }
+
+// This header's float and double instances, for graphmoe/backend/cpu/instances.hpp (M(, T): their
+// explicit instantiation; extern before them with GRAPHMOE_EXTERN_CPU_KERNELS).
+#define GRAPHMOE_CPU_GEMM_INSTANCES(EXTERN, T) \
+  EXTERN template void gemm<T>(cpu, Trans, Trans, T, const Tensor<T, cpu>&, const Tensor<T, cpu>&, \
+                               T, Tensor<T, cpu>&);
+GRAPHMOE_CPU_EXTERN_INSTANCES(GRAPHMOE_CPU_GEMM_INSTANCES)
 
 }  // namespace graphmoe

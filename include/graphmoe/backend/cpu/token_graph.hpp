@@ -59,6 +59,7 @@
 #include <string>
 #include <vector>
 
+#include "graphmoe/backend/cpu/detail/extern_instances.hpp"
 #include "graphmoe/backend/cpu/detail/vexp.hpp"
 #include "graphmoe/backend/cpu/gemm.hpp"
 #include "graphmoe/core/attention_cache.hpp"
@@ -727,5 +728,24 @@ void graph_blend_residual(cpu, const Tensor<T, cpu>& a, const Tensor<T, cpu>& dp
   const T c = T(1) - std::clamp(a.data()[0], T(0), T(1));
   for (index_t i = 0; i < dp.numel(); ++i) dr.data()[i] += c * dp.data()[i];
 }
+
+// This header's float and double instances, for graphmoe/backend/cpu/instances.hpp (M(, T): their
+// explicit instantiation; extern before them with GRAPHMOE_EXTERN_CPU_KERNELS).
+#define GRAPHMOE_CPU_TOKEN_GRAPH_INSTANCES(EXTERN, T) \
+  EXTERN template void similarity_graph_forward<T>(                                               \
+      cpu, const Tensor<T, cpu>&, const Tensor<T, cpu>&, const SimilarityGraphArgs&,              \
+      const SimilarityGraphParams<T, cpu>&, SimilarityGraphState<T, cpu>&, Tensor<T, cpu>&);      \
+  EXTERN template void similarity_graph_backward<T>(                                              \
+      cpu, const Tensor<T, cpu>&, const Tensor<T, cpu>&, const Tensor<T, cpu>&,                   \
+      const Tensor<T, cpu>&, const SimilarityGraphArgs&, SimilarityGraphParams<T, cpu>&,          \
+      SimilarityGraphState<T, cpu>&, Tensor<T, cpu>&, Tensor<T, cpu>&);                           \
+  EXTERN template Offender attention_graph_forward<T>(                                            \
+      cpu, const Tensor<T, cpu>&, const AttentionCache<T, cpu>&, const AttentionGraphArgs&,       \
+      AttentionGraphState<T, cpu>&, Tensor<T, cpu>&);                                             \
+  EXTERN template void attention_graph_backward<T>(                                               \
+      cpu, const Tensor<T, cpu>&, const Tensor<T, cpu>&, const Tensor<T, cpu>&,                   \
+      AttentionCache<T, cpu>&, const AttentionGraphArgs&, AttentionGraphState<T, cpu>&,           \
+      Tensor<T, cpu>&);
+GRAPHMOE_CPU_EXTERN_INSTANCES(GRAPHMOE_CPU_TOKEN_GRAPH_INSTANCES)
 
 }  // namespace graphmoe
