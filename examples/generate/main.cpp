@@ -473,7 +473,7 @@ int main(int argc, char** argv) {
     GRAPHMOE_CHECK(!hf_opt->count() || device == "cpu", "generate", "--hf with --device ", device,
                    ": a Hugging Face model is loaded and run on the CPU only; use --device cpu");
     examples::require_device_built("generate", device);
-    if (seed_opt->count() == 0) {
+    if (seed_opt->count() == 0 && !gen.sampling.greedy) {  // --greedy draws nothing
       std::random_device rd;
       gen.sampling.seed = (static_cast<std::uint64_t>(rd()) << 32) | rd();
       std::fprintf(stderr, "generate: seed %llu (drawn at random: --seed %llu repeats this run)\n",

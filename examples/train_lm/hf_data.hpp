@@ -206,13 +206,16 @@ void load_hf(Options& opt, Data& data, Given&& given) {
     flush();
     return out;
   };
-  if (opt.dp.root())
+  if (opt.dp.root()) {
+    std::string sep_ids;  // "0", or "13 10": sep_text without its trailing space
+    for (std::int32_t id : separator) sep_ids += (sep_ids.empty() ? "" : " ") + std::to_string(id);
     std::fprintf(stderr, "train_lm: --hf %s: %s, %lld layers, d_model %lld, vocabulary %lld; "
                  "tokenizer %s (lines end with id%s %s)\n",
                  opt.hf_dir.c_str(), ck->config().architecture.c_str(),
                  static_cast<long long>(hc.num_layers), static_cast<long long>(hc.d_model),
                  static_cast<long long>(hc.vocab_size), tok->path().c_str(),
-                 separator.size() > 1 ? "s" : "", sep_text.c_str());
+                 separator.size() > 1 ? "s" : "", sep_ids.c_str());
+  }
 #endif
 }
 

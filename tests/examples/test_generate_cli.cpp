@@ -168,6 +168,7 @@ TEST_CASE("generate: --stop ends at the first stop token, and a character-level 
   const Result g = run(s, kGenerate, gen_args(dir, "the", {"--greedy", "--max-new-tokens", "5"}));
   INFO(g.text());
   REQUIRE(g.status == 0);
+  CHECK(g.err.find("generate: seed ") == std::string::npos);  // --greedy draws nothing: no seed
   std::set<std::string> words;
   REQUIRE(count_tokens(g.out, &words) == 5);
   std::istringstream first_word(g.out);

@@ -198,6 +198,8 @@ TEST_CASE("train_lm --hf: the first validation loss is the loaded model's own, b
   INFO(a.text());
   REQUIRE(a.status == 0);
   CHECK(a.err.find("OlmoeForCausalLM") != std::string::npos);
+  CHECK(a.err.find("(lines end with id") != std::string::npos);
+  CHECK(a.err.find(" )") == std::string::npos);  // the separator's ids, no space before ')'
   CHECK(a.out.find("sample: ") != std::string::npos);  // decoded by the tokenizer
   const std::vector<std::string> va = val_losses(s / "softmax/metrics.csv");
   REQUIRE(va.size() == 1);

@@ -621,6 +621,32 @@ TEST_CASE("hf: an absurd config.json on disk fails before the shards are read") 
   CHECK_MESSAGE(e.find("architectures") != std::string::npos, e);
 }
 
+TEST_CASE("hf: broken symbolic links and link loops are named as such") {
+  FixtureCopy c("mixtral");
+  const std::string shard2 = "model-00002-of-00003.safetensors";
+  fs::remove(c / shard2);
+  fs::create_symlink(c / "gone.safetensors", c / shard2);
+  check_error(open_error(c.path()), {c / "model.safetensors.index.json", shard2,
+                                     "is a broken symbolic link (to '" + (c / "gone.safetensors")});
+  fs::remove(c / shard2);
+  fs::create_symlink(shard2, c / shard2);  // itself
+  check_error(open_error(c.path()), {shard2, "is a symbolic link loop"});
+  fs::rename(c / "config.json", c / "config.real.json");
+  fs::create_symlink(c / "config.missing.json", c / "config.json");
+  check_error(open_error(c.path()), {c / "config.json", "is a broken symbolic link (to '"});
+  // model.safetensors as a broken link: not "holds neither model.safetensors nor ..."
+  FixtureCopy d("llama");
+  fs::rename(d / "model.safetensors", d / "model.real.safetensors");
+  fs::create_symlink(d / "elsewhere.safetensors", d / "model.safetensors");
+  const std::string e = open_error(d.path());
+  check_error(e, {d / "model.safetensors", "is a broken symbolic link"});
+  CHECK_MESSAGE(e.find("holds neither") == std::string::npos, e);
+  // the directory itself
+  const std::string link = c / "dir-link";
+  fs::create_symlink(c / "no-such-dir", link);
+  check_error(open_error(link), {link, "is a broken symbolic link (to '"});
+}
+
 TEST_CASE("hf: DeepSeek-V3 (latent attention, sigmoid-bias group routing) loads and computes transformers' logits and expert choices") {
   const std::string dir = fixture("deepseek_v3");
   const nlohmann::json ex = read_json(dir + "/expected.json");

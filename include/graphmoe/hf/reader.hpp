@@ -414,7 +414,10 @@ class Checkpoint {
   static constexpr const char* load_op = "hf::Checkpoint::load";
 
   static Checkpoint open(const std::string& dir) {
-    GRAPHMOE_CHECK(detail::is_directory(dir), op, "'", dir, "' is not a directory");
+    if (!detail::is_directory(dir)) {
+      graphmoe::detail::require_no_broken_link(op, dir);
+      graphmoe::detail::throw_error(op, "'", dir, "' is not a directory");
+    }
     Checkpoint ck;
     ck.dir_ = dir;
     ck.config_ = read_config(detail::join(dir, "config.json"));
@@ -625,6 +628,8 @@ class Checkpoint {
   void find_files() {
     const std::string single = detail::join(dir_, "model.safetensors");
     const std::string index = detail::join(dir_, "model.safetensors.index.json");
+    graphmoe::detail::require_no_broken_link(op, single);  // not "holds neither" for a bad link
+    graphmoe::detail::require_no_broken_link(op, index);
     const bool has_single = detail::exists(single), has_index = detail::exists(index);
     GRAPHMOE_CHECK(!(has_single && has_index), op, "'", dir_, "' holds both model.safetensors "
                    "and model.safetensors.index.json: which is the model is ambiguous");
@@ -680,9 +685,10 @@ class Checkpoint {
             tensor = t;
             break;
           }
+        const std::string link = graphmoe::detail::broken_link(path);
         graphmoe::detail::throw_error(op, "'", index, "' names the shard '", n,
-                                      "' (for tensor '", tensor, "'), but '", path,
-                                      "' does not exist");
+                                      "' (for tensor '", tensor, "'), but '", path, "' ",
+                                      link.empty() ? "does not exist" : "is " + link);
       }
       files_.push_back(path);
     }

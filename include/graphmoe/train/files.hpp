@@ -18,7 +18,9 @@
 #pragma once
 
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <charconv>
 #include <cstddef>
 #include <cstdint>
@@ -81,13 +83,36 @@ inline const char* file_kind(mode_t mode) {
   return "not a regular file";
 }
 
+// What a path that stat() cannot follow is, for a message: "a symbolic link loop", "a broken
+// symbolic link (to 'target')", or "" when it is no link (missing, or not readable).
+inline std::string broken_link(const std::string& path) {
+  struct stat link {};
+  if (::lstat(path.c_str(), &link) != 0 || !S_ISLNK(link.st_mode)) return "";
+  struct stat target {};
+  if (::stat(path.c_str(), &target) == 0) return "";
+  if (errno == ELOOP) return "a symbolic link loop";
+  char to[4096];
+  const ssize_t n = ::readlink(path.c_str(), to, sizeof to);
+  if (n <= 0 || static_cast<std::size_t>(n) >= sizeof to) return "a broken symbolic link";
+  return "a broken symbolic link (to '" + std::string(to, static_cast<std::size_t>(n)) + "')";
+}
+
+// Throws, naming what path is, when it is a broken symbolic link or a link loop.
+inline void require_no_broken_link(const char* op, const std::string& path) {
+  const std::string link = broken_link(path);
+  GRAPHMOE_CHECK(link.empty(), op, "'", path, "' is ", link);
+}
+
 // The whole file as bytes (binary mode: no newline translation). Only a regular file (or a link
 // to one): a FIFO would block the open, /dev/zero would never end, a directory reads as nothing.
 // Throws unless path names a regular file (or a link to one): every reader calls it before
 // opening the file.
 inline void require_regular_file(const char* op, const std::string& path) {
   struct stat st {};
-  GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, op, "cannot open '", path, "'");
+  if (::stat(path.c_str(), &st) != 0) {
+    require_no_broken_link(op, path);
+    detail::throw_error(op, "cannot open '", path, "'");
+  }
   GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
                  file_kind(st.st_mode), ")");
 }
