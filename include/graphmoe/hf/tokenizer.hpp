@@ -526,7 +526,10 @@ inline std::string type_of(JsonObject& o) { return o.string("type"); }
 // A tokenizer file's bytes: a regular file of at most TokenizerLimits::file_bytes, read whole.
 inline std::string read_tokenizer_file(const std::string& path) {
   struct stat st {};
-  GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, kLoadOp, "cannot open '", path, "'");
+  if (::stat(path.c_str(), &st) != 0) {
+    graphmoe::detail::require_no_broken_link(kLoadOp, path);
+    graphmoe::detail::throw_error(kLoadOp, "cannot open '", path, "'");
+  }
   GRAPHMOE_CHECK(S_ISREG(st.st_mode), kLoadOp, "'", path, "' is not a regular file");
   GRAPHMOE_CHECK(st.st_size <= TokenizerLimits::file_bytes, kLoadOp, "'", path, "' is ",
                  st.st_size, " bytes, more than the limit of ", TokenizerLimits::file_bytes);

@@ -642,8 +642,11 @@ namespace detail {
 // ends; O_NONBLOCK keeps a file swapped for a FIFO after the check from blocking the open, and
 // fstat then checks what was actually opened). Returns the descriptor; st holds its status.
 inline int open_regular_for_reading(const char* op, const std::string& path, struct stat& st) {
-  GRAPHMOE_CHECK(::stat(path.c_str(), &st) == 0, op, "cannot open '", path, "': ",
-                 errno_text(errno));
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    require_no_broken_link(op, path);
+    throw_error(op, "cannot open '", path, "': ", errno_text(err));
+  }
   GRAPHMOE_CHECK(S_ISREG(st.st_mode), op, "'", path, "' is not a regular file (",
                  file_kind(st.st_mode), ")");
   const int raw = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);

@@ -4,7 +4,9 @@
 //   data_dir()                 $GRAPHMOE_DATA_DIR if set, else "../shared/data" (relative to the
 //                              current directory: the project root's sibling shared/data)
 //   read_file(path)            the file's bytes; throws "graphmoe::read_file: cannot open '<path>'",
-//                              or "... is not a regular file (a FIFO)" for FIFOs, devices, folders
+//                              "... is a broken symbolic link (to '<target>')" (or "a symbolic
+//                              link loop"), "... is not a regular file (a FIFO)" for FIFOs,
+//                              devices, folders
 //   for_each_line(text, f)     calls f(line, line_number) for every line of text, without its
 //                              '\n' (or "\r\n"); a final '\n' does not start another line
 //   detail::check_json_depth(op, what, text)
