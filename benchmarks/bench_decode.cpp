@@ -36,7 +36,7 @@
 //   model's parameters, ParameterArena::numel: decode_torch.py checks its PyTorch model against it).
 // BM_prefill_<router>: time to first token: each iteration resets slot 0 of a one-slot Decoder
 //   and feeds the `prompt` tokens with Decoder::prefill in steps of `chunk` tokens (chunk 1:
-//   step by step, one token per step as before prefill existed; 256: GEMMs of 256 rows), which
+//   step by step, one token per step (Decoder::step's way); 256: GEMMs of 256 rows), which
 //   returns the last token's logits (what the first generated token is drawn from). One untimed
 //   step of `chunk` tokens first (first-touch allocations). items_per_second = prompt tokens.
 // BM_decode_full_forward_<router>: each iteration is one TransformerLM::forward over

@@ -291,7 +291,7 @@ def main():
                        "similarity-cap1.25/padded-graph"):
             r = get(f"lm_train/{precision}/{router}")
             if r is None and "/" in router:
-                continue  # rows of later sessions' benchmarks
+                continue  # rows another version of the benchmark may lack
             lm[precision, router] = r.seconds() if r else None
             tok = r.counters.get("tokens/s") if r else None
             rows.append([router, precision, fmt(r.seconds() * 1e3 if r else None, ".2f"),

@@ -578,7 +578,7 @@ def main():
                   f"{o.get('routing_values/token', 0):.0f}, {o.get('cache_MiB', 0):.1f} MiB")
     torch_peers.report_left_out({}, failed)
     print()
-    # the paper-medium lines as before; the olmoe ones name the preset
+    # the paper-medium lines unnamed; the olmoe ones name the preset
     tag, on = ("", "") if args.arch == "paper-medium" else (f"{args.arch} ", f" on {args.arch}")
     for (lbl, router, batch, prompt), r in ratios.items():
         print(f"decode tokens/s graphmoe/{lbl} {tag}{router} batch {batch} prompt {prompt}: "

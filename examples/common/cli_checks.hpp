@@ -1,7 +1,7 @@
 // Strict validators for the examples' numeric options (docs/reliability.md, "Command lines").
 //
 // CLI11 2.1 converts integers with strtoll / strtoull without looking at errno, so an out-of-range
-// value is silently clamped ("--steps 99999999999999999999" became 2^63 - 1), "-1" becomes 2^64 - 1
+// value is silently clamped ("--steps 99999999999999999999" gives 2^63 - 1), "-1" gives 2^64 - 1
 // for an unsigned option, and "010" is read as octal 8. Its Range validator converts the same way
 // and lets NaN through. These validators run on the text before CLI11 converts it:
 //

@@ -69,7 +69,7 @@ class DataParallelWorld {
   DataParallelWorld& operator=(const DataParallelWorld&) = delete;
 
   // main()'s catch: prints the error and returns the exit status. With one process:
-  // "<program>: error: <what>" and 1, as before --dp existed. With several ranks, an error every
+  // "<program>: error: <what>" and 1, as without --dp. With several ranks, an error every
   // rank raises alike (SameOnEveryRank, the divergence guard's decisions, which are taken on
   // values reduced over the ranks) is printed by rank 0 and every rank returns 1, so that MPI
   // finalises normally; any other error is printed by its rank and ends the whole job

@@ -3,7 +3,11 @@
 
   check_docs.py paths               every repository path the pages name exists
   check_docs.py links               every relative link and #anchor between pages resolves
-  check_docs.py flags NAME=BINARY   every --flag a page gives a program exists in its --help
+  check_docs.py flags NAME=BINARY   every --flag a page gives a program exists in its --help, and
+                                    a default a page states for one is --help's
+  check_docs.py claims              the pages' router counts are the build's (examples/CMakeLists.txt,
+                                    cmake/ci.cmake); graphmoe.hpp's "Not included:" list is what it
+                                    leaves out
   check_docs.py limits              README.md <= 250 lines, docs/benchmarks.md <= 400
   check_docs.py history             no file of the tree tells its development order
   check_docs.py extract-cpp OUTDIR  write README.md's C++ blocks to OUTDIR/readme_block_N.cpp and
@@ -35,6 +39,10 @@ PLACEHOLDER = set("<*{$[")
 LINK = re.compile(r"!?\[(?:[^\]]|\][^(])*?\]\(([^()\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 HISTORY = re.compile(r"\b(session [0-9]|sessions [0-9]|issue #?[0-9]|turn [0-9])", re.I)
+# Words that tell a change rather than what is, outside CHANGELOG.md and the tests (whose "as
+# before the NaN" is a test's own sequence): the pages, the headers, the programs, the scripts.
+HISTORY_WORDS = re.compile(r"\b(as before|no longer|became|(?:earlier|later|previous) sessions?'?"
+                           r"|used to be)\b", re.I)
 PROGRAM_FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*")
 SKIP_DIRS = {".git", "runs", ".gpu-deps", "__pycache__", "node_modules"}
 
@@ -194,6 +202,35 @@ def program_flags(root, programs):
     return found
 
 
+# "`--flag` ... (default X)" / "`--flag` ... the default is X" in a page that declares its program.
+STATED_DEFAULT = re.compile(r"`(--[a-z0-9][a-z0-9-]*)`[^`\n]{0,80}?\bdefault(?: is)? `?([^`\s,;)]+)`?")
+
+
+def stated_defaults(root, programs):
+    """(page, line, program, flag, value) for every default a page states for its program's flag."""
+    found = []
+    for page in pages(root):
+        page_program = None
+        for n, line, code, _ in lines_of(page):
+            m = PAGE_PROGRAM.search(line)
+            if m and not code:
+                page_program = m.group(1)
+                continue
+            if page_program in programs and not code:
+                for m in STATED_DEFAULT.finditer(line):
+                    found.append((page, n, page_program, m.group(1), m.group(2).rstrip(".")))
+    return found
+
+
+def help_defaults(binary):
+    """{--flag: default} of a CLI11 --help ("  --threads INT:[1, 8]=2   CPU threads")."""
+    out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    return {m.group(1): m.group(2) for m in
+            re.finditer(r"^\s+(?:-\w,)?(--[a-z0-9][a-z0-9-]*) [A-Z]+"
+                        r"(?::(?:\[[^\]]*\]|\{[^}]*\}|[^=\s]+))?=(\S+)",
+                         out.stdout, re.M)}
+
+
 def help_options(binary):
     out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
@@ -210,8 +247,97 @@ def check_flags(root, specs):
         count += 1
         if flag not in have[name]:
             errors.append(f"{rel(root, page)}:{n}: {name} {flag}: {name} --help has no {flag}")
+    defaults = {name: help_defaults(path) for name, path in binaries.items()}
+    for page, n, name, flag, value in stated_defaults(root, set(binaries)):
+        said = defaults[name].get(flag)
+        if said is not None and said != value:
+            errors.append(f"{rel(root, page)}:{n}: {name} {flag}: the page says the default is "
+                          f"{value}, {name} --help says {said}")
     if not errors:
         print(f"{count} flags given to {', '.join(sorted(binaries))} in the pages, all in --help")
+    return errors
+
+
+NUMBERS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty".split())}
+ROUTER_COUNT = re.compile(r"\b(?:any of the|all) (\w+)(?: routers\b|\.)|\b(\w+) of the (\w+) routers\b"
+                          r"|ci\.cmake` keeps (\w+)\b", re.I)
+
+
+def cmake_list(path, name):
+    """The items of `set(NAME a b c ...)` or `set(NAME "a;b;c" ...)` in a CMake file."""
+    with open(path, encoding="utf-8") as f:
+        m = re.search(r"set\(" + name + r"\s+((?:\"[^\"]*\")|[^)]*?)(?:\s+CACHE|\))", f.read())
+    if not m:
+        raise SystemExit(f"{path}: no set({name} ...)")
+    return [t for t in re.split(r"[\s;\"]+", m.group(1)) if t]
+
+
+def check_claims(root):
+    """The pages' counts of the example programs' routers: "any of the N routers", "build all N",
+    "K of the N routers" (K: cmake/ci.cmake's), "`cmake/ci.cmake` keeps K"."""
+    every = len(cmake_list(os.path.join(root, "examples", "CMakeLists.txt"), "_graphmoe_all_routers"))
+    ci = len(cmake_list(os.path.join(root, "cmake", "ci.cmake"), "GRAPHMOE_EXAMPLE_ROUTERS"))
+    errors = []
+
+    def number(word):
+        return int(word) if word.isdigit() else NUMBERS.get(word.lower())
+    for page in pages(root):
+        if os.path.basename(page) == "CHANGELOG.md":
+            continue
+        for n, line, code, _ in lines_of(page):
+            for m in ROUTER_COUNT.finditer(line):
+                said = [(m.group(1), every), (m.group(2), ci), (m.group(3), every), (m.group(4), ci)]
+                for word, want in said:
+                    if word is not None and number(word) is not None and number(word) != want:
+                        errors.append(f"{rel(root, page)}:{n}: \"{m.group(0)}\": the examples "
+                                      f"have {every} routers, cmake/ci.cmake keeps {ci}")
+    return errors
+
+
+def header_closure(include_dir, start):
+    """Every graphmoe header that `start` includes, directly or not (#if branches alike)."""
+    seen, todo = set(), [start]
+    while todo:
+        h = todo.pop()
+        if h in seen:
+            continue
+        seen.add(h)
+        path = os.path.join(include_dir, h)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                todo += re.findall(r'^\s*#\s*include\s+[<"](graphmoe/[^>"]+)[>"]', f.read(), re.M)
+    return seen
+
+
+def check_umbrella(root):
+    """graphmoe.hpp's comment lists ("Not included: a, b, ...") exactly the public headers that
+    it does not reach, less those the listed ones reach."""
+    include_dir = os.path.join(root, "include")
+    umbrella = os.path.join(include_dir, "graphmoe", "graphmoe.hpp")
+    if not os.path.exists(umbrella):
+        return []
+    with open(umbrella, encoding="utf-8") as f:
+        comment = "".join(l[2:] for l in f if l.startswith("//"))
+    m = re.search(r"Not included:(.*?)\.\s*(?:\n\s*\n|$)", comment, re.S)
+    if not m:
+        return ["include/graphmoe/graphmoe.hpp: no \"Not included: ...\" list in its comment"]
+    listed = set(re.findall(r"graphmoe/[\w/]+\.(?:hpp|cuh)", m.group(1)))
+    public = set()
+    for dirpath, _, files in os.walk(os.path.join(include_dir, "graphmoe")):
+        for f in files:
+            h = os.path.relpath(os.path.join(dirpath, f), include_dir).replace(os.sep, "/")
+            if f.endswith((".hpp", ".cuh")) and "/detail/" not in h:
+                public.add(h)
+    reached = header_closure(include_dir, "graphmoe/graphmoe.hpp")
+    errors = [f"include/graphmoe/graphmoe.hpp: lists {h} as not included, and it is"
+              for h in sorted(listed & reached)]
+    errors += [f"include/graphmoe/graphmoe.hpp: lists {h}, which does not exist"
+               for h in sorted(listed - public)]
+    covered = set().union(*(header_closure(include_dir, h) for h in listed)) if listed else set()
+    errors += [f"include/graphmoe/graphmoe.hpp: leaves out {h} without listing it"
+               for h in sorted(public - reached - covered)]
     return errors
 
 
@@ -236,8 +362,9 @@ def check_history(root):
             path = os.path.join(dirpath, f)
             try:
                 with open(path, encoding="utf-8") as fh:
+                    words = f != "CHANGELOG.md" and not rel(root, path).startswith("tests" + os.sep)
                     for n, line in enumerate(fh, 1):
-                        m = HISTORY.search(line)
+                        m = HISTORY.search(line) or (words and HISTORY_WORDS.search(line))
                         if m:
                             errors.append(f"{rel(root, path)}:{n}: \"{m.group(0)}\": describe "
                                           "what the code does, not when or in which work item")
@@ -272,7 +399,8 @@ def extract_cpp(root, outdir):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default=DEFAULT_ROOT)
-    ap.add_argument("check", choices=["paths", "links", "flags", "limits", "history", "extract-cpp"])
+    ap.add_argument("check", choices=["paths", "links", "flags", "limits", "history", "claims",
+                                      "extract-cpp"])
     ap.add_argument("args", nargs="*")
     a = ap.parse_args()
     root = os.path.abspath(a.root)
@@ -286,6 +414,8 @@ def main():
         errors = check_limits(root)
     elif a.check == "history":
         errors = check_history(root)
+    elif a.check == "claims":
+        errors = check_claims(root) + check_umbrella(root)
     else:
         errors = extract_cpp(root, a.args[0])
     for e in errors:

@@ -50,7 +50,7 @@ def variant(**changes):
 
 good = tree(GOOD)
 prog = os.path.join(good, "bin", "prog.sh")
-for check in ("paths", "links", "limits", "history"):
+for check in ("paths", "links", "limits", "history"):  # claims: below, with its CMake files
     expect(f"{check} on a good tree", [CHECK, "--root", good, check], 0)
 expect("flags on a good tree", [CHECK, "--root", good, "flags", f"prog={prog}"], 0, "1 flags")
 
@@ -81,6 +81,44 @@ bad = variant(**{"docs/a.md": GOOD["docs/a.md"] + "Done in sess" + "ion 3.\n"})
 expect("history: a session number", [CHECK, "--root", bad, "history"], 1, "docs/a.md:6")
 bad = variant(**{"docs/a.md": GOOD["docs/a.md"] + "int f() { return 0; }\n"})
 expect("history: `return 0` is no history", [CHECK, "--root", bad, "history"], 0)
+bad = variant(**{"docs/a.md": GOOD["docs/a.md"] + "It is checked as before.\n"})
+expect("history: 'as before' in a page", [CHECK, "--root", bad, "history"], 1, "docs/a.md:6")
+bad = variant(**{"tests/t.cpp": "// the same weights as before the NaN\n",
+                 "CHANGELOG.md": "# Changelog\n\nThe reader no longer crashes.\n"})
+expect("history: the words in a test and in CHANGELOG.md", [CHECK, "--root", bad, "history"], 0)
+
+# claims: the router counts against examples/CMakeLists.txt and cmake/ci.cmake.
+ROUTERS = {"examples/CMakeLists.txt": "set(_graphmoe_all_routers A B\n    C D)\n",
+           "cmake/ci.cmake": 'set(GRAPHMOE_EXAMPLE_ROUTERS "A;B"\n    CACHE STRING "x")\n'}
+ok = variant(**ROUTERS, **{"docs/a.md": GOOD["docs/a.md"] + "Pick any of the four routers; "
+                           "CI builds 2 of the 4 routers (`cmake/ci.cmake` keeps two).\n"})
+expect("claims: true counts", [CHECK, "--root", ok, "claims"], 0)
+for wrong in ("any of the nine routers", "3 of the 4 routers", "`cmake/ci.cmake` keeps three",
+              "Leave it out to build all nine."):
+    bad = variant(**ROUTERS, **{"docs/a.md": GOOD["docs/a.md"] + wrong + "\n"})
+    expect(f"claims: '{wrong}'", [CHECK, "--root", bad, "claims"], 1, "docs/a.md:6")
+
+# claims: the umbrella header's "Not included:" list against what it reaches.
+UMBRELLA = "// the umbrella\n// Not included: graphmoe/b.hpp.\n//\n#include \"graphmoe/core/x.hpp\"\n"
+ok = variant(**ROUTERS, **{"include/graphmoe/graphmoe.hpp": UMBRELLA, "include/graphmoe/b.hpp": ""})
+expect("claims: the umbrella's list is true", [CHECK, "--root", ok, "claims"], 0)
+bad = variant(**ROUTERS, **{"include/graphmoe/graphmoe.hpp": UMBRELLA, "include/graphmoe/b.hpp": "",
+                            "include/graphmoe/c.hpp": ""})
+expect("claims: a header the umbrella leaves out unlisted", [CHECK, "--root", bad, "claims"], 1,
+       "leaves out graphmoe/c.hpp")
+bad = variant(**ROUTERS, **{"include/graphmoe/graphmoe.hpp": UMBRELLA.replace("b.hpp", "core/x.hpp"),
+                            "include/graphmoe/b.hpp": ""})
+expect("claims: a listed header the umbrella includes", [CHECK, "--root", bad, "claims"], 1,
+       "lists graphmoe/core/x.hpp as not included")
+
+# flags: a default a page states against --help's.
+for value, status in (("3", 0), ("5", 1)):
+    t = variant(**{"bin/prog.sh": HELP.replace("--steps INT  steps", "--steps INT:[1, 9]=3  steps"),
+                   "docs/a.md": "<!-- docs-check: flags prog -->\n" + GOOD["docs/a.md"]
+                   + f"- `--steps` sets the steps (default {value}).\n"})
+    expect(f"flags: a stated default of {value}",
+           [CHECK, "--root", t, "flags", f"prog={os.path.join(t, 'bin', 'prog.sh')}"], status,
+           "" if status == 0 else "the default is 5, prog --help says 3")
 
 # scripts/program-reference.py: a page written from one --help, checked against another.
 programs = [f"{p}={prog}" for p in ("train_lm", "generate", "routing_report", "train_vision",

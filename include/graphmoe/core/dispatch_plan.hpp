@@ -92,7 +92,7 @@ void size_dispatch_plan(DispatchPlan<B>& plan, index_t n, index_t k, index_t num
 }
 }  // namespace detail
 
-// The name the CUDA plan had before the plan became one template.
+// The CUDA backend's plan under its own name.
 using CudaDispatchPlan = DispatchPlan<cuda>;
 
 }  // namespace graphmoe

@@ -163,7 +163,7 @@ class ThreadPool {
       job.done_chunks.wait(d);
   }
 
-  // Spins up to spin_micros_ for pred(); returns whether it became true.
+  // Spins up to spin_micros_ for pred(); returns whether it holds.
   template <class Pred>
   bool spin_until(Pred&& pred) const {
     if (spin_micros_ == 0) return pred();

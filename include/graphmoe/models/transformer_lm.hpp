@@ -187,7 +187,8 @@ struct TransformerLMConfig {
     c.router.z_loss_coef = 0.001;
     return c;
   }
-  // DeepSeek-V3 with standard attention (its multi-head latent attention is not built): a dense
+  // DeepSeek-V3 with standard attention (its multi-head latent attention: AttentionOptions'
+  // kv_lora_rank and the options beside it, which the Hugging Face reader sets): a dense
   // first block, 64 routed experts of top-8 in 8 groups (4 per token), renormalised gates scaled
   // by 2.5, one shared expert; the bias balances (use SigmoidBiasRouter), with the sequence-wise
   // balance loss at DeepSeek-V3's 1e-4 beside it and no batch load-balancing loss.
@@ -482,7 +483,7 @@ class TransformerLM {
   // The content checks of the whole forward are deferred (core/deferred_check.hpp): on a GPU the
   // routers' checks and load-balancing losses are read with the loss, so that a forward with the
   // padded expert layout (expert_layout) runs without a read back to the host until its loss;
-  // the first failed check throws its own error as before.
+  // the first failed check throws its own error.
   //
   // On a GPU the forward and backward with the padded expert layout can be captured into a CUDA
   // graph (backend/cuda/graph.cuh): write the next batch into the same ids and targets tensors,

@@ -159,7 +159,7 @@ class VisionMoE {
     if (!labels.empty()) check_shape("VisionMoE", "labels", labels, Shape{b});
     // the content checks of the whole forward deferred (core/deferred_check.hpp): on a GPU the
     // images' check, the routers' and the loss's come back in one read, the first failed check
-    // throwing its own error as before
+    // throwing its own error
     try {
       with_deferred_checks(B{}, [&] { forward_checked(images, labels, b); });
     } catch (...) {

@@ -57,7 +57,7 @@ index_t dropped_count(const Selection<T, B>& sel) {
 // selection bias, BiasBalancedTopK's, when given), within each token's best groups when n_group >
 // 1; the values are p at those experts and the gates follow GateScaling (renormalised over the k or
 // not, times routed_scaling_factor). With the defaults (no bias, one group) this is the paper's
-// top-k, computed as before: top-k of p, its values, Renormalize.
+// top-k: top-k of p, its values, Renormalize.
 template <class T, class B>
 class TopKSelectorBase {
  public:

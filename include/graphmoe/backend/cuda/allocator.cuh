@@ -217,7 +217,7 @@ class CudaCachingAllocator {
     pools_.erase(it);
     for (auto& [p, b] : live_)
       if (b.pool == id) b.pool = 0;
-    // held blocks: this graph no longer holds them; those no graph holds are free again
+    // held blocks: this graph lets go of them; those no graph holds are free again
     for (std::size_t k = 0; k < held_.size();) {
       Held& h = held_[k];
       std::erase(h.pools, id);
