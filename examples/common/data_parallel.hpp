@@ -61,6 +61,21 @@ template <class... Args>
   throw SameOnEveryRank(os.str());
 }
 
+// --dp N's checks on the other flags, alike on every rank: --batch (the global batch, of `what`:
+// "sequences", "images", "examples") a multiple of N, and --device cpu (the MPI communicator
+// moves host memory).
+inline void check_data_parallel(const char* program, const DataParallel& dp, long long batch,
+                                const std::string& device, const char* what) {
+  if (dp.ranks <= 1) return;
+  if (batch % dp.ranks != 0)
+    throw_same_on_every_rank(program, "--batch ", batch, " is not a multiple of --dp ", dp.ranks,
+                             ": --batch is the global batch, split into ", dp.ranks,
+                             " equal shards of --batch / --dp ", what);
+  if (device != "cpu")
+    throw_same_on_every_rank(program, "--dp ", dp.ranks,
+                             " needs --device cpu (the MPI communicator moves host memory)");
+}
+
 // The number of processes the MPI launcher started, from its environment (Open MPI's mpirun,
 // MPICH's Hydra); 0 when none says so. Read without initialising MPI.
 inline long launcher_world_size() {
@@ -86,17 +101,19 @@ inline graphmoe::LMBatch shard(const DataParallel& dp, const graphmoe::LMBatch& 
 }
 
 // The collectives on the whole parameter arena. They move host memory: main() refuses --dp N > 1
-// with --device cuda, and on another backend than the CPU these do nothing (one process).
+// with --device cuda, and on a backend whose tensors are not in host memory (B::host_memory) these
+// do nothing (one process); those graphmoe::dist offers for ParameterArena<T, cpu> alone are
+// called for the CPU alone.
 template <class T, class B>
 void broadcast_parameters(const DataParallel& dp, graphmoe::ParameterArena<T, B>& arena) {
-  if constexpr (std::is_same_v<B, graphmoe::cpu>) {
+  if constexpr (B::host_memory) {
     if (dp.active()) graphmoe::dist::broadcast_parameters(*dp.comm, arena);
   }
 }
 // grads := their mean over the ranks: after backward, before clipping.
 template <class T, class B>
 void average_gradients(const DataParallel& dp, graphmoe::ParameterArena<T, B>& arena) {
-  if constexpr (std::is_same_v<B, graphmoe::cpu>) {
+  if constexpr (B::host_memory) {
     if (dp.active()) graphmoe::dist::average_gradients(*dp.comm, arena);
   }
 }
@@ -113,7 +130,7 @@ double max_parameter_divergence(const DataParallel& dp, const graphmoe::Paramete
 // (TransformerLM::after_optimizer_step): the ranks' world on the CPU, none otherwise (as above).
 template <class B>
 graphmoe::dist::Communicator* routers_comm(const DataParallel& dp) {
-  if constexpr (std::is_same_v<B, graphmoe::cpu>) return dp.active() ? dp.comm : nullptr;
+  if constexpr (B::host_memory) return dp.active() ? dp.comm : nullptr;
   return nullptr;
 }
 

@@ -64,16 +64,7 @@ int main(int argc, char** argv) {
   examples::DataParallelWorld world(argc, argv, "finetune_classifier", opt.dp);
   try {
     world.check();
-    if (opt.dp.ranks > 1) {
-      if (opt.batch % opt.dp.ranks != 0)
-        examples::throw_same_on_every_rank(
-            "finetune_classifier", "--batch ", opt.batch, " is not a multiple of --dp ", opt.dp.ranks,
-            ": --batch is the global batch, split into ", opt.dp.ranks,
-            " equal shards of --batch / --dp examples");
-      if (opt.device != "cpu")
-        examples::throw_same_on_every_rank("finetune_classifier", "--dp ", opt.dp.ranks,
-                                           " needs --device cpu (the MPI communicator moves host memory)");
-    }
+    examples::check_data_parallel("finetune_classifier", opt.dp, opt.batch, opt.device, "examples");
     GRAPHMOE_CHECK(!opt.hf_dir.empty() || (!opt.checkpoint.empty() && !vocab.empty()),
                    "finetune_classifier", "give the model: --checkpoint FILE with --vocab FILE (a "
                    "train_lm checkpoint), or --hf DIR (a Hugging Face model directory)");

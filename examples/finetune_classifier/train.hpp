@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/accuracy.hpp"
 #include "common/data_parallel.hpp"
 #include "common/device.hpp"
 #include "common/divergence.hpp"
@@ -57,36 +58,17 @@ inline void make_batch(const Encoded& d, const std::vector<index_t>& order, inde
   }
 }
 
-// The share of d classified correctly. With --dp, rank r classifies examples
-// [r n / N, (r + 1) n / N) and the counts are summed over the ranks (collective).
+// The share of d classified correctly (common/accuracy.hpp; a collective with --dp).
 template <class B, class Model>
 double accuracy(Model& m, const Encoded& d, index_t batch, const examples::DataParallel& dp) {
-  const index_t n = static_cast<index_t>(d.labels.size());
-  std::vector<index_t> order(static_cast<std::size_t>(n));
-  std::iota(order.begin(), order.end(), index_t{0});
-  const index_t begin = n * dp.rank() / dp.size(), end = n * (dp.rank() + 1) / dp.size();
-  index_t correct = 0;
   Tensor<std::int32_t, B> none;
-  ModeScope<Model> eval(m, Mode::Eval);  // a bias-balancing router counts no loads here
-  for (index_t s = begin; s < end; s += batch) {
-    const index_t b = std::min(batch, end - s);
-    Tensor<std::int32_t, cpu> ids, len, y;
-    make_batch(d, order, s, b, ids, len, y);
-    m.forward(examples::on_backend<B>(ids), len, none);
-    const Tensor<Scalar, cpu> logits = examples::host_values(m.logits());
-    const auto L = as_matrix(logits);
-    for (index_t i = 0; i < b; ++i) {
-      Eigen::Index arg;
-      L.row(i).maxCoeff(&arg);
-      correct += arg == y.data()[i];
-    }
-  }
-  if (dp.active()) {
-    std::array<double, 1> total{static_cast<double>(correct)};  // exact: integers below 2^53
-    dp.comm->all_reduce_sum(total);
-    return total[0] / static_cast<double>(n);
-  }
-  return static_cast<double>(correct) / static_cast<double>(n);
+  return examples::sharded_accuracy(
+      m, static_cast<index_t>(d.labels.size()), batch, dp,
+      [&](const std::vector<index_t>& order, index_t s, index_t b, Tensor<std::int32_t, cpu>& y) {
+        Tensor<std::int32_t, cpu> ids, len;
+        make_batch(d, order, s, b, ids, len, y);
+        m.forward(examples::on_backend<B>(ids), len, none);
+      });
 }
 
 // The largest weight magnitude a pretrained backbone may hold. Trained weights are of order 1

@@ -216,16 +216,7 @@ int main(int argc, char** argv) {
             "train_lm", "--experts ", opt.model.router.num_experts, " is not a multiple of --ep ",
             opt.dp.experts, ": every rank holds the same number of experts");
     }
-    if (opt.dp.ranks > 1) {
-      if (opt.batch % opt.dp.ranks != 0)
-        examples::throw_same_on_every_rank(
-            "train_lm", "--batch ", opt.batch, " is not a multiple of --dp ", opt.dp.ranks,
-            ": --batch is the global batch, split into ", opt.dp.ranks,
-            " equal shards of --batch / --dp sequences");
-      if (opt.device != "cpu")
-        examples::throw_same_on_every_rank("train_lm", "--dp ", opt.dp.ranks,
-                                           " needs --device cpu (the MPI communicator moves host memory)");
-    }
+    examples::check_data_parallel("train_lm", opt.dp, opt.batch, opt.device, "sequences");
     if (opt.precision == "bf16" && opt.device != "cuda")
       examples::throw_same_on_every_rank(
           "train_lm", "--precision bf16 needs --device cuda (mixed precision runs the GEMMs on "
@@ -287,21 +278,25 @@ int main(int argc, char** argv) {
     data.vocabulary.char_level = opt.char_level;
     data.vocabulary.normalisation = norm;
     data.vocabulary.file = (std::filesystem::absolute(opt.out_dir) / "vocab.txt").lexically_normal().string();
+    // the character or word tokenizer (shared with data.detokenize): the texts encoded, vocab.txt
+    auto encode_with = [&](const auto& tokp) {
+      data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
+      data.train = tokp->encode_file(opt.train_path);
+      if (!opt.valid_path.empty()) data.valid = tokp->encode_file(opt.valid_path);
+      if (!opt.test_path.empty()) data.test = tokp->encode_file(opt.test_path);
+      data.vocab_size = tokp->size();
+      data.vocabulary.fingerprint = tokp->fingerprint();
+      if (opt.dp.root()) {  // the other ranks write nothing
+        std::filesystem::create_directories(opt.out_dir);
+        tokp->save(opt.out_dir + "/vocab.txt");
+      }
+    };
     if (!opt.hf_dir.empty()) {
       train_lm::load_hf(opt, data, [&](const std::string& flag) { return app.count(flag) > 0; });
     } else if (opt.char_level) {
       const auto tokp = std::make_shared<const CharTokenizer>(CharTokenizer::build(opt.train_path, norm));
       const CharTokenizer& tok = *tokp;
-      data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
-      data.train = tok.encode_file(opt.train_path);
-      if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
-      if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
-      data.vocab_size = tok.size();
-      data.vocabulary.fingerprint = tok.fingerprint();
-      if (opt.dp.root()) {  // the other ranks write nothing
-        std::filesystem::create_directories(opt.out_dir);
-        tok.save(opt.out_dir + "/vocab.txt");
-      }
+      encode_with(tokp);
       const std::vector<std::int32_t> w = tok.encode(opt.attack_word);
       GRAPHMOE_CHECK(opt.attack_rate == 0.0 || w.size() == 1, "train_lm",
                      "--attack-word must be one character with --char, got '", opt.attack_word, "'");
@@ -311,16 +306,7 @@ int main(int argc, char** argv) {
     } else {
       const auto tokp = std::make_shared<const WordTokenizer>(WordTokenizer::build(opt.train_path, opt.max_vocab, 1, norm));
       const WordTokenizer& tok = *tokp;
-      data.detokenize = [tokp](const std::vector<std::int32_t>& ids) { return tokp->decode(ids); };
-      data.train = tok.encode_file(opt.train_path);
-      if (!opt.valid_path.empty()) data.valid = tok.encode_file(opt.valid_path);
-      if (!opt.test_path.empty()) data.test = tok.encode_file(opt.test_path);
-      data.vocab_size = tok.size();
-      data.vocabulary.fingerprint = tok.fingerprint();
-      if (opt.dp.root()) {  // the other ranks write nothing
-        std::filesystem::create_directories(opt.out_dir);
-        tok.save(opt.out_dir + "/vocab.txt");
-      }
+      encode_with(tokp);
       const std::vector<std::int32_t> w = tok.encode_line(opt.attack_word);
       GRAPHMOE_CHECK(opt.attack_rate == 0.0 || w.size() == 1, "train_lm",
                      "--attack-word must be one word, got '", opt.attack_word, "'");

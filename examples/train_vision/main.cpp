@@ -86,16 +86,7 @@ int main(int argc, char** argv) {
   examples::DataParallelWorld world(argc, argv, "train_vision", opt.dp);
   try {
     world.check();
-    if (opt.dp.ranks > 1) {
-      if (opt.batch % opt.dp.ranks != 0)
-        examples::throw_same_on_every_rank(
-            "train_vision", "--batch ", opt.batch, " is not a multiple of --dp ", opt.dp.ranks,
-            ": --batch is the global batch, split into ", opt.dp.ranks,
-            " equal shards of --batch / --dp images");
-      if (opt.device != "cpu")
-        examples::throw_same_on_every_rank("train_vision", "--dp ", opt.dp.ranks,
-                                           " needs --device cpu (the MPI communicator moves host memory)");
-    }
+    examples::check_data_parallel("train_vision", opt.dp, opt.batch, opt.device, "images");
     examples::require_cpu_router("train_vision", opt.router, opt.device);
     // --corrupt: names in the order given, each once; "all" = every corruption
     for (std::size_t at = 0; !corrupt.empty() && at <= corrupt.size();) {

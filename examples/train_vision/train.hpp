@@ -30,6 +30,7 @@
 #include "graphmoe/train/optim.hpp"
 #include "graphmoe/train/progress.hpp"
 #include "graphmoe/train/schedule.hpp"
+#include "common/accuracy.hpp"
 #include "common/data_parallel.hpp"
 #include "common/device.hpp"
 #include "common/divergence.hpp"
@@ -55,37 +56,18 @@ inline void make_batch(const ImageDataset& ds, const std::vector<index_t>& order
   }
 }
 
-// The share of ds classified correctly. With --dp, rank r classifies images
-// [r count / N, (r + 1) count / N) and the counts are summed over the ranks (collective).
+// The share of ds classified correctly (common/accuracy.hpp; a collective with --dp).
 template <class B, class Model>
 double accuracy(Model& m, const ImageDataset& ds, index_t batch, index_t channels,
                 const examples::DataParallel& dp) {
-  std::vector<index_t> order(static_cast<std::size_t>(ds.count));
-  std::iota(order.begin(), order.end(), index_t{0});
-  const index_t begin = ds.count * dp.rank() / dp.size(), end = ds.count * (dp.rank() + 1) / dp.size();
-  index_t correct = 0;
   Tensor<std::int32_t, B> none;
-  ModeScope<Model> eval(m, Mode::Eval);  // a bias-balancing router counts no loads here
-  for (index_t s = begin; s < end; s += batch) {
-    const index_t n = std::min(batch, end - s);
-    Tensor<Scalar, cpu> x;
-    Tensor<std::int32_t, cpu> y;
-    make_batch(ds, order, s, n, channels, x, y);
-    m.forward(examples::on_backend<B>(x), none);
-    const Tensor<Scalar, cpu> logits = examples::host_values(m.logits());
-    const auto L = as_matrix(logits);
-    for (index_t i = 0; i < n; ++i) {
-      Eigen::Index arg;
-      L.row(i).maxCoeff(&arg);
-      correct += arg == y.data()[i];
-    }
-  }
-  if (dp.active()) {
-    std::array<double, 1> total{static_cast<double>(correct)};  // exact: integers below 2^53
-    dp.comm->all_reduce_sum(total);
-    return total[0] / static_cast<double>(ds.count);
-  }
-  return static_cast<double>(correct) / static_cast<double>(ds.count);
+  return examples::sharded_accuracy(
+      m, ds.count, batch, dp,
+      [&](const std::vector<index_t>& order, index_t s, index_t n, Tensor<std::int32_t, cpu>& y) {
+        Tensor<Scalar, cpu> x;
+        make_batch(ds, order, s, n, channels, x, y);
+        m.forward(examples::on_backend<B>(x), none);
+      });
 }
 
 // The test set with every image corrupted (on the host; accuracy() moves the batches to B).

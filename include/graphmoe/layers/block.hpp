@@ -363,4 +363,34 @@ class BlockStack {
   std::vector<Tensor<T, B>> acts_;  // acts_[l] is block l's input, acts_.back() the output
 };
 
+// What a model built on a BlockStack (TransformerLM, VisionMoE) exposes of it, written once: the
+// model derives from BlockStackModel<Model, ...> (after_optimizer_step reads Model::arena()) and
+// keeps its blocks in blocks_ and its mode in mode_.
+template <class Model, class RouterPolicy, class T, class B, class C = T>
+class BlockStackModel {
+ public:
+  TransformerBlock<RouterPolicy, T, B, C>& block(index_t i) {
+    return blocks_.at(static_cast<std::size_t>(i));
+  }
+  // Sets the training step of every router (ScheduledTopK's k schedule).
+  void set_step(std::int64_t step) { blocks_.set_step(step); }
+  // Call after every optimizer step (a collective over comm, the data-parallel communicator, when
+  // given: every rank calls it): the routers' stateful policies update from the step's expert
+  // loads (BiasBalancedTopK's bias). Nothing for routers without such a policy.
+  void after_optimizer_step(dist::Communicator* comm = nullptr) {
+    blocks_.after_step(static_cast<const Model&>(*this).arena(), comm);
+  }
+  // Train (the default) or eval: passed to every router policy that takes a mode (core/mode.hpp),
+  // e.g. a noisy scorer draws no noise in eval. Nothing in graphmoe's own layers depends on it.
+  void set_mode(Mode mode) {
+    mode_ = mode;
+    blocks_.set_mode(mode);
+  }
+  Mode mode() const { return mode_; }
+
+ protected:
+  BlockStack<RouterPolicy, T, B, C> blocks_;
+  Mode mode_ = Mode::Train;
+};
+
 }  // namespace graphmoe

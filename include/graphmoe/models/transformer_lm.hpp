@@ -313,7 +313,11 @@ struct TransformerLMConfig {
 // One implementation for every backend: ids, targets and labels live on B; the classifier's
 // lengths (metadata) stay on the host.
 template <class RouterPolicy, class T, class B = cpu, class C = T>
-class TransformerLM {
+class TransformerLM
+    : public BlockStackModel<TransformerLM<RouterPolicy, T, B, C>, RouterPolicy, T, B, C> {
+  using Stack = BlockStackModel<TransformerLM, RouterPolicy, T, B, C>;
+  using Stack::blocks_;
+
  public:
   using router_policy = RouterPolicy;
   using compute_type = C;
@@ -723,22 +727,7 @@ class TransformerLM {
   const TransformerLMConfig& config() const { return cfg_; }
   const Tensor<T, B>& logits() const { return logits_; }  // (B, T, V) of the last forward
   index_t num_layers() const { return cfg_.num_layers; }
-  TransformerBlock<RouterPolicy, T, B, C>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
-  // Sets the training step of every router (ScheduledTopK's k schedule).
-  void set_step(std::int64_t step) { blocks_.set_step(step); }
-  // Call after every optimizer step (a collective over comm, the data-parallel communicator, when
-  // given: every rank calls it): the routers' stateful policies update from the step's expert
-  // loads (BiasBalancedTopK's bias). Nothing for routers without such a policy.
-  void after_optimizer_step(dist::Communicator* comm = nullptr) {
-    blocks_.after_step(arena(), comm);
-  }
-  // Train (the default) or eval: passed to every router policy that takes a mode (core/mode.hpp),
-  // e.g. a noisy scorer draws no noise in eval. Nothing in graphmoe's own layers depends on it.
-  void set_mode(Mode mode) {
-    mode_ = mode;
-    blocks_.set_mode(mode);
-  }
-  Mode mode() const { return mode_; }
+  // block(i), set_step, after_optimizer_step, set_mode, mode: BlockStackModel (layers/block.hpp)
 
  private:
   // embeddings -> blocks -> LN_f into xf_ (B, T, D)
@@ -803,8 +792,6 @@ class TransformerLM {
   TransformerLMConfig cfg_;
   index_t id_tok_ = -1, id_pos_ = -1, id_head_ = -1;
   Tensor<T, B> tok_, dtok_, pos_, dpos_;
-  BlockStack<RouterPolicy, T, B, C> blocks_;
-  Mode mode_ = Mode::Train;
   Norm<T, B> ln_f_;
   Linear<T, B> cls_head_;
   // forward cache

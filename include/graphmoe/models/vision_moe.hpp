@@ -69,7 +69,10 @@ struct VisionMoEConfig {
 
 // One implementation for every backend (images and labels live on B).
 template <class RouterPolicy, class T, class B = cpu>
-class VisionMoE {
+class VisionMoE : public BlockStackModel<VisionMoE<RouterPolicy, T, B>, RouterPolicy, T, B> {
+  using Stack = BlockStackModel<VisionMoE, RouterPolicy, T, B>;
+  using Stack::blocks_;
+
  public:
   // The lifecycle of TransformerLM and of every layer: declare(arena, prefix, cfg), the arena's
   // allocate(), bind(arena), init(rng); forward, backward and arena() before bind() raise
@@ -228,18 +231,7 @@ class VisionMoE {
 
   const VisionMoEConfig& config() const { return cfg_; }
   const Tensor<T, B>& logits() const { return logits_; }
-  TransformerBlock<RouterPolicy, T, B>& block(index_t i) { return blocks_.at(static_cast<std::size_t>(i)); }
-  void set_step(std::int64_t step) { blocks_.set_step(step); }
-  // After every optimizer step (TransformerLM::after_optimizer_step).
-  void after_optimizer_step(dist::Communicator* comm = nullptr) {
-    blocks_.after_step(arena(), comm);
-  }
-  // Train (the default) or eval for every router policy that takes a mode (core/mode.hpp).
-  void set_mode(Mode mode) {
-    mode_ = mode;
-    blocks_.set_mode(mode);
-  }
-  Mode mode() const { return mode_; }
+  // block(i), set_step, after_optimizer_step, set_mode, mode: BlockStackModel (layers/block.hpp)
 
  private:
   void check_bound(const char* op) const { detail::require_bound(arena_ != nullptr, "VisionMoE", op); }
@@ -250,8 +242,6 @@ class VisionMoE {
   VisionMoEConfig cfg_;
   Linear<T, B> patch_, head_;
   index_t id_cls_ = -1, id_pos_ = -1;
-  BlockStack<RouterPolicy, T, B> blocks_;
-  Mode mode_ = Mode::Train;
   LayerNorm<T, B> ln_f_;
   Tensor<T, B> xf_, logits_, log_probs_;
   CrossEntropyResult<B> ce_;  // the forward's loss and count of labels (cross-entropy)

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "graphmoe/backend/cpu/detail/blocked_rows.hpp"
 #include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -65,9 +66,6 @@ void layernorm_backward(cpu, const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamm
   const index_t n = x.rows(), d = x.cols();
 
   const index_t block = detail::kLayernormBlockRows;
-  const index_t blocks = (n + block - 1) / block;
-  // partial[bk] holds block bk's sum_i dy_ij xhat_ij in [0, d) and sum_i dy_ij in [d, 2d).
-  std::vector<double> partial(static_cast<std::size_t>(blocks * 2 * d), 0.0);
   const T* xs = x.data();
   const T* g = gamma.data();
   const T* ms = mean.data();
@@ -75,43 +73,31 @@ void layernorm_backward(cpu, const Tensor<T, cpu>& x, const Tensor<T, cpu>& gamm
   const T* dys = dy.data();
   T* dxs = dx.data();
   const double inv_d = 1.0 / static_cast<double>(d);
-  parallel_for(
-      0, blocks,
-      [&](index_t bk) {
-        double* pg = partial.data() + bk * 2 * d;
-        double* pb = pg + d;
-        const index_t end = std::min(n, (bk + 1) * block);
-        for (index_t i = bk * block; i < end; ++i) {
-          const T* xr = xs + i * d;
-          const T* dyr = dys + i * d;
-          T* dxr = dxs + i * d;
-          const T m = ms[i], r = rs[i];
-          for (index_t j = 0; j < d; ++j) {
-            const T xhat = (xr[j] - m) * r;
-            pg[j] += static_cast<double>(dyr[j]) * static_cast<double>(xhat);
-            pb[j] += static_cast<double>(dyr[j]);
-          }
-          const double sum_g =
-              detail::accumulate_double(d, [&](index_t j) { return dyr[j] * g[j]; });
-          const double sum_gx = detail::accumulate_double(d, [&](index_t j) {
-            return static_cast<double>(dyr[j] * g[j]) * static_cast<double>((xr[j] - m) * r);
-          });
-          const T mean_g = static_cast<T>(sum_g * inv_d);
-          const T mean_gx = static_cast<T>(sum_gx * inv_d);
-          for (index_t j = 0; j < d; ++j) {
-            const T xhat = (xr[j] - m) * r;
-            dxr[j] = r * (dyr[j] * g[j] - mean_g - xhat * mean_gx);
-          }
+  // acc: the block's sum_i dy_ij xhat_ij in [0, d) and sum_i dy_ij in [d, 2d)
+  const std::vector<double> total = detail::blocked_row_sums(
+      n, 2 * d, block, std::max<index_t>(1, 16384 / (block * d)), [&](index_t i, double* acc) {
+        double* pg = acc;
+        double* pb = acc + d;
+        const T* xr = xs + i * d;
+        const T* dyr = dys + i * d;
+        T* dxr = dxs + i * d;
+        const T m = ms[i], r = rs[i];
+        for (index_t j = 0; j < d; ++j) {
+          const T xhat = (xr[j] - m) * r;
+          pg[j] += static_cast<double>(dyr[j]) * static_cast<double>(xhat);
+          pb[j] += static_cast<double>(dyr[j]);
         }
-      },
-      std::max<index_t>(1, 16384 / (block * d)));
-
-  // Reduce the blocks' partials in block order, then add to the parameter gradients.
-  std::vector<double> total(static_cast<std::size_t>(2 * d), 0.0);
-  for (index_t bk = 0; bk < blocks; ++bk) {
-    const double* p = partial.data() + bk * 2 * d;
-    for (index_t j = 0; j < 2 * d; ++j) total[static_cast<std::size_t>(j)] += p[j];
-  }
+        const double sum_g = detail::accumulate_double(d, [&](index_t j) { return dyr[j] * g[j]; });
+        const double sum_gx = detail::accumulate_double(d, [&](index_t j) {
+          return static_cast<double>(dyr[j] * g[j]) * static_cast<double>((xr[j] - m) * r);
+        });
+        const T mean_g = static_cast<T>(sum_g * inv_d);
+        const T mean_gx = static_cast<T>(sum_gx * inv_d);
+        for (index_t j = 0; j < d; ++j) {
+          const T xhat = (xr[j] - m) * r;
+          dxr[j] = r * (dyr[j] * g[j] - mean_g - xhat * mean_gx);
+        }
+      });
   T* dg = dgamma.data();
   T* db = dbeta.data();
   for (index_t j = 0; j < d; ++j) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <vector>
 
+#include "graphmoe/backend/cpu/detail/blocked_rows.hpp"
 #include "graphmoe/backend/cpu/detail/reduce.hpp"
 #include "graphmoe/core/tensor.hpp"
 #include "graphmoe/core/threads.hpp"
@@ -56,42 +57,28 @@ void rmsnorm_backward(cpu, const Tensor<T, cpu>& x, const Tensor<T, cpu>& weight
                       Tensor<T, cpu>& dweight) {
   const index_t n = x.rows(), d = x.cols();
   const index_t block = detail::kRmsnormBlockRows;
-  const index_t blocks = (n + block - 1) / block;
-  // partial[bk * d + j]: block bk's sum_i dy_ij xhat_ij
-  std::vector<double> partial(static_cast<std::size_t>(blocks * d), 0.0);
   const T* xs = x.data();
   const T* w = weight.data();
   const T* rs = inv_rms.data();
   const T* dys = dy.data();
   T* dxs = dx.data();
   const double inv_d = 1.0 / static_cast<double>(d);
-  parallel_for(
-      0, blocks,
-      [&](index_t bk) {
-        double* pw = partial.data() + bk * d;
-        const index_t end = std::min(n, (bk + 1) * block);
-        for (index_t i = bk * block; i < end; ++i) {
-          const T* xr = xs + i * d;
-          const T* dyr = dys + i * d;
-          T* dxr = dxs + i * d;
-          const T r = rs[i];
-          for (index_t j = 0; j < d; ++j)
-            pw[j] += static_cast<double>(dyr[j]) * static_cast<double>(xr[j] * r);
-          const double sum_gx = detail::accumulate_double(d, [&](index_t j) {
-            return static_cast<double>(dyr[j] * w[j]) * static_cast<double>(xr[j] * r);
-          });
-          const T mean_gx = static_cast<T>(sum_gx * inv_d);
-          // every read of row i (dy_i) happens above: dx may alias dy
-          for (index_t j = 0; j < d; ++j) dxr[j] = r * (dyr[j] * w[j] - xr[j] * r * mean_gx);
-        }
-      },
-      std::max<index_t>(1, 16384 / (block * d)));
-
-  std::vector<double> total(static_cast<std::size_t>(d), 0.0);
-  for (index_t bk = 0; bk < blocks; ++bk) {
-    const double* p = partial.data() + bk * d;
-    for (index_t j = 0; j < d; ++j) total[static_cast<std::size_t>(j)] += p[j];
-  }
+  // acc: the block's sum_i dy_ij xhat_ij
+  const std::vector<double> total = detail::blocked_row_sums(
+      n, d, block, std::max<index_t>(1, 16384 / (block * d)), [&](index_t i, double* acc) {
+        const T* xr = xs + i * d;
+        const T* dyr = dys + i * d;
+        T* dxr = dxs + i * d;
+        const T r = rs[i];
+        for (index_t j = 0; j < d; ++j)
+          acc[j] += static_cast<double>(dyr[j]) * static_cast<double>(xr[j] * r);
+        const double sum_gx = detail::accumulate_double(d, [&](index_t j) {
+          return static_cast<double>(dyr[j] * w[j]) * static_cast<double>(xr[j] * r);
+        });
+        const T mean_gx = static_cast<T>(sum_gx * inv_d);
+        // every read of row i (dy_i) happens above: dx may alias dy
+        for (index_t j = 0; j < d; ++j) dxr[j] = r * (dyr[j] * w[j] - xr[j] * r * mean_gx);
+      });
   T* dw = dweight.data();
   for (index_t j = 0; j < d; ++j) dw[j] += static_cast<T>(total[static_cast<std::size_t>(j)]);
 }
