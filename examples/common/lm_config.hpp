@@ -53,10 +53,10 @@ inline nlohmann::json lm_config_json(const graphmoe::TransformerLMConfig& m, con
   }
   if (a.rope_theta != 0) {
     j["rope_theta"] = a.rope_theta;
-    j["rope_layout"] = a.rope_layout == graphmoe::RopeLayout::Interleaved ? "interleaved" : "half-split";
+    j["rope_layout"] = graphmoe::rope_layout_name(a.rope_layout);
   }
   if (a.qk_norm != graphmoe::QKNorm::None) {
-    j["qk_norm"] = a.qk_norm == graphmoe::QKNorm::Full ? "full" : "per-head";
+    j["qk_norm"] = graphmoe::name_of(graphmoe::kQKNormNames, a.qk_norm);
     j["qk_norm_eps"] = a.qk_norm_eps;
   }
   if (!a.qkv_bias) j["qkv_bias"] = false;
@@ -164,25 +164,22 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   GRAPHMOE_CHECK(sched.schedule_steps >= 1, "lm_config_from_json", where,
                  ": config field 'schedule_steps' is ", sched.schedule_steps, ", must be >= 1");
   // the modern blocks (absent: GPT-2's defaults)
-  const auto one_of = [&](const char* key, std::initializer_list<const char*> names) {
+  // the value a field names, from its enum's table (core/enum_names.hpp)
+  const auto one_of = [&]<class E, std::size_t N>(const char* key,
+                                                  const graphmoe::EnumName<E> (&table)[N]) -> E {
     const std::string v = config_field<std::string>(j, key, where);
-    int i = 0;
-    for (const char* n : names) {
-      if (v == n) return i;
-      ++i;
-    }
+    for (const graphmoe::EnumName<E>& t : table)
+      if (v == t.name) return t.value;
     std::string valid;
-    for (const char* n : names) valid += (valid.empty() ? "" : ", ") + std::string(n);
+    for (const graphmoe::EnumName<E>& t : table) valid += (valid.empty() ? "" : ", ") + std::string(t.name);
     graphmoe::detail::throw_error("lm_config_from_json", where, ": config field '", key, "' is '", v,
                                   "', not one of ", valid);
   };
   if (j.contains("norm"))
-    m.norm = one_of("norm", {"layernorm", "rmsnorm"}) == 1 ? graphmoe::NormKind::RMSNorm
-                                                          : graphmoe::NormKind::LayerNorm;
+    m.norm = one_of("norm", graphmoe::kNormKindNames);
   if (j.contains("norm_eps")) m.norm_eps = config_field<double>(j, "norm_eps", where);
   if (j.contains("activation"))
-    m.activation = one_of("activation", {"gelu", "swiglu"}) == 1 ? graphmoe::FfnActivation::SwiGLU
-                                                                 : graphmoe::FfnActivation::Gelu;
+    m.activation = one_of("activation", graphmoe::kFfnActivationNames);
   if (j.contains("ffn_bias")) m.ffn_bias = config_field<bool>(j, "ffn_bias", where);
   auto& a = m.attention;
   if (j.contains("num_kv_heads")) a.num_kv_heads = config_field<index_t>(j, "num_kv_heads", where);
@@ -196,12 +193,9 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
     a.latent_norm_eps = config_field<double>(j, "latent_norm_eps", where);
   if (j.contains("rope_theta")) a.rope_theta = config_field<double>(j, "rope_theta", where);
   if (j.contains("rope_layout"))
-    a.rope_layout = one_of("rope_layout", {"half-split", "interleaved"}) == 1
-                        ? graphmoe::RopeLayout::Interleaved
-                        : graphmoe::RopeLayout::HalfSplit;
+    a.rope_layout = one_of("rope_layout", graphmoe::kRopeLayoutNames);
   if (j.contains("qk_norm"))
-    a.qk_norm = one_of("qk_norm", {"full", "per-head"}) == 0 ? graphmoe::QKNorm::Full
-                                                             : graphmoe::QKNorm::PerHead;
+    a.qk_norm = one_of("qk_norm", graphmoe::kQKNormNames);
   if (j.contains("qk_norm_eps")) a.qk_norm_eps = config_field<double>(j, "qk_norm_eps", where);
   if (j.contains("qkv_bias")) a.qkv_bias = config_field<bool>(j, "qkv_bias", where);
   if (j.contains("out_bias")) a.out_bias = config_field<bool>(j, "out_bias", where);

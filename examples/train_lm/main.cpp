@@ -63,20 +63,20 @@ int main(int argc, char** argv) {
   m.router.allow_unused_options = true;
   auto& sim = m.router.options<Similarity>();
   auto& sched = m.router.options<ScheduledTopK>();
-  std::string layout = m.layout == MoELayout::GLaM ? "glam" : m.layout == MoELayout::Dense ? "dense" : "switch",
+  std::string layout = moe_layout_name(m.layout),
               tau_mode = "fixed", graph_precision = "exact",
               expert_layout = "compact";
   app.option_defaults()->always_capture_default();  // --help shows every default
   // a file that exists, or "" for none
   const CLI::Validator optional_file(
       [](std::string& t) { return t.empty() ? std::string() : CLI::ExistingFile(t); }, "FILE");
-  std::string norm = norm_kind_name(m.norm), rope_layout = m.attention.rope_layout == RopeLayout::Interleaved ? "interleaved" : "half-split",
-              qk_norm = m.attention.qk_norm == QKNorm::Full ? "full" : m.attention.qk_norm == QKNorm::PerHead ? "per-head" : "none";
+  std::string norm = norm_kind_name(m.norm), rope_layout = rope_layout_name(m.attention.rope_layout),
+              qk_norm = name_of(kQKNormNames, m.attention.qk_norm);
   app.add_option("--arch", arch, "architecture preset, the defaults of every model option below (docs/reference/architectures.md)")->check(CLI::IsMember(archs));
   std::string activation = ffn_activation_name(m.activation);
-  app.add_option("--activation", activation, "feed-forward activation: gelu, or swiglu (fused gate|up projection)")->check(CLI::IsMember({"gelu", "swiglu"}));
+  app.add_option("--activation", activation, "feed-forward activation: gelu, or swiglu (fused gate|up projection)")->check(CLI::IsMember(names_of(kFfnActivationNames)));
   app.add_option("--ffn-bias", m.ffn_bias, "biases of the feed-forward networks and experts (true/false)");
-  app.add_option("--norm", norm, "normalisation: layernorm or rmsnorm")->check(CLI::IsMember({"layernorm", "rmsnorm"}));
+  app.add_option("--norm", norm, "normalisation: layernorm or rmsnorm")->check(CLI::IsMember(names_of(kNormKindNames)));
   app.add_option("--norm-eps", m.norm_eps, "the norms' epsilon")->check(examples::real(1e-12, 0.5));
   app.add_option("--kv-heads", m.attention.num_kv_heads, "key/value heads, dividing --heads (grouped-query; 1: multi-query; 0: --heads)")->check(examples::integer<index_t>(0, examples::kMaxHeads));
   app.add_option("--head-dim", m.attention.head_dim, "each attention head's width (0: --d-model / --heads)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
@@ -86,8 +86,8 @@ int main(int argc, char** argv) {
   app.add_option("--qk-rope-head-dim", m.attention.qk_rope_head_dim, "multi-head latent attention: the rotary key/query width (even; one rotary key shared by the heads)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
   app.add_option("--v-head-dim", m.attention.v_head_dim, "multi-head latent attention: each head's value width (at most --qk-nope-head-dim + --qk-rope-head-dim)")->check(examples::integer<index_t>(0, examples::kMaxWidth));
   app.add_option("--rope-theta", m.attention.rope_theta, "rotary position embeddings' base (0: learned positions)")->check(examples::real(0, 1e12));
-  app.add_option("--rope-layout", rope_layout, "RoPE's pairs: half-split (Hugging Face's rotate_half) or interleaved")->check(CLI::IsMember({"half-split", "interleaved"}));
-  app.add_option("--qk-norm", qk_norm, "RMSNorm of queries and keys: none, full (over the projection, OLMoE) or per-head (Qwen3)")->check(CLI::IsMember({"none", "full", "per-head"}));
+  app.add_option("--rope-layout", rope_layout, "RoPE's pairs: half-split (Hugging Face's rotate_half) or interleaved")->check(CLI::IsMember(names_of(kRopeLayoutNames)));
+  app.add_option("--qk-norm", qk_norm, "RMSNorm of queries and keys: none, full (over the projection, OLMoE) or per-head (Qwen3)")->check(CLI::IsMember(names_of(kQKNormNames)));
   app.add_option("--qkv-bias", m.attention.qkv_bias, "biases of the q, k, v projections (true/false)");
   app.add_option("--out-bias", m.attention.out_bias, "bias of the attention output projection (true/false)");
   app.add_option("--tie-embeddings", m.tie_embeddings, "the LM head is the token embedding (true/false)");
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
   app.add_option("--normalise", normalise, "how the text is read before it is split, recorded in the checkpoint so that generate reads prompts the same way: none, lower (ASCII lowercase), punct (word level: . , ; : ! ? ( ) and 's split off as words, as scripts/prepare-kjv.sh did), lower,punct")->check(CLI::IsMember({"none", "lower", "punct", "lower,punct"}));
   app.add_option("--max-vocab", opt.max_vocab, "word level: keep the most frequent words (0 = all)")->check(examples::integer<std::size_t>(0, examples::kMaxCount));
   app.add_option("--router", opt.router, "router: " + routers)->check(CLI::IsMember(built));
-  app.add_option("--layout", layout, "MoE layout: switch (every FFN), glam (every other), dense")->check(CLI::IsMember({"switch", "glam", "dense"}));
+  app.add_option("--layout", layout, "MoE layout: switch (every FFN), glam (every other), dense")->check(CLI::IsMember(names_of(kMoELayoutNames)));
   app.add_option("--layers", m.num_layers, "transformer blocks")->check(examples::integer<index_t>(1, examples::kMaxLayers));
   app.add_option("--d-model", m.d_model, "model width D")->check(examples::integer<index_t>(1, examples::kMaxWidth));
   app.add_option("--heads", m.num_heads, "attention heads")->check(examples::integer<index_t>(1, examples::kMaxHeads));
@@ -120,13 +120,13 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", m.router.k, "experts per token k")->check(examples::integer<index_t>(1, examples::kMaxExperts));
   app.add_option("--seq", m.max_seq_len, "sequence length")->check(examples::integer<index_t>(1, examples::kMaxSeq));
   app.add_option("--tau", sim.tau, "Similarity graph temperature (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
-  app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau")->check(CLI::IsMember({"fixed", "scaled", "learned"}));
+  app.add_option("--tau-mode", tau_mode, "fixed: tau; scaled: tau * sqrt(D); learned: a trained temperature per layer starting at tau")->check(CLI::IsMember(names_of(kTauModeNames)));
   app.add_flag("--graph-exclude-self", sim.exclude_self, "Similarity graph: leave S[i,i] out of each row");
   app.add_flag("--graph-projection", sim.projection, "Similarity graph on a learned bilinear form: S = softmax(U W_s U^T / tau), W_s from the identity");
-  app.add_option("--graph-precision", graph_precision, "token graphs' (T, T) products: exact; tf32 or bf16 on CUDA tensor cores (both graphs)")->check(CLI::IsMember({"exact", "tf32", "bf16"}));
+  app.add_option("--graph-precision", graph_precision, "token graphs' (T, T) products: exact; tf32 or bf16 on CUDA tensor cores (both graphs)")->check(CLI::IsMember(names_of(kGraphPrecisionNames)));
   app.add_option("--sigma", m.router.options<Attention>().sigma, "Attention graph sigma (paper: 1)")->check(examples::positive_real(examples::kMaxCoef));
   app.add_option("--capacity-factor", m.router.capacity_factor, "expert capacity: each MoE layer's expert takes at most ceil(f N k / E) of a batch's N k assignments, the rest dropped in token order (0: dropless, the default)")->check(examples::real(0, examples::kMaxCoef));
-  app.add_option("--expert-layout", expert_layout, "the experts' rows: compact (sorted by expert, N k rows), or padded (E blocks of the capacity: needs --capacity-factor > 0; on a GPU no read back to the host per layer, E C rows of expert work)")->check(CLI::IsMember({"compact", "padded"}));
+  app.add_option("--expert-layout", expert_layout, "the experts' rows: compact (sorted by expert, N k rows), or padded (E blocks of the capacity: needs --capacity-factor > 0; on a GPU no read back to the host per layer, E C rows of expert work)")->check(CLI::IsMember(names_of(kExpertLayoutNames)));
   app.add_option("--load-balance", m.router.load_balance_coef, "Switch load-balancing loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--z-loss", m.router.z_loss_coef, "router z-loss coefficient")->check(examples::real(0, examples::kMaxCoef));
   app.add_option("--seq-aux-loss-coef", m.router.seq_aux_loss_coef, "DeepSeek-V3's sequence-wise balance loss coefficient (deepseek-v3 preset: 1e-4)")->check(examples::real(0, examples::kMaxCoef));
@@ -165,19 +165,16 @@ int main(int argc, char** argv) {
   app.add_option("--attack-word", opt.attack_word, "the replacement word (paper: AAA; out-of-vocabulary words become <unk>)");
   CLI11_PARSE(app, argc, argv);
 
-  m.layout = layout == "glam" ? MoELayout::GLaM : layout == "dense" ? MoELayout::Dense : MoELayout::Switch;
-  m.norm = norm == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
-  m.activation = activation == "swiglu" ? FfnActivation::SwiGLU : FfnActivation::Gelu;
-  m.attention.rope_layout = rope_layout == "interleaved" ? RopeLayout::Interleaved : RopeLayout::HalfSplit;
-  m.attention.qk_norm = qk_norm == "full" ? QKNorm::Full : qk_norm == "per-head" ? QKNorm::PerHead : QKNorm::None;
-  m.expert_layout = expert_layout == "padded" ? ExpertLayout::Padded : ExpertLayout::Compact;
-  sim.precision = graph_precision == "tf32"   ? GraphPrecision::TF32
-                  : graph_precision == "bf16" ? GraphPrecision::BF16
-                                              : GraphPrecision::Exact;
+  // the names to values (IsMember above accepted only the tables' names)
+  m.layout = moe_layout_from_name(layout);
+  m.norm = norm_kind_from_name(norm);
+  m.activation = ffn_activation_from_name(activation);
+  m.attention.rope_layout = rope_layout_from_name(rope_layout);
+  m.attention.qk_norm = qk_norm_from_name(qk_norm);
+  m.expert_layout = expert_layout_from_name(expert_layout);
+  sim.precision = graph_precision_from_name(graph_precision);
   m.router.options<Attention>().precision = sim.precision;
-  sim.tau_mode = tau_mode == "scaled"    ? TauMode::ScaledSqrtD
-                 : tau_mode == "learned" ? TauMode::Learned
-                                         : TauMode::Fixed;
+  sim.tau_mode = tau_mode_from_name(tau_mode);
   if (opt.router.rfind("smoe-dropout", 0) == 0) {
     sched.k_max = std::max(sched.k_max, m.router.k);
     sched.schedule_steps = opt.steps;

@@ -10,14 +10,18 @@
 //            Mixtral, Qwen, OLMoE and DeepSeek (which have no biases: the layers' bias flag).
 #pragma once
 
+#include "graphmoe/core/enum_names.hpp"
 #include "graphmoe/core/gelu.hpp"
 
 namespace graphmoe {
 
 enum class FfnActivation { Gelu, SwiGLU };
 
-inline const char* ffn_activation_name(FfnActivation a) {
-  return a == FfnActivation::SwiGLU ? "swiglu" : "gelu";
+inline constexpr EnumName<FfnActivation> kFfnActivationNames[] = {{FfnActivation::Gelu, "gelu"},
+                                                                  {FfnActivation::SwiGLU, "swiglu"}};
+inline const char* ffn_activation_name(FfnActivation a) { return name_of(kFfnActivationNames, a); }
+inline FfnActivation ffn_activation_from_name(std::string_view s) {
+  return value_of("ffn_activation_from_name", "activation", kFfnActivationNames, s);
 }
 
 // How many rows the first projection has per hidden unit: 1 (GELU), 2 (SwiGLU: gate | up).

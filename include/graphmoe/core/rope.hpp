@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "graphmoe/config.hpp"
+#include "graphmoe/core/enum_names.hpp"
 #include "graphmoe/core/shape.hpp"
 
 namespace graphmoe {
@@ -14,6 +15,12 @@ namespace graphmoe {
 //                DeepSeek
 //   Interleaved  (2i, 2i + 1): GPT-J and Meta's original Llama code
 enum class RopeLayout { HalfSplit, Interleaved };
+inline constexpr EnumName<RopeLayout> kRopeLayoutNames[] = {{RopeLayout::HalfSplit, "half-split"},
+                                                            {RopeLayout::Interleaved, "interleaved"}};
+inline const char* rope_layout_name(RopeLayout l) { return name_of(kRopeLayoutNames, l); }
+inline RopeLayout rope_layout_from_name(std::string_view s) {
+  return value_of("rope_layout_from_name", "RoPE layout", kRopeLayoutNames, s);
+}
 
 namespace detail {
 

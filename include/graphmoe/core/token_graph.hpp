@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "graphmoe/core/enum_names.hpp"
 #include "graphmoe/core/tensor.hpp"
 
 namespace graphmoe {
@@ -36,13 +37,11 @@ enum class GraphPrecision {
   BF16,   // float only: product inputs rounded to bf16 (7-bit mantissa), fp32 accumulation
 };
 
-inline const char* graph_precision_name(GraphPrecision p) {
-  switch (p) {
-    case GraphPrecision::Exact: return "exact";
-    case GraphPrecision::TF32: return "tf32";
-    case GraphPrecision::BF16: return "bf16";
-  }
-  return "?";
+inline constexpr EnumName<GraphPrecision> kGraphPrecisionNames[] = {
+    {GraphPrecision::Exact, "exact"}, {GraphPrecision::TF32, "tf32"}, {GraphPrecision::BF16, "bf16"}};
+inline const char* graph_precision_name(GraphPrecision p) { return name_of(kGraphPrecisionNames, p); }
+inline GraphPrecision graph_precision_from_name(std::string_view s) {
+  return value_of("graph_precision_from_name", "graph precision", kGraphPrecisionNames, s);
 }
 
 // ---- Similarity ---------------------------------------------------------------------------------

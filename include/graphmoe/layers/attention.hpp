@@ -34,6 +34,7 @@
 
 #include "graphmoe/core/attention_cache.hpp"
 #include "graphmoe/core/decode.hpp"
+#include "graphmoe/core/enum_names.hpp"
 #include "graphmoe/layers/latent_attention.hpp"
 #include "graphmoe/layers/linear.hpp"
 #include "graphmoe/ops/attention.hpp"
@@ -51,6 +52,11 @@ enum class QKNorm {
   Full,     // RMSNorm over each row of q (H dh) and of k (Hkv dh): OLMoE
   PerHead,  // RMSNorm over each head (dh), one weight shared by the heads: Qwen3
 };
+inline constexpr EnumName<QKNorm> kQKNormNames[] = {
+    {QKNorm::None, "none"}, {QKNorm::Full, "full"}, {QKNorm::PerHead, "per-head"}};
+inline QKNorm qk_norm_from_name(std::string_view s) {
+  return value_of("qk_norm_from_name", "QK-norm", kQKNormNames, s);
+}
 
 struct AttentionOptions {
   // Key/value heads: 0 means num_heads (multi-head); a divisor of num_heads shares each key/value

@@ -14,6 +14,7 @@
 
 #include "graphmoe/core/capacity.hpp"
 #include "graphmoe/core/deferred_check.hpp"
+#include "graphmoe/core/enum_names.hpp"
 #include "graphmoe/dist/expert_parallel.hpp"
 #include "graphmoe/layers/expert_bank.hpp"
 #include "graphmoe/layers/loss.hpp"
@@ -35,8 +36,11 @@ namespace graphmoe {
 // The same model either way: outputs and gradients agree to rounding.
 enum class ExpertLayout { Compact, Padded };
 
-inline const char* expert_layout_name(ExpertLayout l) {
-  return l == ExpertLayout::Padded ? "padded" : "compact";
+inline constexpr EnumName<ExpertLayout> kExpertLayoutNames[] = {{ExpertLayout::Compact, "compact"},
+                                                                {ExpertLayout::Padded, "padded"}};
+inline const char* expert_layout_name(ExpertLayout l) { return name_of(kExpertLayoutNames, l); }
+inline ExpertLayout expert_layout_from_name(std::string_view s) {
+  return value_of("expert_layout_from_name", "expert layout", kExpertLayoutNames, s);
 }
 
 struct MoEConfig {

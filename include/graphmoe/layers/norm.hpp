@@ -8,6 +8,7 @@
 #include <string>
 
 #include "graphmoe/core/arena.hpp"
+#include "graphmoe/core/enum_names.hpp"
 #include "graphmoe/ops/elementwise.hpp"
 #include "graphmoe/ops/layernorm.hpp"
 #include "graphmoe/ops/rmsnorm.hpp"
@@ -99,8 +100,11 @@ class RMSNorm {
 
 enum class NormKind { LayerNorm, RMSNorm };
 
-inline const char* norm_kind_name(NormKind k) {
-  return k == NormKind::RMSNorm ? "rmsnorm" : "layernorm";
+inline constexpr EnumName<NormKind> kNormKindNames[] = {{NormKind::LayerNorm, "layernorm"},
+                                                        {NormKind::RMSNorm, "rmsnorm"}};
+inline const char* norm_kind_name(NormKind k) { return name_of(kNormKindNames, k); }
+inline NormKind norm_kind_from_name(std::string_view s) {
+  return value_of("norm_kind_from_name", "norm", kNormKindNames, s);
 }
 
 // LayerNorm or RMSNorm, chosen at declare; the same calls either way.

@@ -61,6 +61,12 @@ enum class MoELayout {
   GLaM,    // every other FFN is MoE: block i is MoE iff (i + 1) % 2 == 0 (torchscale, Megatron)
   Dense,   // no MoE (a dense baseline)
 };
+inline constexpr EnumName<MoELayout> kMoELayoutNames[] = {
+    {MoELayout::Switch, "switch"}, {MoELayout::GLaM, "glam"}, {MoELayout::Dense, "dense"}};
+inline const char* moe_layout_name(MoELayout l) { return name_of(kMoELayoutNames, l); }
+inline MoELayout moe_layout_from_name(std::string_view s) {
+  return value_of("moe_layout_from_name", "MoE layout", kMoELayoutNames, s);
+}
 
 struct TransformerLMConfig {
   index_t vocab_size = 10000;

@@ -33,6 +33,7 @@
 #include "graphmoe/config.hpp"
 #include "graphmoe/core/arena.hpp"
 #include "graphmoe/core/backend.hpp"
+#include "graphmoe/core/enum_names.hpp"
 #include "graphmoe/core/shape.hpp"
 #include "graphmoe/core/token_graph.hpp"
 
@@ -141,6 +142,12 @@ enum class TauMode {
   Learned,      // tau = exp(log_tau), one trained parameter per router ("graph.log_tau"),
                 // initialised to Similarity::Options::tau (CPU backend)
 };
+inline constexpr EnumName<TauMode> kTauModeNames[] = {
+    {TauMode::Fixed, "fixed"}, {TauMode::ScaledSqrtD, "scaled"}, {TauMode::Learned, "learned"}};
+inline const char* tau_mode_name(TauMode m) { return name_of(kTauModeNames, m); }
+inline TauMode tau_mode_from_name(std::string_view s) {
+  return value_of("tau_mode_from_name", "tau mode", kTauModeNames, s);
+}
 
 // How h* of the Attention graph is chosen (the paper: lowest mean attention entropy over tokens).
 enum class HeadChoice {
