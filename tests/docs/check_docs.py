@@ -222,32 +222,36 @@ def stated_defaults(root, programs):
     return found
 
 
-def help_defaults(binary):
-    """{--flag: default} of a CLI11 --help ("  --threads INT:[1, 8]=2   CPU threads")."""
-    out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
-    return {m.group(1): m.group(2) for m in
-            re.finditer(r"^\s+(?:-\w,)?(--[a-z0-9][a-z0-9-]*) [A-Z]+"
-                        r"(?::(?:\[[^\]]*\]|\{[^}]*\}|[^=\s]+))?=(\S+)",
-                         out.stdout, re.M)}
-
-
-def help_options(binary):
+def help_text(binary):
     out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         raise SystemExit(f"{binary} --help exited with {out.returncode}")
+    return out.stdout
+
+
+def help_defaults(text):
+    """{--flag: default} of a CLI11 --help ("  --threads INT:[1, 8]=2   CPU threads")."""
+    return {m.group(1): m.group(2) for m in
+            re.finditer(r"^\s+(?:-\w,)?(--[a-z0-9][a-z0-9-]*) [A-Z]+"
+                        r"(?::(?:\[[^\]]*\]|\{[^}]*\}|[^=\s]+))?=(\S+)",
+                        text, re.M)}
+
+
+def help_options(text):
     return {m.group(1).split(",")[-1] for m in
-            re.finditer(r"^\s+((?:-\w,)?--[a-z0-9][a-z0-9-]*)", out.stdout, re.M)}
+            re.finditer(r"^\s+((?:-\w,)?--[a-z0-9][a-z0-9-]*)", text, re.M)}
 
 
 def check_flags(root, specs):
     binaries = dict(s.split("=", 1) for s in specs)
-    have = {name: help_options(path) for name, path in binaries.items()}
+    helps = {name: help_text(path) for name, path in binaries.items()}
+    have = {name: help_options(text) for name, text in helps.items()}
     errors, count = [], 0
     for page, n, name, flag in program_flags(root, set(binaries)):
         count += 1
         if flag not in have[name]:
             errors.append(f"{rel(root, page)}:{n}: {name} {flag}: {name} --help has no {flag}")
-    defaults = {name: help_defaults(path) for name, path in binaries.items()}
+    defaults = {name: help_defaults(text) for name, text in helps.items()}
     for page, n, name, flag, value in stated_defaults(root, set(binaries)):
         said = defaults[name].get(flag)
         if said is not None and said != value:
