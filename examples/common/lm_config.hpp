@@ -168,12 +168,9 @@ inline graphmoe::TransformerLMConfig lm_config_from_json(const nlohmann::json& j
   const auto one_of = [&]<class E, std::size_t N>(const char* key,
                                                   const graphmoe::EnumName<E> (&table)[N]) -> E {
     const std::string v = config_field<std::string>(j, key, where);
-    for (const graphmoe::EnumName<E>& t : table)
-      if (v == t.name) return t.value;
-    std::string valid;
-    for (const graphmoe::EnumName<E>& t : table) valid += (valid.empty() ? "" : ", ") + std::string(t.name);
+    if (const graphmoe::EnumName<E>* t = graphmoe::find_name(table, v)) return t->value;
     graphmoe::detail::throw_error("lm_config_from_json", where, ": config field '", key, "' is '", v,
-                                  "', not one of ", valid);
+                                  "', not one of ", graphmoe::joined_names(table));
   };
   if (j.contains("norm"))
     m.norm = one_of("norm", graphmoe::kNormKindNames);

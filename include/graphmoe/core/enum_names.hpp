@@ -41,15 +41,27 @@ std::vector<std::string> names_of(const EnumName<E> (&table)[N]) {
   return out;
 }
 
+// The table's names joined by ", " (for an error message).
+template <class E, std::size_t N>
+std::string joined_names(const EnumName<E> (&table)[N]) {
+  std::string out;
+  for (const EnumName<E>& t : table) out += (out.empty() ? "" : ", ") + std::string(t.name);
+  return out;
+}
+
+// The entry named `name`, or nullptr.
+template <class E, std::size_t N>
+const EnumName<E>* find_name(const EnumName<E> (&table)[N], std::string_view name) {
+  for (const EnumName<E>& t : table)
+    if (name == t.name) return &t;
+  return nullptr;
+}
+
 // The value named `name`; graphmoe::Error "<op>: unknown <what> '<name>'; valid: a, b" otherwise.
 template <class E, std::size_t N>
 E value_of(const char* op, const char* what, const EnumName<E> (&table)[N], std::string_view name) {
-  std::string valid;
-  for (const EnumName<E>& t : table) {
-    if (name == t.name) return t.value;
-    valid += (valid.empty() ? "" : ", ") + std::string(t.name);
-  }
-  detail::throw_error(op, "unknown ", what, " '", name, "'; valid: ", valid);
+  if (const EnumName<E>* t = find_name(table, name)) return t->value;
+  detail::throw_error(op, "unknown ", what, " '", name, "'; valid: ", joined_names(table));
 }
 
 }  // namespace graphmoe
